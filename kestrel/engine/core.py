@@ -1,0 +1,125 @@
+"""EngineCore: owns the scheduler, the KV manager and the model runner; step() = schedule -> execute -> update.
+Runs in-process (LLM.generate) or in its own process driven over ZeroMQ (engine/core_proc.py)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from kestrel.config import EngineConfig
+from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.scheduler import Scheduler
+from kestrel.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def context_length(hf_config, requested: int | None) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is not None and requested > native:
+        logger.warning("max_model_len %d exceeds the model's %d positions", requested, native)
+    return requested or native
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, progress: bool = True):
+        t0 = time.perf_counter()
+        self.config = config
+        self.engine_index = engine_index
+        self.runner = ModelRunner(config, progress)
+        self.max_model_len = context_length(self.runner.hf_config, config.model.max_model_len)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self._sleeping = False
+        self._paused = False
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
+                    config.cache.block_size, num_blocks * config.cache.block_size,
+                    num_blocks * self.runner.bytes_per_block / 2**20, time.perf_counter() - t0)
+
+    # ---- requests
+    def add_request(self, r: EngineCoreRequest) -> None:
+        req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_id
+                      if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time)
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step
+    def step(self) -> EngineCoreOutputs:
+        if self._paused or self._sleeping:
+            return EngineCoreOutputs(self.engine_index, [], self.stats())
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched, self.eos_token_id)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            rid = req.request_id
+            tok = result.sampled.get(rid)
+            plp = result.prompt_logprobs.get(rid)
+            if tok is None and plp is None:
+                continue
+            lp = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                rid, [tok] if tok is not None else [],
+                new_logprobs=[lp] if lp is not None else None,
+                prompt_logprobs=plp,
+                finish_reason=req.status.value if rid in finished else None,
+                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
+        return EngineCoreOutputs(self.engine_index, outputs, self.stats())
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
+                              self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
+                              self.kv.prefix_hits, self.scheduler.num_preemptions)
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        """Called by the frontend when a stop string ended a request."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    # ---- utility methods (callable over the wire by name)
+    def get_stats(self) -> dict:
+        import msgspec
+        return msgspec.structs.asdict(self.stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> bool:
+        """Stop stepping and drop the prefix cache (weights stay; a GPU build could offload them here)."""
+        self._sleeping = True
+        self.kv.reset_prefix_cache()
+        return True
+
+    def wake_up(self) -> bool:
+        self._sleeping = False
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def pause(self) -> bool:
+        self._paused = True
+        return True
+
+    def resume(self) -> bool:
+        self._paused = False
+        return True
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def ping(self) -> str:
+        return "pong"
+
+    UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",
+                                 "resume", "is_paused", "ping", "finish_requests"})

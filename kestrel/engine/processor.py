@@ -1,0 +1,188 @@
+"""Frontend halves shared by the sync and async engines: requests in (tokenize, validate, fan out n) and
+outputs back (detokenize, stop strings, merge the n samples of one request)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kestrel.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.errors import InvalidRequest
+
+
+def child_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{parent_id}#{index}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kw)
+        except Exception as e:  # template errors are the caller's input problem
+            raise InvalidRequest(f"chat template failed: {e}", param="messages") from e
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                arrival_time: float | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
+        params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                                 f"tokens, leaving no room to generate", param="prompt", code="context_length_exceeded")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
+                                 f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        arrival = arrival_time or time.monotonic()
+        reqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_id, max_tokens,
+                                          arrival, priority))
+        return ids, reqs
+
+
+@dataclass
+class _Child:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    out: CompletionOutput
+    finished: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, _Child]
+    stream: bool
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                    core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
+        children = {}
+        for i, r in enumerate(core_requests):
+            p = r.sampling_params
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop, p.include_stop_str_in_output,
+                                            p.skip_special_tokens) if p.detokenize and self.tokenizer else None)
+            out = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None, cumulative_logprob=None)
+            children[r.request_id] = _Child(i, p, detok, out)
+            self.child_to_parent[r.request_id] = request_id
+        self.requests[request_id] = _RequestState(request_id, prompt, prompt_ids, children, stream,
+                                                  [None] if params.prompt_logprobs is not None else None)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        st = self.requests.get(request_id)
+        return list(st.children) if st else []
+
+    def abort(self, request_id: str) -> list[str]:
+        st = self.requests.pop(request_id, None)
+        if st is None:
+            return []
+        for cid in st.children:
+            self.child_to_parent.pop(cid, None)
+        return list(st.children)
+
+    def _logprob_dict(self, entry, token: int) -> dict[int, Logprob]:
+        lp, rank, top = entry
+        d = {int(t): Logprob(float(v), i + 1) for i, (t, v) in enumerate(top)}
+        d[token] = Logprob(float(lp), int(rank))
+        if self.tokenizer is not None:
+            for t, v in d.items():
+                v.decoded_token = self.tokenizer.decode([t])
+        return d
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (RequestOutputs to deliver, child ids the core must stop because a stop string matched)."""
+        touched: dict[str, _RequestState] = {}
+        to_stop: list[str] = []
+        for o in outputs:
+            parent = self.child_to_parent.get(o.request_id)
+            st = self.requests.get(parent) if parent else None
+            if st is None:
+                continue  # aborted meanwhile
+            child = st.children[o.request_id]
+            if child.finished:
+                continue
+            touched[parent] = st
+            if st.first_token_time is None and o.new_token_ids:
+                st.first_token_time = time.monotonic()
+            st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            if o.prompt_logprobs and st.prompt_logprobs is not None:
+                for t, lp, rank, top in o.prompt_logprobs:
+                    st.prompt_logprobs.append(self._logprob_dict((lp, rank, top), int(t)))
+            out = child.out
+            for k, tok in enumerate(o.new_token_ids):
+                out.token_ids.append(tok)
+                out.token_ids_delta.append(tok)
+                if o.new_logprobs is not None and out.logprobs is not None:
+                    d = self._logprob_dict(o.new_logprobs[k], tok)
+                    out.logprobs.append(d)
+                    out.logprobs_delta = (out.logprobs_delta or []) + [d]
+                    out.cumulative_logprob = (out.cumulative_logprob or 0.0) + d[tok].logprob
+                if child.detok is not None and child.detok.add_token(tok) is not None:
+                    out.finish_reason, out.stop_reason = "stop", child.detok.stopped_by
+                    to_stop.append(o.request_id)
+                    break
+            if out.finish_reason is None and o.finish_reason is not None:
+                out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
+            child.finished = out.finish_reason is not None
+            if child.detok is not None:
+                out.text = child.detok.text
+                out.text_delta += child.detok.take_delta(child.finished)
+        results = []
+        for rid, st in touched.items():
+            if not st.stream and not st.finished:
+                continue
+            results.append(self._snapshot(st))
+            if st.finished:
+                self.abort(rid)
+        return results, to_stop
+
+    def _snapshot(self, st: _RequestState) -> RequestOutput:
+        outs = []
+        for c in st.children.values():
+            o = c.out
+            outs.append(CompletionOutput(o.index, o.text, list(o.token_ids), None if o.logprobs is None else list(o.logprobs),
+                                         o.cumulative_logprob, o.finish_reason, o.stop_reason, o.text_delta,
+                                         o.token_ids_delta, o.logprobs_delta))
+            o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], None
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.prompt_logprobs,
+                             st.num_cached_tokens)

@@ -1,0 +1,80 @@
+"""Messages between the frontend and the engine core. msgspec-encoded on the wire (never pickle)."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from kestrel.engine.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # per new token: (logprob, rank, [[token, logprob], ...])
+    new_logprobs: list | None = None
+    # per prompt position 1..: (token, logprob, rank, [[token, logprob], ...])
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+
+
+class UtilityOutput(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    ok: bool = True
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+
+
+class RequestType(enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class UtilityRequest(msgspec.Struct):
+    call_id: int
+    method: str
+    args: list = []
+
+
+encoder = msgspec.msgpack.Encoder()
+output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+abort_decoder = msgspec.msgpack.Decoder(list[str])
+utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)

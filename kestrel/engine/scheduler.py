@@ -1,0 +1,261 @@
+"""Token-budget continuous batching. Each step spends at most `max_num_batched_tokens`: running requests
+first (decodes, then ongoing chunked prefills), then waiting ones in FCFS or priority order. When the KV pool
+runs dry, the lowest-priority running request is preempted and later recomputed (its output is kept).
+
+Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens` of it (capped
+by the budget), so prefill, chunked prefill, decode and recompute after preemption are one rule."""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from kestrel.config import SchedulerConfig
+from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # aborted/finished since the last step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival, seq) for the priority policy."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._dq: deque[Request] = deque()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._removed: set[str] = set()
+
+    def _key(self, r: Request):
+        return (r.priority, r.arrival_time, next(self._seq))
+
+    def push(self, r: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (*self._key(r), r))
+        else:
+            self._dq.append(r)
+
+    def push_front(self, r: Request) -> None:
+        if self.policy == "priority":
+            self.push(r)  # order is by key anyway
+        else:
+            self._dq.appendleft(r)
+
+    def _clean(self) -> None:
+        while self._heap and self._heap[0][-1].request_id in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[-1].request_id)
+
+    def peek(self) -> Request | None:
+        if self.policy == "priority":
+            self._clean()
+            return self._heap[0][-1] if self._heap else None
+        return self._dq[0] if self._dq else None
+
+    def pop(self) -> Request:
+        if self.policy == "priority":
+            self._clean()
+            return heapq.heappop(self._heap)[-1]
+        return self._dq.popleft()
+
+    def remove(self, r: Request) -> None:
+        if self.policy == "priority":
+            self._removed.add(r.request_id)
+        else:
+            self._dq.remove(r)
+
+    def __len__(self) -> int:
+        if self.policy == "priority":
+            return sum(1 for *_, r in self._heap if r.request_id not in self._removed)
+        return len(self._dq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if self.kv.blocks_needed(req.num_prompt_tokens + 1) > self.kv.num_blocks:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(req)
+            aborted.append(req)
+        return aborted
+
+    def _finish(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step
+    def _priority_key(self, r: Request):
+        if self.config.scheduling_policy == "priority":
+            return (r.priority, r.arrival_time)
+        return (0, r.arrival_time)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+        out.preempted.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. running requests: decodes first, then ongoing prefill chunks
+        for req in sorted(self.running, key=lambda r: r.in_prefill):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while True:
+                if self.kv.allocate_slots(req, num_new):
+                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.block_ids(req)))
+                    scheduled_ids.add(req.request_id)
+                    budget -= num_new
+                    break
+                victims = [r for r in self.running if r is not req and r.request_id not in scheduled_ids]
+                victim = max(victims, key=self._priority_key) if victims else req
+                if victim is req or self._priority_key(victim) < self._priority_key(req):
+                    self._preempt(req, out)  # nobody of lower priority left to evict: step back ourselves
+                    break
+                self._preempt(victim, out)
+
+        # 2. waiting requests, while budget, sequence slots and blocks last
+        while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            if req is None:
+                break
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(req, num_new, computed):
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, num_hit, self.kv.block_ids(req)))
+            budget -= num_new
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop condition.
+        Returns the requests that finished in this step."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if self._check_stop(req, token):
+                self.running.remove(req)
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        sp, n_out = req.sampling_params, len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in sp.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish requests from outside (a stop string found by the detokenizer)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._finish(req)

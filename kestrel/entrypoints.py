@@ -1,0 +1,60 @@
+"""The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages)."""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from kestrel.config import EngineConfig
+from kestrel.engine.frontend import LLMEngine
+from kestrel.engine.outputs import RequestOutput
+from kestrel.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Offline batch inference.
+
+    >>> llm = LLM("path/to/checkpoint")           # or a .gguf file; None = the embedded SmolLM2 default
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_options):
+        self.config = EngineConfig.create(model=model, **engine_options)
+        self.engine = LLMEngine(self.config, progress=progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
+               for i, (p, sp) in enumerate(zip(prompts, plist))]
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.input_processor.apply_chat_template(c, **template_kwargs) for c in convs]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]

@@ -1,0 +1,63 @@
+"""Rotary position embedding with a precomputed cos/sin cache. Frequencies for the scaled variants (linear,
+llama3, yarn, longrope) come from transformers' own rope-init functions so they match the reference exactly."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rope_params(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params and "rope_type" in params:
+        return dict(params)
+    legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
+    legacy.setdefault("rope_type", legacy.pop("type", "default"))
+    legacy.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return legacy
+
+
+def inv_freq_for(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    params = _rope_params(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type == "dynamic":
+        # Serving batches many lengths at once, so NTK scaling is fixed at the engine's longest length instead of
+        # following each sequence (HF recomputes per forward; the two agree up to the original context length).
+        return ROPE_INIT_FUNCTIONS["dynamic"](hf_config, "cpu", seq_len=max_positions)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding, the HF Llama/Qwen convention."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scaling = inv_freq_for(hf_config, head_dim, max_positions)
+        self.rot_dim = inv_freq.numel() * 2
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)  # [max_pos, rot_dim]
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.dtype = dtype
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = (rot * cos + rotated * sin).to(x.dtype)
+        return torch.cat([out, rest], dim=-1) if rest.numel() else out
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        cs = self.cos_sin_cache[positions]
+        cos, sin = cs.chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(q.dtype)
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,81 @@
+"""GGUF files (llama.cpp): metadata -> a transformers config, tensors dequantized to the model dtype and renamed
+to HF names. llama.cpp's converter permutes attn_q / attn_k rows for its rope layout; we undo that here."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(reader):
+    """A transformers config built from the GGUF metadata."""
+    from transformers import AutoConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    heads = g("attention.head_count")
+    cfg = AutoConfig.for_model(
+        arch if arch != "llama" else "llama",
+        vocab_size=vocab, hidden_size=g("embedding_length"), intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"), num_attention_heads=heads,
+        num_key_value_heads=g("attention.head_count_kv", heads), max_position_embeddings=g("context_length", 4096),
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=g("rope.freq_base", 10000.0),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    cfg.architectures = [_ARCHS[arch]]
+    return cfg
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf(reader, cfg, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    for t in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
+        base, suffix = t.name.rsplit(".", 1)
+        parts = base.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+        else:
+            name = f"{_TOP_NAMES[parts[0]]}.{suffix}"
+        w = dequantize(t.data, t.tensor_type)
+        if arch == "llama" and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            n = cfg.num_attention_heads if parts[2] == "attn_q" else cfg.num_key_value_heads
+            w = _unpermute(w, n)
+        yield name, torch.from_numpy(np.array(w, copy=True)).to(dtype)
+
+
+def open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))

@@ -1,0 +1,22 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("kestrel.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("kestrel.models.qwen", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)
