@@ -1,0 +1,40 @@
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+logging.getLogger("kestrel").setLevel(logging.WARNING)
+
+from tiny import CONFIGS, make_checkpoint, make_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer) for k in CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,70 @@
+"""Tiny random-weight checkpoints saved as real HF folders (config.json + safetensors + tokenizer)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Hello world! How are you today? I am fine, thank you.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "Kestrel serves language models fast, on one GPU or many, and on the CPU.",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" stop STOP end",
+]
+VOCAB_SIZE = 384
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+CONFIGS = {
+    "llama": ("llama", {}),
+    "llama_gqa_llama3": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama_linear_rope": ("llama", dict(num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_yarn": ("llama", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
+}
+
+
+def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = CONFIGS[kind]
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init give peakier, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    out = root / kind
+    model.save_pretrained(out)
+    (tokenizer or make_tokenizer()).save_pretrained(out)
+    return out
