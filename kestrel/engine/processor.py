@@ -145,7 +145,7 @@ class OutputProcessor:
             if st.first_token_time is None and o.new_token_ids:
                 st.first_token_time = time.monotonic()
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
-            if o.prompt_logprobs and st.prompt_logprobs is not None:
+            if o.prompt_logprobs and st.prompt_logprobs is not None and child.index == 0:  # same for every sample
                 for t, lp, rank, top in o.prompt_logprobs:
                     st.prompt_logprobs.append(self._logprob_dict((lp, rank, top), int(t)))
             out = child.out
