@@ -501,8 +501,8 @@ class UtilityClient:
     async def call_utility_all_or_undo(
         self,
         method: str,
-        args: Sequence[Any] = (),
-        undo_method: str | None = None,
+        args: Sequence[Any],
+        undo_method: str,
         undo_args_fn: Callable[[tuple], Sequence[Any]] | None = None,
         *,
         timeout: float | None = None,
@@ -518,8 +518,6 @@ class UtilityClient:
         undo outcomes (``.undo``). Engines that timed out are reported, not undone: their state is
         unknown. Examples: add_lora -> remove_lora, sleep -> wake_up, pause -> resume.
         """
-        if undo_method is None:
-            raise TypeError("call_utility_all_or_undo needs an undo_method")
         args = tuple(args)
         result = await self.call_utility_all(method, *args, timeout=timeout, engines=engines)
         if not result.failed_engines():
