@@ -46,6 +46,22 @@ def run_kestrel(model_dir, prompts, outs, args):
         return orig_step()
 
     core.step = counting_step
+    cpu = {"schedule": 0.0, "prepare": 0.0, "update": 0.0}
+
+    def timed(obj, name, key):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                cpu[key] += time.perf_counter() - t0
+        setattr(obj, name, wrapper)
+
+    timed(core.scheduler, "schedule", "schedule")
+    timed(core.runner, "_prepare", "prepare")
+    timed(core.scheduler, "update_from_output", "update")
     torch.cuda.synchronize()
     t = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
@@ -53,7 +69,8 @@ def run_kestrel(model_dir, prompts, outs, args):
     dt = time.perf_counter() - t
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
-    info = dict(startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds)
+    info = dict(startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds,
+                cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
     del llm, core
     gc.collect()
     torch.cuda.empty_cache()
@@ -122,6 +139,10 @@ def main():
     print_table(f"Throughput, {args.shape} (bf16 random weights), commit {result['commit']}", rows)
     print(f"\nstart-up (process start -> ready, CUDA graphs included): {info['startup_s']:.1f} s "
           f"(graph capture {info['graphs']:.1f} s); KV blocks {info['blocks']}; engine steps {steps}")
+    print("CPU time per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in info["cpu_ms_per_step"].items())
+          + f"; mean step {info['step_ms']:.2f} ms")
+    result["cpu_ms_per_step"] = info["cpu_ms_per_step"]
+    result["step_ms"] = info["step_ms"]
     print(f"ceilings: copy {result['copy_TBps']:.2f} TB/s, bf16 matmul {result['bf16_TFLOPs']:.0f} TFLOP/s")
     if "ratio" in result:
         print(f"Kestrel / transformers output tokens/s: {result['ratio']:.1f}x")

@@ -31,9 +31,10 @@ def test_smollm2_matches_transformers(gguf_path):
     for p, o in zip(prompts, ours):
         ids = tok(p, return_tensors="pt").input_ids
         assert ids[0].tolist() == o.prompt_token_ids
-        # use_cache=False: on this GGUF checkpoint transformers' cached decode drifts from its own full forward
-        # (measured: 0.1 logprob at step 27 of prompt 2), so the reference is the uncached path.
-        ref = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2, use_cache=False)
+        # An explicit all-ones mask: the chat prompt contains <|im_end|> (id 2), which is also the pad id, and
+        # generate would otherwise infer a mask that hides those prompt tokens.
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)
         assert o.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
         # logprob reference: one full forward over prompt + generated tokens
         with torch.no_grad():
