@@ -225,6 +225,25 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e-3  # seconds
 
 
+def bench_graph(fn, calls=20):
+    """Time fn as the engine runs it: captured in a CUDA graph (no Python/launch overhead). Seconds per call."""
+    fn()  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    t = do_bench(g.replay, warmup=25, rep=150, return_mode="median") * 1e-3
+    del g
+    return t / calls
+
+
 def copy_bandwidth():
     n = 1 << 30  # 1 GiB each way
     a = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
@@ -248,7 +267,7 @@ def decode_setup(B, ctx_lo, ctx_hi, page, hq=16, hkv=8, d=128, dtype=torch.bfloa
     return q, kc, vc, bt, sl, kv_bytes, seq_lens
 
 
-def time_decode(name, setup, configs, copy_bw):
+def time_decode(name, setup, configs, copy_bw, graph=True):
     q, kc, vc, bt, sl, kv_bytes, seq_lens = setup
     scale = q.shape[-1] ** -0.5
     expect = ref.decode_attention_ref(q[:8].float(), kc.float(), vc.float(), bt[:8], sl[:8], scale)
@@ -256,11 +275,11 @@ def time_decode(name, setup, configs, copy_bw):
     for cfg in configs:
         cfg = dict(cfg)
         splits = cfg.pop("splits", None)
-        label = " ".join(f"{k}={v}" for k, v in cfg.items()) + f" splits={splits or 'auto'}"
+        label = " ".join(f"{k}={v}" for k, v in cfg.items()) + f" splits={splits or 'auto'}" + ("" if graph else " eager")
         try:
             out = torch.empty_like(q)
             fn = lambda: ta.decode_attention(q, kc, vc, bt, sl, scale, out=out, num_splits=splits, _config=cfg)  # noqa
-            t = bench(fn)
+            t = bench_graph(fn) if graph else bench(fn)
             err = rel_err(out[:8], expect)
         except Exception as e:  # a config that does not compile (e.g. out of shared memory) is skipped
             log(f"  {name} {label}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
@@ -289,10 +308,10 @@ def decode_sweep_configs(d=128):
     return cfgs
 
 
-def time_prefill(copy_bw, quick):
-    B, L, hq, hkv, d, page, dtype = 8, 1024, 16, 8, 128, 16, torch.bfloat16
+def time_prefill(name, copy_bw, configs, B=8, L=1024, prefix=0, page=16, sdpa=False):
+    hq, hkv, d, dtype = 16, 8, 128, torch.bfloat16
     gen = torch.Generator().manual_seed(1)
-    seq_lens = [L] * B
+    seq_lens = [prefix + L] * B
     bt, nb = block_tables_for(seq_lens, page, gen)
     kc, vc = rand_cache(nb, page, hkv, d, dtype)
     T = B * L
@@ -300,33 +319,30 @@ def time_prefill(copy_bw, quick):
     qsl = torch.arange(0, T + 1, L, dtype=torch.int32, device=DEV)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = d ** -0.5
-    flops = 4 * hq * d * B * (L * (L + 1) / 2)
-    kv_bytes = T * hkv * d * 2 * 2
+    flops = 4 * hq * d * B * (L * (L + 1) / 2 + L * prefix)
+    kv_bytes = B * (prefix + L) * hkv * d * 2 * 2
     expect = ref.prefill_attention_ref(q[:L].float(), kc.float(), vc.float(), bt[:1], qsl[:2], sl[:1], scale)
-    configs = [None]
-    if not quick:
-        for bm, bn, w, st in ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2),
-                              (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 4, 2)):
-            configs.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st})
     best = None
     for cfg in configs:
-        label = "default" if cfg is None else " ".join(f"{k}={v}" for k, v in cfg.items())
+        label = "default" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
         try:
             out = torch.empty_like(q)
             fn = lambda: ta.prefill_attention(q, kc, vc, bt, qsl, sl, scale, out=out, max_query_len=L, _config=cfg)  # noqa
             t = bench(fn)
             err = rel_err(out[:L], expect)
         except Exception as e:
-            log(f"  prefill {label}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+            log(f"  {name} {label}: ERROR {type(e).__name__}: {str(e).splitlines()[0][:150]}")
             continue
-        log(f"  prefill 8x1024 {label:55s} {t * 1e6:8.1f} us {flops / t / 1e12:6.1f} TFLOP/s "
+        log(f"  {name:18s} {label:55s} {t * 1e6:8.1f} us {flops / t / 1e12:6.1f} TFLOP/s "
             f"{kv_bytes / t / 1e9:6.0f} GB/s err={err:.1e}")
         if err < 1e-2 and (best is None or t < best[0]):
             best = (t, label)
     if best:
         t = best[0]
-        TIMINGS.append(("prefill 8x1024", best[1], t * 1e6, kv_bytes / t / 1e9, 100 * kv_bytes / t / copy_bw,
+        TIMINGS.append((name, best[1], t * 1e6, kv_bytes / t / 1e9, 100 * kv_bytes / t / copy_bw,
                         f"{flops / t / 1e12:.0f} TFLOP/s"))
+    if not sdpa:
+        return
     # torch's own flash attention on the same (dense, contiguous) problem, for scale
     try:
         qd = q.view(B, L, hq, d).transpose(1, 2)
@@ -387,33 +403,56 @@ def main():
             check_prefill(gen, (16,), (2,), (128,), (torch.bfloat16,))
             log(f"   [{elapsed():.0f}s]")
         if "time" in sections:
-            log("== decode B=256, ctx 800..1200 (Qwen3-0.6B: 16q/8kv/128)")
+            log("== decode B=256, ctx 800..1200 (Qwen3-0.6B: 16q/8kv/128), CUDA-graph timed")
             setup = decode_setup(256, 800, 1200, 16)
-            cfgs = [{}] + ([] if args.quick else decode_sweep_configs())
+            base = {"USE_DOT": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+            time_decode("dec256 eager", setup, [{}], copy_bw, graph=False)
+            cfgs = [{}] + ([] if args.quick else [
+                dict(base, num_stages=4), dict(base, BLOCK_N=128), dict(base, BLOCK_N=128, num_stages=4),
+                dict(base, BLOCK_N=32, num_warps=2, num_stages=3), dict(base, BLOCK_N=32, num_warps=2, num_stages=4),
+                dict(base, BLOCK_N=64, num_warps=2, num_stages=4)])
             best = time_decode("dec256 page16", setup, cfgs, copy_bw)
-            if best:
-                bcfg = dict(best[3])
-                time_decode("dec256 splits", setup, [dict(bcfg, splits=s) for s in (2, 4)], copy_bw)
-                graph_check(setup)
-                setup64 = decode_setup(256, 800, 1200, 64)
-                time_decode("dec256 page64", setup64, [{}, bcfg, dict(bcfg, BLOCK_N=64), dict(bcfg, BLOCK_N=32)], copy_bw)
-                del setup64
-                setup_long = decode_setup(256, 1800, 2600, 16)
-                time_decode("dec256 ctx2.2k", setup_long, [{}, bcfg], copy_bw)
-                del setup_long
+            graph_check(setup)
             del setup
+            setup = decode_setup(256, 800, 1200, 64)
+            time_decode("dec256 page64", setup, [{}, dict(base, num_stages=4)], copy_bw)
+            del setup
+            for d, hq in ((64, 16), (256, 16)):
+                setup = decode_setup(256, 800, 1200, 16, hq=hq, d=d)
+                cfgs = [{}] + [dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
+                               for bn, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 3), (64, 8, 2), (128, 4, 3))
+                               if not (d == 64 and bn == 32 and w == 8)]
+                if d == 64:
+                    cfgs += [dict(base, BLOCK_N=128, num_warps=4, num_stages=4), dict(base, BLOCK_N=64, num_warps=2)]
+                time_decode(f"dec256 d={d}", setup, cfgs, copy_bw)
+                del setup
             log(f"   [{elapsed():.0f}s]")
-            log("== decode B=1 x 32k")
+            log("== decode, smaller batches and long contexts (splits)")
+            for B in (16, 64):
+                setup = decode_setup(B, 800, 1200, 16)
+                time_decode(f"dec{B} ctx1k", setup, [{}] + [{"splits": s} for s in (1, 2, 4, 8, 16)], copy_bw)
+                del setup
             setup = decode_setup(1, 32768, 32768, 16)
-            base = dict(best[3]) if best else {}
-            cfgs = [{}] + [dict(base, splits=s) for s in (16, 32, 64, 128)]
+            cfgs = [{}] + [{"splits": s} for s in (16, 32, 64, 128)] + [
+                {"splits": s, "BLOCK_N": 128} for s in (32, 64)] + [{"splits": 64, "num_stages": 4}]
             time_decode("dec1x32k", setup, cfgs, copy_bw)
+            time_decode("dec1x32k eager", setup, [{}], copy_bw, graph=False)
+            del setup
             setup = decode_setup(8, 30000, 32768, 16)
-            time_decode("dec8x32k", setup, [{}, dict(base, splits=8), dict(base, splits=16)], copy_bw)
+            time_decode("dec8x32k", setup, [{}, {"splits": 8}, {"splits": 16}], copy_bw)
             del setup
             log(f"   [{elapsed():.0f}s]")
-            log("== prefill")
-            time_prefill(copy_bw, args.quick)
+            log("== prefill (16q/8kv/128, bf16)")
+            pcfgs = [{}]
+            if not args.quick:
+                for bm, bn, w, st in ((64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2),
+                                      (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3), (64, 128, 4, 3)):
+                    pcfgs.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st})
+            time_prefill("prefill 8x1024", copy_bw, pcfgs, sdpa=True)
+            time_prefill("prefill pg64", copy_bw, [{}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}],
+                         page=64)
+            time_prefill("chunk 8x512+1536", copy_bw, [{}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
+                                                              "num_stages": 2}], L=512, prefix=1536)
             log(f"   [{elapsed():.0f}s]")
         flush_log()
         if "check" in sections:
