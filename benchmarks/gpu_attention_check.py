@@ -415,14 +415,16 @@ def main():
             graph_check(setup)
             del setup
             setup = decode_setup(256, 800, 1200, 64)
-            time_decode("dec256 page64", setup, [{}, dict(base, num_stages=4)], copy_bw)
+            time_decode("dec256 page64", setup, [{}] + ([] if args.quick else [dict(base, num_stages=4)]), copy_bw)
             del setup
             for d, hq in ((64, 16), (256, 16)):
                 setup = decode_setup(256, 800, 1200, 16, hq=hq, d=d)
                 cfgs = [{}] + [dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
                                for bn, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 3), (64, 8, 2), (128, 4, 3))
                                if not (d == 64 and bn == 32 and w == 8)]
-                if d == 64:
+                if args.quick:
+                    cfgs = [{}]
+                elif d == 64:
                     cfgs += [dict(base, BLOCK_N=128, num_warps=4, num_stages=4), dict(base, BLOCK_N=64, num_warps=2)]
                 time_decode(f"dec256 d={d}", setup, cfgs, copy_bw)
                 del setup
@@ -430,16 +432,17 @@ def main():
             log("== decode, smaller batches and long contexts (splits)")
             for B in (16, 64):
                 setup = decode_setup(B, 800, 1200, 16)
-                time_decode(f"dec{B} ctx1k", setup, [{}] + [{"splits": s} for s in (1, 2, 4, 8, 16)], copy_bw)
+                splits = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16)
+                time_decode(f"dec{B} ctx1k", setup, [{}] + [{"splits": s} for s in splits], copy_bw)
                 del setup
             setup = decode_setup(1, 32768, 32768, 16)
             cfgs = [{}] + [{"splits": s} for s in (16, 32, 64, 128)] + [
                 {"splits": s, "BLOCK_N": 128} for s in (32, 64)] + [{"splits": 64, "num_stages": 4}]
-            time_decode("dec1x32k", setup, cfgs, copy_bw)
+            time_decode("dec1x32k", setup, [{}] if args.quick else cfgs, copy_bw)
             time_decode("dec1x32k eager", setup, [{}], copy_bw, graph=False)
             del setup
             setup = decode_setup(8, 30000, 32768, 16)
-            time_decode("dec8x32k", setup, [{}, {"splits": 8}, {"splits": 16}], copy_bw)
+            time_decode("dec8x32k", setup, [{}] if args.quick else [{}, {"splits": 8}, {"splits": 16}], copy_bw)
             del setup
             log(f"   [{elapsed():.0f}s]")
             log("== prefill (16q/8kv/128, bf16)")
@@ -449,10 +452,9 @@ def main():
                                       (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 8, 3), (64, 128, 4, 3)):
                     pcfgs.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st})
             time_prefill("prefill 8x1024", copy_bw, pcfgs, sdpa=True)
-            time_prefill("prefill pg64", copy_bw, [{}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}],
-                         page=64)
-            time_prefill("chunk 8x512+1536", copy_bw, [{}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
-                                                              "num_stages": 2}], L=512, prefix=1536)
+            alt = [] if args.quick else [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}]
+            time_prefill("prefill pg64", copy_bw, [{}] + alt, page=64)
+            time_prefill("chunk 8x512+1536", copy_bw, [{}] + alt, L=512, prefix=1536)
             log(f"   [{elapsed():.0f}s]")
         flush_log()
         if "check" in sections:
