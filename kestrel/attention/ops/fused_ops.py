@@ -1,0 +1,163 @@
+"""Fused elementwise helpers in Triton: RMSNorm (+ residual add), SiLU-and-mul, rotary embedding (in place).
+
+Each is one kernel; arithmetic in float32, storage in the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.attention.ops.gates import interpreter_mode
+
+
+def _warps(n: int) -> dict:
+    if interpreter_mode():
+        return {}
+    return {"num_warps": 1 if n <= 256 else 4 if n <= 2048 else 8 if n <= 8192 else 16}
+
+
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, O, RO,
+    stride_x, stride_r, stride_o, stride_ro,
+    n_cols, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = x + tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        xr = x.to(RO.dtype.element_ty)
+        tl.store(RO + row * stride_ro + offs, xr, mask=mask)
+        x = xr.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    y = (x * tl.rsqrt(var + eps)).to(O.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + row * stride_o + offs, (y * w).to(O.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim. With residual: returns (rmsnorm(x + residual), x + residual), one kernel."""
+    n = x.shape[-1]
+    shape = x.shape
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n)
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        new_res = torch.empty(shape, dtype=x.dtype, device=x.device)
+        nr2 = new_res.view(-1, n)
+    else:
+        r2 = nr2 = x2  # unused
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out2, nr2,
+            x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
+            n, float(eps),
+            BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            **_warps(n),
+        )
+    return out if residual is None else (out, new_res)
+
+
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _silu_and_mul_kernel(X, O, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(O + row * stride_o + offs, y.to(O.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:]."""
+    two_i = x.shape[-1]
+    inter = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, inter)
+    rows = x2.shape[0]
+    if rows and inter:
+        block = min(2048, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, **_warps(block)
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin, i1, i2, mask_r, H_PAD: tl.constexpr):
+    offs_h = tl.arange(0, H_PAD)
+    mask = (offs_h < num_heads)[:, None] & mask_r[None, :]
+    ptr = base + offs_h[:, None] * stride_h
+    x1 = tl.load(ptr + i1[None, :], mask=mask, other=0.0)
+    x2 = tl.load(ptr + i2[None, :], mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = x1f * cos[None, :] - x2f * sin[None, :]
+    o2 = x2f * cos[None, :] + x1f * sin[None, :]
+    tl.store(ptr + i1[None, :], o1.to(x1.dtype), mask=mask)
+    tl.store(ptr + i2[None, :], o2.to(x2.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    POS, Q, K, CS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t)
+    offs = tl.arange(0, HALF_PAD)
+    mask_r = offs < HALF
+    cos = tl.load(CS + pos * stride_cs + offs, mask=mask_r, other=0.0).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + offs, mask=mask_r, other=0.0).to(tl.float32)
+    if IS_NEOX:
+        i1 = offs
+        i2 = offs + HALF
+    else:
+        i1 = offs * 2
+        i2 = offs * 2 + 1
+    _rotate_heads(Q + t * stride_qt, stride_qh, num_q_heads, cos, sin, i1, i2, mask_r, HQ_PAD)
+    _rotate_heads(K + t * stride_kt, stride_kh, num_kv_heads, cos, sin, i1, i2, mask_r, HKV_PAD)
+
+
+def rotary_embedding_(positions, q, k, cos_sin_cache, rot_dim, is_neox=True) -> None:
+    """Rotate the first rot_dim dims of every head of q [T, Hq, D] and k [T, Hkv, D] in place.
+
+    cos_sin_cache [max_pos, rot_dim]: first half cos, second half sin (float32). q/k may be strided views
+    (e.g. slices of a fused qkv output) as long as the last dim is contiguous.
+    """
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_embedding_ works in place and needs the head dim contiguous")
+    T = q.shape[0]
+    if T == 0:
+        return
+    half = rot_dim // 2
+    hq, hkv = q.shape[1], k.shape[1]
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    _rotary_kernel[(T,)](
+        positions, q, k, cs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cs.stride(0),
+        hq, hkv,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        HQ_PAD=triton.next_power_of_2(hq), HKV_PAD=triton.next_power_of_2(hkv),
+        IS_NEOX=bool(is_neox),
+        **_warps(hq * half),
+    )

@@ -1,0 +1,448 @@
+"""Paged-KV attention in Triton: cache writes, varlen causal prefill (with cached prefixes) and split-K decode.
+
+KV cache per layer: k_cache / v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous. Token at
+absolute position p of sequence b lives in block `block_tables[b, p // block_size]`, offset `p % block_size`.
+
+All softmax arithmetic is float32 in the log2 domain (scale * log2(e) folded into one multiply). No launcher
+reads a device value on the host: grids depend only on tensor shapes and optional python ints, so every op can
+be captured in a CUDA graph.
+
+The fused helpers (rms_norm, silu_and_mul, rotary_embedding_) live in `fused_ops.py` and are re-exported here.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.attention.ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
+from kestrel.attention.ops.gates import check_attention, interpreter_mode
+
+__all__ = [
+    "reshape_and_cache",
+    "prefill_attention",
+    "decode_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "rotary_embedding_",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sms_for(t: torch.Tensor) -> int:
+    return _num_sms(t.device.index or 0) if t.is_cuda else 132
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.dim() != 4 or k_cache.stride(-1) != 1 or k_cache.stride(-2) != k_cache.shape[-1]:
+        raise ValueError("KV cache must be [num_blocks, block_size, num_kv_heads, head_dim] with contiguous heads")
+    ok, why = check_attention(dtype, k_cache.shape[-1], k_cache.shape[1])
+    if not ok:
+        raise ValueError(why)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _reshape_and_cache_kernel(
+    KEY, VALUE, KC, VC, SLOT,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch,
+    num_heads,
+    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t)
+    if slot < 0:
+        return
+    blk = slot // PAGE
+    off = slot % PAGE
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_heads)[:, None]
+    t64 = t.to(tl.int64)
+    src_k = KEY + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = VALUE + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """key/value [T, Hkv, D] -> k_cache/v_cache at slot_mapping[T] (int64; slot < 0 = padding, skipped)."""
+    T = key.shape[0]
+    if T == 0:
+        return
+    _check_cache(k_cache, v_cache, k_cache.dtype)
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _, page, hkv, d = k_cache.shape
+    _reshape_and_cache_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        hkv,
+        HEAD_DIM=d, H_PAD=triton.next_power_of_2(hkv), PAGE=page,
+        num_warps=4 if hkv * d >= 1024 else 1,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared pieces
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _mm(a, b, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST: the CPU interpreter multiplies bf16 as raw uint16 bits (a
+    Triton interpreter bug), so there the operands go to fp32 first; on the GPU UPCAST is always False."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return interpreter_mode() and dtype == torch.bfloat16
+
+
+@triton.jit
+def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets (int64) of tokens n0..n0+BLOCK_N-1 of one sequence in the paged cache, and their mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < limit
+    if BLOCK_N <= PAGE:
+        # n0 is a multiple of BLOCK_N, so the whole tile sits inside one page: one block-table read.
+        blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+        offs = blk * stride_b + ((n0 % PAGE) + tl.arange(0, BLOCK_N)) * stride_t
+    else:
+        blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+        offs = blk * stride_b + (offs_n % PAGE) * stride_t
+    return offs, mask_n
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode: split-K flash decoding, one program per (sequence, kv head, split) covering all query heads of the group
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    Q, K, V, BT, SL, O, PO, PLSE,
+    qk_scale, G, num_q_heads,
+    stride_qb, stride_qh,
+    stride_cb, stride_ct, stride_ch,
+    stride_btb,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(SL + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    mask_g = offs_g < G
+    heads = kvh * G + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    bt_row = BT + b64 * stride_btb
+    k_base = K + kvh * stride_ch
+    v_base = V + kvh * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N)
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if USE_DOT:
+            s = _mm(q, tl.trans(k), UPCAST)
+        else:
+            s = tl.sum(q[:, None, :] * k[None, :, :].to(tl.float32), axis=2)
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, o.to(O.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        row = (b64 * num_q_heads + heads) * NUM_SPLITS + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(PLSE + row, lse, mask=mask_g)
+        tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PO, PLSE, O, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PLSE + row + offs_s)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    po = tl.load(PO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :])
+    o = tl.sum(po * w[:, None], axis=0) / denom
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+
+
+def _default_decode_config(head_dim: int, group: int, page: int) -> dict:
+    # Chosen on the H200 (see benchmarks/NOTES.md): tensor-core dot with the query group padded to 16 rows.
+    # H200, bf16, B=256 x ~1000 ctx, 16q/8kv/128: BLOCK_N 64 / 4 warps / 3 stages = 4065 GB/s (96% of copy bw);
+    # 2 stages 3938, 1 stage 3642; the non-dot (broadcast-sum) variant at best 1875 GB/s.
+    # d=64: 64 / 2 warps / 3 stages 3898 GB/s (92%), 128 / 4 / 3 3857, the d=128 default 3732.
+    # d=256: 32 / 4 / 2..3 ~4180 GB/s (98%); 64-token tiles 4138; 128-token tiles 3444.
+    if head_dim > 128:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
+    if head_dim <= 64:
+        return {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "USE_DOT": True}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
+    """Splits of the context per (sequence, kv head), a power of two in [1, 64], from shapes only.
+
+    No split once batch * kv heads alone fills the chip twice (H200, 1k contexts: B=64 -> 512 programs ran
+    68.9 us unsplit vs 72.1 with 2 splits); below that, enough splits for about 4 programs per SM, none shorter
+    than 256 tokens (B=16: 4 splits 24.0 us vs 36.4 unsplit; B=1 x 32k: 64 splits 40.2 us vs 62.0 with 16).
+    """
+    work = max(1, batch * num_kv_heads)
+    if work >= 2 * num_sms:
+        return 1
+    want = triton.cdiv(4 * num_sms, work)
+    cap = max(1, max_context // 256)
+    splits = 1
+    while splits * 2 <= min(want, cap, 64):
+        splits *= 2
+    return splits
+
+
+def decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None, _config=None
+):
+    """q [B, Hq, D] (one token per sequence, at position seq_lens[b]-1) -> out [B, Hq, D].
+
+    num_splits: splits of the context (power of two); default from the shapes (block table width or
+    max_seq_len), never from device values. Rows with seq_len 0 produce zeros.
+    """
+    B, hq, d = q.shape
+    _check_cache(k_cache, v_cache, q.dtype)
+    _, page, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    group = hq // hkv
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+    cfg = dict(_default_decode_config(d, group, page))
+    if _config:
+        cfg.update(_config)
+    max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(B, hkv, max_ctx, _sms_for(q))
+    if num_splits & (num_splits - 1):
+        raise ValueError("num_splits must be a power of two")
+    g_pad = max(16, triton.next_power_of_2(group)) if cfg["USE_DOT"] else triton.next_power_of_2(group)
+    if num_splits > 1:
+        po = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _decode_kernel[(B, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
+        float(scale) * _LOG2E, group, hq,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
+        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
+        **launch,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, hq)](
+            po, plse, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=d,
+            **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}),
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefill: varlen causal attention over a paged cache with cached prefixes
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, BT, QSL, SL, O,
+    qk_scale, G, num_seqs,
+    stride_qt, stride_qh,
+    stride_cb, stride_ct, stride_ch,
+    stride_btb,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    # Sequence b owns programs [qsl[b] // BLOCK_M + b, qsl[b+1] // BLOCK_M + b + 1): find b by binary search.
+    lo = pid * 0
+    hi = lo + num_seqs - 1
+    for _ in range(SEARCH_ITERS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(QSL + mid) // BLOCK_M + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    b = lo
+    q_start = tl.load(QSL + b)
+    q_len = tl.load(QSL + b + 1) - q_start
+    # Heaviest (last) query block of a sequence first: long programs start early, short ones fill the tail.
+    j = tl.cdiv(q_len, BLOCK_M) - 1 - (pid - (q_start // BLOCK_M + b))
+    if j < 0:
+        return
+    m0 = j * BLOCK_M
+    seq_len = tl.load(SL + b)
+    ctx = seq_len - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < q_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    pos_m = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    k_base = K + kvh * stride_ch
+    v_base = V + kvh * stride_ch
+    # keys < ctx + m0 are visible to every query of this block: no mask there.
+    full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    for n0 in range(0, full_end, BLOCK_N):
+        offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :])
+        s = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :])
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        s = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+def _default_prefill_config(head_dim: int, max_query_len: int | None) -> dict:
+    if max_query_len is not None and max_query_len <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    if head_dim <= 128:
+        # H200, 8 x 1024 causal, 16q/8kv/128, page 16: 64/64/4w/2s = 238 TFLOP/s; 128/64/8w/2s = 212
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
+    max_query_len=None, max_seq_len=None, *, _config=None,
+):
+    """Causal varlen attention for q [T, Hq, D]; K/V (prefix and new tokens) are read from the paged cache.
+
+    Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]] at absolute positions
+    seq_lens[b] - q_len_b + i. The grid is sized from T and B alone (each program finds its sequence by a
+    binary search over query_start_loc), so no host sync; max_query_len only picks the tile size and
+    max_seq_len is accepted for interface symmetry.
+    """
+    T, hq, d = q.shape
+    _check_cache(k_cache, v_cache, q.dtype)
+    _, page, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    B = seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    cfg = dict(_default_prefill_config(d, max_query_len))
+    if _config:
+        cfg.update(_config)
+    bm = cfg["BLOCK_M"]
+    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _prefill_kernel[(T // bm + B, hq)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        float(scale) * _LOG2E, hq // hkv, B,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
+        SEARCH_ITERS=max(1, int(math.ceil(math.log2(max(B, 2))))), UPCAST=_upcast(q.dtype),
+        **launch,
+    )
+    return out
