@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
+# Stages: tests attn tput lat lat8b tput8b fp8 sweep. Logs and JSON go to $OUT (or ./gpu_out).
+set -u
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+stages=${*:-tests tput lat lat8b tput8b}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+for s in $stages; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    tests)  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -25 ;;
+    attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
+    tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
+    sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
+    lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
+    lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
+    tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
+    fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;
+  esac
+done
+echo "=== done $(date +%T)"
