@@ -281,6 +281,12 @@ class TorchScaledMMLinear(Fp8LinearBase):
         q: Fp8Scheme = self.spec.quant
         dtype = fp8_dtype(self.platform)
         self.rowwise = q.needs_rowwise
+        if q.serialized and q.weight == "tensor" and not self.rowwise:
+            # merged shards with different per-tensor scales: expand them per row (exact) where row-wise exists,
+            # otherwise requantize every shard to the largest scale below
+            shard_scales = layer.weight_scale.data.float()
+            if not torch.all(shard_scales == shard_scales.max()):
+                self.rowwise = check_fp8_rowwise_scaled_mm(self.platform)[0]
         if not q.serialized:
             w, scale = quantize_weight_per_channel(layer.weight.data, dtype)  # already in the device's FP8 dtype
             scale_row = scale.reshape(1, -1)
@@ -288,12 +294,12 @@ class TorchScaledMMLinear(Fp8LinearBase):
             w = layer.weight.data
             if q.weight == "channel":
                 scale_row = layer.weight_scale.data.float().reshape(1, -1)
-            elif self.rowwise:  # per-tensor weights with per-token activations: expand each shard's scale (exact)
+            elif self.rowwise:  # per-tensor weights, row-wise GEMM: expand each shard's scale over its rows (exact)
                 scale_row = self._per_row_tensor_scale(layer).reshape(1, -1)
             else:  # per-tensor x per-tensor: one scale for the merged weight, the max over shards (requantize)
                 shard_scales = layer.weight_scale.data.float()
                 smax = shard_scales.max()
-                if len(self.spec.output_sizes) > 1 and not torch.all(shard_scales == smax):
+                if not torch.all(shard_scales == smax):
                     ratio = (self._per_row_tensor_scale(layer) / smax)[:, None]
                     w = (w.float() * ratio).to(_CHECKPOINT_FP8)  # values only shrink: no clamping needed
                 scale_row = smax.reshape(1, 1)

@@ -11,10 +11,12 @@ Three sources map onto one per-layer description, `Fp8Scheme`:
 * quantize-on-load (`quantization="fp8"` on an unquantized checkpoint): per-channel FP8 weights (amax / 448 per
   output row) computed in `process_weights_after_loading`, dynamic per-token activation scales.
 
-Merged layers (q/k/v, gate/up) load one scale per shard. Per-tensor scales are kept per shard while loading;
-after loading, a kernel that needs one scale requantizes every shard to the largest scale (the usual max rule), a
-row-wise kernel expands each shard's scale over its rows instead (exact), and the dequant fallback uses the
-per-shard scales directly. Static `input_scale` of merged shards reduces to their max.
+Merged layers (q/k/v, gate/up) load one scale per shard (shard ids 0..n-1, in the order of PACKED_MODULES).
+Per-tensor scales are kept per shard while loading. After loading, when the shards' scales differ,
+torch_scaled_mm expands each shard's scale over its rows and runs the row-wise GEMM (exact) where the platform has
+one, and otherwise requantizes every shard to the largest scale (the usual max rule, lossy by one FP8 rounding);
+the dequant fallback uses the per-shard scales directly. Static `input_scale` of merged shards reduces to their
+max. Block-wise scale grids of shards are stacked in shard order (exact for any shard size).
 """
 from __future__ import annotations
 
