@@ -120,7 +120,7 @@ def bench_ms(fn) -> float:
 # ------------------------------------------------------------------------------------------------ layers
 def _checkpoint(scheme: str, n: int, k: int, gen: torch.Generator) -> tuple[dict, torch.Tensor]:
     """Synthetic checkpoint tensors for one [n, k] layer and the fp32 weight they encode."""
-    w = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    w = torch.randn(n, k, generator=gen, device=DEVICE) / math.sqrt(k)
     if scheme == "on_load":
         return {"weight": w.to(torch.bfloat16)}, None  # reference: build_layer quantizes like the kernel does
     if scheme == "block128":
@@ -130,14 +130,15 @@ def _checkpoint(scheme: str, n: int, k: int, gen: torch.Generator) -> tuple[dict
         q, s = quantize_weight_per_channel(w)
         return {"weight": q, "weight_scale": s}, q.float() * s
     q, s = quantize_weight_per_tensor(w)
-    return {"weight": q, "weight_scale": s.reshape(1), "input_scale": torch.tensor([4.0 / fp8_max()])}, q.float() * s
+    input_scale = torch.full((1,), 4.0 / fp8_max(), device=DEVICE)
+    return {"weight": q, "weight_scale": s.reshape(1), "input_scale": input_scale}, q.float() * s
 
 
 def build_layer(scheme: str, backend: str, n: int, k: int, seed: int = 0):
     """A Linear with `backend` forced, loaded with synthetic FP8 tensors on the GPU. Returns (layer, w_ref, tensors)."""
     config, quantization = SCHEMES[scheme]
     qcfg = get_quant_config(config, quantization, torch.bfloat16)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     tensors, w_ref = _checkpoint(scheme, n, k, gen)
     with torch.device(DEVICE):
         layer = Linear(k, n, params_dtype=torch.bfloat16, prefix=f"bench.{scheme}", quant_config=qcfg, backend=backend)
@@ -213,8 +214,8 @@ def correctness() -> bool:
             except KernelSelectionError as e:
                 print(f"| {backend} | {scheme} | {m} | {n} | {k} | - | skipped: {str(e).split(': ', 1)[-1]} |")
                 break
-            gen = torch.Generator().manual_seed(m)
-            x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+            gen = torch.Generator(device=DEVICE).manual_seed(m)
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
             y = layer(x)
             if backend == "fp8_dequant_fallback":
                 ref = x.float() @ w_ref.T

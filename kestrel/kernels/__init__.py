@@ -105,6 +105,16 @@ def select(kind: str, spec: Any, backend: str = "auto", platform: Platform | Non
     return kernel
 
 
+def selection_report(model) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(layer name, selected kernel, what was skipped before it) for every module of `model` that holds a kernel."""
+    rows = []
+    for _, module in model.named_modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, KernelCandidate):
+            rows.append((getattr(kernel.spec, "layer_name", "?"), kernel.name, kernel.skipped))
+    return rows
+
+
 __all__ = [
     "CANDIDATES",
     "KernelCandidate",
@@ -116,4 +126,5 @@ __all__ = [
     "backend_names",
     "reset_selection_log",
     "select",
+    "selection_report",
 ]

@@ -92,9 +92,12 @@ def _torch_scaled_mm_query(platform: Platform) -> bool | None:
     if not callable(query):
         return None
     try:
-        return bool(query())
+        answer = query()
     except Exception:  # an unexpected signature or a device error: keep the table's answer
         return None
+    if isinstance(answer, tuple):  # a (supported, reason) style answer
+        answer = answer[0] if answer else None
+    return answer if isinstance(answer, bool) else None
 
 
 def check_fp8_scaled_mm(platform: Platform | None = None) -> tuple[bool, str]:

@@ -39,10 +39,13 @@ def _config(scheme: str):
     return quant_config_for(scheme)
 
 
-def build(scheme, k, sizes, dtype, backend, bias=False, seed=0, prefix=None):
+def build(scheme, k, sizes, dtype, backend, bias=False, seed=0, prefix=None, device="cpu"):
+    """A Linear (parameters on `device`) loaded from per-shard checkpoint tensors made on the CPU."""
     prefix = prefix or ("model.layers.0.self_attn.qkv_proj" if len(sizes) == 3 else
                         "model.layers.0.mlp.gate_up_proj" if len(sizes) == 2 else "model.layers.0.mlp.down_proj")
-    layer = Linear(k, list(sizes), bias=bias, params_dtype=dtype, prefix=prefix, quant_config=_config(scheme), backend=backend)
+    with torch.device(device):
+        layer = Linear(k, list(sizes), bias=bias, params_dtype=dtype, prefix=prefix, quant_config=_config(scheme),
+                       backend=backend)
     gen = torch.Generator().manual_seed(seed)
     shards = shard_checkpoint(layer.spec.quant, sizes, k, gen)
     load_shards(layer, shards)
@@ -178,8 +181,8 @@ def test_torch_scaled_mm_gpu(scheme):
     if scheme != "per_tensor_static" and not supports_fp8_rowwise_scaled_mm():
         pytest.skip("no row-wise _scaled_mm on this device")
     dev = current_platform().torch_device
-    with torch.device(dev):
-        layer, shards, b, gen = build(scheme, 1024, (512, 256, 256), torch.bfloat16, "torch_scaled_mm")
+    layer, shards, b, gen = build(scheme, 1024, (512, 256, 256), torch.bfloat16, "torch_scaled_mm", device=dev)
+    assert layer.weight.device.type == dev.type
     x = torch.randn(33, 1024, generator=gen).to(torch.bfloat16).float()
     y = layer(x.to(dev, torch.bfloat16)).cpu()
     q = layer.spec.quant

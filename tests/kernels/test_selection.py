@@ -226,3 +226,24 @@ def test_no_environment_variable_forces_a_kernel(monkeypatch):
         monkeypatch.setenv(var, FB)
     with use_platform("sm_90"):
         assert type(make_linear("block").kernel) is TritonFp8BlockLinear
+
+
+def test_selection_report_and_kernel_name():
+    from torch import nn
+
+    from kestrel.kernels import selection_report
+
+    with use_platform("sm_90"):
+        model = nn.ModuleDict({"a": make_linear("block", prefix="model.layers.0.mlp.down_proj"),
+                               "b": make_linear("per_channel_token", prefix="model.layers.0.self_attn.o_proj")})
+    assert model["a"].kernel_name == TRI
+    rows = selection_report(model)
+    assert [(r[0], r[1]) for r in rows] == [("model.layers.0.mlp.down_proj", TRI), ("model.layers.0.self_attn.o_proj", TSM)]
+    assert rows[0][2] == ("torch_scaled_mm: block-wise weight scales need a block-scaled GEMM",)
+
+
+def test_loading_an_unknown_tensor_names_the_layer():
+    with use_platform("cpu"):
+        layer = make_linear("block", prefix="model.layers.2.mlp.down_proj")
+        with pytest.raises(KeyError, match=r"model.layers.2.mlp.down_proj .*'input_scale'.*weight_scale_inv"):
+            layer.load_weight("input_scale", torch.ones(1))
