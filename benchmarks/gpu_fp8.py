@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--cpu-smoke" in sys.argv:
+    # the Triton interpreter must be chosen before triton is first imported (torch or transformers may import it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -359,7 +362,6 @@ def _setup_cpu_smoke() -> None:
     CHECK_SHAPES = ((1, 256, 256), (7, 384, 256), (30, 200, 300))
     has_triton = importlib.util.find_spec("triton") is not None
     if has_triton:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the Triton module is imported
         from kestrel.kernels.triton_ops import fp8_block as ops
 
         # The Triton 3.6 interpreter mis-rounds fp32 -> fp8 casts; quantize activations with the torch helper here.
