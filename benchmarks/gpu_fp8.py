@@ -299,7 +299,6 @@ def gemm_benchmark(m_values, tune: bool) -> None:
                 cells.append("-")
             print(f"| {sname} | {m} | {n} | {k} | " + " | ".join(cells) + " |")
             sys.stdout.flush()
-        del wq_t, wq_c, wq_b
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print()

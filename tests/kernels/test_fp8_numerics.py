@@ -172,6 +172,7 @@ def test_on_load_quantization_rounds_like_fp8():
         assert rel_err(layer.weight, dense) < 4e-2
 
 
+@pytest.mark.gpu
 @requires_kernel("torch_scaled_mm")
 @pytest.mark.parametrize("scheme", ["per_tensor_static", "per_channel_token", "on_load"])
 def test_torch_scaled_mm_gpu(scheme):

@@ -6,7 +6,6 @@ import logging
 import pytest
 import torch
 
-from kestrel import kernels
 from kestrel.kernels import CANDIDATES, KernelSelectionError, backend_names, select
 from kestrel.kernels.base import LinearSpec
 from kestrel.kernels.dense import TorchDenseLinear
@@ -18,7 +17,7 @@ from kestrel.platform import fake_platform, supports_fp8_scaled_mm
 from kestrel.platform.gates import GATES, kernel_gate
 from kestrel.platform.testing import use_platform
 
-from tests.kernels.conftest import SCHEME_CONFIGS, ct_config, quant_config_for
+from tests.kernels.conftest import ct_config, quant_config_for
 
 TSM, TRI, FB = "torch_scaled_mm", "triton_fp8_block", "fp8_dequant_fallback"
 CLASSES = {TSM: TorchScaledMMLinear, TRI: TritonFp8BlockLinear, FB: Fp8DequantFallbackLinear, "torch_dense": TorchDenseLinear}

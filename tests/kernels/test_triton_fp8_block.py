@@ -37,6 +37,7 @@ def test_triton_interpreter_cases():
 
 
 # ------------------------------------------------------------------------------------------------ real GPU
+@pytest.mark.gpu
 @requires_kernel("triton_fp8_block")
 @pytest.mark.parametrize("m", [1, 16, 257])
 def test_block_gemm_gpu(m):
