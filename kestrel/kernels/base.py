@@ -1,4 +1,13 @@
-"""The kernel-candidate interface: each kernel says honestly, on its own, where it runs and what it can serve."""
+"""The kernel-candidate interface: each kernel says honestly, on its own, where it runs and what it can serve.
+
+Three gates, each correct without looking at the kernel's place in a priority list:
+
+* `is_supported(platform)`: can this kernel run on the device at all (architecture, installed libraries)?
+  Optional kernels answer from their row in `kestrel.platform.gates.GATES`.
+* `can_implement(spec)`: can it serve this layer's configuration (shapes, dtypes, scale layout, block size)?
+* `can_implement_on(spec, platform)`: joint conditions, where what the layer needs is an optional feature of the
+  device (e.g. a row-wise scaled GEMM). Defaults to yes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from kestrel.platform import Platform
+from kestrel.platform import Platform, current_platform
 
 
 @dataclass(frozen=True)
@@ -19,19 +28,24 @@ class LinearSpec:
     output_sizes: tuple[int, ...]  # one entry per merged shard (q/k/v, gate/up); a plain layer has one
     bias: bool
     params_dtype: torch.dtype
-    quant: Any = None  # a quantization config from kestrel.layers.quant, or None for dense weights
+    quant: Any = None  # a per-layer scheme from kestrel.layers.quant (e.g. Fp8Scheme), or None for dense weights
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def output_size(self) -> int:
         return sum(self.output_sizes)
 
+    @property
+    def family(self) -> str:
+        return "dense" if self.quant is None else self.quant.family
+
 
 class KernelCandidate:
-    """One entry of a priority list. Subclasses implement the two gates and the weight/compute hooks."""
+    """One entry of a priority list. Subclasses implement the gates and the weight/compute hooks."""
 
     name: ClassVar[str]
     kind: ClassVar[str]
+    family: ClassVar[str] = "dense"  # which layers a forced backend of this name is meant for ("dense", "fp8", ...)
 
     @classmethod
     def is_supported(cls, platform: Platform) -> tuple[bool, str]:
@@ -41,8 +55,22 @@ class KernelCandidate:
     def can_implement(cls, spec: Any) -> tuple[bool, str]:
         raise NotImplementedError
 
-    def __init__(self, spec: Any):
+    @classmethod
+    def can_implement_on(cls, spec: Any, platform: Platform) -> tuple[bool, str]:
+        return True, ""
+
+    @classmethod
+    def check(cls, spec: Any, platform: Platform) -> tuple[bool, str]:
+        """All three gates in order; the first failing reason."""
+        for ok, why in (cls.is_supported(platform), cls.can_implement(spec)):
+            if not ok:
+                return ok, why
+        return cls.can_implement_on(spec, platform)
+
+    def __init__(self, spec: Any, platform: Platform | None = None):
         self.spec = spec
+        self.platform = platform if platform is not None else current_platform()
+        self.skipped: tuple[str, ...] = ()  # what selection skipped before choosing this kernel (for reports)
 
 
 class LinearKernel(KernelCandidate):

@@ -32,9 +32,19 @@ class Linear(nn.Module):
     def output_size(self) -> int:
         return self.spec.output_size
 
+    @property
+    def kernel_name(self) -> str:
+        """The kernel selection chose for this layer (e.g. "torch_scaled_mm")."""
+        return self.kernel.name
+
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         """Copy one checkpoint tensor into `param_name`, into shard `shard_id`'s rows for merged layers."""
-        param = getattr(self, param_name)
+        param = getattr(self, param_name, None)
+        if not isinstance(param, torch.Tensor):
+            expected = ", ".join(n for n, _ in self.named_parameters(recurse=False))
+            raise KeyError(
+                f"{self.spec.layer_name} ({self.kernel.name}) has no parameter {param_name!r}; it expects: {expected}"
+            )
         custom = getattr(param, "weight_loader", None)
         if custom is not None:
             custom(param, loaded, shard_id)

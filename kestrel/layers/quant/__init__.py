@@ -1,9 +1,102 @@
-"""Quantization configs. (FP8 lands with the kernel-selection work; until then only dense weights.)"""
+"""Quantization configs. The model loader calls `get_quant_config` once per model and passes the result to every
+`Linear` (as `quant_config`); each Linear asks `quant_config.for_layer(prefix)` for its own scheme (None means the
+layer stays unquantized: ignored modules, lm_head, embeddings)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
 
-def get_quant_config(hf_config: dict, quantization: str | None, params_dtype):
-    qc = hf_config.get("quantization_config")
-    if qc is None and quantization is None:
-        return None
-    raise NotImplementedError(f"quantization {quantization or qc.get('quant_method')!r} is not supported yet")
+import torch
+
+from kestrel.layers.quant.fp8 import (
+    PACKED_MODULES,
+    CompressedTensorsFp8Config,
+    Fp8Config,
+    Fp8Scheme,
+    QuantConfigBase,
+    shard_prefixes,
+)
+
+QuantConfig = QuantConfigBase
+
+SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors")
+
+
+def _as_dict(hf_config: Any) -> dict:
+    if hf_config is None:
+        return {}
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):  # a transformers PretrainedConfig
+        return hf_config.to_dict()
+    raise TypeError(f"hf_config must be a dict (config.json) or a PretrainedConfig, got {type(hf_config).__name__}")
+
+
+def checkpoint_quant_config(hf_config: Any) -> dict | None:
+    """The checkpoint's `quantization_config` (also found under `compression_config` or a nested text_config)."""
+    cfg = _as_dict(hf_config)
+    for key in ("quantization_config", "compression_config"):
+        if cfg.get(key):
+            return dict(cfg[key])
+    text = cfg.get("text_config")
+    if isinstance(text, Mapping) and text.get("quantization_config"):
+        return dict(text["quantization_config"])
+    return None
+
+
+def get_quant_config(
+    hf_config: Any,
+    quantization: str | None = None,
+    params_dtype: torch.dtype = torch.bfloat16,
+    packed_modules: Mapping[str, tuple[str, ...]] | None = None,
+) -> QuantConfig | None:
+    """Resolve the model-wide quantization config.
+
+    `quantization=None` follows the checkpoint (None for an unquantized one). `"fp8"` accepts an FP8 checkpoint
+    (HF fp8 or compressed-tensors FP8) and, on an unquantized checkpoint, quantizes weights on load (per-channel
+    weights, dynamic per-token activations). `"compressed-tensors"` requires such a checkpoint.
+    `params_dtype` is the activation dtype the model runs in (validated here; kernels read it from LinearSpec).
+    """
+    if params_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantized models run in bf16, fp16 or fp32 activations, not {params_dtype}")
+    if quantization in ("", "auto", "none"):
+        quantization = None
+    if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(SUPPORTED_QUANTIZATION)}")
+    qc = checkpoint_quant_config(hf_config)
+    method = (qc or {}).get("quant_method")
+    if qc is not None and method is None:
+        raise ValueError("the checkpoint's quantization_config has no quant_method")
+
+    if method is None:
+        if quantization == "compressed-tensors":
+            raise ValueError("quantization='compressed-tensors' but the checkpoint has no quantization_config")
+        if quantization is None:
+            return None
+        config = Fp8Config.online()  # quantization == "fp8" on an unquantized checkpoint
+    elif method == "fp8":
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method 'fp8'")
+        config = Fp8Config.from_hf(qc)
+    elif method == "compressed-tensors":
+        if quantization not in (None, "fp8", "compressed-tensors"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors format")
+        config = CompressedTensorsFp8Config.from_hf(qc)
+    else:
+        raise NotImplementedError(
+            f"checkpoint quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATION)})"
+        )
+    if packed_modules is not None:
+        config.packed_modules = dict(packed_modules)
+    return config
+
+
+__all__ = [
+    "PACKED_MODULES",
+    "CompressedTensorsFp8Config",
+    "Fp8Config",
+    "Fp8Scheme",
+    "QuantConfig",
+    "checkpoint_quant_config",
+    "get_quant_config",
+    "shard_prefixes",
+]

@@ -1,0 +1,58 @@
+"""One gate table per optional kernel.
+
+`GATES[name]` lists what a device must have for kernel `name` to run: the capability checks (each answered from the
+architecture tables in `kestrel.platform.capabilities`) and the activation dtypes it computes in. Three consumers
+read the same row: the kernel's `is_supported` (runtime selection), `requires_kernel(name)` (test skip markers, in
+`kestrel.platform.testing`), and the GPU benchmark. Kernels that run everywhere (dense matmul, the FP8 dequant
+fallback, the reference MoE) have no row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kestrel.platform import Platform, current_platform
+from kestrel.platform.capabilities import check_fp8_scaled_mm, check_triton, check_triton_fp8
+
+Check = Callable[[Platform], tuple[bool, str]]
+
+
+@dataclass(frozen=True)
+class KernelGate:
+    description: str
+    requires: tuple[Check, ...]  # every check must pass on the platform
+    act_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+    # Joint (layer x platform) conditions the kernel checks itself, listed here so the table tells the whole story.
+    notes: str = ""
+
+
+GATES: dict[str, KernelGate] = {
+    "torch_scaled_mm": KernelGate(
+        description="torch._scaled_mm FP8 GEMM (per-tensor; row-wise where the platform has it)",
+        requires=(check_fp8_scaled_mm,),
+        notes="row-wise schemes also need supports_fp8_rowwise_scaled_mm; K and N must be multiples of 16",
+    ),
+    "triton_fp8_block": KernelGate(
+        description="Triton block-scaled FP8 GEMM with per-token-group (1x128) activation quantization",
+        requires=(check_triton, check_triton_fp8),
+        notes="block-wise weights only; activation group size must equal the weight block's K size",
+    ),
+}
+
+
+def kernel_gate(name: str, platform: Platform | None = None) -> tuple[bool, str]:
+    """(True, "") when every requirement in GATES[name] holds on `platform` (default: the current one)."""
+    gate = GATES[name]
+    p = platform if platform is not None else current_platform()
+    for check in gate.requires:
+        ok, why = check(p)
+        if not ok:
+            return False, why
+    return True, ""
+
+
+def kernel_available(name: str, platform: Platform | None = None, dtype: torch.dtype | None = None) -> bool:
+    ok, _ = kernel_gate(name, platform)
+    return ok and (dtype is None or dtype in GATES[name].act_dtypes)
