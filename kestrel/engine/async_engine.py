@@ -61,6 +61,8 @@ class AsyncEngine:
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (lazy imports are not thread-safe)
+
         from kestrel.loader import default_model_path, load_tokenizer
 
         m = self.config.model
@@ -103,8 +105,10 @@ class AsyncEngine:
         return len(self._queues)
 
     # ---- requests
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
+        The request reaches the engine when the stream is first iterated; leaving it early aborts the request."""
         if self.client.is_dead:
             raise next(iter(self.client.dead.values()))
         request_id = request_id or uuid.uuid4().hex
@@ -115,6 +119,13 @@ class AsyncEngine:
         if need > self.num_kv_blocks:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
                                  f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
+        return self._stream(request_id, prompt, ids, params, core_reqs)
+
+    async def _stream(self, request_id, prompt, ids, params, core_reqs) -> AsyncIterator[RequestOutput]:
+        if request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
+        if self.client.is_dead:
+            raise next(iter(self.client.dead.values()))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._timing[request_id] = _Timing()
@@ -128,7 +139,9 @@ class AsyncEngine:
         finished = False
         try:
             for r in core_reqs:
-                self.client.add_request(r)
+                engine = self.client.add_request(r)
+                if self.metrics is not None and hasattr(self.metrics, "on_routed"):
+                    self.metrics.on_routed(engine)
             while True:
                 item = await queue.get()
                 if item is _ABORTED:
@@ -148,6 +161,8 @@ class AsyncEngine:
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id)
+            else:
+                self.output_processor.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
