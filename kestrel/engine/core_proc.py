@@ -53,6 +53,7 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
             from kestrel.engine.core import EngineCore
 
             config = EngineConfig.from_dict(config_dict)
+            _set_cpu_threads(config)
             core = EngineCore(config, engine_index=engine_index, progress=False)
         except BaseException as e:  # report why start-up failed, then exit non-zero
             msg = f"{type(e).__name__}: {e}"
@@ -156,6 +157,17 @@ class EngineCoreLoop:
             data = P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply))
         self.stats_dirty = True
         self.out.send(data, copy=False)
+
+
+def _set_cpu_threads(config) -> None:
+    """Oversubscribed CPU threads (several processes each spinning on every core) make decode steps tens of
+    times slower, so each engine core takes its share of the cores."""
+    import torch
+
+    if config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available()):
+        return
+    n = config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // (config.parallel.data_parallel_size + 1))
+    torch.set_num_threads(n)
 
 
 def _request_id_of(payload: bytes) -> str | None:
