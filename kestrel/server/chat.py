@@ -33,7 +33,7 @@ def render_prompt(state: ServerState, req) -> list[int]:
     """messages -> the chat template's text -> token ids (the template already holds the special tokens)."""
     ip = state.engine.input_processor
     text = ip.apply_chat_template([m.as_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                                  **(req.chat_template_kwargs or {}))
+                                  **(getattr(req, "chat_template_kwargs", None) or {}))
     return state.engine.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -36,7 +36,10 @@ class LegacyLogprobs:
             self.token_logprobs.append(entry[token].logprob)
             top = sorted((lp for lp in entry.items() if lp[1].rank <= self.num or lp[0] == token),
                          key=lambda kv: kv[1].rank)
-            self.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for _, lp in top})
+            d: dict[str, float] = {}
+            for _, lp in top:  # several ids can decode to the same text (e.g. U+FFFD): keep the best-ranked
+                d.setdefault(lp.decoded_token or "", lp.logprob)
+            self.top_logprobs.append(d)
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
