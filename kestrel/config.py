@@ -22,6 +22,8 @@ class ModelConfig:
     max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context length)")
     quantization: str | None = _f(None, "quantize on load: fp8 (W8A8, per-channel weights, dynamic per-token "
                                         "activations); FP8 checkpoints are detected from config.json", choices=[None, "fp8"])
+    load_format: str = _f("auto", "auto (read the weights) or dummy (random weights from config.json: benchmarks)",
+                          choices=["auto", "dummy"])
     trust_remote_code: bool = _f(False, "allow custom model code from the checkpoint (off by default)")
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])

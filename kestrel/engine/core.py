@@ -31,6 +31,7 @@ class EngineCore:
         self.max_model_len = context_length(self.runner.hf_config, config.model.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.setup_after_kv()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         eos = getattr(self.runner.hf_config, "eos_token_id", None)

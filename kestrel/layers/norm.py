@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from kestrel.layers.fused import fused_ops_for
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add: forward(x, residual) -> (norm(x + residual), x + residual)."""
@@ -16,6 +18,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

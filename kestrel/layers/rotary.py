@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kestrel.layers.fused import fused_ops_for
+
 
 def _rope_params(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
@@ -55,7 +57,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
+        ops = fused_ops_for(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.rot_dim, True)
+            return q, k
         cs = self.cos_sin_cache[positions]
         cos, sin = cs.chunk(2, dim=-1)
         cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(q.dtype)

@@ -58,6 +58,20 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_rem
     return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights in place (benchmarks: speed does not depend on weight values); norms stay at one."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif "norm" not in name:
+            p.zero_()
+    for m in model.modules():
+        if hasattr(m, "process_weights_after_loading") and m is not model:
+            m.process_weights_after_loading()
+
+
 def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None = None,
                linear_backend: str = "auto", progress: bool = True) -> LoadedModel:
     from kestrel.layers.quant import get_quant_config
@@ -65,7 +79,11 @@ def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None
 
     t0 = time.perf_counter()
     path = Path(cfg.model or default_model_path())
-    if path.suffix == ".gguf":
+    if cfg.load_format == "dummy":
+        hf_config = load_hf_config(path, cfg.trust_remote_code)
+        dtype = resolve_dtype(cfg.dtype, device)
+        weights = iter(())
+    elif path.suffix == ".gguf":
         from kestrel.loader.gguf import gguf_config, iter_gguf, open_gguf
 
         reader = open_gguf(path)
@@ -85,9 +103,18 @@ def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None
     max_positions = max_positions or hf_config.max_position_embeddings
     with torch.device(device):
         model = model_cls(hf_config, dtype, max_positions, quant_config=quant_config, linear_backend=linear_backend)
-    model.load_weights((n, w.to(device)) for n, w in weights)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights((n, w.to(device)) for n, w in weights)
     model.eval()
-    tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        if cfg.load_format != "dummy":
+            raise
+        logger.info("no tokenizer for %s (%s): token-id prompts only", path, type(e).__name__)
+        tokenizer = None
     logger.info("Loaded %s (%s, %.1fM params, %s) in %.1f s", path.name, arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, time.perf_counter() - t0)
     return LoadedModel(model, hf_config, tokenizer, str(path), dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kestrel.attention.backend import AttentionMetadata
@@ -12,6 +13,8 @@ from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kestrel.loader import LoadedModel, load_model
+from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kestrel.worker.input_batch import InputBuffers
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(config.model.seed)
         self.prompt_logprobs_done: dict[str, int] = {}
+        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.graphs = None
+        self.graph_capture_seconds = 0.0
 
     # ---- KV cache
     @property
@@ -95,39 +101,60 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
 
+    # ---- CUDA graphs
+    def setup_after_kv(self) -> None:
+        """Persistent buffers, then (on CUDA with a graph-capable backend) decode graphs."""
+        sc = self.config.scheduler
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.buffers = InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs, max_blocks,
+                                    self.device)
+        self.graphs = None
+        cc = self.config.compilation
+        if self.device.type == "cuda" and not cc.enforce_eager and self.backend.supports_cuda_graphs:
+            sizes = cc.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches,
+                                       [s for s in sizes if s <= sc.max_num_seqs], self.max_model_len)
+            self.graph_capture_seconds = self.graphs.capture()
+
     # ---- one step
-    def _prepare(self, batch: list[ScheduledRequest]):
-        bs = self.block_size
-        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for s in batch:
-            c, n, req = s.num_computed_tokens, s.num_new_tokens, s.request
-            ids.extend(req.tokens_slice(c, c + n))
-            pos.extend(range(c, c + n))
-            blocks = s.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(c + n)
-            tables.append(blocks)
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
+    def _prepare(self, batch: list[ScheduledRequest]) -> AttentionMetadata:
+        """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
+        buf, bs = self.buffers, self.block_size
+        n_tok = sum(s.num_new_tokens for s in batch)
+        if n_tok > buf.max_tokens or len(batch) > buf.max_reqs:
+            raise RuntimeError(f"batch of {n_tok} tokens / {len(batch)} requests exceeds the runner's buffers")
+        qsl, sl, bt = buf.qsl_np, buf.sl_np, buf.bt_np
+        ids, pos, slots = buf.ids_np, buf.pos_np, buf.slot_np
+        qsl[0] = 0
+        t = 0
+        width = 1
         num_decodes = 0
-        for s in batch:
-            if s.num_new_tokens != 1:
-                break
-            num_decodes += 1
-        meta = AttentionMetadata(
-            num_tokens=len(ids), num_reqs=len(batch), num_decodes=num_decodes,
-            max_query_len=max(s.num_new_tokens for s in batch), max_seq_len=max(seq_lens),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        )
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta)
+        for b, s in enumerate(batch):
+            c, n, blocks = s.num_computed_tokens, s.num_new_tokens, s.block_ids
+            req = s.request
+            if n == 1:
+                ids[t] = req.token_at(c)
+                pos[t] = c
+                slots[t] = blocks[c // bs] * bs + c % bs
+                if num_decodes == b:
+                    num_decodes += 1
+            else:
+                ids[t:t + n] = req.tokens_slice(c, c + n)
+                p = np.arange(c, c + n)
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
+            t += n
+            qsl[b + 1] = t
+            sl[b] = c + n
+            bt[b, :len(blocks)] = blocks
+            width = max(width, len(blocks))
+        nr = len(batch)
+        buf.copy_to_device(t, nr, width)
+        return AttentionMetadata(
+            num_tokens=t, num_reqs=nr, num_decodes=num_decodes, max_query_len=max(s.num_new_tokens for s in batch),
+            max_seq_len=int(sl[:nr].max()), query_start_loc=buf.query_start_loc[:nr + 1],
+            seq_lens=buf.seq_lens[:nr], block_tables=buf.block_tables[:nr, :width],
+            slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=qsl[:nr + 1].tolist(), seq_lens_cpu=sl[:nr].tolist())
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_id: int | None) -> RunnerOutput:
@@ -137,14 +164,19 @@ class ModelRunner:
         if sched.is_empty:
             return out
         batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
-
+        meta = self._prepare(batch)
         qsl = meta.query_start_loc_cpu
-        sample_idx = [qsl[b + 1] - 1 for b, s in enumerate(batch) if s.samples]
         samplers = [s for s in batch if s.samples]
+        hidden = None
+        padded = self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs else None
+        if padded is not None:
+            logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
+        else:
+            hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
+                                ForwardContext(meta, self.kv_caches))
+            sample_idx = [qsl[b + 1] - 1 for b, s in enumerate(batch) if s.samples]
+            logits = self.model.compute_logits(hidden[sample_idx]) if samplers else None
         if samplers:
-            logits = self.model.compute_logits(hidden[sample_idx])
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 ([eos_token_id] if eos_token_id is not None and not s.request.sampling_params.ignore_eos
                                  else []) + s.request.sampling_params.stop_token_ids)
@@ -154,9 +186,10 @@ class ModelRunner:
                 out.sampled[s.request.request_id] = tok
                 if lp is not None:
                     out.logprobs[s.request.request_id] = lp
-        for b, s in enumerate(batch):
-            if s.request.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden[qsl[b]:qsl[b + 1]], out)
+        if hidden is not None:
+            for b, s in enumerate(batch):
+                if s.request.sampling_params.prompt_logprobs is not None:
+                    self._prompt_logprobs(s, hidden[qsl[b]:qsl[b + 1]], out)
         return out
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, out: RunnerOutput) -> None:

@@ -1,0 +1,111 @@
+"""Shared pieces of the benchmarks: model shapes, the workload, ceilings (copy bandwidth, bf16 matmul rate),
+and the markdown table printer."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads / 8 KV heads, head dim 128, MLP 3072, vocab 151936, tied
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    # Llama-3.1-8B: hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256, untied, llama3 rope
+    "llama-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                     vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                     rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 8192},
+                     bos_token_id=128000, eos_token_id=128009),
+}
+
+
+def write_shape(name: str) -> Path:
+    """A folder with only config.json: loaded with load_format='dummy' (random weights)."""
+    d = Path(tempfile.mkdtemp(prefix=f"kestrel-{name}-"))
+    (d / "config.json").write_text(json.dumps({**SHAPES[name], "torch_dtype": "bfloat16"}))
+    return d
+
+
+@dataclass
+class ShapeFacts:
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    flops_per_token: int  # 2 * params touched per token (matmuls), without attention
+
+
+def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
+    s = SHAPES[name]
+    h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
+                                   s["num_key_value_heads"], s["head_dim"], s["intermediate_size"], s["vocab_size"])
+    per_layer = h * (nh + 2 * kvh) * hd + nh * hd * h + 3 * h * inter
+    emb = V * h
+    params = L * per_layer + emb * (1 if s["tie_word_embeddings"] else 2)
+    matmul_params = L * per_layer + emb  # the lm_head is a matmul, the embedding lookup is not
+    return ShapeFacts(params, (L * per_layer + emb) * dtype_bytes, 2 * L * kvh * hd * dtype_bytes, 2 * matmul_params)
+
+
+def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):
+    """nano-vllm's bench: random token ids < 10000, uniform prompt and output lengths, ignore_eos."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab_cap - 1) for _ in range(rng.randint(*in_range))] for _ in range(n)]
+    outs = [rng.randint(*out_range) for _ in range(n)]
+    return prompts, outs
+
+
+def measure_ceilings() -> dict:
+    import torch
+
+    x = torch.empty(2 * 2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 2 * 10 / (time.perf_counter() - t)  # bytes read + written
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 10 / (time.perf_counter() - t)
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{v:,.1f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    sys.stdout.flush()

@@ -1,0 +1,149 @@
+"""Offline throughput: nano-vllm's workload (256 requests, prompt and output lengths uniform in [100, 1024],
+random token ids, ignore_eos) on a random-weight model shape; transformers' continuous batching
+(generate_batch, paged|sdpa) on the same model in the same run; the roofline beside both.
+
+    python benchmarks/throughput.py --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]"""
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.perf_counter()  # noqa: E402  (start-up is measured from here)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+
+from common import git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape  # noqa: E402
+
+
+def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict) -> float:
+    """Decode: weights once per step + every token's KV context read; prefill: matmul FLOPs."""
+    kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token
+    decode = (kv_reads + steps * facts.weight_bytes) / ceil["copy_bytes_per_s"]
+    prefill = sum(len(p) for p in prompts) * facts.flops_per_token / ceil["bf16_flops_per_s"]
+    return decode + prefill
+
+
+def run_kestrel(model_dir, prompts, outs, args):
+    import torch
+
+    from kestrel import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
+              quantization=args.quantization, enable_prefix_caching=False, progress=False)
+    startup = time.perf_counter() - T_PROCESS
+    core = llm.engine.core
+    # warm-up: a few short requests through prefill and decode (JIT, allocator)
+    llm.generate([p[:64] for p in prompts[:8]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    steps = 0
+    orig_step = core.step
+
+    def counting_step():
+        nonlocal steps
+        steps += 1
+        return orig_step()
+
+    core.step = counting_step
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    n_out = sum(len(r.outputs[0].token_ids) for r in res)
+    assert n_out == sum(outs), (n_out, sum(outs))
+    info = dict(startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds)
+    del llm, core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dt, n_out, steps, info
+
+
+def run_hf(model_dir, prompts, outs):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
+    mean_out = round(sum(outs) / len(outs))
+    gen = GenerationConfig(max_new_tokens=mean_out, do_sample=True, temperature=0.6, eos_token_id=None,
+                           pad_token_id=0)
+    model.generate_batch(inputs=[p[:64] for p in prompts[:4]], generation_config=GenerationConfig(
+        max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    n_out = sum(len(r.generated_tokens) for r in res.values())
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dt, n_out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "llama-8b"])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many of the requests "
+                    "(0 = skip); its tokens/s is the comparison")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    ap.add_argument("--sweep", action="store_true", help="also measure throughput vs concurrency 1..256 (PNG)")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args()
+
+    model_dir = write_shape(args.shape)
+    facts = shape_facts(args.shape)
+    prompts, outs = nano_workload(args.num_requests)
+    ceil = measure_ceilings()
+    dt, n_out, steps, info = run_kestrel(model_dir, prompts, outs, args)
+    n_total = n_out + sum(len(p) for p in prompts)
+    roof = roofline_seconds(facts, prompts, outs, steps, ceil)
+    rows = [dict(engine=f"kestrel{' fp8' if args.quantization else ''}", requests=len(prompts), seconds=dt,
+                 out_tok_s=n_out / dt, total_tok_s=n_total / dt, roofline_out_tok_s=n_out / roof,
+                 frac_roofline=f"{roof / dt:.0%}")]
+    result = dict(shape=args.shape, commit=git_commit(), kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
+                  roofline_out_tok_s=n_out / roof, steps=steps, startup_s=info["startup_s"],
+                  graph_capture_s=info["graphs"], kv_blocks=info["blocks"],
+                  copy_TBps=ceil["copy_bytes_per_s"] / 1e12, bf16_TFLOPs=ceil["bf16_flops_per_s"] / 1e12)
+    if args.hf_requests:
+        hp = prompts[: args.hf_requests]
+        hdt, hn = run_hf(model_dir, hp, outs[: args.hf_requests])
+        htotal = hn + sum(len(p) for p in hp)
+        rows.append(dict(engine="transformers generate_batch (paged|sdpa)", requests=len(hp), seconds=hdt,
+                         out_tok_s=hn / hdt, total_tok_s=htotal / hdt, roofline_out_tok_s=float("nan"),
+                         frac_roofline="-"))
+        result.update(hf_out_tok_s=hn / hdt, hf_requests=len(hp), ratio=(n_out / dt) / (hn / hdt))
+    print_table(f"Throughput, {args.shape} (bf16 random weights), commit {result['commit']}", rows)
+    print(f"\nstart-up (process start -> ready, CUDA graphs included): {info['startup_s']:.1f} s "
+          f"(graph capture {info['graphs']:.1f} s); KV blocks {info['blocks']}; engine steps {steps}")
+    print(f"ceilings: copy {result['copy_TBps']:.2f} TB/s, bf16 matmul {result['bf16_TFLOPs']:.0f} TFLOP/s")
+    if "ratio" in result:
+        print(f"Kestrel / transformers output tokens/s: {result['ratio']:.1f}x")
+    if args.sweep:
+        from kestrel import LLM, SamplingParams
+        import torch
+        sweep = []
+        llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, progress=False)
+        for c in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
+            ps, os_ = nano_workload(c, seed=1, out_range=(256, 256))
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate(ps, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.6) for o in os_], use_tqdm=False)
+            torch.cuda.synchronize()
+            sweep.append(dict(concurrency=c, out_tok_s=sum(os_) / (time.perf_counter() - t)))
+        print_table("Throughput vs concurrent requests (prompt 100..1024, output 256)", sweep)
+        result["sweep"] = sweep
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

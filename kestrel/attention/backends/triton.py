@@ -1,0 +1,48 @@
+"""Triton paged attention for CUDA: split-K decode (GQA-grouped) for pure-decode batches, varlen causal
+prefill over the paged cache (cached prefixes, chunks) otherwise. Importing fails without Triton, and the
+selector then skips this backend."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from kestrel.attention.ops import gates
+
+_ok, _why = gates.triton_importable()
+if not _ok:
+    raise ImportError(_why)
+
+from kestrel.attention.ops.triton_attention import decode_attention, prefill_attention, reshape_and_cache  # noqa: E402
+from kestrel.platform import Platform  # noqa: E402
+
+
+class TritonImpl(AttentionImpl):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes == meta.num_reqs:
+            decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
+                             max_seq_len=meta.max_seq_len)
+        else:
+            n = meta.num_tokens
+            prefill_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                              self.scale, out=out[:n], max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len)
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    devices = ("cuda",)
+    dtypes = tuple(d for d in gates.GATES["dtypes"] if d != torch.float32)
+    head_sizes = gates.GATES["head_dims"]
+    supports_cuda_graphs = True
+    impl_cls = TritonImpl
+
+    @classmethod
+    def validate(cls, platform: Platform, dtype, head_size, block_size):
+        ok, why = super().validate(platform, dtype, head_size, block_size)
+        if ok:
+            ok, why = gates.check_attention(dtype, head_size, block_size)
+        return ok, why

