@@ -19,6 +19,7 @@ from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.processor import InputProcessor, OutputProcessor
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.utility import WaiterGuard
 from kestrel.errors import EngineDead, InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ class AsyncEngine:
         if self.client.is_dead:
             raise next(iter(self.client.dead.values()))
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
+        guard.register(request_id, queue)
         self._timing[request_id] = _Timing()
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           core_reqs, stream=True)
@@ -157,7 +159,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            guard.close()
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id)
@@ -227,24 +229,27 @@ class AsyncEngine:
             if q is not None:
                 q.put_nowait(exc)
 
-    # ---- utility passthroughs
+    # ---- utility passthroughs (fan-outs wait for every engine; see engine/utility.py)
     async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
         return await self.client.call_utility(method, *args, engine=engine)
 
-    async def call_utility_all(self, method: str, *args):
-        return await self.client.call_utility_all(method, *args)
+    async def call_utility_all(self, method: str, *args, timeout: float | None = None):
+        return await self.client.call_utility_all(method, *args, timeout=timeout)
+
+    async def get_stats(self) -> list[dict]:
+        return (await self.call_utility_all("get_stats")).values_or_raise()
 
     async def reset_prefix_cache(self) -> bool:
-        return all(await self.call_utility_all("reset_prefix_cache"))
+        return (await self.call_utility_all("reset_prefix_cache")).all_true()
 
     async def sleep(self, level: int = 1) -> bool:
-        return all(await self.call_utility_all("sleep", level))
+        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation)."""
+        res = await self.client.call_utility_all_or_undo("sleep", (level,), "wake_up", lambda args: ())
+        return res.all_true()
 
     async def wake_up(self) -> bool:
-        return all(await self.call_utility_all("wake_up"))
+        res = await self.client.call_utility_all_or_undo("wake_up", (), "sleep", lambda args: (1,))
+        return res.all_true()
 
     async def is_sleeping(self) -> bool:
-        vals = await self.call_utility_all("is_sleeping")
-        if len(set(vals)) > 1:
-            raise RuntimeError(f"engines disagree on is_sleeping: {vals}")
-        return vals[0]
+        return (await self.call_utility_all("is_sleeping")).consensus()

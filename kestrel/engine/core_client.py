@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import multiprocessing
 import os
@@ -27,6 +26,7 @@ import zmq.asyncio
 from kestrel.config import EngineConfig
 from kestrel.engine import protocol as P
 from kestrel.engine.core_proc import engine_identity, run_engine_core
+from kestrel.engine.utility import FanoutResult, UtilityClient
 from kestrel.errors import EngineDead, KestrelError
 
 logger = logging.getLogger(__name__)
@@ -37,14 +37,6 @@ STARTUP_TIMEOUT_S = float(os.environ.get("KESTREL_ENGINE_STARTUP_TIMEOUT", "600"
 
 class EngineStartupError(KestrelError, RuntimeError):
     """An engine core did not come up (its error, exit code or a time-out)."""
-
-
-class UtilityCallError(KestrelError, RuntimeError):
-    """An engine core answered a utility call with a failure."""
-
-    def __init__(self, message: str, engine_index: int = 0):
-        super().__init__(message)
-        self.engine_index = engine_index
 
 
 OutputHandler = Callable[[P.EngineCoreOutputs], None]
@@ -71,19 +63,30 @@ class EngineCoreClient:
     async def start(self) -> None: ...
     def add_request(self, request: P.EngineCoreRequest) -> int: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any: ...
     async def shutdown(self) -> None: ...
 
-    async def call_utility_all(self, method: str, *args) -> list:
-        """Call every live engine, wait for all of them, then return values in engine order or raise.
-        Placeholder until engine/utility.py (UtilityClient.call_utility_all) is integrated."""
-        engines = [i for i in range(self.num_engines) if i not in self.dead]
-        results = await asyncio.gather(*(self.call_utility(method, *args, engine=i) for i in engines),
-                                       return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return list(results)
+    # ---- utility calls: all of them go through engine/utility.py's UtilityClient (self.utility), for which
+    # the client is the transport (num_engines, encode, send)
+    def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes:
+        return P.encoder.encode(P.UtilityRequest(call_id, method, list(args)))
+
+    async def send(self, engine_index: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _deliver_utility(self, engine: int, u: P.UtilityOutput) -> None:
+        self.utility.deliver(u.call_id, u.ok, u.result if u.ok else u.failure_message, engine_index=engine)
+
+    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
+        return await self.utility.call_utility(engine, method, *args)
+
+    async def call_utility_all(self, method: str, *args, timeout: float | None = None) -> FanoutResult:
+        """Every engine's outcome, in engine order, after all settled (never raises by itself)."""
+        return await self.utility.call_utility_all(method, *args, timeout=timeout)
+
+    async def call_utility_all_or_undo(self, method: str, args, undo_method: str, undo_args_fn=None,
+                                       timeout: float | None = None) -> FanoutResult:
+        """A mutating fan-out: applied everywhere, or undone on the engines where it succeeded."""
+        return await self.utility.call_utility_all_or_undo(method, args, undo_method, undo_args_fn, timeout=timeout)
 
 
 # ------------------------------------------------------------------ in-process
@@ -100,6 +103,7 @@ class InprocClient(EngineCoreClient):
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kestrel-core")
         self._closed = False
+        self.utility = UtilityClient(self)
 
     async def start(self) -> None:
         from kestrel.engine.core import EngineCore
@@ -145,25 +149,25 @@ class InprocClient(EngineCoreClient):
         ids = list(request_ids)
         self._queue(lambda: self.core.abort_requests(ids))
 
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        if method not in self.core.UTILITY_METHODS:
-            raise UtilityCallError(f"{method!r} is not a utility method of the engine core")
+    async def send(self, engine_index: int, payload: bytes) -> None:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
 
-        def run():
+        def run():  # on the core thread, like the engine-core process's loop
+            call = P.utility_decoder.decode(payload)
             try:
-                res = getattr(self.core, method)(*args)
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+                if call.method not in self.core.UTILITY_METHODS:
+                    raise AttributeError(f"{call.method!r} is not a utility method of the engine core")
+                reply = P.UtilityOutput(call.call_id, True, getattr(self.core, call.method)(*call.args))
             except Exception as e:
-                err = UtilityCallError(f"Call to {method} method failed: {type(e).__name__}: {e}")
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
+                reply = P.UtilityOutput(call.call_id, False, None,
+                                        f"Call to {call.method} method failed: {type(e).__name__}: {e}")
+            loop.call_soon_threadsafe(self._deliver_utility, 0, reply)
 
         self._queue(run)
-        return await fut
 
     async def shutdown(self) -> None:
         self._closed = True
+        self.utility.fail_all(EngineDead("the engine client was shut down"))
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:
@@ -185,8 +189,7 @@ class MPClient(EngineCoreClient):
         self.stats = [None] * num_engines
         self.routed_since_stats = [0] * num_engines
         self.request_engine: dict[str, int] = {}  # core request id -> engine index
-        self._utility: dict[int, tuple[int, asyncio.Future]] = {}
-        self._call_ids = itertools.count(1)
+        self.utility = UtilityClient(self)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._dir: str | None = None
@@ -296,28 +299,10 @@ class MPClient(EngineCoreClient):
             except EngineDead as exc:
                 logger.warning("abort not delivered: %s", exc)
 
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        """The one path every utility call takes (to be pointed at engine/utility.py's UtilityClient)."""
-        call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._utility[call_id] = (engine, fut)
-        try:  # the registration is removed on every exit: reply, send failure, cancellation
-            self._send(engine, P.RequestType.UTILITY, P.encoder.encode(P.UtilityRequest(call_id, method, list(args))))
-            return await fut
-        finally:
-            self._utility.pop(call_id, None)
+    async def send(self, engine_index: int, payload: bytes) -> None:
+        self._send(engine_index, P.RequestType.UTILITY, payload)
 
     # ---- receiving
-    def _deliver_utility(self, engine: int, u: P.UtilityOutput) -> None:
-        entry = self._utility.pop(u.call_id, None)
-        if entry is None or entry[1].done():
-            logger.debug("dropping a late or unknown utility reply %d from engine %d", u.call_id, engine)
-            return
-        if u.ok:
-            entry[1].set_result(u.result)
-        else:
-            entry[1].set_exception(UtilityCallError(f"engine core {engine}: {u.failure_message}", engine))
-
     async def _output_loop(self) -> None:
         while True:
             try:
@@ -365,9 +350,7 @@ class MPClient(EngineCoreClient):
         exc.engine_index = i
         self.dead[i] = exc
         logger.error("%s; failing its requests", exc)
-        for cid, (e, fut) in list(self._utility.items()):
-            if e == i and not fut.done():
-                fut.set_exception(exc)
+        self.utility.fail_engine(i, exc)
         ids = [rid for rid, e in self.request_engine.items() if e == i]
         for rid in ids:
             del self.request_engine[rid]
@@ -383,6 +366,7 @@ class MPClient(EngineCoreClient):
         self._closing = True
         for t in self._tasks:
             t.cancel()
+        self.utility.fail_all(EngineDead("the engine client was shut down"))
         for i, p in enumerate(self.procs):
             if p.is_alive():
                 try:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kestrel
 from kestrel.config import EngineConfig, from_cli_args
 from kestrel.engine.async_engine import AsyncEngine
+from kestrel.engine.utility import UtilityError
 from kestrel.errors import EngineDead, InvalidRequest, KestrelError
 from kestrel.server.chat import create_chat_completion, render_prompt
 from kestrel.server.common import ServerState
@@ -83,6 +84,11 @@ def build_app(config: EngineConfig, model_name: str | None = None, api_key: str 
             logger.error("%s %s failed: %s", request.method, request.url.path, exc)
         return _error(exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None),
                       getattr(exc, "code", None))
+
+    @app.exception_handler(UtilityError)
+    async def _utility(request: Request, exc: UtilityError):
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return _error(500, str(exc), "utility_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
