@@ -49,6 +49,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache")
+    cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
+                                       "(default: CPU cores / (data-parallel size + 1), at least 1)")
 
 
 @dataclass

@@ -1,0 +1,255 @@
+"""AsyncEngine: the asyncio frontend over a core client (what the HTTP server uses).
+
+generate() validates and tokenizes (InputProcessor), sends the core requests, and yields RequestOutputs with
+streaming deltas (OutputProcessor, incremental detokenization and stop strings). Leaving the iterator early
+(client disconnect = cancellation, or a break) aborts the request in the engine, which frees its KV blocks. A stop
+string found here is sent to the core as an abort so the engine stops generating. When an engine core dies,
+every request waiting on it fails with EngineDead."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Protocol
+
+from kestrel.config import EngineConfig
+from kestrel.engine.core_client import EngineCoreClient, make_client
+from kestrel.engine.outputs import RequestOutput
+from kestrel.engine.processor import InputProcessor, OutputProcessor
+from kestrel.engine.protocol import EngineCoreOutputs
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.utility import WaiterGuard
+from kestrel.errors import EngineDead, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RequestMetricsSink(Protocol):
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_tokens(self, itl_s: float, count: int) -> None: ...
+    def on_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str | None) -> None: ...
+
+
+_ABORTED = object()
+
+
+class _Timing:
+    __slots__ = ("arrival", "first", "last", "tokens")
+
+    def __init__(self):
+        self.arrival = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, client: EngineCoreClient | str = "mp",
+                 metrics: RequestMetricsSink | None = None, log_requests: bool = False):
+        self.config = config
+        self.client = client if isinstance(client, EngineCoreClient) else make_client(config, client)
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self.tokenizer = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor: OutputProcessor | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._timing: dict[str, _Timing] = {}
+        self.max_model_len = 0
+        self.num_kv_blocks = 0
+        self.block_size = config.cache.block_size
+
+    # ---- life cycle
+    async def start(self) -> "AsyncEngine":
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (lazy imports are not thread-safe)
+
+        from kestrel.loader import default_model_path, load_tokenizer
+
+        m = self.config.model
+        path = m.model or default_model_path()
+        self.client.on_outputs = self._on_outputs
+        self.client.on_engine_dead = self._on_engine_dead
+        _, self.tokenizer = await asyncio.gather(
+            self.client.start(), asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code))
+        info = self.client.engine_info[0]
+        self.max_model_len = info["max_model_len"]
+        self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
+        self.block_size = info["block_size"]
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
+                                              info["eos_token_id"])
+        self.output_processor = OutputProcessor(self.tokenizer)
+        return self
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+
+    @property
+    def is_dead(self) -> bool:
+        return self.client.is_dead
+
+    @property
+    def dead_engines(self) -> dict[int, EngineDead]:
+        return dict(self.client.dead)
+
+    def check_health(self) -> None:
+        if self.client.dead:
+            raise next(iter(self.client.dead.values())) if self.is_dead else EngineDead(
+                "; ".join(str(e) for e in self.client.dead.values()))
+
+    @property
+    def stats(self) -> list:
+        return list(self.client.stats)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # ---- requests
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
+        The request reaches the engine when the stream is first iterated; leaving it early aborts the request."""
+        if self.client.is_dead:
+            raise next(iter(self.client.dead.values()))
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
+        ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority)
+        need = -(-(len(ids) + 1) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
+                                 f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
+        return self._stream(request_id, prompt, ids, params, core_reqs)
+
+    async def _stream(self, request_id, prompt, ids, params, core_reqs) -> AsyncIterator[RequestOutput]:
+        if request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
+        if self.client.is_dead:
+            raise next(iter(self.client.dead.values()))
+        queue: asyncio.Queue = asyncio.Queue()
+        guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
+        guard.register(request_id, queue)
+        self._timing[request_id] = _Timing()
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                                          core_reqs, stream=True)
+        if self.log_requests:
+            logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
+        else:
+            logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(ids), params.n,
+                        core_reqs[0].max_tokens)
+        finished = False
+        try:
+            for r in core_reqs:
+                engine = self.client.add_request(r)
+                if self.metrics is not None and hasattr(self.metrics, "on_routed"):
+                    self.metrics.on_routed(engine)
+            while True:
+                item = await queue.get()
+                if item is _ABORTED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort: the engine is gone
+                    raise item
+                if item.finished:
+                    finished = True
+                    self._log_finished(item)
+                yield item
+                if finished:
+                    return
+        finally:
+            guard.close()
+            self._timing.pop(request_id, None)
+            if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
+                self.abort(request_id)
+            else:
+                self.output_processor.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort(request_id)
+        q = self._queues.get(request_id)
+        if child_ids and not self.client.is_dead:
+            self.client.abort_requests(child_ids)
+            logger.info("request %s aborted", request_id)
+        if q is not None:
+            q.put_nowait(_ABORTED)  # an external abort ends the stream quietly
+
+    def _log_finished(self, out: RequestOutput) -> None:
+        gen = sum(len(c.token_ids) for c in out.outputs)
+        reasons = ",".join(str(c.finish_reason) for c in out.outputs)
+        if self.log_requests:
+            logger.info("request %s finished (%s): %d prompt + %d generated tokens, output=%r", out.request_id,
+                        reasons, len(out.prompt_token_ids), gen, [c.text for c in out.outputs])
+        else:
+            logger.info("request %s finished (%s): %d prompt + %d generated tokens", out.request_id, reasons,
+                        len(out.prompt_token_ids), gen)
+
+    # ---- from the core client
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        results, to_stop = self.output_processor.process(outs.outputs)
+        if to_stop:  # stop strings: the engine must stop generating these
+            self.client.abort_requests(to_stop)
+        now = time.monotonic()
+        for ro in results:
+            q = self._queues.get(ro.request_id)
+            if q is None:
+                continue
+            self._observe(ro, now)
+            q.put_nowait(ro)
+
+    def _observe(self, ro: RequestOutput, now: float) -> None:
+        t = self._timing.get(ro.request_id)
+        if t is None or self.metrics is None:
+            return
+        new = sum(len(c.token_ids_delta) for c in ro.outputs)
+        if new:
+            if t.first is None:
+                t.first = now
+                self.metrics.on_first_token(now - t.arrival)
+                if new > 1:
+                    self.metrics.on_tokens(0.0, new - 1)
+            else:
+                self.metrics.on_tokens((now - t.last) / new, new)
+            t.last = now
+            t.tokens += new
+        if ro.finished:
+            reason = ro.outputs[0].finish_reason if ro.outputs else None
+            self.metrics.on_finished(now - t.arrival, len(ro.prompt_token_ids),
+                                     sum(len(c.token_ids) for c in ro.outputs), reason)
+
+    def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
+        if child_ids is None or self.client.is_dead:
+            parents = list(self._queues)
+        else:
+            parents = {self.output_processor.child_to_parent.get(c) for c in child_ids} - {None}
+        for rid in parents:
+            self.output_processor.abort(rid)
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(exc)
+
+    # ---- utility passthroughs (fan-outs wait for every engine; see engine/utility.py)
+    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
+        return await self.client.call_utility(method, *args, engine=engine)
+
+    async def call_utility_all(self, method: str, *args, timeout: float | None = None):
+        return await self.client.call_utility_all(method, *args, timeout=timeout)
+
+    async def get_stats(self) -> list[dict]:
+        return (await self.call_utility_all("get_stats")).values_or_raise()
+
+    async def reset_prefix_cache(self) -> bool:
+        return (await self.call_utility_all("reset_prefix_cache")).all_true()
+
+    async def sleep(self, level: int = 1) -> bool:
+        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation)."""
+        res = await self.client.call_utility_all_or_undo("sleep", (level,), "wake_up", lambda args: ())
+        return res.all_true()
+
+    async def wake_up(self) -> bool:
+        res = await self.client.call_utility_all_or_undo("wake_up", (), "sleep", lambda args: (1,))
+        return res.all_true()
+
+    async def is_sleeping(self) -> bool:
+        return (await self.call_utility_all("is_sleeping")).consensus()

@@ -1,0 +1,179 @@
+"""The engine core in its own process, driven over ZeroMQ ipc sockets with msgspec msgpack frames (never pickle).
+
+Sockets (the client binds, the engine connects):
+  input : client ROUTER -> engine DEALER (identity = engine index, 2 bytes little-endian);
+          frames [RequestType byte, msgpack payload]
+  output: engine PUSH -> client PULL; one msgpack EngineCoreOutputs per message
+
+Hand-shake: after the model is loaded the engine sends one frame on its DEALER socket:
+msgpack {"status": "ready", ...engine facts} or {"status": "error", "message": ...} when start-up failed.
+
+Loop: while requests are unfinished, drain the input without blocking, step, send the outputs (each carries the
+scheduler stats); when idle, block on the input. A bad message is logged and dropped (a utility call gets a failure
+reply); only SHUTDOWN, a dead parent or a crash in step() ends the process."""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import msgspec
+import zmq
+
+from kestrel.engine import protocol as P
+
+logger = logging.getLogger("kestrel.engine.core_proc")
+
+IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still alive
+
+
+def engine_identity(index: int) -> bytes:
+    return index.to_bytes(2, "little")
+
+
+def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine_index: int = 0,
+                    parent_pid: int | None = None, visible_device: str | None = None,
+                    log_level: int = logging.INFO) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    if visible_device is not None:  # before torch initialises CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine{engine_index}: %(message)s",
+                        datefmt="%H:%M:%S")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.DEALER)
+    inp.setsockopt(zmq.IDENTITY, engine_identity(engine_index))
+    inp.setsockopt(zmq.LINGER, 1000)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 1000)
+    out.connect(output_addr)
+    try:
+        try:
+            from kestrel.config import EngineConfig
+            from kestrel.engine.core import EngineCore
+
+            config = EngineConfig.from_dict(config_dict)
+            _set_cpu_threads(config)
+            core = EngineCore(config, engine_index=engine_index, progress=False)
+        except BaseException as e:  # report why start-up failed, then exit non-zero
+            msg = f"{type(e).__name__}: {e}"
+            logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
+            inp.send(P.encoder.encode({"status": "error", "message": msg}))
+            raise SystemExit(1)
+        hf = core.runner.hf_config
+        inp.send(P.encoder.encode({
+            "status": "ready", "engine_index": engine_index, "pid": os.getpid(),
+            "max_model_len": core.max_model_len, "vocab_size": int(hf.vocab_size),
+            "eos_token_id": core.eos_token_id, "num_kv_blocks": core.kv.num_blocks,
+            "block_size": config.cache.block_size, "device": str(core.runner.device)}))
+        EngineCoreLoop(core, inp, out, engine_index, parent_pid).run()
+    finally:
+        inp.close()
+        out.close()
+        ctx.term()
+
+
+class EngineCoreLoop:
+    def __init__(self, core, inp: zmq.Socket, out: zmq.Socket, engine_index: int, parent_pid: int | None):
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.engine_index = engine_index
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(inp, zmq.POLLIN)
+        self.running = True
+        self.stats_dirty = False
+
+    def send(self, outputs: P.EngineCoreOutputs) -> None:
+        self.out.send(P.encoder.encode(outputs), copy=False)
+
+    def run(self) -> None:
+        logger.info("engine core %d ready (pid %d)", self.engine_index, os.getpid())
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            events = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
+            while events.get(self.inp) and self.running:  # drain everything that is queued
+                self.handle(self.inp.recv_multipart(copy=False))
+                events = dict(self.poller.poll(0))
+            if not self.running:
+                break
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                logger.warning("parent process %d is gone; engine core %d exits", self.parent_pid, self.engine_index)
+                break
+            if self.core.has_unfinished_requests():
+                self.send(self.core.step())
+                self.stats_dirty = False
+            elif self.stats_dirty:  # e.g. the last request was aborted: tell the client the engine is idle
+                self.send(P.EngineCoreOutputs(self.engine_index, [], self.core.stats()))
+                self.stats_dirty = False
+
+    def handle(self, frames) -> None:
+        if len(frames) != 2:
+            logger.warning("dropping a message with %d frames (expected 2)", len(frames))
+            return
+        kind, payload = frames[0].bytes, frames[1].bytes
+        try:
+            rtype = P.RequestType(kind)
+        except ValueError:
+            logger.warning("dropping a message of unknown type %r", kind[:4])
+            return
+        if rtype is P.RequestType.UTILITY:
+            self.handle_utility(payload)
+            return
+        try:
+            if rtype is P.RequestType.ADD:
+                self.core.add_request(P.add_decoder.decode(payload))
+            elif rtype is P.RequestType.ABORT:
+                self.core.abort_requests(P.abort_decoder.decode(payload))
+            elif rtype is P.RequestType.SHUTDOWN:
+                logger.info("engine core %d shutting down", self.engine_index)
+                self.running = False
+            self.stats_dirty = True
+        except Exception as e:  # a bad message must not kill the engine
+            logger.warning("dropping a bad %s message: %s: %s", rtype.name, type(e).__name__, e)
+            if rtype is P.RequestType.ADD:  # tell the client so its stream does not hang
+                rid = _request_id_of(payload)
+                if rid is not None:
+                    self.send(P.EngineCoreOutputs(self.engine_index, [P.EngineCoreOutput(
+                        rid, [], finish_reason="abort", stop_reason=f"rejected by the engine: {e}")],
+                        self.core.stats()))
+
+    def handle_utility(self, payload: bytes) -> None:
+        try:
+            call = P.utility_decoder.decode(payload)
+        except Exception as e:
+            logger.warning("dropping an undecodable utility call: %s", e)
+            return
+        try:
+            if call.method not in self.core.UTILITY_METHODS:
+                raise AttributeError(f"{call.method!r} is not a utility method of the engine core")
+            result = getattr(self.core, call.method)(*call.args)
+            reply = P.UtilityOutput(call.call_id, True, result)
+            data = P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply))
+        except Exception as e:
+            reply = P.UtilityOutput(call.call_id, False, None,
+                                    f"Call to {call.method} method failed: {type(e).__name__}: {e}")
+            data = P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply))
+        self.stats_dirty = True
+        self.out.send(data, copy=False)
+
+
+def _set_cpu_threads(config) -> None:
+    """Oversubscribed CPU threads (several processes each spinning on every core) make decode steps tens of
+    times slower, so each engine core takes its share of the cores."""
+    import torch
+
+    if config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available()):
+        return
+    n = config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // (config.parallel.data_parallel_size + 1))
+    torch.set_num_threads(n)
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    try:
+        obj = msgspec.msgpack.decode(payload)
+        rid = obj.get("request_id") if isinstance(obj, dict) else None
+        return rid if isinstance(rid, str) else None
+    except Exception:
+        return None

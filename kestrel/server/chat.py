@@ -1,0 +1,101 @@
+"""POST /v1/chat/completions: messages through the model's chat template."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kestrel.engine.outputs import Logprob
+from kestrel.errors import KestrelError
+from kestrel.server.common import ServerState, final_outputs, new_id, sse, unless_disconnected
+from kestrel.server.openai_protocol import ChatCompletionRequest, error_body
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None, num: int, tokenizer) -> dict:
+    content = []
+    for t, d in zip(token_ids, entries or []):
+        lp = d.get(t)
+        text = (lp.decoded_token if lp is not None else None) or tokenizer.decode([t])
+        item = _entry(text, lp.logprob if lp is not None else float("-inf"))
+        top = sorted((v for v in d.values() if v.rank <= num), key=lambda v: v.rank)[:num]
+        item["top_logprobs"] = [_entry(v.decoded_token or "", v.logprob) for v in top]
+        content.append(item)
+    return {"content": content}
+
+
+def render_prompt(state: ServerState, req) -> list[int]:
+    """messages -> the chat template's text -> token ids (the template already holds the special tokens)."""
+    ip = state.engine.input_processor
+    text = ip.apply_chat_template([m.as_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                                  **(getattr(req, "chat_template_kwargs", None) or {}))
+    return state.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    state.check_model(req.model)
+    engine = state.engine
+    params = req.sampling_params()
+    prompt_ids = render_prompt(state, req)
+    rid = req.request_id or new_id("chatcmpl")
+    gen = engine.generate(prompt_ids, params, rid, req.priority)
+    created = int(time.time())
+    if req.stream:
+        return StreamingResponse(_stream(state, req, rid, created, gen), media_type="text/event-stream")
+    (out,) = await unless_disconnected(raw, final_outputs([gen]))
+    choices = []
+    for c in out.outputs:
+        lp = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, engine.tokenizer) if req.logprobs else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    p = len(out.prompt_token_ids)
+    comp = sum(len(c.token_ids) for c in out.outputs)
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                         "choices": choices,
+                         "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}})
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen) -> AsyncIterator[str]:
+    tok = state.engine.tokenizer
+
+    def chunk(choices, usage=None):
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+             "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        return sse(d)
+
+    started: set[int] = set()
+    done: set[int] = set()
+    last = None
+    try:
+        async for out in gen:
+            last = out
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                if c.index not in started:
+                    started.add(c.index)
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                if not c.text_delta and not c.token_ids_delta and c.finish_reason is None:
+                    continue
+                lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, req.top_logprobs or 0, tok)
+                      if req.logprobs else None)
+                delta = {"content": c.text_delta} if c.text_delta else {}
+                if c.finish_reason is not None:
+                    done.add(c.index)
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}])
+        if req.stream_options and req.stream_options.include_usage and last is not None:
+            p = len(last.prompt_token_ids)
+            comp = sum(len(c.token_ids) for c in last.outputs)
+            yield chunk([], {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp})
+        yield "data: [DONE]\n\n"
+    except KestrelError as e:
+        yield sse(error_body(str(e), e.error_type, getattr(e, "param", None), e.status_code))

@@ -1,0 +1,169 @@
+"""Request schemas of the OpenAI-compatible API (pydantic v2), with vLLM's sampling extras.
+Unknown fields are ignored; a field of the wrong type is a 400 naming that field."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.errors import InvalidRequest
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Base):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    request_id: str | None = None
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        if self.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {self.n}", param="n")
+        best_of = self.best_of if self.best_of is not None else self.n
+        if best_of < self.n:
+            raise InvalidRequest(f"best_of ({best_of}) must be at least n ({self.n})", param="best_of")
+        if best_of > self.n and self.stream:
+            raise InvalidRequest("best_of > n is not supported with stream=true", param="best_of")
+        p = self._sampling(self.max_tokens, self.logprobs, self.logprobs if self.echo and self.logprobs is not None
+                           else None)
+        if best_of > self.n:  # ranking by cumulative logprob needs the sampled tokens' logprobs
+            p = p.clone(n=best_of, logprobs=p.logprobs if p.logprobs is not None else 0)
+        p.validate()
+        return p
+
+
+class ContentPart(_Base):
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict:
+        c = self.content
+        if isinstance(c, list):
+            parts = []
+            for part in c:
+                if part.type != "text":
+                    raise InvalidRequest(f"content part type {part.type!r} is not supported", param="messages")
+                parts.append(part.text or "")
+            c = "".join(parts)
+        d = {"role": self.role, "content": c or ""}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {self.n}", param="n")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format other than text is not supported", param="response_format")
+        if self.tools:
+            raise InvalidRequest("tools are not supported", param="tools")
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None)
+        p.validate()
+        return p
+
+
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorBody(_Base):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]

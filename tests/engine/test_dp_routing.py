@@ -1,0 +1,43 @@
+"""DPClient routing without processes: least loaded (stats + routed since), stable aborts, dead engines skipped."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel.config import EngineConfig
+from kestrel.engine import protocol as P
+from kestrel.engine.core_client import DPClient
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.errors import EngineDead
+
+
+def req(i: int) -> P.EngineCoreRequest:
+    return P.EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(), None, 4, 0.0)
+
+
+@pytest.fixture
+def dp():
+    c = DPClient(EngineConfig(), 3)
+    c.sent = []
+    c._send = lambda e, t, payload: c.sent.append((e, t))
+    return c
+
+
+def test_least_loaded_and_stable_abort(dp):
+    dp.stats = [P.SchedulerStats(num_running=5), P.SchedulerStats(num_running=1, num_waiting=1),
+                P.SchedulerStats(num_running=3)]
+    got = [dp.add_request(req(i)) for i in range(4)]
+    # loads 5/2/3 -> r0 to 1 (3/3 tie, lowest index wins) -> r1 to 1 -> r2 to 2 (4/4) -> r3 to 1
+    assert got == [1, 1, 2, 1]
+    dp.sent.clear()
+    dp.abort_requests(["r2", "r0", "unknown"])  # each abort goes where its request went
+    assert sorted(dp.sent) == [(1, P.RequestType.ABORT), (2, P.RequestType.ABORT)]
+    assert "r0" not in dp.request_engine and "r1" in dp.request_engine
+
+
+def test_dead_engines_are_skipped(dp):
+    dp.dead = {0: EngineDead("engine core 0 died"), 1: EngineDead("engine core 1 died")}
+    assert dp.add_request(req(0)) == 2
+    dp.dead[2] = EngineDead("engine core 2 died")
+    with pytest.raises(EngineDead, match="every engine core is dead"):
+        dp.add_request(req(1))
+    assert dp.is_dead

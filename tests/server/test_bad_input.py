@@ -1,0 +1,67 @@
+"""Acceptance 2: every bad request gets a 4xx with the OpenAI error body naming what is wrong; the server keeps
+serving afterwards."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import http
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "hello", "max_tokens": 2}
+MSG = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (id, path, body or raw bytes, status, param, words in the message)
+    ("malformed_json", C, b'{"prompt": "x",', 400, None, "JSON"),
+    ("not_json_object", C, b"[1, 2]", 400, None, "dictionary"),
+    ("unknown_model", C, {**OK, "model": "gpt-17"}, 404, "model", "gpt-17"),
+    ("prompt_too_long", C, {"prompt": [5] * 600, "max_tokens": 1}, 400, "prompt", "context"),
+    ("prompt_missing", C, {"max_tokens": 2}, 400, "prompt", "required"),
+    ("prompt_empty", C, {"prompt": [], "max_tokens": 2}, 400, "prompt", "empty"),
+    ("prompt_bad_token_id", C, {"prompt": [1, 99999], "max_tokens": 2}, 400, "prompt", "token ids"),
+    ("max_tokens_too_large", C, {**OK, "max_tokens": 100000}, 400, "max_tokens", "context"),
+    ("max_tokens_negative", C, {**OK, "max_tokens": -3}, 400, "max_tokens", "at least 1"),
+    ("max_tokens_wrong_type", C, {**OK, "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ("n_zero", C, {**OK, "n": 0}, 400, "n", "at least 1"),
+    ("best_of_below_n", C, {**OK, "n": 3, "best_of": 2}, 400, "best_of", "n"),
+    ("temperature_negative", C, {**OK, "temperature": -0.5}, 400, "temperature", "non-negative"),
+    ("temperature_wrong_type", C, {**OK, "temperature": "hot"}, 400, "temperature", "number"),
+    ("top_p_zero", C, {**OK, "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("top_p_above_one", C, {**OK, "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("too_many_stop_strings", C, {**OK, "stop": [f"s{i}" for i in range(17)]}, 400, "stop", "at most"),
+    ("stop_wrong_type", C, {**OK, "stop": 5}, 400, "stop", "string"),
+    ("logprobs_too_many", C, {**OK, "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ("stream_wrong_type", C, {**OK, "stream": "maybe"}, 400, "stream", "boolean"),
+    ("chat_messages_missing", CH, {"max_tokens": 2}, 400, "messages", "required"),
+    ("chat_messages_empty", CH, {"messages": [], "max_tokens": 2}, 400, "messages", "at least 1"),
+    ("chat_bad_role_type", CH, {"messages": [{"role": 3, "content": "x"}]}, 400, "messages", "string"),
+    ("chat_unknown_model", CH, {"messages": MSG, "model": "nope"}, 404, "model", "nope"),
+    ("chat_max_completion_tokens_neg", CH, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_tokens",
+     "at least 1"),
+    ("chat_top_p", CH, {"messages": MSG, "top_p": 2}, 400, "top_p", "(0, 1]"),
+    ("chat_top_logprobs_without_logprobs", CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs",
+     "logprobs"),
+    ("chat_prompt_too_long", CH, {"messages": [{"role": "user", "content": "stop " * 600}]}, 400, "prompt",
+     "context"),
+    ("detokenize_bad_ids", "/detokenize", {"tokens": [-1]}, 400, "tokens", "ids"),
+    ("unknown_route", "/v1/nothing", {}, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request(server, path, body, status, param, words):
+    raw = body if isinstance(body, bytes) else None
+    s, resp = http("POST", server.url + path, None if raw else body, raw=raw)
+    assert s == status, resp
+    assert set(resp) == {"error"} and set(resp["error"]) == {"message", "type", "param", "code"}, resp
+    err = resp["error"]
+    assert err["param"] == param, err
+    assert words.lower() in err["message"].lower(), err
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_still_serving_after_bad_requests(server):
+    s, r = http("POST", server.url + C, {**OK, "unknown_extra_field": {"x": 1}})
+    assert s == 200 and r["usage"]["completion_tokens"] >= 1
+    s, r = http("POST", server.url + CH, {"messages": MSG, "max_tokens": 2})
+    assert s == 200 and r["choices"][0]["message"]["role"] == "assistant"
