@@ -6,13 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 logging.getLogger("kestrel").setLevel(logging.WARNING)
 
-from tiny import CONFIGS, make_checkpoint, make_tokenizer  # noqa: E402
+from tests.tiny import CONFIGS, make_checkpoint, make_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import make_checkpoint
+from tests.tiny import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

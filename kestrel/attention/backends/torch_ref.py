@@ -41,8 +41,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         q_len = e - s
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
+                                           v.transpose(0, 1).contiguous(), attn_mask=mask, scale=scale)
         out[s:e] = o.transpose(0, 1)
     return out
 
