@@ -22,19 +22,31 @@ class IncrementalDetokenizer:
         self.emitted = 0  # characters of self.text already handed to a stream
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.stopped_by: str | None = None
+        # Fast tokenizers stream through the Rust DecodeStream (one call per token, no re-decoding windows).
+        self._rust = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=list(prompt_token_ids[-6:]), skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if one was found (generation must end)."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None  # incomplete character: wait for more tokens
-        new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._stream is not None:
+            new = self._stream.step(self._rust, token_id)
+            if not new:
+                return None
+        else:
+            self.ids.append(token_id)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return None  # incomplete character: wait for more tokens
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.hold)
         self.text += new
         if self.stop:
