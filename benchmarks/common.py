@@ -93,6 +93,10 @@ def measure_ceilings() -> dict:
 
 
 def git_commit() -> str:
+    import os
+
+    if os.environ.get("KESTREL_COMMIT"):  # the device machine gets the tree without .git
+        return os.environ["KESTREL_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:

@@ -99,6 +99,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids (kept in step: read every step)
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
@@ -160,8 +161,12 @@ class KVCacheManager:
             return False
         self.pool.touch(list(computed))
         blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        ids = self.req_block_ids.setdefault(req.request_id, [])
+        new = self.pool.allocate(num_new_blocks)
         blocks.extend(computed)
-        blocks.extend(self.pool.allocate(num_new_blocks))
+        blocks.extend(new)
+        ids.extend(b.block_id for b in computed)
+        ids.extend(b.block_id for b in new)
         if computed:
             self._num_cached_blocks[req.request_id] = len(blocks) - num_new_blocks
         return True
@@ -185,11 +190,13 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks, tail first (so shared prefixes outlive tails)."""
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.req_block_ids.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         self.pool.release(reversed(blocks))
 
     def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]
+        """The request's block ids (a live list owned by the manager: read, don't modify)."""
+        return self.req_block_ids.get(req.request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         self.pool.reset_prefix_cache()

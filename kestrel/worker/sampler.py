@@ -52,10 +52,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask everything outside each row's top-k / top-p (nucleus) / min-p set. Inputs are temperature-scaled."""
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  use_top_k_p: bool = True, use_min_p: bool = True) -> torch.Tensor:
+    """Mask everything outside each row's top-k / top-p (nucleus) / min-p set. Inputs are temperature-scaled.
+    The use_* flags (known on the host) skip work no row asks for without a device sync."""
     vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if use_top_k_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         k = torch.where(top_k > 0, top_k, vocab)[:, None]
@@ -65,7 +67,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop |= cum_before >= top_p[:, None]
         drop[:, 0] = False  # the most likely token always stays
         logits = torch.full_like(logits, _MASK).scatter(1, order, sorted_logits.masked_fill(drop, _MASK))
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = logits.softmax(dim=-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < thresh, _MASK)
@@ -114,15 +116,22 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             dev = logits.device
-            temp = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
-            greedy_rows = torch.tensor([r.params.greedy for r in rows], device=dev)
-            scaled = logits / temp[:, None]
-            scaled = filter_logits(
-                scaled,
-                torch.tensor([r.params.top_k for r in rows], device=dev),
-                torch.tensor([r.params.top_p for r in rows], device=dev),
-                torch.tensor([r.params.min_p for r in rows], device=dev),
-            )
+            ps = [r.params for r in rows]
+            temps = [max(p.temperature, 1e-5) for p in ps]
+            any_greedy = any(p.greedy for p in ps)
+            use_top_k_p = any(p.top_k > 0 or p.top_p < 1 for p in ps)
+            use_min_p = any(p.min_p > 0 for p in ps)
+            if len(set(temps)) == 1:
+                scaled = logits / temps[0]
+            else:
+                scaled = logits / torch.tensor(temps, device=dev)[:, None]
+            if use_top_k_p or use_min_p:
+                scaled = filter_logits(
+                    scaled,
+                    torch.tensor([p.top_k for p in ps], device=dev),
+                    torch.tensor([p.top_p for p in ps], device=dev),
+                    torch.tensor([p.min_p for p in ps], device=dev),
+                    use_top_k_p, use_min_p)
             probs = scaled.softmax(dim=-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (Gumbel-max in another guise).
             noise = torch.empty_like(probs)
@@ -132,8 +141,10 @@ class Sampler:
             for i in seeded:
                 g = _position_generator(rows[i].params.seed, len(rows[i].output_token_ids), dev)
                 noise[i].exponential_(generator=g)
-            sampled = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+            tokens = (probs / noise).argmax(dim=-1)
+            if any_greedy:
+                greedy_rows = torch.tensor([p.greedy for p in ps], device=dev)
+                tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
 
         lp: list = [None] * n
         if raw_logprobs is not None:
