@@ -44,6 +44,8 @@ class SchedulerConfig:
     max_num_seqs: int = _f(256, "most requests running at once")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
+    async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
+                                       "(auto: on for CUDA)", choices=["auto", "on", "off"])
 
 
 @dataclass

@@ -53,18 +53,19 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None) -> Path:
+def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
+                    **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = CONFIGS[kind]
-    cfg = AutoConfig.for_model(model_type, **{**BASE, **extra})
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init give peakier, less tie-prone logits
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-    out = root / kind
+    out = root / (name or kind)
     model.save_pretrained(out)
     (tokenizer or make_tokenizer()).save_pretrained(out)
     return out

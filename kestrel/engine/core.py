@@ -38,6 +38,9 @@ class EngineCore:
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self._sleeping = False
         self._paused = False
+        mode = config.scheduler.async_scheduling
+        self.pipelined = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
+        self._inflight = None
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
                     num_blocks * self.runner.bytes_per_block / 2**20, time.perf_counter() - t0)
@@ -52,19 +55,44 @@ class EngineCore:
         return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step
+    def _pipeline_ok(self) -> bool:
+        """Pipelined decode (schedule and launch step N+1 before step N's tokens are read) is on when the
+        device runs asynchronously and no live request needs its previous tokens on the host to sample
+        (penalties) or asks for logprobs."""
+        return self.pipelined and self.scheduler.num_sync_requests == 0
+
     def step(self) -> EngineCoreOutputs:
+        if self._inflight is not None:
+            prev_sched, prev = self._inflight
+            self._inflight = None
+            if self._pipeline_ok() and not (self._paused or self._sleeping):
+                sched = self.scheduler.schedule()
+                if not sched.is_empty:
+                    self._inflight = (sched, self.runner.launch(sched, self.eos_token_id, prev))
+                    self.scheduler.on_launch(sched)
+            result = self.runner.collect(prev)
+            return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, [], self.stats())
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched, self.eos_token_id)
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        inf = self.runner.launch(sched, self.eos_token_id)
+        self.scheduler.on_launch(sched)
+        if self._pipeline_ok() and inf.tokens is not None:
+            self._inflight = (sched, inf)
+            return EngineCoreOutputs(self.engine_index, [], self.stats())
+        return self._outputs(sched, self.runner.collect(inf))
+
+    def _outputs(self, sched, result) -> EngineCoreOutputs:
+        finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
         outputs = []
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id
+            if req.is_finished and rid not in finished:
+                continue  # finished or aborted while this step was in flight
             tok = result.sampled.get(rid)
             plp = result.prompt_logprobs.get(rid)
             if tok is None and plp is None:

@@ -12,7 +12,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kestrel.engine.request import Request
+from kestrel.engine.request import PLACEHOLDER, Request
 
 _ROOT_HASH = b"kestrel-kv-root"
 
@@ -128,7 +128,8 @@ class KVCacheManager:
     def _block_hashes(self, req: Request) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
         extra = getattr(req, "cache_salt", b"") or b""
-        while (len(hashes) + 1) * bs <= req.num_tokens:
+        known = req.num_tokens - (1 if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER else 0)
+        while (len(hashes) + 1) * bs <= known:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else None, req.tokens_slice(i * bs, (i + 1) * bs), extra))
         return hashes

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from kestrel.engine.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import SchedulerConfig
 from kestrel.engine.kv_cache import KVCacheManager
-from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass
@@ -22,6 +22,7 @@ class ScheduledRequest:
     num_new_tokens: int
     num_computed_tokens: int  # before this step
     block_ids: list[int]
+    output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
 
     @property
     def samples(self) -> bool:
@@ -42,6 +43,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def needs_sync(req: Request) -> bool:
+    """Sampling that reads previous tokens' values on the host, or logprobs (read on the host each step)."""
+    p = req.sampling_params
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+            or p.logprobs is not None or p.prompt_logprobs is not None)
 
 
 class WaitingQueue:
@@ -107,6 +115,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_sync_requests = 0  # live requests that rule out pipelined decode (see needs_sync)
 
     # ---- requests in and out
     def add_request(self, req: Request) -> None:
@@ -115,6 +124,8 @@ class Scheduler:
         if self.kv.blocks_needed(req.num_prompt_tokens + 1) > self.kv.num_blocks:
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache")
         self.requests[req.request_id] = req
+        if needs_sync(req):
+            self.num_sync_requests += 1
         self.waiting.push(req)
 
     def abort_requests(self, request_ids) -> list[Request]:
@@ -133,6 +144,8 @@ class Scheduler:
         return aborted
 
     def _finish(self, req: Request) -> None:
+        if needs_sync(req):
+            self.num_sync_requests -= 1
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
@@ -176,6 +189,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if len(req.output_token_ids) >= req.max_tokens:
+                continue  # its in-flight token is its last one
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while True:
                 if self.kv.allocate_slots(req, num_new):
@@ -214,27 +229,52 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit a stop condition.
-        Returns the requests that finished in this step."""
-        finished = []
+        """Synchronous step: the launch bookkeeping and the result at once. Returns the finished requests."""
+        self.on_launch(out)
+        return self.on_result(out, sampled)
+
+    def on_launch(self, out: SchedulerOutput) -> None:
+        """The step's work is queued: advance computed counts and give each sampling request a placeholder
+        token, so the next step can be scheduled before this one's tokens are known (pipelined decode)."""
         for s in out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            self.kv.cache_full_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if s.samples:
+                s.output_index = len(req.output_token_ids)
+                req.output_token_ids.append(PLACEHOLDER)
+
+    def on_result(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Fill the placeholders with the sampled tokens, check stop conditions, cache full blocks.
+        A request that already finished (or was aborted) while this step ran is skipped."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
                 continue
-            req.output_token_ids.append(token)
-            if self._check_stop(req, token):
-                self.running.remove(req)
-                self._finish(req)
-                finished.append(req)
+            token = sampled.get(req.request_id)
+            if token is not None and s.output_index >= 0:
+                req.output_token_ids[s.output_index] = token
+                if self._check_stop(req, token, s.output_index + 1):
+                    del req.output_token_ids[s.output_index + 1:]  # a placeholder of a step in flight
+                    self._remove(req)
+                    self._finish(req)
+                    finished.append(req)
+                    continue
+            if req.status == RequestStatus.RUNNING and PLACEHOLDER not in req.tokens_slice(
+                    max(0, req.num_computed_tokens - 1), req.num_computed_tokens):
+                self.kv.cache_full_blocks(req)
         return finished
 
-    def _check_stop(self, req: Request, token: int) -> bool:
-        sp, n_out = req.sampling_params, len(req.output_token_ids)
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+
+    def _check_stop(self, req: Request, token: int, n_out: int) -> bool:
+        sp = req.sampling_params
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token == req.eos_token_id:
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -242,7 +282,7 @@ class Scheduler:
             if token in sp.stop_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 return True
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
@@ -253,9 +293,6 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._remove(req)
             req.status = status
             self._finish(req)

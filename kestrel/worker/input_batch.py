@@ -21,6 +21,7 @@ class InputBuffers:
         self.qsl_h, self.qsl_np, self.query_start_loc = pair(max_reqs + 1, torch.int32)
         self.sl_h, self.sl_np, self.seq_lens = pair(max_reqs, torch.int32)
         self.bt_h, self.bt_np, self.block_tables = pair((max_reqs, max_blocks_per_req), torch.int32)
+        self.fill_h, self.fill_np, self.fill_idx = pair((2, max_reqs), torch.int64)  # placeholder dst/src rows
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks_per_req
 
     def copy_to_device(self, num_tokens: int, num_reqs: int, width: int) -> None:

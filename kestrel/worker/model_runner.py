@@ -11,6 +11,7 @@ from kestrel.attention.backend import AttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.engine.request import PLACEHOLDER
 from kestrel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kestrel.loader import LoadedModel, load_model
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
@@ -18,6 +19,17 @@ from kestrel.worker.input_batch import InputBuffers
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A launched step: its sampled tokens on the device, and where they land on the host."""
+    out: "RunnerOutput"
+    samplers: list = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
+    tokens_host: torch.Tensor | None = None
+    event: object = None
 
 
 @dataclass
@@ -58,6 +70,7 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.graphs = None
         self.graph_capture_seconds = 0.0
+        self._copy_done = None
 
     # ---- KV cache
     @property
@@ -115,11 +128,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches,
                                        [s for s in sizes if s <= sc.max_num_seqs], self.max_model_len)
             self.graph_capture_seconds = self.graphs.capture()
+        pin = self.device.type == "cuda"
+        self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._token_flip = 0
 
     # ---- one step
-    def _prepare(self, batch: list[ScheduledRequest]) -> AttentionMetadata:
+    def _prepare(self, batch: list[ScheduledRequest], prev: "InFlight | None" = None) -> AttentionMetadata:
         """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
         buf, bs = self.buffers, self.block_size
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the last step's host->device copies have left the staging buffers
+        fills_dst, fills_src = [], []
         n_tok = sum(s.num_new_tokens for s in batch)
         if n_tok > buf.max_tokens or len(batch) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(batch)} requests exceeds the runner's buffers")
@@ -133,7 +152,12 @@ class ModelRunner:
             c, n, blocks = s.num_computed_tokens, s.num_new_tokens, s.block_ids
             req = s.request
             if n == 1:
-                ids[t] = req.token_at(c)
+                tok = req.token_at(c)
+                if tok == PLACEHOLDER:  # sampled by the step in flight: copied on the device below
+                    fills_dst.append(t)
+                    fills_src.append(prev.rows[req.request_id])
+                    tok = 0
+                ids[t] = tok
                 pos[t] = c
                 slots[t] = blocks[c // bs] * bs + c % bs
                 if num_decodes == b:
@@ -150,6 +174,15 @@ class ModelRunner:
             width = max(width, len(blocks))
         nr = len(batch)
         buf.copy_to_device(t, nr, width)
+        if fills_dst:
+            k = len(fills_dst)
+            buf.fill_np[0, :k] = fills_dst
+            buf.fill_np[1, :k] = fills_src
+            buf.fill_idx[:, :k].copy_(buf.fill_h[:, :k], non_blocking=buf.device.type == "cuda")
+            buf.input_ids.index_copy_(0, buf.fill_idx[0, :k], prev.tokens[buf.fill_idx[1, :k]].to(torch.int64))
+        if self.device.type == "cuda":
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
         return AttentionMetadata(
             num_tokens=t, num_reqs=nr, num_decodes=num_decodes, max_query_len=max(s.num_new_tokens for s in batch),
             max_seq_len=int(sl[:nr].max()), query_start_loc=buf.query_start_loc[:nr + 1],
@@ -158,13 +191,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_token_id: int | None) -> RunnerOutput:
-        out = RunnerOutput()
+        """One synchronous step."""
+        return self.collect(self.launch(sched, eos_token_id))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, eos_token_id: int | None, prev: "InFlight | None" = None) -> "InFlight":
+        """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
+        placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode)."""
+        inf = InFlight(RunnerOutput())
         for rid in sched.finished_ids:
             self.prompt_logprobs_done.pop(rid, None)
         if sched.is_empty:
-            return out
+            return inf
         batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
-        meta = self._prepare(batch)
+        meta = self._prepare(batch, prev)
         qsl = meta.query_start_loc_cpu
         samplers = [s for s in batch if s.samples]
         hidden = None
@@ -182,15 +222,37 @@ class ModelRunner:
                                  else []) + s.request.sampling_params.stop_token_ids)
                     for s in samplers]
             res = self.sampler(logits, rows)
-            for s, tok, lp in zip(samplers, res.token_ids, res.logprobs):
-                out.sampled[s.request.request_id] = tok
+            inf.samplers = samplers
+            inf.tokens = res.tokens
+            inf.rows = {s.request.request_id: i for i, s in enumerate(samplers)}
+            for s, lp in zip(samplers, res.logprobs):
                 if lp is not None:
-                    out.logprobs[s.request.request_id] = lp
+                    inf.out.logprobs[s.request.request_id] = lp
+            if self.device.type == "cuda":
+                host = self._token_host[self._token_flip][: len(samplers)]
+                self._token_flip ^= 1
+                host.copy_(res.tokens, non_blocking=True)
+                inf.tokens_host = host
+                inf.event = torch.cuda.Event()
+                inf.event.record()
         if hidden is not None:
             for b, s in enumerate(batch):
                 if s.request.sampling_params.prompt_logprobs is not None:
-                    self._prompt_logprobs(s, hidden[qsl[b]:qsl[b + 1]], out)
-        return out
+                    self._prompt_logprobs(s, hidden[qsl[b]:qsl[b + 1]], inf.out)
+        return inf
+
+    def collect(self, inf: "InFlight") -> RunnerOutput:
+        """Wait for a launched step's sampled tokens."""
+        if inf.tokens is None:
+            return inf.out
+        if inf.event is not None:
+            inf.event.synchronize()
+            tokens = inf.tokens_host.tolist()
+        else:
+            tokens = inf.tokens.tolist()
+        for s, tok in zip(inf.samplers, tokens):
+            inf.out.sampled[s.request.request_id] = tok
+        return inf.out
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens 1..P-1, each given its prefix; collected chunk by chunk, once."""

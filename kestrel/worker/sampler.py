@@ -25,9 +25,13 @@ class SamplingRow:
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    tokens: torch.Tensor  # [N] on the logits' device (no host sync until token_ids is read)
     # per row: (sampled logprob, sampled rank, [(token, logprob)] top-N) or None
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.tolist()
 
 
 def _position_generator(seed: int, position: int, device) -> torch.Generator:
@@ -154,4 +158,4 @@ class Sampler:
             for j, i in enumerate(idx):
                 chosen, rank, top = entries[j]
                 lp[i] = (chosen, rank, top[: want_logprobs[i]])
-        return SampleResult(tokens.tolist(), lp)
+        return SampleResult(tokens, lp)

@@ -6,6 +6,20 @@ from kestrel import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, tiny_tokenizer):
+    """Tiny models with head dim 64 (the Triton kernels are checked for 64/128/256)."""
+    from tests.tiny import make_checkpoint
+
+    root = tmp_path_factory.mktemp("gpu_models")
+    wide = dict(hidden_size=256, intermediate_size=512)
+    return {
+        "llama": make_checkpoint("llama", root, tokenizer=tiny_tokenizer, **wide),
+        "llama_gqa_llama3": make_checkpoint("llama_gqa_llama3", root, tokenizer=tiny_tokenizer, **wide),
+        "qwen3": make_checkpoint("qwen3", root, tokenizer=tiny_tokenizer, head_dim=64, **wide),
+    }
+
 PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
 
 
@@ -43,9 +57,9 @@ def test_cuda_graph_replay_equals_eager(tiny_models):
     path = str(tiny_models["qwen3"])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 3  # 12 requests: padded to a captured size of 16
-    graphs = LLM(path, dtype="bfloat16", progress=False)
+    graphs = LLM(path, dtype="bfloat16", progress=False, async_scheduling="off")
     assert graphs.engine.core.runner.graphs is not None
-    eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False)
+    eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off")
     assert eager.engine.core.runner.graphs is None
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
@@ -58,3 +72,13 @@ def test_seeded_sampling_on_gpu_is_batch_invariant(tiny_models):
     alone = llm.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
     batch = llm.generate(PROMPTS, [sp] + [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 3)
     assert batch[0].outputs[0].token_ids == alone
+
+
+def test_pipelined_decode_equals_synchronous_on_gpu(tiny_models):
+    path = str(tiny_models["llama"])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16", progress=False, async_scheduling="on")
+         .generate(PROMPTS * 4, params)]
+    b = [o.outputs[0].token_ids for o in LLM(path, dtype="bfloat16", progress=False, async_scheduling="off")
+         .generate(PROMPTS * 4, params)]
+    assert a == b

@@ -36,7 +36,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     devices = ("cuda",)
     dtypes = tuple(d for d in gates.GATES["dtypes"] if d != torch.float32)
-    head_sizes = None  # any power of two in [16, 256]: gates.check_attention decides
+    head_sizes = gates.GATES["head_dims"]  # the head dims checked on the GPU (64, 128, 256)
     supports_cuda_graphs = True
     impl_cls = TritonImpl
 
