@@ -54,7 +54,7 @@ CONFIGS = {
 
 
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
-                    **overrides) -> Path:
+                    logit_scale: float = 1.0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = CONFIGS[kind]
@@ -65,6 +65,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+        # peakier next-token distributions keep bf16 rounding from flipping near-tied argmaxes (GPU tests)
+        model.get_output_embeddings().weight.mul_(logit_scale)
     out = root / (name or kind)
     model.save_pretrained(out)
     (tokenizer or make_tokenizer()).save_pretrained(out)

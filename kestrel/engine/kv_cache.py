@@ -156,6 +156,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool is short."""
         blocks = self.req_blocks.get(req.request_id, [])
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        if not computed and total <= len(blocks) * self.block_size:
+            return True  # fits in the blocks it holds (most decode steps)
         num_new_blocks = max(0, self.blocks_needed(total) - len(blocks) - len(computed))
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits that sit on the free list
         if num_new_blocks + reclaimed > self.pool.num_free:

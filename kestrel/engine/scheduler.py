@@ -23,11 +23,10 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     block_ids: list[int]
     output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
+    samples: bool = False  # this step reaches the end of the known tokens, so a new token is sampled
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -42,8 +42,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq, scaling = inv_freq_for(hf_config, head_dim, max_positions)
+        inv_freq = inv_freq.to(torch.get_default_device())  # rope-init functions build on the CPU
         self.rot_dim = inv_freq.numel() * 2
-        t = torch.arange(max_positions, dtype=torch.float)
+        t = torch.arange(max_positions, dtype=torch.float, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)  # [max_pos, rot_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -13,7 +13,7 @@ def tiny_models(tmp_path_factory, tiny_tokenizer):
     from tests.tiny import make_checkpoint
 
     root = tmp_path_factory.mktemp("gpu_models")
-    wide = dict(hidden_size=256, intermediate_size=512)
+    wide = dict(hidden_size=256, intermediate_size=512, logit_scale=4.0)
     return {
         "llama": make_checkpoint("llama", root, tokenizer=tiny_tokenizer, **wide),
         "llama_gqa_llama3": make_checkpoint("llama_gqa_llama3", root, tokenizer=tiny_tokenizer, **wide),
