@@ -89,22 +89,37 @@ class ModelRunner:
             return max(1, int(budget // self.bytes_per_block))
         return max(1, cc.kv_cache_memory // self.bytes_per_block)
 
+    def dummy_prefill_batch(self, n: int):
+        """A prefill batch of `n` tokens in sequences no longer than the context, with real block tables over
+        a freshly allocated cache (memory profiling). Returns (input_ids, positions, metadata)."""
+        seq = min(n, self.max_model_len)
+        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
+        per_seq = -(-seq // self.block_size)
+        self.allocate_kv_cache(per_seq * len(lens))
+        dev = self.device
+        qsl = [0]
+        for length in lens:
+            qsl.append(qsl[-1] + length)
+        meta = AttentionMetadata(
+            n, len(lens), 0, seq, seq, torch.tensor(qsl, dtype=torch.int32, device=dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev),
+            torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
+            torch.full((n,), -1, dtype=torch.int64, device=dev), qsl, lens)
+        positions = torch.cat([torch.arange(length, device=dev) for length in lens])
+        return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
+
     def _profile_peak_bytes(self) -> int:
         """Activation memory of one forward at the full token budget (GPU only)."""
         n = self.config.scheduler.max_num_batched_tokens
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        self.allocate_kv_cache(1)
-        meta = AttentionMetadata(n, 1, 0, n, n, torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                                 torch.tensor([n], dtype=torch.int32, device=self.device),
-                                 torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-                                 torch.full((n,), -1, dtype=torch.int64, device=self.device), [0, n], [n])
+        ids, positions, meta = self.dummy_prefill_batch(n)
+        kv_bytes = torch.cuda.memory_allocated() - before
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                                torch.arange(n, device=self.device), ForwardContext(meta, self.kv_caches))
+            hidden = self.model(ids, positions, ForwardContext(meta, self.kv_caches))
             self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs):])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
+        peak = torch.cuda.max_memory_allocated() - before - kv_bytes
         self.kv_caches = []
         torch.cuda.empty_cache()
         return int(peak * 1.1)

@@ -23,34 +23,20 @@ def tiny_models(tmp_path_factory, tiny_tokenizer):
 PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
 
 
-def _hf_tokens(path, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        g = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                           output_logits=True, return_dict_in_generate=True)
-        outs.append((g.sequences[0, len(p):].tolist(), [l[0].float().log_softmax(-1) for l in g.logits]))
-    return outs
-
-
 @pytest.mark.parametrize("kind", ["llama", "llama_gqa_llama3", "qwen3"])
 def test_bf16_matches_transformers(tiny_models, kind):
+    from transformers import AutoModelForCausalLM
+
+    from tests.agreement import teacher_forced_agreement
+
     path = str(tiny_models[kind])
     llm = LLM(path, dtype="bfloat16", progress=False)
     assert llm.engine.core.runner.backend.name == "triton"
-    ours = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1))
-    for o, (ref, ref_lp) in zip(ours, _hf_tokens(path, PROMPTS, 32)):
-        toks = o.outputs[0].token_ids
-        agree = sum(a == b for a, b in zip(toks, ref))
-        assert agree >= 30, (kind, agree, toks, ref)
-        # logprobs of the tokens both chose, up to the first divergence: within bf16 tolerance
-        for i, (a, b) in enumerate(zip(toks, ref)):
-            if a != b:
-                break
-            assert abs(o.outputs[0].logprobs[i][a].logprob - ref_lp[i][a].item()) < 0.1
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    for p in PROMPTS:
+        agree, lp_err = teacher_forced_agreement(llm, hf, p, 32, "cuda")
+        assert agree >= 30, (kind, p, agree)
+        assert lp_err < 0.1, (kind, p, lp_err)  # bf16: logits carry ~3 significant digits
 
 
 def test_cuda_graph_replay_equals_eager(tiny_models):

@@ -1,0 +1,24 @@
+"""Per-token greedy agreement with transformers, teacher-forced: transformers generates greedily; our engine
+scores that very sequence (prompt logprobs) and we count the positions where our argmax is transformers' token.
+In bf16 one near-tie flip would otherwise make every later token of a free-running comparison differ."""
+from __future__ import annotations
+
+import torch
+
+from kestrel import SamplingParams
+
+
+def teacher_forced_agreement(llm, hf_model, prompt: list[int], n: int, device: str):
+    ids = torch.tensor([prompt], device=device)
+    seq = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0].tolist()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([seq], device=device)).logits[0].float().log_softmax(-1)
+    out = llm.generate([seq], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))[0]
+    agree, max_lp_err = 0, 0.0
+    for j in range(len(prompt), len(seq)):
+        entry = out.prompt_logprobs[j]
+        top1 = next(t for t, lp in entry.items() if lp.rank == 1)
+        agree += top1 == seq[j]
+        max_lp_err = max(max_lp_err, abs(entry[seq[j]].logprob - ref[j - 1, seq[j]].item()))
+    return agree, max_lp_err
