@@ -35,6 +35,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--detokenize", action="store_true", help="also stream text (off: token ids, as the "
+                    "throughput benchmark)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
     cfg = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=1, hidden_size=64, intermediate_size=64, vocab_size=512,
@@ -47,7 +49,9 @@ def main():
     runner.model = StubModel(runner.model, 512)
     prompts, _ = nano_workload(args.batch, vocab_cap=512)
     for p in prompts:
-        eng.add_request(p, SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
+        # greedy: on the CPU a sampling step's random draw would dominate what this measures
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True,
+                                          detokenize=args.detokenize))
     while eng.core.scheduler.num_waiting or any(r.in_prefill for r in eng.core.scheduler.running):
         eng.step()
     for _ in range(5):

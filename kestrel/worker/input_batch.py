@@ -20,8 +20,14 @@ class InputBuffers:
         self.slot_h, self.slot_np, self.slot_mapping = pair(max_tokens, torch.int64)
         self.qsl_h, self.qsl_np, self.query_start_loc = pair(max_reqs + 1, torch.int32)
         self.sl_h, self.sl_np, self.seq_lens = pair(max_reqs, torch.int32)
-        self.bt_h, self.bt_np, self.block_tables = pair((max_reqs, max_blocks_per_req), torch.int32)
-        self.fill_h, self.fill_np, self.fill_idx = pair((2, max_reqs), torch.int64)  # placeholder dst/src rows
+        self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        # Block tables are staged compactly ([num_reqs, width] row-major, width = this step's widest request) so
+        # that the host->device copy is one contiguous range; a device-side copy then spreads the rows out.
+        # (A strided host slice would go through a pageable temporary: a synchronous copy that waits for the
+        # step in flight.)
+        self.bt_flat_h, self.bt_flat_np, self.bt_flat = pair(max_reqs * max_blocks_per_req, torch.int32)
+        self.fill_dst_h, self.fill_dst_np, self.fill_dst = pair(max_reqs, torch.int64)  # placeholder rows
+        self.fill_src_h, self.fill_src_np, self.fill_src = pair(max_reqs, torch.int64)
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks_per_req
 
     def copy_to_device(self, num_tokens: int, num_reqs: int, width: int) -> None:
@@ -31,4 +37,11 @@ class InputBuffers:
         self.slot_mapping[:num_tokens].copy_(self.slot_h[:num_tokens], non_blocking=nb)
         self.query_start_loc[:num_reqs + 1].copy_(self.qsl_h[:num_reqs + 1], non_blocking=nb)
         self.seq_lens[:num_reqs].copy_(self.sl_h[:num_reqs], non_blocking=nb)
-        self.block_tables[:num_reqs, :width].copy_(self.bt_h[:num_reqs, :width], non_blocking=nb)
+        n = num_reqs * width
+        self.bt_flat[:n].copy_(self.bt_flat_h[:n], non_blocking=nb)
+        self.block_tables[:num_reqs, :width].copy_(self.bt_flat[:n].view(num_reqs, width))
+
+    def copy_fills(self, k: int) -> None:
+        nb = self.device.type == "cuda"
+        self.fill_dst[:k].copy_(self.fill_dst_h[:k], non_blocking=nb)
+        self.fill_src[:k].copy_(self.fill_src_h[:k], non_blocking=nb)

@@ -16,7 +16,7 @@ from kestrel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kestrel.loader import LoadedModel, load_model
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import InputBuffers
-from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
+from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +157,11 @@ class ModelRunner:
         n_tok = sum(s.num_new_tokens for s in batch)
         if n_tok > buf.max_tokens or len(batch) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(batch)} requests exceeds the runner's buffers")
-        qsl, sl, bt = buf.qsl_np, buf.sl_np, buf.bt_np
+        qsl, sl, bt = buf.qsl_np, buf.sl_np, buf.bt_flat_np
         ids, pos, slots = buf.ids_np, buf.pos_np, buf.slot_np
         qsl[0] = 0
         t = 0
-        width = 1
+        width = max(1, max(len(s.block_ids) for s in batch))
         num_decodes = 0
         for b, s in enumerate(batch):
             c, n, blocks = s.num_computed_tokens, s.num_new_tokens, s.block_ids
@@ -185,16 +185,15 @@ class ModelRunner:
             t += n
             qsl[b + 1] = t
             sl[b] = c + n
-            bt[b, :len(blocks)] = blocks
-            width = max(width, len(blocks))
+            bt[b * width:b * width + len(blocks)] = blocks
         nr = len(batch)
         buf.copy_to_device(t, nr, width)
         if fills_dst:
             k = len(fills_dst)
-            buf.fill_np[0, :k] = fills_dst
-            buf.fill_np[1, :k] = fills_src
-            buf.fill_idx[:, :k].copy_(buf.fill_h[:, :k], non_blocking=buf.device.type == "cuda")
-            buf.input_ids.index_copy_(0, buf.fill_idx[0, :k], prev.tokens[buf.fill_idx[1, :k]].to(torch.int64))
+            buf.fill_dst_np[:k] = fills_dst
+            buf.fill_src_np[:k] = fills_src
+            buf.copy_fills(k)
+            buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
@@ -230,7 +229,8 @@ class ModelRunner:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ForwardContext(meta, self.kv_caches))
             sample_idx = [qsl[b + 1] - 1 for b, s in enumerate(batch) if s.samples]
-            logits = self.model.compute_logits(hidden[sample_idx]) if samplers else None
+            logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
+                      if samplers else None)
         if samplers:
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 ([eos_token_id] if eos_token_id is not None and not s.request.sampling_params.ignore_eos

@@ -34,6 +34,15 @@ class SampleResult:
         return self.tokens.tolist()
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list on the device without a host sync: through pinned memory on CUDA (a plain
+    torch.tensor(..., device=cuda) copies from pageable memory, which waits for the work in flight)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _position_generator(seed: int, position: int, device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + position * 7919 + 0x9E3779B1) & 0x7FFF_FFFF_FFFF_FFFF)
@@ -128,13 +137,13 @@ class Sampler:
             if len(set(temps)) == 1:
                 scaled = logits / temps[0]
             else:
-                scaled = logits / torch.tensor(temps, device=dev)[:, None]
+                scaled = logits / to_device(temps, torch.float32, dev)[:, None]
             if use_top_k_p or use_min_p:
                 scaled = filter_logits(
                     scaled,
-                    torch.tensor([p.top_k for p in ps], device=dev),
-                    torch.tensor([p.top_p for p in ps], device=dev),
-                    torch.tensor([p.min_p for p in ps], device=dev),
+                    to_device([p.top_k for p in ps], torch.int64, dev),
+                    to_device([p.top_p for p in ps], torch.float32, dev),
+                    to_device([p.min_p for p in ps], torch.float32, dev),
                     use_top_k_p, use_min_p)
             probs = scaled.softmax(dim=-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (Gumbel-max in another guise).
@@ -147,7 +156,7 @@ class Sampler:
                 noise[i].exponential_(generator=g)
             tokens = (probs / noise).argmax(dim=-1)
             if any_greedy:
-                greedy_rows = torch.tensor([p.greedy for p in ps], device=dev)
+                greedy_rows = to_device([p.greedy for p in ps], torch.bool, dev)
                 tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
 
         lp: list = [None] * n
