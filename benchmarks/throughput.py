@@ -47,7 +47,7 @@ def run_kestrel(model_dir, prompts, outs, args):
         return orig_step()
 
     core.step = counting_step
-    cpu = {"schedule": 0.0, "prepare": 0.0, "update": 0.0}
+    cpu = {"schedule": 0.0, "prepare": 0.0, "update": 0.0, "outputs": 0.0}
 
     def timed(obj, name, key):
         fn = getattr(obj, name)
@@ -62,7 +62,9 @@ def run_kestrel(model_dir, prompts, outs, args):
 
     timed(core.scheduler, "schedule", "schedule")
     timed(core.runner, "_prepare", "prepare")
-    timed(core.scheduler, "update_from_output", "update")
+    timed(core.scheduler, "on_launch", "update")
+    timed(core.scheduler, "on_result", "update")
+    timed(llm.engine.output_processor, "process", "outputs")
     torch.cuda.synchronize()
     t = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)

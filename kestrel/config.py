@@ -68,7 +68,7 @@ class KernelConfig:
 @dataclass
 class CompilationConfig:
     enforce_eager: bool = _f(False, "disable CUDA graphs")
-    cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,24,...,256)")
+    cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,32,48,64,96,...,256, up to --max-num-seqs)")
 
 
 @dataclass
