@@ -49,6 +49,11 @@ class Fp8LinearBase(LinearKernel):
     family: ClassVar[str] = "fp8"
 
     @classmethod
+    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
+        """A gated FP8 kernel answers from its own row of the gate table (platform/gates.py), by name."""
+        return kernel_gate(cls.name, platform)
+
+    @classmethod
     def _check_common(cls, spec: LinearSpec) -> tuple[bool, str]:
         if not isinstance(spec.quant, Fp8Scheme):
             if spec.quant is None:
@@ -251,10 +256,6 @@ class TorchScaledMMLinear(Fp8LinearBase):
     name = "torch_scaled_mm"
 
     @classmethod
-    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
-        return kernel_gate(cls.name, platform)
-
-    @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
         ok, why = cls._check_common(spec)
         if not ok:
@@ -343,10 +344,6 @@ class TritonFp8BlockLinear(Fp8LinearBase):
     quantized per token and per group of bk columns. The Triton code is imported on first use."""
 
     name = "triton_fp8_block"
-
-    @classmethod
-    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
-        return kernel_gate(cls.name, platform)
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:

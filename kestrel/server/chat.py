@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob
 from kestrel.errors import KestrelError
-from kestrel.server.common import ServerState, final_outputs, new_id, sse, unless_disconnected
+from kestrel.server.common import ServerState, final_outputs, new_id, sse, sse_chunk, unless_disconnected
 from kestrel.server.openai_protocol import ChatCompletionRequest, error_body
 
 
@@ -64,11 +64,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
     tok = state.engine.tokenizer
 
     def chunk(choices, usage=None):
-        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-             "choices": choices}
-        if usage is not None:
-            d["usage"] = usage
-        return sse(d)
+        return sse_chunk(rid, "chat.completion.chunk", created, state.model_name, choices, usage)
 
     started: set[int] = set()
     done: set[int] = set()

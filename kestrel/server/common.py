@@ -37,6 +37,14 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def sse_chunk(rid: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> str:
+    """One streamed chunk of a completion or chat completion."""
+    d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        d["usage"] = usage
+    return sse(d)
+
+
 async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generate() streams; leaving early cancels them all (which aborts their requests)."""
     if len(gens) == 1:

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob, RequestOutput
 from kestrel.errors import KestrelError
-from kestrel.server.common import ServerState, final_outputs, merge, new_id, sse, unless_disconnected
+from kestrel.server.common import ServerState, final_outputs, merge, new_id, sse, sse_chunk, unless_disconnected
 from kestrel.server.openai_protocol import CompletionRequest, error_body
 
 
@@ -107,11 +107,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, created:
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choices, usage=None):
-        d = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-             "choices": choices}
-        if usage is not None:
-            d["usage"] = usage
-        return sse(d)
+        return sse_chunk(rid, "text_completion", created, state.model_name, choices, usage)
 
     try:
         async for i, out in merge(gens):
