@@ -11,6 +11,7 @@ from kestrel.attention.backend import AttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.errors import ConfigError
 from kestrel.engine.request import PLACEHOLDER
 from kestrel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kestrel.loader import LoadedModel, load_model
@@ -85,8 +86,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
-            budget = total * cc.gpu_memory_utilization - (total - free) - self._profile_peak_bytes()
-            return max(1, int(budget // self.bytes_per_block))
+            peak = self._profile_peak_bytes()
+            budget = total * cc.gpu_memory_utilization - (total - free) - peak
+            blocks = int(budget // self.bytes_per_block)
+            needed = -(-self.max_model_len // self.block_size)
+            if blocks < needed:
+                raise ConfigError(
+                    f"KV cache too small: {max(blocks, 0)} blocks of {self.block_size} tokens fit in "
+                    f"--gpu-memory-utilization {cc.gpu_memory_utilization} of {total / 2**30:.0f} GiB "
+                    f"({(total - free) / 2**30:.1f} GiB already in use, {peak / 2**30:.1f} GiB activations), "
+                    f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
+                    f"--max-model-len, or set --num-kv-blocks")
+            return blocks
         return max(1, cc.kv_cache_memory // self.bytes_per_block)
 
     def dummy_prefill_batch(self, n: int):
