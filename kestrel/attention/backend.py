@@ -34,10 +34,6 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class AttentionImpl:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):

@@ -261,9 +261,8 @@ class Scheduler:
                     self._finish(req)
                     finished.append(req)
                     continue
-            if req.status == RequestStatus.RUNNING and PLACEHOLDER not in req.tokens_slice(
-                    max(0, req.num_computed_tokens - 1), req.num_computed_tokens):
-                self.kv.cache_full_blocks(req)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(req)  # tokens before num_computed are all filled by now
         return finished
 
     def _remove(self, req: Request) -> None:

@@ -215,11 +215,6 @@ class ModelRunner:
             slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=qsl[:nr + 1].tolist(), seq_lens_cpu=sl[:nr].tolist())
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, eos_token_id: int | None) -> RunnerOutput:
-        """One synchronous step."""
-        return self.collect(self.launch(sched, eos_token_id))
-
-    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, eos_token_id: int | None, prev: "InFlight | None" = None) -> "InFlight":
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
         placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode)."""
