@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: tests attn tput lat lat8b tput8b fp8 sweep. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: tests attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -18,6 +18,10 @@ for s in $stages; do
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;
+    tputfp8) timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --quantization fp8 --json "$OUT/tputfp8.json" 2>&1 | tail -12 ;;
+    trace)  timeout 200 python3 benchmarks/step_trace.py --shape qwen3-0.6b --json "$OUT/trace.json" 2>&1 | tail -14 ;;
+    tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;
+    profile) (cd benchmarks && timeout 150 python3 profile_step.py > "$OUT/profile.txt" 2>&1; head -3 "$OUT/profile.txt") ;;
   esac
 done
 echo "=== done $(date +%T)"

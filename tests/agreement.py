@@ -8,12 +8,21 @@ import torch
 from kestrel import SamplingParams
 
 
+def bf16_logprob_tolerance(max_abs_logit: float) -> float:
+    """Two bf16 ulps of the largest logit (a logit x carries x * 2**-8 of rounding; both sides round), and
+    never below 0.1."""
+    return max(0.1, 2 * max_abs_logit * 2.0 ** -7)
+
+
 def teacher_forced_agreement(llm, hf_model, prompt: list[int], n: int, device: str):
+    """Returns (tokens agreeing, max |logprob error| of the chosen tokens, that error's bf16 tolerance)."""
     ids = torch.tensor([prompt], device=device)
     seq = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0].tolist()
     with torch.no_grad():
-        ref = hf_model(torch.tensor([seq], device=device)).logits[0].float().log_softmax(-1)
+        logits = hf_model(torch.tensor([seq], device=device)).logits[0].float()
+    ref = logits.log_softmax(-1)
+    tol = bf16_logprob_tolerance(logits[len(prompt) - 1:].abs().max().item())
     out = llm.generate([seq], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))[0]
     agree, max_lp_err = 0, 0.0
     for j in range(len(prompt), len(seq)):
@@ -21,4 +30,4 @@ def teacher_forced_agreement(llm, hf_model, prompt: list[int], n: int, device: s
         top1 = next(t for t, lp in entry.items() if lp.rank == 1)
         agree += top1 == seq[j]
         max_lp_err = max(max_lp_err, abs(entry[seq[j]].logprob - ref[j - 1, seq[j]].item()))
-    return agree, max_lp_err
+    return agree, max_lp_err, tol

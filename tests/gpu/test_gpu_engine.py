@@ -35,9 +35,9 @@ def test_bf16_matches_transformers(tiny_models, kind):
     assert llm.engine.core.runner.backend.name == "triton"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     for p in PROMPTS:
-        agree, lp_err = teacher_forced_agreement(llm, hf, p, 32, "cuda")
+        agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cuda")
         assert agree >= 30, (kind, p, agree)
-        assert lp_err < 0.1, (kind, p, lp_err)  # bf16: logits carry ~3 significant digits
+        assert lp_err < tol, (kind, p, lp_err, tol)
 
 
 def test_cuda_graph_replay_equals_eager(tiny_models):

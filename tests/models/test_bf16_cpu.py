@@ -16,6 +16,6 @@ def test_bf16_teacher_forced_agreement(tiny_models, kind):
     llm = LLM(path, dtype="bfloat16", progress=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     for p in PROMPTS:
-        agree, lp_err = teacher_forced_agreement(llm, hf, p, 32, "cpu")
+        agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cpu")
         assert agree >= 30, (kind, p, agree)
-        assert lp_err < 0.1, (kind, p, lp_err)
+        assert lp_err < tol, (kind, p, lp_err, tol)
