@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: tests attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: tests attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -22,6 +22,7 @@ for s in $stages; do
     trace)  timeout 200 python3 benchmarks/step_trace.py --shape qwen3-0.6b --json "$OUT/trace.json" 2>&1 | tail -14 ;;
     tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;
     profile) (cd benchmarks && timeout 150 python3 profile_step.py > "$OUT/profile.txt" 2>&1; head -3 "$OUT/profile.txt") ;;
+    profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -15,12 +15,17 @@ from kestrel import LLM, SamplingParams
 
 
 def main():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--greedy", action="store_true")
+    args = ap.parse_args()
     llm = LLM(str(write_shape("qwen3-0.6b")), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False)
     eng = llm.engine
-    prompts, _ = nano_workload(256)
+    prompts, _ = nano_workload(args.batch)
     for p in prompts:
-        eng.add_request(p, SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True))
+        eng.add_request(p, SamplingParams(temperature=0 if args.greedy else 0.6, max_tokens=400, ignore_eos=True))
     core = eng.core
     while core.scheduler.num_waiting or any(r.in_prefill for r in core.scheduler.running):
         eng.step()
@@ -38,7 +43,7 @@ def main():
             eng.step()
         torch.cuda.synchronize()
     ka = prof.key_averages()
-    print(ka.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(ka.table(sort_by="cuda_time_total", row_limit=32, max_name_column_width=60))
     print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     pr = cProfile.Profile()
     pr.enable()

@@ -148,6 +148,8 @@ class ModelRunner:
         self.buffers = InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs, max_blocks,
                                     self.device)
         self.graphs = None
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
         cc = self.config.compilation
         if self.device.type == "cuda" and not cc.enforce_eager and self.backend.supports_cuda_graphs:
             sizes = cc.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)
@@ -157,6 +159,29 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_flip = 0
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Compile, at start-up, the kernel variants that mixed prefill/decode steps use (short and long query
+        tiles), so that the first requests do not wait ~1 s per Triton compilation. The batch reads block 0
+        and writes nothing (slots -1)."""
+        buf = self.buffers
+        for q_len in (min(24, buf.max_tokens // 2), 4):
+            lens = [q_len, q_len]
+            n = sum(lens)
+            qsl = [0, q_len, n]
+            buf.query_start_loc[:3].copy_(torch.tensor(qsl, dtype=torch.int32))
+            buf.seq_lens[:2].fill_(q_len)
+            buf.block_tables[:2].zero_()
+            buf.slot_mapping[:n].fill_(-1)
+            buf.input_ids[:n].zero_()
+            buf.positions[:n].copy_(torch.arange(q_len).repeat(2))
+            meta = AttentionMetadata(n, 2, 0, q_len, q_len, buf.query_start_loc[:3], buf.seq_lens[:2],
+                                     buf.block_tables[:2, :max(1, -(-q_len // self.block_size))],
+                                     buf.slot_mapping[:n], qsl, lens)
+            hidden = self.model(buf.input_ids[:n], buf.positions[:n], ForwardContext(meta, self.kv_caches))
+            self.model.compute_logits(hidden[[q_len - 1, n - 1]])
+        torch.cuda.synchronize()
 
     # ---- one step
     def _prepare(self, batch: list[ScheduledRequest], prev: "InFlight | None" = None) -> AttentionMetadata:

@@ -6,6 +6,7 @@ A seeded request draws its noise from a generator seeded by (seed, output positi
 depend on what else is in the batch, nor on preemption and recompute."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,14 @@ def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The noise seed of a seeded request's token at `position`: independent of the batch and of preemption."""
+    return (seed * 1_000_003 + position * 7919 + 0x9E3779B1) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def _position_generator(seed: int, position: int, device) -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + position * 7919 + 0x9E3779B1) & 0x7FFF_FFFF_FFFF_FFFF)
+    g.manual_seed(position_seed(seed, position))
     return g
 
 
@@ -102,6 +108,8 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self._rng: random.Random | None = None  # per-step noise seeds of unseeded rows (fused GPU path)
+        self._gumbel_sample = None  # kestrel.worker.triton_sampling.gumbel_sample once imported; False: none
 
     def _global_generator(self, device) -> torch.Generator:
         key = str(device)
@@ -109,16 +117,52 @@ class Sampler:
             self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
+    def _fused_ok(self, logits: torch.Tensor) -> bool:
+        if not logits.is_cuda:
+            return False
+        if self._gumbel_sample is None:
+            try:
+                from kestrel.worker.triton_sampling import gumbel_sample
+            except ImportError:  # no Triton: the torch path samples
+                gumbel_sample = False
+            self._gumbel_sample = gumbel_sample
+        return bool(self._gumbel_sample)
+
+    def _fused_sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature-only rows (and greedy ones) in one pass over the logits (kestrel/worker/triton_sampling)."""
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        base = self._rng.getrandbits(62)
+        inv_temp, seeds = [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            inv_temp.append(0.0 if p.greedy else 1.0 / max(p.temperature, 1e-5))
+            seeds.append(base + i if p.seed is None else position_seed(p.seed, len(r.output_token_ids)))
+        dev = logits.device
+        return self._gumbel_sample(logits, to_device(inv_temp, torch.float32, dev), to_device(seeds, torch.int64, dev))
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        logits = logits.float()
         n = logits.shape[0]
         want_logprobs = [r.params.logprobs for r in rows]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(w is not None for w in want_logprobs) else None
+        raw_logprobs = logits.float().log_softmax(dim=-1) if any(w is not None for w in want_logprobs) else None
 
         all_greedy = all(r.params.greedy for r in rows)
         needs_processing = any(
             r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
             or (len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids_for_min) for r in rows)
+        plain = not needs_processing and not any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0
+                                                 for r in rows)
+        if plain and all_greedy:
+            tokens = logits.argmax(dim=-1)  # exact in the logits' own dtype: no float copy
+        elif plain and self._fused_ok(logits):
+            tokens = self._fused_sample(logits, rows)
+        else:
+            tokens = self._torch_sample(logits.float(), rows, all_greedy, needs_processing)
+        return SampleResult(tokens, self._logprobs(raw_logprobs, tokens, want_logprobs))
+
+    def _torch_sample(self, logits: torch.Tensor, rows: list[SamplingRow], all_greedy: bool,
+                      needs_processing: bool) -> torch.Tensor:
+        n = logits.shape[0]
         if needs_processing:
             logits = apply_penalties(logits.clone(), rows)
             for i, r in enumerate(rows):
@@ -158,8 +202,11 @@ class Sampler:
             if any_greedy:
                 greedy_rows = to_device([p.greedy for p in ps], torch.bool, dev)
                 tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+        return tokens
 
-        lp: list = [None] * n
+    @staticmethod
+    def _logprobs(raw_logprobs, tokens, want_logprobs) -> list:
+        lp: list = [None] * len(want_logprobs)
         if raw_logprobs is not None:
             idx = [i for i, w in enumerate(want_logprobs) if w is not None]
             k = max(want_logprobs[i] for i in idx)
@@ -167,4 +214,4 @@ class Sampler:
             for j, i in enumerate(idx):
                 chosen, rank, top = entries[j]
                 lp[i] = (chosen, rank, top[: want_logprobs[i]])
-        return SampleResult(tokens, lp)
+        return lp

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # decode context splits (choose_num_splits never exceeds it)
 
 
 @functools.cache
@@ -142,23 +143,23 @@ def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------------------
 # decode: split-K flash decoding, one program per (sequence, kv head, split) covering all query heads of the group
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     Q, K, V, BT, SL, O, PO, PLSE,
-    qk_scale, G, num_q_heads,
+    qk_scale, G, num_q_heads, num_splits,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_btb,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SL + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -197,33 +198,34 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(O.dtype.element_ty), mask=mask_g[:, None])
     else:
-        row = (b64 * num_q_heads + heads) * NUM_SPLITS + split
+        row = (b64 * num_q_heads + heads) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(PLSE + row, lse, mask=mask_g)
         tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_g[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    PO, PLSE, O, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PO, PLSE, O, stride_ob, stride_oh, num_splits,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(PLSE + row + offs_s)
+    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     denom = tl.sum(w, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    po = tl.load(PO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :])
+    po = tl.load(PO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     o = tl.sum(po * w[:, None], axis=0) / denom
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
 
@@ -284,8 +286,8 @@ def decode_attention(
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, _sms_for(q))
-    if num_splits & (num_splits - 1):
-        raise ValueError("num_splits must be a power of two")
+    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
     g_pad = max(16, triton.next_power_of_2(group)) if cfg["USE_DOT"] else triton.next_power_of_2(group)
     if num_splits > 1:
         po = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -293,21 +295,23 @@ def decode_attention(
     else:
         po = plse = out  # unused
     launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    # The split count is a run-time argument (one compiled variant for split and one for unsplit launches,
+    # not one per power of two): each variant costs ~1 s of Triton compilation at start-up.
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
-        float(scale) * _LOG2E, group, hq,
+        float(scale) * _LOG2E, group, hq, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
-        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
+        BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         **launch,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(B, hq)](
-            po, plse, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=d,
+            po, plse, out, out.stride(0), out.stride(1), num_splits,
+            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d,
             **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}),
         )
     return out
@@ -316,7 +320,7 @@ def decode_attention(
 # ----------------------------------------------------------------------------------------------------------
 # prefill: varlen causal attention over a paged cache with cached prefixes
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     Q, K, V, BT, QSL, SL, O,
     qk_scale, G, num_seqs,
@@ -407,6 +411,12 @@ def _default_prefill_config(head_dim: int, max_query_len: int | None) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
+def _search_iters(num_seqs: int) -> int:
+    """Binary-search steps over query_start_loc: a constexpr, so it is bucketed (8 covers 256 sequences) instead
+    of following the batch, which would compile a new kernel variant for every power of two of batch size."""
+    return max(8, int(math.ceil(math.log2(max(num_seqs, 2)))))
+
+
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
     max_query_len=None, max_seq_len=None, *, _config=None,
@@ -442,7 +452,7 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
-        SEARCH_ITERS=max(1, int(math.ceil(math.log2(max(B, 2))))), UPCAST=_upcast(q.dtype),
+        SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype),
         **launch,
     )
     return out
