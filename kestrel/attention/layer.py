@@ -23,6 +23,17 @@ class Attention(nn.Module):
         out = self.impl.forward(q, k, v, ctx.kv_caches[self.layer_index], ctx.attn_metadata)
         return out.reshape(t, self.num_heads * self.head_dim)
 
+    def fuses_qkv_prologue(self, rotary) -> bool:
+        """Whether the backend takes the fused qkv output and does q/k norm, rotary and the cache write itself
+        (Triton; whole-head neox rotary only)."""
+        return getattr(self.impl, "fuses_qkv_prologue", False) and rotary.rot_dim == self.head_dim
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
+                    ctx: "ForwardContext") -> torch.Tensor:
+        out = self.impl.forward_qkv(qkv, positions, rotary.cos_sin_cache, q_norm, k_norm,
+                                    ctx.kv_caches[self.layer_index], ctx.attn_metadata)
+        return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
+
 
 class ForwardContext:
     """What one forward pass needs besides token ids and positions."""

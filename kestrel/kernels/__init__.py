@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from kestrel.kernels.base import KernelCandidate, LinearKernel, LinearSpec
-from kestrel.kernels.dense import TorchDenseLinear
+from kestrel.kernels.dense import TorchDenseLinear, TritonSkinnyDenseLinear
 from kestrel.kernels.fp8 import Fp8DequantFallbackLinear, TorchScaledMMLinear, TritonFp8BlockLinear
 from kestrel.kernels.moe import MoEKernel, MoESpec, TorchMoE
 from kestrel.platform import Platform, current_platform
@@ -30,7 +30,8 @@ CANDIDATES: dict[str, list[type[KernelCandidate]]] = {
         TorchScaledMMLinear,  # FP8 per-tensor / row-wise via torch._scaled_mm
         TritonFp8BlockLinear,  # FP8 block-wise via Triton
         Fp8DequantFallbackLinear,  # FP8 anywhere: dequantize once, plain matmul
-        TorchDenseLinear,  # unquantized
+        TritonSkinnyDenseLinear,  # unquantized bf16/fp16 on CUDA: skinny GEMM at small batch
+        TorchDenseLinear,  # unquantized, everywhere
     ],
     "moe": [TorchMoE],
 }

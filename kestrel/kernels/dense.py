@@ -1,4 +1,4 @@
-"""Unquantized linear: plain torch matmul, available everywhere."""
+"""Unquantized linear: plain torch matmul (everywhere), and the Triton skinny GEMM for small batches on CUDA."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,7 @@ from torch import nn
 
 from kestrel.kernels.base import LinearKernel, LinearSpec
 from kestrel.platform import Platform
+from kestrel.platform.gates import GATES, kernel_gate
 
 
 class TorchDenseLinear(LinearKernel):
@@ -36,3 +37,32 @@ class TorchDenseLinear(LinearKernel):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+
+class TritonSkinnyDenseLinear(TorchDenseLinear):
+    """Same weights as torch_dense; rows <= 16 (decode at batch 1..16) go through the Triton split-K skinny GEMM
+    (kestrel/kernels/triton_ops/skinny_gemm.py), larger batches through torch matmul."""
+
+    name = "triton_skinny_dense"
+
+    @classmethod
+    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
+        return kernel_gate(cls.name, platform)
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
+        ok, why = super().can_implement(spec)
+        if not ok:
+            return ok, why
+        dtypes = GATES[cls.name].act_dtypes
+        if spec.params_dtype not in dtypes:
+            return False, f"dtype {spec.params_dtype} not in {dtypes}"
+        return True, ""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > 16 or not x.is_cuda:
+            return F.linear(x, layer.weight, layer.bias)
+        from kestrel.kernels.triton_ops.skinny_gemm import skinny_gemm
+
+        return skinny_gemm(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.weight.shape[0])

@@ -38,7 +38,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, ctx: ForwardContext):
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.attn.fuses_qkv_prologue(self.rotary):
+            norms = (self.q_norm, self.k_norm) if self.use_qk_norm else (None, None)
+            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, *norms, ctx))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.use_qk_norm:

@@ -76,6 +76,10 @@ TRITON_ARCHS = ArchRule(cuda_min_sm=80, rocm=("gfx90a", "gfx942", "gfx950", "gfx
 # Triton tl.dot on FP8 operands (hardware FP8 MMA): CUDA sm_89+; ROCm gfx942 (fnuz), gfx950, gfx12xx.
 TRITON_FP8_ARCHS = ArchRule(cuda_min_sm=89, rocm=("gfx942", "gfx950", "gfx12??"))
 
+# The skinny bf16/fp16 GEMM (split-K with a per-tile atomic counter, L2-only reads of the partials): checked on
+# the H200 (sm_90) only; Ampere and newer CUDA share the instructions it uses. Not offered on ROCm until run there.
+TRITON_SKINNY_GEMM_ARCHS = ArchRule(cuda_min_sm=80)
+
 # Architectures whose FP8 e4m3 is the FNUZ variant (bias 8, no negative zero, max 240). gfx950 uses OCP e4m3fn.
 FP8_FNUZ_ARCHS = ArchRule(rocm=("gfx940", "gfx941", "gfx942"))
 
@@ -124,6 +128,15 @@ def check_triton(platform: Platform | None = None) -> tuple[bool, str]:
         return False, "triton is not installed"
     ok, why = TRITON_ARCHS.check(p)
     return ok, "" if ok else f"triton does not target this device: {why}"
+
+
+def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, str]:
+    p = _platform(platform)
+    ok, why = check_triton(p)
+    if not ok:
+        return ok, why
+    ok, why = TRITON_SKINNY_GEMM_ARCHS.check(p)
+    return ok, "" if ok else f"skinny GEMM not validated here: {why}"
 
 
 def check_triton_fp8(platform: Platform | None = None) -> tuple[bool, str]:

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from kestrel.platform import Platform, current_platform
-from kestrel.platform.capabilities import check_fp8_scaled_mm, check_triton, check_triton_fp8
+from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8,
+                                           check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
 
@@ -38,6 +39,12 @@ GATES: dict[str, KernelGate] = {
         description="Triton block-scaled FP8 GEMM with per-token-group (1x128) activation quantization",
         requires=(check_triton, check_triton_fp8),
         notes="block-wise weights only; activation group size must equal the weight block's K size",
+    ),
+    "triton_skinny_dense": KernelGate(
+        description="unquantized bf16/fp16 linear: Triton split-K skinny GEMM for M <= 16 rows (decode at small "
+                    "batch), torch matmul above",
+        requires=(check_triton_skinny_gemm,),
+        act_dtypes=(torch.bfloat16, torch.float16),
     ),
 }
 

@@ -183,3 +183,38 @@ def test_rotary_embedding(dtype, is_neox, rot_dim):
     ta.rotary_embedding_(pos, q, k, cache, rot_dim, is_neox)
     assert rel_err(q, qe) < TOL[dtype] and rel_err(k, ke) < TOL[dtype]
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 4, 2), (128, 16, 8), (256, 8, 1)])
+def test_qk_norm_rope_cache_equals_the_unfused_chain(dtype, with_norm, d, hq, hkv):
+    """The fused prologue (q/k RMSNorm per head, rotary, cache write) against rms_norm -> rotary -> cache write."""
+    from kestrel.attention.ops.fused_ops import qk_norm_rope_cache
+
+    gen = torch.Generator().manual_seed(11)
+    T, max_pos, page, blocks = 9, 300, 16, 8
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    cache = torch.cat([ang.cos(), ang.sin()], dim=-1).to(DEVICE)
+    pos = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(DEVICE, dtype) if with_norm else None
+    kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(DEVICE, dtype) if with_norm else None
+    slots = torch.randperm(blocks * page, generator=gen)[:T].to(DEVICE)
+    slots[2] = -1  # padding: nothing written
+    kc, vc = (torch.full((blocks, page, hkv, d), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+
+    q_ref = qkv[:, : hq * d].reshape(T, hq, d).clone()
+    k_ref = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d).clone()
+    v_ref = qkv[:, (hq + hkv) * d:].reshape(T, hkv, d).clone()
+    if with_norm:
+        q_ref, k_ref = ta.rms_norm(q_ref, qw, 1e-6), ta.rms_norm(k_ref, kw, 1e-6)
+    ta.rotary_embedding_(pos, q_ref, k_ref, cache, d, True)
+    ta.reshape_and_cache(k_ref, v_ref, kc_ref, vc_ref, slots)
+
+    q = qk_norm_rope_cache(qkv, pos, cache, hq, hkv, d, kc, vc, slots, qw, kw, 1e-6)
+    assert rel_err(q, q_ref) < 4e-3
+    assert rel_err(kc, kc_ref) < 4e-3 and torch.equal(vc, vc_ref)
+    assert (kc == 7.0).sum() == (kc_ref == 7.0).sum()  # the padding slot stayed untouched

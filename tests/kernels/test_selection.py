@@ -8,7 +8,7 @@ import torch
 
 from kestrel.kernels import CANDIDATES, KernelSelectionError, backend_names, select
 from kestrel.kernels.base import LinearSpec
-from kestrel.kernels.dense import TorchDenseLinear
+from kestrel.kernels.dense import TorchDenseLinear, TritonSkinnyDenseLinear
 from kestrel.kernels.fp8 import Fp8DequantFallbackLinear, TorchScaledMMLinear, TritonFp8BlockLinear
 from kestrel.kernels.moe import MoESpec, TorchMoE
 from kestrel.layers.linear import Linear
@@ -19,8 +19,9 @@ from kestrel.platform.testing import use_platform
 
 from tests.kernels.conftest import ct_config, quant_config_for
 
-TSM, TRI, FB = "torch_scaled_mm", "triton_fp8_block", "fp8_dequant_fallback"
-CLASSES = {TSM: TorchScaledMMLinear, TRI: TritonFp8BlockLinear, FB: Fp8DequantFallbackLinear, "torch_dense": TorchDenseLinear}
+TSM, TRI, FB, SKD = "torch_scaled_mm", "triton_fp8_block", "fp8_dequant_fallback", "triton_skinny_dense"
+CLASSES = {TSM: TorchScaledMMLinear, TRI: TritonFp8BlockLinear, FB: Fp8DequantFallbackLinear, SKD: TritonSkinnyDenseLinear,
+           "torch_dense": TorchDenseLinear}
 SCHEMES = ("block", "per_tensor_static", "per_channel_token", "on_load")
 
 # arch: (FP8 scaled-MM gate, {scheme: selected kernel}); every fake GPU has Triton installed.
@@ -44,8 +45,19 @@ SUPPORTED_ON = {
     TSM: {"sm_89", "sm_90", "sm_100", "gfx942", "gfx950", "gfx1201"},
     TRI: {"sm_89", "sm_90", "sm_100", "gfx942", "gfx950", "gfx1201"},
     FB: set(EXPECTED),
+    SKD: {"sm_80", "sm_89", "sm_90", "sm_100"},  # CUDA Ampere+ with Triton; ROCm not validated
     "torch_dense": set(EXPECTED),
 }
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_selection_table(arch, dtype):
+    """Unquantized layers: the skinny GEMM where its gate holds and the dtype is 16-bit, torch matmul elsewhere."""
+    with use_platform(arch):
+        layer = Linear(256, [128, 64], params_dtype=dtype, prefix="model.layers.0.self_attn.qkv_proj")
+    want = SKD if arch in SUPPORTED_ON[SKD] and dtype != torch.float32 else "torch_dense"
+    assert type(layer.kernel) is CLASSES[want], (arch, dtype, layer.kernel.skipped)
 
 
 def make_linear(scheme: str, backend: str = "auto", prefix="model.layers.0.mlp.down_proj", sizes=(512,), k=256):
@@ -82,7 +94,7 @@ def test_without_triton_block_weights_fall_back():
         assert any("triton is not installed" in s for s in layer.kernel.skipped)
 
 
-@pytest.mark.parametrize("name", [TSM, TRI, FB, "torch_dense"])
+@pytest.mark.parametrize("name", [TSM, TRI, FB, SKD, "torch_dense"])
 def test_is_supported_alone(name):
     cls = CLASSES[name]
     for arch in EXPECTED:
@@ -123,7 +135,7 @@ def test_every_gate_row_belongs_to_a_candidate():
 # ------------------------------------------------------------------------------------------------ forcing
 @pytest.mark.parametrize("arch", ["sm_90", "gfx942", "sm_80", "gfx1100", "cpu"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("backend", [TSM, TRI, FB, "torch_dense"])
+@pytest.mark.parametrize("backend", [TSM, TRI, FB, SKD, "torch_dense"])
 def test_forced_backend_selects_exactly_it_or_raises_naming_the_layer(arch, scheme, backend):
     cls = CLASSES[backend]
     p = fake_platform(arch)
@@ -172,7 +184,7 @@ def test_fp8_backend_leaves_unquantized_layers_dense():
     cfg.ignore = ("model.layers.0.mlp.down_proj",)
     with use_platform("sm_90"):
         dense = Linear(256, 512, params_dtype=torch.bfloat16, prefix="model.layers.0.mlp.down_proj", quant_config=cfg, backend=TSM)
-        assert type(dense.kernel) is TorchDenseLinear
+        assert type(dense.kernel) is TritonSkinnyDenseLinear  # auto among the dense kernels
         fp8 = Linear(256, 512, params_dtype=torch.bfloat16, prefix="model.layers.1.mlp.down_proj", quant_config=cfg, backend=TSM)
         assert type(fp8.kernel) is TorchScaledMMLinear
 
@@ -180,7 +192,7 @@ def test_fp8_backend_leaves_unquantized_layers_dense():
 def test_unknown_backend_lists_choices():
     with pytest.raises(KernelSelectionError, match="torch_scaled_mm, triton_fp8_block"):
         make_linear("block", "marlin")
-    assert backend_names("linear") == ["auto", TSM, TRI, FB, "torch_dense"]
+    assert backend_names("linear") == ["auto", TSM, TRI, FB, SKD, "torch_dense"]
     assert backend_names("moe") == ["auto", "torch_moe"]
 
 
@@ -189,7 +201,7 @@ def test_nothing_fits_lists_every_reason():
     with pytest.raises(KernelSelectionError) as err:
         select("linear", spec, platform=fake_platform("sm_90"))
     msg = str(err.value)
-    for name in (TSM, TRI, FB, "torch_dense"):
+    for name in (TSM, TRI, FB, SKD, "torch_dense"):
         assert f"{name}:" in msg
     assert "model.layers.0.mlp.up_proj" in msg
 

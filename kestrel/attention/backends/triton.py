@@ -12,14 +12,31 @@ _ok, _why = gates.triton_importable()
 if not _ok:
     raise ImportError(_why)
 
+from kestrel.attention.ops.fused_ops import qk_norm_rope_cache  # noqa: E402
 from kestrel.attention.ops.triton_attention import decode_attention, prefill_attention, reshape_and_cache  # noqa: E402
 from kestrel.platform import Platform  # noqa: E402
 
 
 class TritonImpl(AttentionImpl):
+    fuses_qkv_prologue = True
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta)
+
+    def forward_qkv(self, qkv, positions, cos_sin_cache, q_norm, k_norm, kv_cache, meta: AttentionMetadata):
+        """From the fused qkv projection: q/k RMSNorm (if given), rotary and the cache write in one kernel."""
+        k_cache, v_cache = kv_cache
+        q = qk_norm_rope_cache(qkv, positions, cos_sin_cache, self.num_heads, self.num_kv_heads, self.head_dim,
+                               k_cache, v_cache, meta.slot_mapping,
+                               q_norm.weight if q_norm is not None else None,
+                               k_norm.weight if k_norm is not None else None,
+                               q_norm.eps if q_norm is not None else 1e-6)
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         if meta.num_decodes == meta.num_reqs:
             decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,

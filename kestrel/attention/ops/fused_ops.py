@@ -161,3 +161,89 @@ def rotary_embedding_(positions, q, k, cos_sin_cache, rot_dim, is_neox=True) -> 
         IS_NEOX=bool(is_neox),
         **_warps(hq * half),
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _norm_rope_heads(ptr, stride_h, num_heads, W, cos, sin, eps,
+                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Load heads [H_PAD, HEAD_DIM] as two halves, RMS-normalise each head (optional), rotate (neox). Returns
+    the rotated halves in the storage dtype."""
+    offs_h = tl.arange(0, H_PAD)
+    offs = tl.arange(0, HALF)
+    mask = (offs_h < num_heads)[:, None]
+    p = ptr + offs_h[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(p, mask=mask, other=0.0)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # rounded like rms_norm: normalise, store dtype, scale by the weight, store dtype
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + offs).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs).to(tl.float32)[None, :]
+        a = ((a * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        b = ((b * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1 = a * cos[None, :] - b * sin[None, :]
+    o2 = b * cos[None, :] + a * sin[None, :]
+    return o1.to(dt), o2.to(dt), offs_h, offs, mask
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(
+    QKV, POS, CS, QW, KW, QO, KC, VC, SLOT,
+    stride_t, stride_cs, stride_qo, stride_cb, stride_ct, eps,
+    num_q_heads, num_kv_heads,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, PAGE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(CS + pos * stride_cs + offs).to(tl.float32)
+    sin = tl.load(CS + pos * stride_cs + HALF + offs).to(tl.float32)
+    row = QKV + t * stride_t
+    q1, q2, oh, od, mq = _norm_rope_heads(row, HEAD_DIM, num_q_heads, QW, cos, sin, eps, HEAD_DIM, HALF, HQ_PAD,
+                                          HAS_NORM)
+    dst = QO + t * stride_qo + oh[:, None] * HEAD_DIM + od[None, :]
+    tl.store(dst, q1, mask=mq)
+    tl.store(dst + HALF, q2, mask=mq)
+    slot = tl.load(SLOT + t)
+    if slot >= 0:
+        k_row = row + num_q_heads * HEAD_DIM
+        k1, k2, oh, od, mk = _norm_rope_heads(k_row, HEAD_DIM, num_kv_heads, KW, cos, sin, eps, HEAD_DIM, HALF,
+                                              HKV_PAD, HAS_NORM)
+        cdst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + oh[:, None] * HEAD_DIM + od[None, :]
+        tl.store(KC + cdst, k1, mask=mk)
+        tl.store(KC + cdst + HALF, k2, mask=mk)
+        v_src = k_row + num_kv_heads * HEAD_DIM + oh[:, None] * HEAD_DIM + od[None, :]
+        tl.store(VC + cdst, tl.load(v_src, mask=mk), mask=mk)
+        tl.store(VC + cdst + HALF, tl.load(v_src + HALF, mask=mk), mask=mk)
+
+
+def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache,
+                       slot_mapping, q_norm_weight=None, k_norm_weight=None, eps=1e-6) -> torch.Tensor:
+    """One kernel for the attention input of a token: split the fused qkv row [T, (Hq + 2 Hkv) * D], RMS-normalise
+    q and k per head (Qwen3; skipped without weights), rotate both (neox, full head dim), write k and v into the
+    paged cache at slot_mapping (slot < 0: not written) and return q [T, Hq, D]. Same rounding as rms_norm then
+    rotary_embedding_ then reshape_and_cache."""
+    T = qkv.shape[0]
+    if qkv.stride(-1) != 1:
+        raise ValueError("qkv must have a contiguous last dim")
+    q = torch.empty((T, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    if cs.shape[-1] != head_dim:
+        raise ValueError("qk_norm_rope_cache rotates the whole head (rot_dim == head_dim)")
+    has_norm = q_norm_weight is not None
+    page = k_cache.shape[1]
+    _qk_norm_rope_cache_kernel[(T,)](
+        qkv, positions, cs, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, q,
+        k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cs.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), float(eps),
+        num_q_heads, num_kv_heads,
+        HEAD_DIM=head_dim, HALF=head_dim // 2, HQ_PAD=triton.next_power_of_2(num_q_heads),
+        HKV_PAD=triton.next_power_of_2(num_kv_heads), HAS_NORM=has_norm, PAGE=page,
+        **_warps(num_q_heads * head_dim),
+    )
+    return q
