@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: tests attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup tput0 tests attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -13,6 +13,7 @@ for s in $stages; do
     tests)  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -25 ;;
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
+    tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
@@ -22,6 +23,7 @@ for s in $stages; do
     trace)  timeout 200 python3 benchmarks/step_trace.py --shape qwen3-0.6b --json "$OUT/trace.json" 2>&1 | tail -14 ;;
     tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;
     profile) (cd benchmarks && timeout 150 python3 profile_step.py > "$OUT/profile.txt" 2>&1; head -3 "$OUT/profile.txt") ;;
+    startup) for i in 1 2; do timeout 100 python3 benchmarks/startup.py --shape qwen3-0.6b > "$OUT/startup$i.log" 2>&1; tail -1 "$OUT/startup$i.log"; done ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
   esac
 done

@@ -41,7 +41,7 @@ GATES: dict[str, KernelGate] = {
         notes="block-wise weights only; activation group size must equal the weight block's K size",
     ),
     "triton_skinny_dense": KernelGate(
-        description="unquantized bf16/fp16 linear: Triton split-K skinny GEMM for M <= 16 rows (decode at small "
+        description="unquantized bf16/fp16 linear: Triton split-K skinny GEMM for <= 8 rows x <= 2048 columns (decode at small "
                     "batch), torch matmul above",
         requires=(check_triton_skinny_gemm,),
         act_dtypes=(torch.bfloat16, torch.float16),

@@ -210,12 +210,12 @@ def _qk_norm_rope_cache_kernel(
     slot = tl.load(SLOT + t)
     if slot >= 0:
         k_row = row + num_q_heads * HEAD_DIM
-        k1, k2, oh, od, mk = _norm_rope_heads(k_row, HEAD_DIM, num_kv_heads, KW, cos, sin, eps, HEAD_DIM, HALF,
+        k1, k2, kh, kd, mk = _norm_rope_heads(k_row, HEAD_DIM, num_kv_heads, KW, cos, sin, eps, HEAD_DIM, HALF,
                                               HKV_PAD, HAS_NORM)
-        cdst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + oh[:, None] * HEAD_DIM + od[None, :]
+        cdst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kh[:, None] * HEAD_DIM + kd[None, :]
         tl.store(KC + cdst, k1, mask=mk)
         tl.store(KC + cdst + HALF, k2, mask=mk)
-        v_src = k_row + num_kv_heads * HEAD_DIM + oh[:, None] * HEAD_DIM + od[None, :]
+        v_src = k_row + num_kv_heads * HEAD_DIM + kh[:, None] * HEAD_DIM + kd[None, :]
         tl.store(VC + cdst, tl.load(v_src, mask=mk), mask=mk)
         tl.store(VC + cdst + HALF, tl.load(v_src + HALF, mask=mk), mask=mk)
 
