@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test` (each sets up .venv first).
-.PHONY: setup demo test
+.PHONY: setup demo test kernels-compile
 
 setup:
 	./scripts/setup.sh
@@ -9,3 +9,8 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests
+
+# Optional (not CI: triton is 1 GB): compile every Triton kernel for sm_90 ahead of time on the CPU.
+kernels-compile: setup
+	.venv/bin/python -m pip install -q "triton==3.6.0"
+	.venv/bin/python -m pytest -q -p no:cacheprovider tests/attention/test_triton_compile.py
