@@ -113,13 +113,18 @@ def check_fp8_scaled_mm(platform: Platform | None = None) -> tuple[bool, str]:
     return ok, "" if ok else f"no FP8 scaled-MM: {why}"
 
 
-def check_fp8_rowwise_scaled_mm(platform: Platform | None = None) -> tuple[bool, str]:
+def _then(base, rule: ArchRule, what: str, platform: Platform | None) -> tuple[bool, str]:
+    """`base`'s answer, then `rule`'s: the reason names the first check that failed."""
     p = _platform(platform)
-    ok, why = check_fp8_scaled_mm(p)
+    ok, why = base(p)
     if not ok:
         return ok, why
-    ok, why = FP8_ROWWISE_SCALED_MM_ARCHS.check(p)
-    return ok, "" if ok else f"no row-wise FP8 scaled-MM: {why}"
+    ok, why = rule.check(p)
+    return ok, "" if ok else f"{what}: {why}"
+
+
+def check_fp8_rowwise_scaled_mm(platform: Platform | None = None) -> tuple[bool, str]:
+    return _then(check_fp8_scaled_mm, FP8_ROWWISE_SCALED_MM_ARCHS, "no row-wise FP8 scaled-MM", platform)
 
 
 def check_triton(platform: Platform | None = None) -> tuple[bool, str]:
@@ -131,21 +136,11 @@ def check_triton(platform: Platform | None = None) -> tuple[bool, str]:
 
 
 def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, str]:
-    p = _platform(platform)
-    ok, why = check_triton(p)
-    if not ok:
-        return ok, why
-    ok, why = TRITON_SKINNY_GEMM_ARCHS.check(p)
-    return ok, "" if ok else f"skinny GEMM not validated here: {why}"
+    return _then(check_triton, TRITON_SKINNY_GEMM_ARCHS, "skinny GEMM not validated here", platform)
 
 
 def check_triton_fp8(platform: Platform | None = None) -> tuple[bool, str]:
-    p = _platform(platform)
-    ok, why = check_triton(p)
-    if not ok:
-        return ok, why
-    ok, why = TRITON_FP8_ARCHS.check(p)
-    return ok, "" if ok else f"no FP8 tl.dot: {why}"
+    return _then(check_triton, TRITON_FP8_ARCHS, "no FP8 tl.dot", platform)
 
 
 def supports_fp8_scaled_mm(platform: Platform | None = None) -> bool:
