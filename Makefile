@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test` (each sets up .venv first).
-.PHONY: setup demo test kernels-compile
+.PHONY: setup demo test kernels-check
 
 setup:
 	./scripts/setup.sh
@@ -10,7 +10,13 @@ demo: setup
 test: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests
 
-# Optional (not CI: triton is 1 GB): compile every Triton kernel for sm_90 ahead of time on the CPU.
-kernels-compile: setup
+# Optional (not CI: triton is 1 GB). Checks the Triton kernels on the CPU: every kernel compiles for sm_90 ahead
+# of time, and the attention/sampling ops match their references under the Triton interpreter. The interpreter of
+# triton 3.6 needs numpy < 2.4 (numpy 2.4 refuses int() of a 1-element array, which its range() does), so that
+# numpy goes to .kernels-np/, first on PYTHONPATH for this target only.
+kernels-check: setup
 	.venv/bin/python -m pip install -q "triton==3.6.0"
+	.venv/bin/python -m pip install -q --target .kernels-np "numpy==2.3.5"
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests/attention/test_triton_compile.py
+	PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
+		tests/attention/test_triton_ops.py tests/attention/test_triton_sampling.py
