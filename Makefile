@@ -19,4 +19,4 @@ kernels-check: setup
 	.venv/bin/python -m pip install -q --target .kernels-np "numpy==2.3.5"
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests/attention/test_triton_compile.py
 	PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
-		tests/attention/test_triton_ops.py tests/attention/test_triton_sampling.py
+		tests/attention/test_triton_ops.py tests/attention/test_triton_sampling.py tests/kernels/test_skinny_gemm_interp.py

@@ -35,13 +35,14 @@ def test_qk_norm_rope_cache_compiles(has_norm, d, hq, hkv):
                              HKV_PAD=triton.next_power_of_2(hkv), HAS_NORM=has_norm, PAGE=16))
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_decode_kernels_compile(split):
+@pytest.mark.parametrize("split,fused_reduce", [(True, True), (True, False), (False, False)])
+def test_decode_kernels_compile(split, fused_reduce):
     fn = triton_attention._decode_kernel
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
-            "PLSE": "*fp32"}
+            "PLSE": "*fp32", "CNT": "*i32"}
     sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False))
+    compile_ok(fn, sig, dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False,
+                             FUSED_REDUCE=fused_reduce, MAX_SPLITS=triton_attention.MAX_SPLITS))
     fn = triton_attention._decode_reduce_kernel
     sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16"}.get(n, "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128))

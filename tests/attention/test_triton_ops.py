@@ -101,7 +101,7 @@ def test_prefill_attention(dtype, d, group, prefix, page):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("page", [16, 32])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, "4-separate-reduce"])
 def test_decode_attention(dtype, d, group, page, splits):
     gen = torch.Generator().manual_seed(3)
     hkv = 2
@@ -113,10 +113,14 @@ def test_decode_attention(dtype, d, group, page, splits):
     q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE, dtype)
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
-    cfg = {"BLOCK_N": 16} if DEVICE == "cpu" else None
+    cfg = {"BLOCK_N": 16} if DEVICE == "cpu" else {}
+    if splits == "4-separate-reduce":  # the merge in a second kernel instead of the last split's program
+        splits, cfg = 4, {**cfg, "FUSED_REDUCE": False}
     ta.decode_attention(q, kc, vc, bt, sl, scale, out=out, num_splits=splits, _config=cfg)
     expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, scale)
     assert torch.all(out[1] == 0)
+    if DEVICE == "cuda" and splits > 1:
+        assert int(ta.tile_counters(q.device).abs().sum()) == 0  # counters reset for the next launch
     assert rel_err(out, expect) < TOL[dtype]
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kestrel.attention.ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
 from kestrel.attention.ops.gates import check_attention, interpreter_mode
+from kestrel.kernels.triton_ops.counters import CAPACITY as COUNTER_CAPACITY, tile_counters
 
 __all__ = [
     "reshape_and_cache",
@@ -145,7 +146,7 @@ def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
-    Q, K, V, BT, SL, O, PO, PLSE,
+    Q, K, V, BT, SL, O, PO, PLSE, CNT,
     qk_scale, G, num_q_heads, num_splits,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
@@ -153,6 +154,7 @@ def _decode_kernel(
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -206,6 +208,31 @@ def _decode_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(PLSE + row, lse, mask=mask_g)
         tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_g[:, None])
+        if FUSED_REDUCE:
+            # The last split of this (sequence, kv head) to finish merges all splits: no second launch.
+            cnt = CNT + b * tl.num_programs(1) + kvh
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            done = tl.atomic_add(cnt, 1)  # acq_rel: the other splits' partials are visible to the last one
+            if done == num_splits - 1:
+                base = (b64 * num_q_heads + heads) * num_splits
+                offs_s = tl.arange(0, MAX_SPLITS)
+                lse_all = tl.load(PLSE + base[:, None] + offs_s[None, :],
+                                  mask=mask_g[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
+                                  cache_modifier=".cg")
+                m = tl.max(lse_all, axis=1)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                denom = tl.sum(tl.exp2(lse_all - m[:, None]), axis=1)
+                denom = tl.where(denom == 0.0, 1.0, denom)
+                merged = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+                for sp in range(0, num_splits):
+                    w = tl.exp2(tl.load(PLSE + base + sp, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+                                - m) / denom
+                    po = tl.load(PO + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_g[:, None],
+                                 other=0.0, cache_modifier=".cg")
+                    merged += w[:, None] * po
+                dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(dst, merged.to(O.dtype.element_ty), mask=mask_g[:, None])
+                tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -296,9 +323,13 @@ def decode_attention(
         po = plse = out  # unused
     launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     # The split count is a run-time argument (one compiled variant for split and one for unsplit launches,
-    # not one per power of two): each variant costs ~1 s of Triton compilation at start-up.
+    # not one per power of two): each variant costs ~1 s of Triton compilation at start-up. Split launches merge
+    # in the same launch (the last split reduces, counted per (sequence, kv head)) unless `_config` turns that off
+    # or the batch outgrows the counters; then a second kernel merges.
+    fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
+    cnt = tile_counters(q.device) if fused_reduce else out
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt,
         float(scale) * _LOG2E, group, hq, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -306,9 +337,10 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
+        FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS,
         **launch,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
             po, plse, out, out.stride(0), out.stride(1), num_splits,
             MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d,

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.triton_ops.counters import CAPACITY as MAX_TILES, tile_counters
+
 M_MAX = 16
-MAX_TILES = 1 << 16
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -48,6 +49,7 @@ def _skinny_gemm_kernel(
     else:
         part = WS + (pid_k * 16 + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(part, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
         done = tl.atomic_add(CNT + pid_n, 1)  # acq_rel: our partial is visible to whoever sees the count
         if done == SPLIT_K - 1:
             total = tl.zeros([16, BLOCK_N], tl.float32)
@@ -59,13 +61,10 @@ def _skinny_gemm_kernel(
 
 
 @functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the Triton interpreter: any number will do
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
@@ -90,7 +89,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = dict(default_config(m, n, k, _num_sms(x.device.index or 0)))
+    cfg = dict(default_config(m, n, k, _num_sms(x.device)))
     if _config:
         cfg.update(_config)
     split = cfg["SPLIT_K"]
@@ -99,7 +98,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         split = cfg["SPLIT_K"] = 1
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     ws = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = _counters(x.device) if split > 1 else y
+    cnt = tile_counters(x.device) if split > 1 else y
     _skinny_gemm_kernel[(tiles, split)](
         x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg)
     if bias is not None:
