@@ -224,7 +224,9 @@ def _decode_kernel(
                 denom = tl.sum(tl.exp2(lse_all - m[:, None]), axis=1)
                 denom = tl.where(denom == 0.0, 1.0, denom)
                 merged = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                for sp in range(0, num_splits):
+                # splits cover [0, seq_len) in order: those past the context are empty (weight 0), skip them
+                n_active = tl.minimum(tl.cdiv(seq_len, tl.maximum(per_split, 1)), num_splits)
+                for sp in range(0, n_active):
                     w = tl.exp2(tl.load(PLSE + base + sp, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
                                 - m) / denom
                     po = tl.load(PO + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_g[:, None],
