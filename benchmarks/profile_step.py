@@ -1,5 +1,6 @@
 """Where a decode step's time goes at batch 256 (Qwen3-0.6B shape): torch.profiler over decode steps
-(GPU kernels and CPU ops) and cProfile of the Python side.   python benchmarks/profile_step.py"""
+(GPU kernels and CPU ops) and cProfile of the Python side.
+    python benchmarks/profile_step.py [--batch N] [--greedy] [--shape llama-8b]"""
 from __future__ import annotations
 
 import cProfile
@@ -19,8 +20,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--shape", default="qwen3-0.6b")
     args = ap.parse_args()
-    llm = LLM(str(write_shape("qwen3-0.6b")), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
+    llm = LLM(str(write_shape(args.shape)), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False)
     eng = llm.engine
     prompts, _ = nano_workload(args.batch)
