@@ -44,8 +44,8 @@ def test_decode_kernels_compile(split, fused_reduce):
     compile_ok(fn, sig, dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False,
                              FUSED_REDUCE=fused_reduce, MAX_SPLITS=triton_attention.MAX_SPLITS))
     fn = triton_attention._decode_reduce_kernel
-    sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16"}.get(n, "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128))
+    sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64))
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

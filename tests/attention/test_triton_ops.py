@@ -101,12 +101,14 @@ def test_prefill_attention(dtype, d, group, prefix, page):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("page", [16, 32])
-@pytest.mark.parametrize("splits", [1, 4, "4-separate-reduce"])
+@pytest.mark.parametrize("splits", [1, 4, "4-separate-reduce", "64-min-split-256"])
 def test_decode_attention(dtype, d, group, page, splits):
     gen = torch.Generator().manual_seed(3)
     hkv = 2
     hq = hkv * group
     seq_lens = [37, 0, 1, 70]  # 0 = a padding row
+    if splits == "64-min-split-256":  # a graph-sized launch: 600 tokens use 3 of 64 splits, the rest 1
+        seq_lens = [37, 0, 600, 1]
     bt, nb = make_block_tables(seq_lens, page, gen)
     kc, vc = make_cache(nb, page, hkv, d, dtype, gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -114,8 +116,11 @@ def test_decode_attention(dtype, d, group, page, splits):
     scale = d ** -0.5
     out = torch.full_like(q, float("nan"))
     cfg = {"BLOCK_N": 16} if DEVICE == "cpu" else {}
+    cfg["MIN_SPLIT"] = 16  # short contexts here: let every launched split hold tokens
     if splits == "4-separate-reduce":  # the merge in a second kernel instead of the last split's program
         splits, cfg = 4, {**cfg, "FUSED_REDUCE": False}
+    elif splits == "64-min-split-256":
+        splits, cfg = 64, {**cfg, "MIN_SPLIT": 256}
     ta.decode_attention(q, kc, vc, bt, sl, scale, out=out, num_splits=splits, _config=cfg)
     expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, scale)
     assert torch.all(out[1] == 0)
@@ -132,7 +137,8 @@ def test_decode_attention_no_dot_variant(dtype):
     kc, vc = make_cache(nb, 16, 2, 64, dtype, gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 4, 64, generator=gen).to(DEVICE, dtype)
-    out = ta.decode_attention(q, kc, vc, bt, sl, 0.125, num_splits=2, _config={"USE_DOT": False, "BLOCK_N": 16})
+    out = ta.decode_attention(q, kc, vc, bt, sl, 0.125, num_splits=2,
+                              _config={"USE_DOT": False, "BLOCK_N": 16, "MIN_SPLIT": 16})
     expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, 0.125)
     assert rel_err(out, expect) < TOL[dtype]
 

@@ -33,6 +33,7 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # decode context splits (choose_num_splits never exceeds it)
+MIN_SPLIT_TOKENS = 256  # no decode split shorter than this (choose_num_splits' rule, applied per sequence)
 
 
 @functools.cache
@@ -144,10 +145,20 @@ def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------------------
 # decode: split-K flash decoding, one program per (sequence, kv head, split) covering all query heads of the group
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _split_bounds(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """Tokens per split and the number of splits that hold context (at least 1, so that an empty row is
+    written). Splits are at least min_split tokens long: a short context uses few of the launched splits."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(per_split, min_split)
+    n_active = tl.maximum(tl.minimum(tl.cdiv(seq_len, per_split), num_splits), 1)
+    return per_split, n_active
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_kernel(
     Q, K, V, BT, SL, O, PO, PLSE, CNT,
-    qk_scale, G, num_q_heads, num_splits,
+    qk_scale, G, num_q_heads, num_splits, min_split,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_btb,
@@ -161,7 +172,9 @@ def _decode_kernel(
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SL + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split, n_active = _split_bounds(seq_len, num_splits, min_split, BLOCK_N)
+    if split >= n_active:
+        return  # past the context: CUDA graphs launch splits for max_model_len, most are empty at short contexts
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -200,53 +213,56 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if not SPLIT:
-        dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(O.dtype.element_ty), mask=mask_g[:, None])
+    elif n_active == 1:
+        tl.store(dst, o.to(O.dtype.element_ty), mask=mask_g[:, None])  # one split holds it all: nothing to merge
     else:
         row = (b64 * num_q_heads + heads) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(PLSE + row, lse, mask=mask_g)
         tl.store(PO + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_g[:, None])
         if FUSED_REDUCE:
-            # The last split of this (sequence, kv head) to finish merges all splits: no second launch.
+            # The last active split of this (sequence, kv head) to finish merges them all: no second launch.
             cnt = CNT + b * tl.num_programs(1) + kvh
             tl.debug_barrier()  # every thread's partial is written before the release below
             done = tl.atomic_add(cnt, 1)  # acq_rel: the other splits' partials are visible to the last one
-            if done == num_splits - 1:
+            if done == n_active - 1:
                 base = (b64 * num_q_heads + heads) * num_splits
                 offs_s = tl.arange(0, MAX_SPLITS)
                 lse_all = tl.load(PLSE + base[:, None] + offs_s[None, :],
-                                  mask=mask_g[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
+                                  mask=mask_g[:, None] & (offs_s[None, :] < n_active), other=float("-inf"),
                                   cache_modifier=".cg")
                 m = tl.max(lse_all, axis=1)
                 m = tl.where(m == float("-inf"), 0.0, m)
                 denom = tl.sum(tl.exp2(lse_all - m[:, None]), axis=1)
                 denom = tl.where(denom == 0.0, 1.0, denom)
                 merged = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-                # splits cover [0, seq_len) in order: those past the context are empty (weight 0), skip them
-                n_active = tl.minimum(tl.cdiv(seq_len, tl.maximum(per_split, 1)), num_splits)
                 for sp in range(0, n_active):
                     w = tl.exp2(tl.load(PLSE + base + sp, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
                                 - m) / denom
                     po = tl.load(PO + (base + sp)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_g[:, None],
                                  other=0.0, cache_modifier=".cg")
                     merged += w[:, None] * po
-                dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
                 tl.store(dst, merged.to(O.dtype.element_ty), mask=mask_g[:, None])
                 tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_reduce_kernel(
-    PO, PLSE, O, stride_ob, stride_oh, num_splits,
-    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    seq_len = tl.load(SL + b)
+    _, n_active = _split_bounds(seq_len, num_splits, min_split, BLOCK_N)
+    if n_active == 1:
+        return  # the decode kernel wrote the output itself
     row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     offs_s = tl.arange(0, MAX_SPLITS)
-    mask_s = offs_s < num_splits
+    mask_s = offs_s < n_active
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -266,10 +282,15 @@ def _default_decode_config(head_dim: int, group: int, page: int) -> dict:
     # d=64: 64 / 2 warps / 3 stages 3898 GB/s (92%), 128 / 4 / 3 3857, the d=128 default 3732.
     # d=256: 32 / 4 / 2..3 ~4180 GB/s (98%); 64-token tiles 4138; 128-token tiles 3444.
     if head_dim > 128:
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
-    if head_dim <= 64:
-        return {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "USE_DOT": True}
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
+        cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
+    elif head_dim <= 64:
+        cfg = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "USE_DOT": True}
+    else:
+        cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
+    # Shortest split (tokens): a launch sized for long contexts (CUDA graphs split for max_model_len) uses only
+    # as many splits as the context fills at this length; the others exit at once.
+    cfg["MIN_SPLIT"] = MIN_SPLIT_TOKENS
+    return cfg
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
@@ -283,7 +304,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     if work >= 2 * num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, work)
-    cap = max(1, max_context // 256)
+    cap = max(1, max_context // MIN_SPLIT_TOKENS)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
@@ -329,10 +350,11 @@ def decode_attention(
     # in the same launch (the last split reduces, counted per (sequence, kv head)) unless `_config` turns that off
     # or the batch outgrows the counters; then a second kernel merges.
     fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
+    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     cnt = tile_counters(q.device) if fused_reduce else out
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt,
-        float(scale) * _LOG2E, group, hq, num_splits,
+        float(scale) * _LOG2E, group, hq, num_splits, min_split,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -344,8 +366,8 @@ def decode_attention(
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
-            po, plse, out, out.stride(0), out.stride(1), num_splits,
-            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d,
+            po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split,
+            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"],
             **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}),
         )
     return out
