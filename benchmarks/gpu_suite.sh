@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup tput0 tests attnt attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup tput0 tests attnt b1k attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -12,6 +12,7 @@ for s in $stages; do
   case $s in
     tests)  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -25 ;;
     attnt)  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/attention -k "qk_norm or gpu" 2>&1 | tail -8 ;;
+    b1k)    timeout 200 python3 benchmarks/batch1_kernels.py 2>&1 | tee "$OUT/batch1_kernels.txt" | grep -v "^config failed" | tail -40 ;;
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;

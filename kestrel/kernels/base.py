@@ -85,3 +85,14 @@ class LinearKernel(KernelCandidate):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    # Prologue fusions: the layer's input transform done as the kernel loads its input, one launch instead of
+    # two. None means "not fused here": the caller runs the transform, then apply().
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """apply(silu(gate) * up) for gate_up = [gate | up], or None."""
+        return None
+
+    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(apply(rmsnorm(x + residual)), x + residual) (residual None: x), or None."""
+        return None

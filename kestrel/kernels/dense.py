@@ -48,6 +48,7 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
     name = "triton_skinny_dense"
     MAX_ROWS = 8
     MAX_COLUMNS = 2048
+    NORM_MAX_COLUMNS = 8192
 
     @classmethod
     def is_supported(cls, platform: Platform) -> tuple[bool, str]:
@@ -63,10 +64,28 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
             return False, f"dtype {spec.params_dtype} not in {dtypes}"
         return True, ""
 
+    def _skinny(self, layer: nn.Module, x: torch.Tensor, max_columns: int) -> bool:
+        return x.is_cuda and x.dim() == 2 and x.shape[0] <= self.MAX_ROWS and layer.weight.shape[0] <= max_columns
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > self.MAX_ROWS or layer.weight.shape[0] > self.MAX_COLUMNS or not x.is_cuda:
+        if not self._skinny(layer, x2, self.MAX_COLUMNS):
             return F.linear(x, layer.weight, layer.bias)
         from kestrel.kernels.triton_ops.skinny_gemm import skinny_gemm
 
         return skinny_gemm(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.weight.shape[0])
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        if not self._skinny(layer, gate_up, self.MAX_COLUMNS):
+            return None
+        from kestrel.kernels.triton_ops.skinny_gemm import skinny_silu_mul_gemm
+
+        return skinny_silu_mul_gemm(gate_up, layer.weight, layer.bias)
+
+    def apply_rms_norm(self, layer, x, norm_weight, eps, residual):
+        # Wider layers than apply() takes: here the fusion also saves the norm's launch (benchmarks/gemv_check.py).
+        if not self._skinny(layer, x, self.NORM_MAX_COLUMNS):
+            return None
+        from kestrel.kernels.triton_ops.skinny_gemm import skinny_rms_norm_gemm
+
+        return skinny_rms_norm_gemm(x, norm_weight, eps, layer.weight, layer.bias, residual)

@@ -37,8 +37,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, layer_index)
 
     def forward(self, positions, hidden, ctx: ForwardContext):
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), ctx)
+
+    def attend(self, positions, qkv, ctx: ForwardContext):
+        """Attention and o_proj from the projected [q | k | v]."""
+        t = qkv.shape[0]
         if self.attn.fuses_qkv_prologue(self.rotary):
             norms = (self.q_norm, self.k_norm) if self.use_qk_norm else (None, None)
             return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary, *norms, ctx))
@@ -61,7 +64,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up):
+        return self.down_proj.forward_silu_mul(gate_up, self.act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,14 +82,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, residual, ctx):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm runs inside the projection after it where the linear kernel fuses it (small batches on
+        # CUDA); residual is None before the first layer.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_rms_norm(self.input_layernorm, hidden, residual)
+        hidden = attn.attend(positions, qkv, ctx)
+        gate_up, residual = mlp.gate_up_proj.forward_rms_norm(self.post_attention_layernorm, hidden, residual)
+        return mlp.down(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -58,11 +58,13 @@ def test_prefill_kernel_compiles(block_m):
 
 
 @pytest.mark.parametrize("split", [1, 4])
-def test_skinny_gemm_compiles(split):
+@pytest.mark.parametrize("prologue,residual", [(0, False), (1, False), (2, False), (2, True)])
+def test_skinny_gemm_compiles(split, prologue, residual):
     fn = skinny_gemm._skinny_gemm_kernel
-    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
-    sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split))
+    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "R": "*bf16", "NW": "*bf16",
+            "RO": "*bf16"}
+    sig = {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, PROLOGUE=prologue, HAS_RESIDUAL=residual))
 
 
 def test_gumbel_sampler_compiles():
