@@ -3,9 +3,9 @@ of 20 launches) and checked against float64 / reference results:
 
   1. decode attention at batch 1 in a graph-sized launch (64 splits, as CUDA graphs capture for max_model_len)
      for several shortest-split lengths (MIN_SPLIT), against the split count chosen for the actual context;
-  2. RMSNorm (+ residual) before a projection: norm kernel + cuBLAS, norm kernel + skinny GEMM, and the skinny
-     GEMM with the norm fused into its input load, with a small tile sweep of the fused kernel;
-  3. SiLU-and-mul before down_proj: activation kernel + cuBLAS / skinny, and fused.
+  2. decode attention launch configs at batch 1 (tile, warps, pipeline stages);
+  3. each projection of the 0.6B and 8B shapes: cuBLAS, the skinny tensor-core GEMM and the GEMV (with a tile
+     sweep), and the chains norm -> projection (-> SiLU-and-mul) unfused against the fused GEMV.
 
     python benchmarks/batch1_kernels.py"""
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from gemv_check import graph_time_us  # noqa: E402
 from kestrel.attention.ops import fused_ops, reference as ref, triton_attention as ta  # noqa: E402
-from kestrel.kernels.triton_ops import skinny_gemm as sg  # noqa: E402
+from kestrel.kernels.triton_ops import gemv as gv, skinny_gemm as sg  # noqa: E402
 
 PAGE = 16
 
@@ -62,21 +62,26 @@ def decode_section():
                   flush=True)
 
 
-def norm_section():
-    print("\n### RMSNorm + residual, then the projection, batch 1 (us)\n")
-    print("| shape | N | K | norm + cuBLAS | norm + skinny | fused skinny | best fused config | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
-    shapes = {"0.6b qkv": (4096, 1024), "0.6b gate_up": (6144, 1024), "8b qkv": (6144, 4096),
-              "8b gate_up": (28672, 4096)}
-    for name, (n, k) in shapes.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(3)]
+SHAPES = {  # name: (N, K, what runs before it at batch 1)
+    "0.6b qkv": (4096, 1024, "norm"), "0.6b o": (1024, 2048, None), "0.6b gate_up": (3072, 1024, "norm+silu"),
+    "0.6b down": (1024, 3072, None),
+    "8b qkv": (6144, 4096, "norm"), "8b o": (4096, 4096, None), "8b gate_up": (14336, 4096, "norm+silu"),
+    "8b down": (4096, 14336, None),
+}
+
+
+def gemv_section():
+    print("\n### Projections at batch 1 (us): alone, and with the norm / activation they need\n")
+    print("| shape | N | K | weight floor | cuBLAS | skinny | gemv | best gemv config | chain unfused (norm/act "
+          "kernels + cuBLAS) | chain fused gemv | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    bw = 4.26e12
+    for name, (n, k, pre) in SHAPES.items():
+        rows = 2 * n if pre == "norm+silu" else n
+        ws = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(3)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-        h, _ = fused_ops.rms_norm(x, nw, 1e-6, res)
-        ref_y = h.double() @ ws[0].double().T
-        y, _ = sg.skinny_rms_norm_gemm(x, nw, 1e-6, ws[0], residual=res)
-        err = rel(y, ref_y)
         i = [0]
 
         def rot(f):
@@ -84,64 +89,82 @@ def norm_section():
                 i[0] = (i[0] + 1) % 3
                 f(ws[i[0]])
             return g
-        t_cublas = graph_time_us(rot(lambda w: F.linear(fused_ops.rms_norm(x, nw, 1e-6, res)[0], w)))
-        t_skinny = graph_time_us(rot(lambda w: sg.skinny_gemm(fused_ops.rms_norm(x, nw, 1e-6, res)[0], w)))
-        t_fused = graph_time_us(rot(lambda w: sg.skinny_rms_norm_gemm(x, nw, 1e-6, w, residual=res)))
+        err = rel(gv.gemv(x, ws[0]), x.double() @ ws[0].double().T)
+        t_cublas = graph_time_us(rot(lambda w: F.linear(x, w)))
+        t_skinny = graph_time_us(rot(lambda w: sg.skinny_gemm(x, w))) if rows <= 8192 else float("nan")
+        t_gemv = graph_time_us(rot(lambda w: gv.gemv(x, w)))
         cands = []
-        for bn in (32, 64):
-            for sk in (1, 2, 4, 8):
-                cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sk}
-                try:
-                    t = graph_time_us(rot(lambda w: sg.skinny_rms_norm_gemm(x, nw, 1e-6, w, residual=res,
-                                                                            _config=cfg)), 10)
-                    cands.append((t, f"BN{bn}/SK{sk}"))
-                except Exception as e:  # noqa: BLE001
-                    print("config failed", cfg, type(e).__name__, file=sys.stderr)
+        for tile in (2048, 4096, 8192):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    cfg = {"TILE": tile, "num_warps": warps, "num_stages": stages}
+                    try:
+                        cands.append((graph_time_us(rot(lambda w: gv.gemv(x, w, _config=cfg)), 10),
+                                      f"T{tile}/W{warps}/S{stages}"))
+                    except Exception as e:  # noqa: BLE001
+                        print("config failed", cfg, type(e).__name__, file=sys.stderr)
         bt, bc = min(cands)
-        print(f"| {name} | {n} | {k} | {t_cublas:.1f} | {t_skinny:.1f} | {t_fused:.1f} | {bt:.1f} {bc} | {err:.1e} |",
-              flush=True)
+        chain_u = chain_f = float("nan")
+        if pre == "norm":
+            h, _ = fused_ops.rms_norm(x, nw, 1e-6, res)
+            err = max(err, rel(gv.gemv(x, ws[0], norm_weight=nw, eps=1e-6, residual=res)[0],
+                               h.double() @ ws[0].double().T))
+            chain_u = graph_time_us(rot(lambda w: F.linear(fused_ops.rms_norm(x, nw, 1e-6, res)[0], w)))
+            chain_f = graph_time_us(rot(lambda w: gv.gemv(x, w, norm_weight=nw, eps=1e-6, residual=res)))
+        elif pre == "norm+silu":
+            h, _ = fused_ops.rms_norm(x, nw, 1e-6, res)
+            gu = (h.double() @ ws[0].double().T)
+            gg, uu = gu[:, :n], gu[:, n:]
+            err = max(err, rel(gv.gemv(x, ws[0], norm_weight=nw, eps=1e-6, residual=res, silu_out=True)[0],
+                               gg * torch.sigmoid(gg) * uu))
+            chain_u = graph_time_us(rot(lambda w: fused_ops.silu_and_mul(
+                F.linear(fused_ops.rms_norm(x, nw, 1e-6, res)[0], w))))
+            chain_f = graph_time_us(rot(lambda w: gv.gemv(x, w, norm_weight=nw, eps=1e-6, residual=res,
+                                                          silu_out=True)))
+        floor = rows * k * 2 / bw * 1e6
+        print(f"| {name} | {rows} | {k} | {floor:.1f} | {t_cublas:.1f} | {t_skinny:.1f} | {t_gemv:.1f} | {bt:.1f} {bc} "
+              f"| {chain_u:.1f} | {chain_f:.1f} | {err:.1e} |", flush=True)
 
 
-def silu_section():
-    print("\n### SiLU-and-mul, then down_proj, batch 1 (us)\n")
-    print("| shape | N | K | act + cuBLAS | act + skinny | fused skinny | best fused config | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (n, k) in {"0.6b down": (1024, 3072), "8b down": (4096, 14336)}.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(3)]
-        gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-        g, u = gu.double().chunk(2, dim=-1)
-        ref_y = (g * torch.sigmoid(g) * u) @ ws[0].double().T
-        err = rel(sg.skinny_silu_mul_gemm(gu, ws[0]), ref_y)
-        i = [0]
-
-        def rot(f):
-            def gfn():
-                i[0] = (i[0] + 1) % 3
-                f(ws[i[0]])
-            return gfn
-        t_cublas = graph_time_us(rot(lambda w: F.linear(fused_ops.silu_and_mul(gu), w)))
-        t_skinny = graph_time_us(rot(lambda w: sg.skinny_gemm(fused_ops.silu_and_mul(gu), w)))
-        t_fused = graph_time_us(rot(lambda w: sg.skinny_silu_mul_gemm(gu, w)))
-        cands = []
-        for bn in (32, 64):
-            for sk in (1, 2, 4, 8):
-                cfg = {"BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": sk}
-                try:
-                    cands.append((graph_time_us(rot(lambda w: sg.skinny_silu_mul_gemm(gu, w, _config=cfg)), 10),
-                                  f"BN{bn}/SK{sk}"))
-                except Exception as e:  # noqa: BLE001
-                    print("config failed", cfg, type(e).__name__, file=sys.stderr)
-        bt, bc = min(cands)
-        print(f"| {name} | {n} | {k} | {t_cublas:.1f} | {t_skinny:.1f} | {t_fused:.1f} | {bt:.1f} {bc} | {err:.1e} |",
-              flush=True)
+def decode_config_section():
+    print("\n### Decode attention configs at batch 1, 16q/8kv, d 128 (us)\n")
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for ctx in (384, 1024):
+        nb = -(-ctx // PAGE) + 1
+        kc = torch.randn(nb, PAGE, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+        vc = torch.randn(nb, PAGE, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+        bt = torch.randperm(nb, generator=gen)[: nb - 1].to("cuda", torch.int32)[None, :]
+        sl = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        q = torch.randn(1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        for splits, min_split in ((1, 256), (64, 128), (64, 256)):
+            for bn in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3, 4):
+                        cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "MIN_SPLIT": min_split}
+                        try:
+                            t = graph_time_us(lambda: ta.decode_attention(q, kc, vc, bt, sl, 0.088, out=out,
+                                                                          num_splits=splits, _config=cfg), 10)
+                            rows.append((ctx, splits, min_split, t, f"BN{bn}/W{warps}/S{stages}"))
+                        except Exception as e:  # noqa: BLE001
+                            print("config failed", cfg, type(e).__name__, file=sys.stderr)
+    print("| context | splits | min split | best us | config | default us |")
+    print("|---|---|---|---|---|---|")
+    for ctx in (384, 1024):
+        for splits, min_split in ((1, 256), (64, 128), (64, 256)):
+            sel = [r for r in rows if r[0] == ctx and r[1] == splits and r[2] == min_split]
+            best = min(sel, key=lambda r: r[3])
+            dflt = [r for r in sel if r[4] == "BN64/W4/S3"]
+            print(f"| {ctx} | {splits} | {min_split} | {best[3]:.1f} | {best[4]} | {dflt[0][3] if dflt else float('nan'):.1f} |")
 
 
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
     decode_section()
-    norm_section()
-    silu_section()
+    decode_config_section()
+    gemv_section()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
-    tests)  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -25 ;;
+    tests)  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu tests/kernels/test_gemv_interp.py \
+              tests/kernels/test_skinny_gemm_interp.py 2>&1 | tail -25 ;;
     attnt)  timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/attention -k "qk_norm or gpu" 2>&1 | tail -8 ;;
     b1k)    timeout 200 python3 benchmarks/batch1_kernels.py 2>&1 | tee "$OUT/batch1_kernels.txt" | grep -v "^config failed" | tail -40 ;;
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;

@@ -88,11 +88,12 @@ class LinearKernel(KernelCandidate):
 
     # Prologue fusions: the layer's input transform done as the kernel loads its input, one launch instead of
     # two. None means "not fused here": the caller runs the transform, then apply().
-    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """apply(silu(gate) * up) for gate_up = [gate | up], or None."""
-        return None
-
     def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(apply(rmsnorm(x + residual)), x + residual) (residual None: x), or None."""
+        return None
+
+    def apply_rms_norm_silu(self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As apply_rms_norm, with SiLU-and-mul applied to the [gate | up] output, or None."""
         return None

@@ -48,7 +48,7 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
     name = "triton_skinny_dense"
     MAX_ROWS = 8
     MAX_COLUMNS = 2048
-    NORM_MAX_COLUMNS = 8192
+    NORM_MAX_K = 8192  # the fused norm holds the whole input row in one tile
 
     @classmethod
     def is_supported(cls, platform: Platform) -> tuple[bool, str]:
@@ -67,25 +67,32 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
     def _skinny(self, layer: nn.Module, x: torch.Tensor, max_columns: int) -> bool:
         return x.is_cuda and x.dim() == 2 and x.shape[0] <= self.MAX_ROWS and layer.weight.shape[0] <= max_columns
 
+    @staticmethod
+    def _gemv(x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if self._gemv(x2):
+            from kestrel.kernels.triton_ops.gemv import gemv
+
+            return gemv(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.weight.shape[0])
         if not self._skinny(layer, x2, self.MAX_COLUMNS):
             return F.linear(x, layer.weight, layer.bias)
         from kestrel.kernels.triton_ops.skinny_gemm import skinny_gemm
 
         return skinny_gemm(x2, layer.weight, layer.bias).view(*x.shape[:-1], layer.weight.shape[0])
 
-    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-        if not self._skinny(layer, gate_up, self.MAX_COLUMNS):
-            return None
-        from kestrel.kernels.triton_ops.skinny_gemm import skinny_silu_mul_gemm
-
-        return skinny_silu_mul_gemm(gate_up, layer.weight, layer.bias)
-
     def apply_rms_norm(self, layer, x, norm_weight, eps, residual):
-        # Wider layers than apply() takes: here the fusion also saves the norm's launch (benchmarks/gemv_check.py).
-        if not self._skinny(layer, x, self.NORM_MAX_COLUMNS):
+        if not self._gemv(x) or x.shape[1] > self.NORM_MAX_K:
             return None
-        from kestrel.kernels.triton_ops.skinny_gemm import skinny_rms_norm_gemm
+        from kestrel.kernels.triton_ops.gemv import gemv
 
-        return skinny_rms_norm_gemm(x, norm_weight, eps, layer.weight, layer.bias, residual)
+        return gemv(x, layer.weight, layer.bias, norm_weight=norm_weight, eps=eps, residual=residual)
+
+    def apply_rms_norm_silu(self, layer, x, norm_weight, eps, residual):
+        if not self._gemv(x) or x.shape[1] > self.NORM_MAX_K or layer.bias is not None:
+            return None
+        from kestrel.kernels.triton_ops.gemv import gemv
+
+        return gemv(x, layer.weight, norm_weight=norm_weight, eps=eps, residual=residual, silu_out=True)

@@ -71,11 +71,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(self, x)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """self(act(gate_up)) for act = SiLU-and-mul; one kernel where this layer's kernel fuses it."""
-        y = self.kernel.apply_silu_mul(self, gate_up)
-        return y if y is not None else self(act(gate_up))
-
     def forward_rms_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(self(norm(x + residual)), x + residual), with x for the residual when there is none yet; one kernel
         where this layer's kernel fuses the norm into its input load."""
@@ -86,6 +81,15 @@ class Linear(nn.Module):
             return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
+
+    def forward_rms_norm_silu(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, act: nn.Module):
+        """(act(self(norm(x + residual))), x + residual) for this layer = merged [gate; up] and act = SiLU-and-mul;
+        one kernel where this layer's kernel fuses both."""
+        fused = self.kernel.apply_rms_norm_silu(self, x, norm.weight, norm.eps, residual)
+        if fused is not None:
+            return fused
+        y, residual = self.forward_rms_norm(norm, x, residual)
+        return act(y), residual
 
     def extra_repr(self) -> str:
         return f"in={self.spec.input_size}, out={self.spec.output_sizes}, bias={self.spec.bias}, kernel={self.kernel.name}"

@@ -64,10 +64,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x):
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up):
-        return self.down_proj.forward_silu_mul(gate_up, self.act)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,8 +84,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.forward_rms_norm(self.input_layernorm, hidden, residual)
         hidden = attn.attend(positions, qkv, ctx)
-        gate_up, residual = mlp.gate_up_proj.forward_rms_norm(self.post_attention_layernorm, hidden, residual)
-        return mlp.down(gate_up), residual
+        act, residual = mlp.gate_up_proj.forward_rms_norm_silu(self.post_attention_layernorm, hidden, residual, mlp.act)
+        return mlp.down_proj(act), residual
 
 
 class LlamaForCausalLM(nn.Module):

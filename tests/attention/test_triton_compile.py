@@ -58,13 +58,11 @@ def test_prefill_kernel_compiles(block_m):
 
 
 @pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("prologue,residual", [(0, False), (1, False), (2, False), (2, True)])
-def test_skinny_gemm_compiles(split, prologue, residual):
+def test_skinny_gemm_compiles(split):
     fn = skinny_gemm._skinny_gemm_kernel
-    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "R": "*bf16", "NW": "*bf16",
-            "RO": "*bf16"}
-    sig = {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split, PROLOGUE=prologue, HAS_RESIDUAL=residual))
+    ptrs = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32"}
+    sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=split))
 
 
 def test_gumbel_sampler_compiles():
@@ -72,3 +70,14 @@ def test_gumbel_sampler_compiles():
     ptrs = {"LOGITS": "*bf16", "INV_TEMP": "*fp32", "SEEDS": "*i64", "PART_VAL": "*fp32", "PART_IDX": "*i32"}
     sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(BLOCK=1024))
+
+
+@pytest.mark.parametrize("norm,residual,silu", [(False, False, False), (True, False, False), (True, True, False),
+                                                (True, True, True)])
+def test_gemv_compiles(norm, residual, silu):
+    from kestrel.kernels.triton_ops import gemv
+
+    fn = gemv._gemv_kernel
+    ptrs = {n: "*bf16" for n in ("X", "W", "Y", "R", "NW", "RO")}
+    sig = {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(BLOCK_N=4, BLOCK_K=1024, NORM=norm, HAS_RESIDUAL=residual, SILU_OUT=silu))

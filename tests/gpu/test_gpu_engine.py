@@ -52,6 +52,10 @@ def test_cuda_graph_replay_equals_eager(tiny_models):
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert a == b
+    for p in PROMPTS:  # batch 1: the fused GEMV path (norm + projection + activation in one kernel)
+        a = graphs.generate([p], params)[0].outputs[0].token_ids
+        b = eager.generate([p], params)[0].outputs[0].token_ids
+        assert a == b, p
 
 
 def test_seeded_sampling_on_gpu_is_batch_invariant(tiny_models):

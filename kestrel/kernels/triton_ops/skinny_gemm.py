@@ -6,10 +6,6 @@ one of SPLIT_K slices of K (the query rows padded to 16 for the tensor cores, wh
 intensity). With SPLIT_K > 1 the slices write fp32 partials; the last slice of a column tile to finish (an atomic
 counter per tile) sums them and writes Y, then resets its counter, so one launch does everything and the kernel
 can be captured in a CUDA graph.
-
-The kernel can also transform X as it loads it (a "prologue"), which removes the launch before the GEMM at
-batch 1, where launches and not bytes set the time: SiLU-and-mul of the MLP's [gate | up] before down_proj, and
-RMSNorm (with the residual add) before qkv_proj and gate_up_proj.
 """
 from __future__ import annotations
 
@@ -24,15 +20,11 @@ from kestrel.kernels.triton_ops.counters import CAPACITY as MAX_TILES, tile_coun
 M_MAX = 16
 
 
-NO_PROLOGUE, SILU_MUL, RMS_NORM = 0, 1, 2  # what the kernel applies to X as it loads it
-
-
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    X, W, Y, WS, CNT, R, NW, RO,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_rom, k_per_split, eps,
+    X, W, Y, WS, CNT,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -40,45 +32,15 @@ def _skinny_gemm_kernel(
     mask_m = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    x_rows = X + offs_m[:, None] * stride_xm
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-    if PROLOGUE == 2:
-        # RMSNorm of each row (after the residual add): the rows are a few KB, every program re-reads them
-        # from L2 for the sum of squares instead of launching a norm kernel before the GEMM.
-        ssq = tl.zeros([16], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = mask_m[:, None] & (offs_k < K)[None, :]
-            xf = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                xf = xf + tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
-                xf = xf.to(X.dtype.element_ty).to(tl.float32)
-            ssq += tl.sum(xf * xf, axis=1)
-        rstd = tl.rsqrt(ssq / K + eps)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
         offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        mk = mask_m[:, None] & mask_k[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if PROLOGUE == 1:  # X = [gate | up], K columns each: silu(gate) * up
-            g = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(W.dtype.element_ty)
-        elif PROLOGUE == 2:
-            xf = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                xr = (xf + tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0))
-                xr = xr.to(X.dtype.element_ty)
-                if pid_n == 0:  # one column tile writes the new residual stream (x + residual)
-                    tl.store(RO + offs_m[:, None] * stride_rom + offs_k[None, :], xr, mask=mk)
-                xf = xr.to(tl.float32)
-            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            xn = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-            x = (xn * nw[None, :]).to(W.dtype.element_ty)
-        else:
-            x = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)
+        x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = mask_m[:, None] & mask_n[None, :]
@@ -118,44 +80,15 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, _config: dict | None = None):
     """x [M, K] (M <= 16) @ w[N, K]^T (+ bias) -> [M, N] in x's dtype."""
-    return _launch(x, w, bias, NO_PROLOGUE, _config=_config)[0]
-
-
-def skinny_silu_mul_gemm(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                         _config: dict | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ w^T for gate_up = [gate | up] [M, 2K]: the activation is applied as the GEMM loads
-    its input, no [M, K] intermediate and no separate launch."""
-    return _launch(gate_up, w, bias, SILU_MUL, _config=_config)[0]
-
-
-def skinny_rms_norm_gemm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                         bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                         _config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm(x + residual) @ w^T -> (y, x + residual); without residual -> (y, x). One launch: the norm is
-    computed as the GEMM loads its input, as RMSNorm's own kernel computes it (float32, rounded to x's dtype
-    before the weight)."""
-    return _launch(x, w, bias, RMS_NORM, norm_weight=norm_weight, eps=eps, residual=residual, _config=_config)
-
-
-def _launch(x, w, bias, prologue, *, norm_weight=None, eps=0.0, residual=None, _config=None):
-    m = x.shape[0]
-    n, k = w.shape
+    m, k = x.shape
+    n = w.shape[0]
     if m > M_MAX:
         raise ValueError(f"skinny_gemm serves M <= {M_MAX}, got {m}")
-    if x.shape[1] != (2 * k if prologue == SILU_MUL else k):
-        raise ValueError(f"input width {x.shape[1]} does not fit a weight of {k} columns")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res_out = x
-    r = nw = ro = x  # unused unless the prologue needs them
-    if prologue == RMS_NORM:
-        nw = norm_weight
-        if residual is not None:
-            r = residual if residual.stride(-1) == 1 else residual.contiguous()
-            res_out = ro = torch.empty_like(x)
     if m == 0:
-        return y, res_out
+        return y
     cfg = dict(default_config(m, n, k, _num_sms(x.device)))
     if _config:
         cfg.update(_config)
@@ -167,8 +100,7 @@ def _launch(x, w, bias, prologue, *, norm_weight=None, eps=0.0, residual=None, _
     ws = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = tile_counters(x.device) if split > 1 else y
     _skinny_gemm_kernel[(tiles, split)](
-        x, w, y, ws, cnt, r, nw, ro, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0), ro.stride(0),
-        k_per_split, float(eps), PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, **cfg)
+        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg)
     if bias is not None:
         y += bias
-    return y, res_out
+    return y
