@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup tput0 tests attnt b1k attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup startprof tput0 tests attnt b1k attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -29,6 +29,7 @@ for s in $stages; do
     startup) export TRITON_CACHE_DIR=/tmp/triton_cold_$$  # first start compiles every kernel, the second finds them cached
              for i in 1 2; do timeout 100 python3 benchmarks/startup.py --shape qwen3-0.6b > "$OUT/startup$i.log" 2>&1; tail -1 "$OUT/startup$i.log"; done
              unset TRITON_CACHE_DIR ;;
+    startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up" "$OUT/startprof.txt" ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
   esac

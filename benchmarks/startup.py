@@ -14,12 +14,21 @@ from common import write_shape  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--cprofile", action="store_true", help="print where the start-up's Python time goes")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(name)s: %(message)s")
     from kestrel import LLM
 
+    if args.cprofile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
     llm = LLM(str(write_shape(args.shape)), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False)
+    if args.cprofile:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(45)
     print(f"start-up {args.shape}: {time.perf_counter() - T0:.1f} s (graph capture "
           f"{llm.engine.core.runner.graph_capture_seconds:.1f} s)")
 

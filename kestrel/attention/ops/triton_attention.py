@@ -275,16 +275,21 @@ def _decode_reduce_kernel(
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
 
 
-def _default_decode_config(head_dim: int, group: int, page: int) -> dict:
+def _default_decode_config(head_dim: int, group: int, page: int, batch: int = 256) -> dict:
     # Chosen on the H200 (see benchmarks/NOTES.md): tensor-core dot with the query group padded to 16 rows.
     # H200, bf16, B=256 x ~1000 ctx, 16q/8kv/128: BLOCK_N 64 / 4 warps / 3 stages = 4065 GB/s (96% of copy bw);
     # 2 stages 3938, 1 stage 3642; the non-dot (broadcast-sum) variant at best 1875 GB/s.
     # d=64: 64 / 2 warps / 3 stages 3898 GB/s (92%), 128 / 4 / 3 3857, the d=128 default 3732.
     # d=256: 32 / 4 / 2..3 ~4180 GB/s (98%); 64-token tiles 4138; 128-token tiles 3444.
+    # Batch <= 8, d=128 (latency, benchmarks/batch1_kernels.py): 128-token tiles / 8 warps / 2 stages and splits
+    # of >= 128 tokens: 8.2 us at 384 tokens and 9.9 us at 1024 in a 64-split graph launch (the throughput
+    # config: 11.2 and 13.1 us).
     if head_dim > 128:
         cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
     elif head_dim <= 64:
         cfg = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "USE_DOT": True}
+    elif batch <= 8:
+        return {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "USE_DOT": True, "MIN_SPLIT": 128}
     else:
         cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "USE_DOT": True}
     # Shortest split (tokens): a launch sized for long contexts (CUDA graphs split for max_model_len) uses only
@@ -330,7 +335,7 @@ def decode_attention(
         out = torch.empty_like(q)
     if B == 0:
         return out
-    cfg = dict(_default_decode_config(d, group, page))
+    cfg = dict(_default_decode_config(d, group, page, B))
     if _config:
         cfg.update(_config)
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
