@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup startprof tput0 tests attnt b1k attn tput lat lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup startprof tput0 tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -19,6 +19,7 @@ for s in $stages; do
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
+    latnopdl) KESTREL_PDL=0 timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --hf-output-len 0 --json "$OUT/lat_nopdl.json" 2>&1 | grep kestrel ;;
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;

@@ -135,6 +135,15 @@ def check_triton(platform: Platform | None = None) -> tuple[bool, str]:
     return ok, "" if ok else f"triton does not target this device: {why}"
 
 
+# Programmatic dependent launch (PTX griddepcontrol): a kernel launches while its predecessor runs and waits in
+# griddepcontrol.wait, hiding the launch gap between the ~170 small kernels of a batch-1 decode step. CUDA sm_90+.
+PDL_ARCHS = ArchRule(cuda_min_sm=90)
+
+
+def check_pdl(platform: Platform | None = None) -> tuple[bool, str]:
+    return _then(check_triton, PDL_ARCHS, "no programmatic dependent launch", platform)
+
+
 def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, str]:
     return _then(check_triton, TRITON_SKINNY_GEMM_ARCHS, "skinny GEMM not validated here", platform)
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.ops.gates import interpreter_mode
+from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
 
 def _warps(n: int) -> dict:
@@ -24,7 +25,9 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     n_cols, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -64,14 +67,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
             n, float(eps),
             BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-            **_warps(n),
+            **_warps(n), **pdl_launch(),
         )
     return out if residual is None else (out, new_res)
 
 
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(X, O, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, O, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -94,7 +98,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows and inter:
         block = min(2048, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, **_warps(block)
+            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, **_warps(block), **pdl_launch()
         )
     return out
 
@@ -195,7 +199,9 @@ def _qk_norm_rope_cache_kernel(
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + t)
     offs = tl.arange(0, HALF)
@@ -245,5 +251,6 @@ def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim, HALF=head_dim // 2, HQ_PAD=triton.next_power_of_2(num_q_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads), HAS_NORM=has_norm, PAGE=page,
         **_warps(num_q_heads * head_dim),
+        **pdl_launch(),
     )
     return q

@@ -21,6 +21,7 @@ import triton.language as tl
 from kestrel.attention.ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
 from kestrel.attention.ops.gates import check_attention, interpreter_mode
 from kestrel.kernels.triton_ops.counters import CAPACITY as COUNTER_CAPACITY, tile_counters
+from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
 __all__ = [
     "reshape_and_cache",
@@ -166,7 +167,9 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -253,7 +256,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split,
     MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SL + b)
@@ -368,12 +373,13 @@ def decode_attention(
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS,
         **launch,
+        **pdl_launch(),
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
             po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split,
             MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"],
-            **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}),
+            **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}), **pdl_launch(),
         )
     return out
 

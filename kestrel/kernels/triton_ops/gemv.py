@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.ops.gates import interpreter_mode
+from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
 TILE = 4096  # weight elements per program and K step: BLOCK_N x BLOCK_K
 
@@ -40,7 +41,9 @@ def _gemv_kernel(
     N, K, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -121,6 +124,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
         x, w, y, r, nw, ro, n, k, w.stride(0), float(eps),
         BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=residual is not None, SILU_OUT=silu_out,
         **({} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}),
+        **pdl_launch(),
     )
     if bias is not None:
         y += bias

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.triton_ops.counters import CAPACITY as MAX_TILES, tile_counters
+from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
 M_MAX = 16
 
@@ -25,7 +26,9 @@ def _skinny_gemm_kernel(
     X, W, Y, WS, CNT,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, 16)
@@ -100,7 +103,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     ws = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = tile_counters(x.device) if split > 1 else y
     _skinny_gemm_kernel[(tiles, split)](
-        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg)
+        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg, **pdl_launch())
     if bias is not None:
         y += bias
     return y

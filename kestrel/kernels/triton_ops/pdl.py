@@ -1,0 +1,39 @@
+"""Programmatic dependent launch for the Triton kernels of a decode step.
+
+A kernel compiled with PDL=True begins with griddepcontrol.wait (nothing it reads or writes is touched before its
+predecessor has finished and flushed) and then lets its own successor launch. Launched with launch_pdl, the
+kernel's blocks are scheduled while the predecessor still runs, so the launch gap between two small kernels
+(~1 us inside a CUDA graph) overlaps work. Waiting before signalling keeps at most one kernel queued ahead.
+Kernels and torch ops without PDL keep ordinary stream order, so mixing them is safe. Off with KESTREL_PDL=0.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kestrel.attention.ops.gates import interpreter_mode
+
+
+@functools.cache
+def pdl_enabled() -> bool:
+    if interpreter_mode() or os.environ.get("KESTREL_PDL", "1") == "0":
+        return False
+    from kestrel.platform.capabilities import check_pdl
+
+    return check_pdl()[0]
+
+
+def pdl_launch() -> dict:
+    """Launch options (with the PDL constexpr) for a kernel that starts with `pdl_prologue(PDL)`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
