@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup startprof tput0 tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup startprof tput0 tput0nopdl tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -16,6 +16,7 @@ for s in $stages; do
     b1k)    timeout 200 python3 benchmarks/batch1_kernels.py 2>&1 | tee "$OUT/batch1_kernels.txt" | grep -v "^config failed" | tail -40 ;;
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
+    tput0nopdl) KESTREL_PDL=0 timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput_nopdl.json" 2>&1 | grep -i "kestrel\|start" ;;
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
@@ -28,9 +29,9 @@ for s in $stages; do
     tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;
     profile) (cd benchmarks && timeout 150 python3 profile_step.py > "$OUT/profile.txt" 2>&1; head -3 "$OUT/profile.txt") ;;
     startup) export TRITON_CACHE_DIR=/tmp/triton_cold_$$  # first start compiles every kernel, the second finds them cached
-             for i in 1 2; do timeout 100 python3 benchmarks/startup.py --shape qwen3-0.6b > "$OUT/startup$i.log" 2>&1; tail -1 "$OUT/startup$i.log"; done
+             for i in 1 2; do timeout 100 python3 benchmarks/startup.py --shape qwen3-0.6b > "$OUT/startup$i.log" 2>&1; grep "Pre-compiled\|^start-up" "$OUT/startup$i.log"; done
              unset TRITON_CACHE_DIR ;;
-    startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up" "$OUT/startprof.txt" ;;
+    startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up\|Pre-compiled" "$OUT/startprof.txt" ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
   esac

@@ -28,6 +28,7 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         self.runner = ModelRunner(config, progress)
+        self.runner.precompile_kernels()
         self.max_model_len = context_length(self.runner.hf_config, config.model.max_model_len)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)

@@ -37,7 +37,9 @@ class DecodeGraphs:
                                  seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b],
                                  slot_mapping=buf.slot_mapping[:b])
 
-    def _run(self, b: int) -> torch.Tensor:
+    @torch.inference_mode()
+    def run(self, b: int) -> torch.Tensor:
+        """One eager decode forward of the padded batch `b` from the buffers; returns its logits."""
         hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b],
                             ForwardContext(self._meta(b), self.kv_caches))
         return self.model.compute_logits(hidden)
@@ -51,11 +53,11 @@ class DecodeGraphs:
         buf.query_start_loc.copy_(torch.arange(buf.max_reqs + 1, dtype=torch.int32, device=buf.device))
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             for _ in range(2):
-                self._run(b)  # warm-up (Triton autotune / JIT) outside the capture
+                self.run(b)  # warm-up (Triton autotune / JIT) outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self._run(b)
+                self.logits[b] = self.run(b)
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[b] = g

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,14 +127,17 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         ids, positions, meta = self.dummy_prefill_batch(n)
         kv_bytes = torch.cuda.memory_allocated() - before
-        with torch.inference_mode():
-            hidden = self.model(ids, positions, ForwardContext(meta, self.kv_caches))
-            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs):])
+        self._profile_forward(ids, positions, meta)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before - kv_bytes
         self.kv_caches = []
         torch.cuda.empty_cache()
         return int(peak * 1.1)
+
+    @torch.inference_mode()
+    def _profile_forward(self, ids, positions, meta) -> None:
+        hidden = self.model(ids, positions, ForwardContext(meta, self.kv_caches))
+        self.model.compute_logits(hidden[-min(meta.num_tokens, self.config.scheduler.max_num_seqs):])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -144,21 +148,56 @@ class ModelRunner:
     def setup_after_kv(self) -> None:
         """Persistent buffers, then (on CUDA with a graph-capable backend) decode graphs."""
         sc = self.config.scheduler
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.buffers = InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs, max_blocks,
-                                    self.device)
+        self.buffers = self._new_buffers()
         self.graphs = None
         if self.device.type == "cuda":
             self._warm_up_kernels()
-        cc = self.config.compilation
-        if self.device.type == "cuda" and not cc.enforce_eager and self.backend.supports_cuda_graphs:
-            sizes = cc.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches,
-                                       [s for s in sizes if s <= sc.max_num_seqs], self.max_model_len)
+        sizes = self._graph_sizes()
+        if sizes:
+            self.graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, sizes, self.max_model_len)
             self.graph_capture_seconds = self.graphs.capture()
         pin = self.device.type == "cuda"
         self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_flip = 0
+
+    def _new_buffers(self) -> InputBuffers:
+        sc = self.config.scheduler
+        max_blocks = -(-self.max_model_len // self.block_size)
+        return InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs, max_blocks, self.device)
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, backend without)."""
+        cc, sc = self.config.compilation, self.config.scheduler
+        if self.device.type != "cuda" or cc.enforce_eager or not self.backend.supports_cuda_graphs:
+            return []
+        return [s for s in (cc.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
+
+    def precompile_kernels(self) -> None:
+        """Compile, in parallel, every Triton variant that the profile run, the kernel warm-up and the graph
+        capture will launch: the same forwards run once with launches turned into compilations (see
+        kestrel/kernels/triton_ops/precompile.py). Decode forwards read only the layout of the KV cache, so the
+        profile batch's small cache serves them. CUDA only; KESTREL_PRECOMPILE=0 skips it."""
+        if self.device.type != "cuda" or os.environ.get("KESTREL_PRECOMPILE", "1") == "0":
+            return
+        try:
+            from kestrel.kernels.triton_ops.precompile import precompile
+        except ImportError:  # no triton: nothing to compile
+            return
+
+        def dry_run():
+            ids, positions, meta = self.dummy_prefill_batch(self.config.scheduler.max_num_batched_tokens)
+            self._profile_forward(ids, positions, meta)
+            self.buffers = self._new_buffers()
+            self._warm_up_kernels()
+            graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, self._graph_sizes(), self.max_model_len)
+            for b in graphs.sizes:
+                graphs.run(b)
+
+        try:
+            precompile(dry_run)
+        finally:
+            self.kv_caches, self.buffers = [], None
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
