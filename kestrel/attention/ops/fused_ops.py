@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
             n, float(eps),
             BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-            **_warps(n), **pdl_launch(),
+            **_warps(n), **pdl_launch(rows),
         )
     return out if residual is None else (out, new_res)
 
@@ -98,7 +98,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows and inter:
         block = min(2048, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, **_warps(block), **pdl_launch()
+            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, **_warps(block), **pdl_launch(rows)
         )
     return out
 
@@ -251,6 +251,6 @@ def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim, HALF=head_dim // 2, HQ_PAD=triton.next_power_of_2(num_q_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads), HAS_NORM=has_norm, PAGE=page,
         **_warps(num_q_heads * head_dim),
-        **pdl_launch(),
+        **pdl_launch(T),
     )
     return q

@@ -373,13 +373,13 @@ def decode_attention(
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS,
         **launch,
-        **pdl_launch(),
+        **pdl_launch(B),
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
             po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split,
             MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"],
-            **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}), **pdl_launch(),
+            **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}), **pdl_launch(B),
         )
     return out
 

@@ -124,7 +124,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
         x, w, y, r, nw, ro, n, k, w.stride(0), float(eps),
         BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, HAS_RESIDUAL=residual is not None, SILU_OUT=silu_out,
         **({} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}),
-        **pdl_launch(),
+        **pdl_launch(1),
     )
     if bias is not None:
         y += bias

@@ -27,9 +27,15 @@ def pdl_enabled() -> bool:
     return check_pdl()[0]
 
 
-def pdl_launch() -> dict:
-    """Launch options (with the PDL constexpr) for a kernel that starts with `pdl_prologue(PDL)`."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}
+PDL_MAX_ROWS = 8  # measured on the H200 (benchmarks.md, session 4): batch 256 throughput 23.7k -> 19.8k with PDL
+
+
+def pdl_launch(rows: int) -> dict:
+    """Launch options (with the PDL constexpr) for a kernel that starts with `pdl_prologue(PDL)`, working on
+    `rows` tokens or sequences. Only small batches use PDL: their kernels are one short wave and launch gaps
+    dominate; in bigger ones the early-resident blocks of the next kernel, waiting, take SM slots from the
+    running kernel's later waves (and a PDL and a plain variant of a kernel are two compilations)."""
+    return {"PDL": True, "launch_pdl": True} if rows <= PDL_MAX_ROWS and pdl_enabled() else {"PDL": False}
 
 
 @triton.jit

@@ -103,7 +103,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     ws = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else y
     cnt = tile_counters(x.device) if split > 1 else y
     _skinny_gemm_kernel[(tiles, split)](
-        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg, **pdl_launch())
+        x, w, y, ws, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), k_per_split, **cfg, **pdl_launch(m))
     if bias is not None:
         y += bias
     return y
