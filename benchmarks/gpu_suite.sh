@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup startprof tput0 tput0nopdl tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup imports startprof tput0 tput0nopdl tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -31,6 +31,7 @@ for s in $stages; do
     startup) export TRITON_CACHE_DIR=/tmp/triton_cold_$$  # first start compiles every kernel, the second finds them cached
              for i in 1 2; do timeout 100 python3 benchmarks/startup.py --shape qwen3-0.6b > "$OUT/startup$i.log" 2>&1; grep "Pre-compiled\|^start-up" "$OUT/startup$i.log"; done
              unset TRITON_CACHE_DIR ;;
+    imports) (cd benchmarks && timeout 60 python3 -X importtime -c "from common import write_shape; from kestrel.loader import load_hf_config; import kestrel.entrypoints; load_hf_config(write_shape('qwen3-0.6b'))" 2> "$OUT/importtime.txt"; sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -4) ;;
     startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up\|Pre-compiled" "$OUT/startprof.txt" ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
