@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# Stages: startup imports startprof tput0 tput0nopdl tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -17,6 +17,7 @@ for s in $stages; do
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
     tput0nopdl) KESTREL_PDL=0 timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput_nopdl.json" 2>&1 | grep -i "kestrel\|start" ;;
+    tputsweep) timeout 330 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --sweep --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -32 ;;
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
