@@ -6,7 +6,9 @@ runs the same forwards once in *compile-only* mode: every Triton launch becomes 
 submitted to a thread pool through `triton.AsyncCompileMode`; the MLIR passes, ptxas and gcc release the GIL,
 so the variants compile side by side. Leaving the mode waits for all of them and fills each kernel's in-memory
 cache, so the real runs that follow find every variant compiled. Torch ops in those forwards run normally on
-whatever the skipped kernels left in their outputs (the values are never used).
+whatever the skipped kernels left in their outputs (the values are never used). That is safe while Triton
+outputs are data (activations, attention, norms); a future kernel whose output becomes indices for a torch op
+(MoE routing) must be fed valid values in this mode, or an out-of-range index trips a device assert.
 """
 from __future__ import annotations
 
