@@ -20,7 +20,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gemv_check import graph_time_us  # noqa: E402
-from kestrel.attention.ops import fused_ops, reference as ref, triton_attention as ta  # noqa: E402
+from kestrel.attention.ops import reference as ref, triton_attention as ta
+from kestrel.kernels.triton_ops import fused_ops  # noqa: E402
 from kestrel.kernels.triton_ops import gemv as gv, skinny_gemm as sg  # noqa: E402
 
 PAGE = 16

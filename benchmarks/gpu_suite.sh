@@ -16,12 +16,12 @@ for s in $stages; do
     b1k)    timeout 200 python3 benchmarks/batch1_kernels.py 2>&1 | tee "$OUT/batch1_kernels.txt" | grep -v "^config failed" | tail -40 ;;
     attn)   timeout 200 python3 benchmarks/gpu_attention_check.py --quick 2>&1 | tail -30 ;;
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
-    tput0nopdl) KESTREL_PDL=0 timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput_nopdl.json" 2>&1 | grep -i "kestrel\|start" ;;
+    tput0nopdl) timeout 200 python3 benchmarks/throughput.py --no-pdl --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput_nopdl.json" 2>&1 | grep -i "kestrel\|start" ;;
     tputsweep) timeout 330 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --sweep --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -32 ;;
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;
-    latnopdl) KESTREL_PDL=0 timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --hf-output-len 0 --json "$OUT/lat_nopdl.json" 2>&1 | grep kestrel ;;
+    latnopdl) timeout 150 python3 benchmarks/latency.py --no-pdl --shape qwen3-0.6b --hf-output-len 0 --json "$OUT/lat_nopdl.json" 2>&1 | grep kestrel ;;
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;

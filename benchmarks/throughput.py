@@ -31,7 +31,7 @@ def run_kestrel(model_dir, prompts, outs, args):
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
-              quantization=args.quantization, enable_prefix_caching=False, progress=False)
+              quantization=args.quantization, enable_prefix_caching=False, progress=False, pdl=not args.no_pdl)
     startup = time.perf_counter() - T_PROCESS
     core = llm.engine.core
     # warm-up: a few short requests through prefill and decode (JIT, allocator)
@@ -114,6 +114,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
     ap.add_argument("--sweep", action="store_true", help="also measure throughput vs concurrency 1..256 (PNG)")
+    ap.add_argument("--no-pdl", action="store_true", help="turn programmatic dependent launch off")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 

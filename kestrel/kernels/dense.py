@@ -100,7 +100,7 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
 
         if x.shape[1] <= self.NORM_MAX_K:
             return gemv(x, layer.weight, norm_weight=norm_weight, eps=eps, residual=residual, silu_out=True)
-        from kestrel.attention.ops.fused_ops import rms_norm
+        from kestrel.kernels.triton_ops.fused_ops import rms_norm
 
         h, residual = rms_norm(x, norm_weight, eps, residual) if residual is not None else (
             rms_norm(x, norm_weight, eps), x)

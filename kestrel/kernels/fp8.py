@@ -29,7 +29,7 @@ from kestrel.kernels.fp8_quant import (
     quantize_per_token,
     quantize_weight_per_channel,
 )
-from kestrel.layers.quant.fp8 import Fp8Scheme
+from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.capabilities import check_fp8_rowwise_scaled_mm, fp8_dtype
 from kestrel.platform.gates import kernel_gate

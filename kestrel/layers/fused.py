@@ -1,5 +1,5 @@
 """Where the fused Triton elementwise kernels apply: CUDA tensors with Triton importable (the gate table in
-attention/ops/gates.py). Elsewhere the layers run their plain PyTorch path."""
+kestrel/platform/triton_gates.py). Elsewhere the layers run their plain PyTorch path."""
 from __future__ import annotations
 
 import functools
@@ -9,11 +9,11 @@ import torch
 
 @functools.cache
 def _fused_ops():
-    from kestrel.attention.ops import gates
+    from kestrel.platform import triton_gates as gates
 
     if not gates.triton_importable()[0]:
         return None
-    from kestrel.attention.ops import fused_ops
+    from kestrel.kernels.triton_ops import fused_ops
 
     return fused_ops
 

@@ -51,6 +51,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.device = pick_device(config.model.device)
+        if self.device.type == "cuda":
+            try:
+                from kestrel.kernels.triton_ops.pdl import configure_pdl
+                configure_pdl(config.compilation.pdl)
+            except ImportError:  # no triton: no Triton kernels to launch
+                pass
         torch.manual_seed(config.model.seed)
         self.loaded: LoadedModel = load_model(config.model, self.device, config.model.max_model_len,
                                               config.kernel.linear_backend, progress)
@@ -176,8 +182,8 @@ class ModelRunner:
         """Compile, in parallel, every Triton variant that the profile run, the kernel warm-up and the graph
         capture will launch: the same forwards run once with launches turned into compilations (see
         kestrel/kernels/triton_ops/precompile.py). Decode forwards read only the layout of the KV cache, so the
-        profile batch's small cache serves them. CUDA only; KESTREL_PRECOMPILE=0 skips it."""
-        if self.device.type != "cuda" or os.environ.get("KESTREL_PRECOMPILE", "1") == "0":
+        profile batch's small cache serves them. CUDA only; --no-precompile skips it."""
+        if self.device.type != "cuda" or not self.config.compilation.precompile:
             return
         try:
             from kestrel.kernels.triton_ops.precompile import precompile

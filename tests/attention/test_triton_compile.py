@@ -10,7 +10,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kestrel.attention.ops import fused_ops, triton_attention  # noqa: E402
+from kestrel.attention.ops import triton_attention
+from kestrel.kernels.triton_ops import fused_ops  # noqa: E402
 from kestrel.kernels.triton_ops import skinny_gemm  # noqa: E402
 from kestrel.worker import triton_sampling  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kestrel.attention.ops import gates  # noqa: E402
+from kestrel.platform import triton_gates as gates  # noqa: E402
 
 _ok, _why = gates.triton_runnable()
 pytestmark = pytest.mark.skipif(not _ok, reason=_why)
@@ -200,7 +200,7 @@ def test_rotary_embedding(dtype, is_neox, rot_dim):
 @pytest.mark.parametrize("d,hq,hkv", [(64, 4, 2), (128, 16, 8), (256, 8, 1)])
 def test_qk_norm_rope_cache_equals_the_unfused_chain(dtype, with_norm, d, hq, hkv):
     """The fused prologue (q/k RMSNorm per head, rotary, cache write) against rms_norm -> rotary -> cache write."""
-    from kestrel.attention.ops.fused_ops import qk_norm_rope_cache
+    from kestrel.kernels.triton_ops.fused_ops import qk_norm_rope_cache
 
     gen = torch.Generator().manual_seed(11)
     T, max_pos, page, blocks = 9, 300, 16, 8

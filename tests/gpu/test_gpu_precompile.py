@@ -34,7 +34,6 @@ def test_precompile_covers_start_up(tmp_path, tiny_tokenizer, monkeypatch):
     prompts = [[5, 17, 99, 3], list(range(10, 40))]
     a = [o.outputs[0].token_ids for o in LLM(str(path), dtype="bfloat16", progress=False,
                                               num_kv_blocks=512).generate(prompts, params)]
-    monkeypatch.setenv("KESTREL_PRECOMPILE", "0")
-    b = [o.outputs[0].token_ids for o in LLM(str(path), dtype="bfloat16", progress=False,
+    b = [o.outputs[0].token_ids for o in LLM(str(path), dtype="bfloat16", progress=False, precompile=False,
                                               num_kv_blocks=512).generate(prompts, params)]
     assert a == b

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kestrel.attention.ops import gates  # noqa: E402
+from kestrel.platform import triton_gates as gates  # noqa: E402
 
 _ok, _why = gates.triton_runnable()
 pytestmark = pytest.mark.skipif(not _ok, reason=_why)

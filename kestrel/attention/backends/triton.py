@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
-from kestrel.attention.ops import gates
+from kestrel.platform import triton_gates as gates
 
 _ok, _why = gates.triton_importable()
 if not _ok:
     raise ImportError(_why)
 
-from kestrel.attention.ops.fused_ops import qk_norm_rope_cache  # noqa: E402
+from kestrel.kernels.triton_ops.fused_ops import qk_norm_rope_cache  # noqa: E402
 from kestrel.attention.ops.triton_attention import decode_attention, prefill_attention, reshape_and_cache  # noqa: E402
 from kestrel.platform import Platform  # noqa: E402
 

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
-from kestrel.attention.ops.gates import check_attention, interpreter_mode
+from kestrel.kernels.triton_ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
+from kestrel.platform.triton_gates import check_attention, interpreter_mode
 from kestrel.kernels.triton_ops.counters import CAPACITY as COUNTER_CAPACITY, tile_counters
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 

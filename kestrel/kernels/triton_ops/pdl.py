@@ -4,23 +4,33 @@ A kernel compiled with PDL=True begins with griddepcontrol.wait (nothing it read
 predecessor has finished and flushed) and then lets its own successor launch. Launched with launch_pdl, the
 kernel's blocks are scheduled while the predecessor still runs, so the launch gap between two small kernels
 (~1 us inside a CUDA graph) overlaps work. Waiting before signalling keeps at most one kernel queued ahead.
-Kernels and torch ops without PDL keep ordinary stream order, so mixing them is safe. Off with KESTREL_PDL=0.
+Kernels and torch ops without PDL keep ordinary stream order, so mixing them is safe. Off with --no-pdl
+(CompilationConfig.pdl), which the model runner passes to `configure_pdl` before any kernel compiles.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kestrel.attention.ops.gates import interpreter_mode
+from kestrel.platform.triton_gates import interpreter_mode
+
+
+_requested = True
+
+
+def configure_pdl(enabled: bool) -> None:
+    """The engine's setting (CompilationConfig.pdl); call before the first kernel launch."""
+    global _requested
+    _requested = enabled
+    pdl_enabled.cache_clear()
 
 
 @functools.cache
 def pdl_enabled() -> bool:
-    if interpreter_mode() or os.environ.get("KESTREL_PDL", "1") == "0":
+    if interpreter_mode() or not _requested:
         return False
     from kestrel.platform.capabilities import check_pdl
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.gates import interpreter_mode
+from kestrel.platform.triton_gates import interpreter_mode
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
 
