@@ -1,11 +1,13 @@
 """The attention-backend interface. A backend is a class with declared capabilities (class-level flags), a
-metadata builder that turns a scheduled batch into tensors once per step, and an impl that runs the kernels.
+metadata builder that turns a step's batch into the metadata its kernels read (also for CUDA-graph capture and
+before each replay), and an impl that runs the kernels. Backends are chosen per KV-cache group.
 
 Batch layout every backend receives (built by the model runner): requests are ordered decodes first, then
 prefills/chunks. Token i of the flattened batch belongs to request b with query_start_loc[b] <= i <
 query_start_loc[b+1]; request b's context (cached prefix + new tokens) is seq_lens[b] tokens long and its new
-tokens sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1. The KV cache of one layer is a pair
-(k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset."""
+tokens sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1. A full-attention layer's cache is a pair
+(k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset.
+Sliding-window layers read only the blocks under their window (the rest may be the null block)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +15,13 @@ from typing import ClassVar
 
 import torch
 
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec
 from kestrel.platform import Platform
 
 
 @dataclass
-class AttentionMetadata:
+class CommonAttentionMetadata:
+    """What every group's metadata shares: the step's shape and the per-request lengths (device + host)."""
     num_tokens: int  # real tokens (the flattened batch may be padded beyond this for CUDA graphs)
     num_reqs: int
     num_decodes: int  # leading requests with exactly one query token
@@ -25,19 +29,58 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    num_reqs: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, this group's
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
 
-    @property
-    def num_prefills(self) -> int:
-        return self.num_reqs - self.num_decodes
+
+class AttentionMetadataBuilder:
+    """Builds one group's metadata from the common part and the group's block table and slot mapping (views of the
+    runner's persistent buffers). The default serves paged backends whose kernels need nothing else."""
+
+    def __init__(self, spec: KVCacheSpec, block_size: int, device: torch.device):
+        self.spec, self.block_size, self.device = spec, block_size, device
+
+    def build(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
+              slot_mapping: torch.Tensor) -> AttentionMetadata:
+        c = common
+        return AttentionMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
+                                 c.query_start_loc, c.seq_lens, block_table, slot_mapping, c.query_start_loc_cpu,
+                                 c.seq_lens_cpu)
+
+    def build_for_capture(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Metadata a captured decode graph keeps reading: it must point into the persistent buffers only."""
+        return self.build(common, block_table, slot_mapping)
+
+    def prepare_replay(self, metadata: AttentionMetadata, num_reqs: int, padded: int) -> None:
+        """Before replaying a graph captured for `padded` rows with `num_reqs` real ones: padded rows read no
+        context and write nothing (seq_len 0, slot -1), which the kernels treat as empty."""
+        if padded > num_reqs:
+            metadata.seq_lens[num_reqs:padded].zero_()
+            metadata.slot_mapping[num_reqs:padded].fill_(-1)
 
 
 class AttentionImpl:
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.sliding_window = sliding_window or 0
+        self.logits_soft_cap = logits_soft_cap or 0.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -51,14 +94,12 @@ class AttentionBackend:
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
-    supports_prefix_caching: ClassVar[bool] = True
-    supports_chunked_prefill: ClassVar[bool] = True
+    cache_specs: ClassVar[tuple[type, ...]] = (FullAttentionSpec,)  # spec classes it reads (subclasses included)
+    supports_sliding_window: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
-    supports_mla: ClassVar[bool] = False
-    is_sparse: ClassVar[bool] = False
-    supports_dense_mha_prefill: ClassVar[bool] = True
 
     impl_cls: ClassVar[type[AttentionImpl]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
 
     @classmethod
     def validate(cls, platform: Platform, dtype: torch.dtype, head_size: int, block_size: int) -> tuple[bool, str]:
@@ -71,4 +112,12 @@ class AttentionBackend:
             return False, f"head size {head_size} not in {cls.head_sizes}"
         if block_size & (block_size - 1):
             return False, f"block size {block_size} is not a power of two"
+        return True, ""
+
+    @classmethod
+    def validate_spec(cls, spec: KVCacheSpec) -> tuple[bool, str]:
+        if not isinstance(spec, cls.cache_specs):
+            return False, f"reads no {type(spec).__name__}"
+        if getattr(spec, "sliding_window", 0) and not cls.supports_sliding_window:
+            return False, "no sliding window"
         return True, ""

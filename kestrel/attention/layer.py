@@ -1,43 +1,58 @@
-"""The attention layer a model calls: q/k/v in, attention output out, through the step's backend impl."""
+"""The attention layer a model calls: the fused q/k/v projection in, attention output out. It owns the steps
+between (split, q/k norm, rotary, cache write, attention) and asks its backend to fuse them: the Triton backend
+does norm, rotary and the cache write in one kernel; the model never asks which."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from kestrel.attention.backend import AttentionMetadata
+from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_index: int):
+    def __init__(self, ctx, prefix: str, num_heads: int, head_dim: int, num_kv_heads: int, rotary,
+                 scale: float | None = None, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale = scale
-        self.layer_index = layer_index
-        self.impl = None  # set by the model runner once the backend is chosen
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window or 0
+        self.logits_soft_cap = logits_soft_cap or 0.0
+        self.rotary = rotary  # shared by the layers
+        self._qk_norms = (q_norm, k_norm)  # registered by the model's attention module (checkpoint names)
+        spec_cls = SlidingWindowSpec if self.sliding_window else FullAttentionSpec
+        extra = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
+        ctx.register_attention(prefix, self, self.kv_cache_spec)
+        self.layer_name = prefix
+        # bound by the model runner: the group's backend impl, this layer's cache and its group
+        self.impl = None
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.group_id = 0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
-        t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.impl.forward(q, k, v, ctx.kv_caches[self.layer_index], ctx.attn_metadata)
-        return out.reshape(t, self.num_heads * self.head_dim)
-
-    def fuses_qkv_prologue(self, rotary) -> bool:
-        """Whether the backend takes the fused qkv output and does q/k norm, rotary and the cache write itself
-        (Triton; whole-head neox rotary only)."""
-        return getattr(self.impl, "fuses_qkv_prologue", False) and rotary.rot_dim == self.head_dim
-
-    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, q_norm, k_norm,
-                    ctx: "ForwardContext") -> torch.Tensor:
-        out = self.impl.forward_qkv(qkv, positions, rotary.cos_sin_cache, q_norm, k_norm,
-                                    ctx.kv_caches[self.layer_index], ctx.attn_metadata)
-        return out.reshape(qkv.shape[0], self.num_heads * self.head_dim)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]."""
+        meta = ctx.attn_metadata[self.group_id]
+        t = qkv.shape[0]
+        q_norm, k_norm = self._qk_norms
+        if getattr(self.impl, "fuses_qkv_prologue", False) and self.rotary.rot_dim == self.head_dim:
+            out = self.impl.forward_qkv(qkv, positions, self.rotary.cos_sin_cache, q_norm, k_norm, self.kv_cache, meta)
+            return out.reshape(t, self.q_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.impl.forward(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), self.kv_cache, meta)
+        return out.reshape(t, self.q_size)
 
 
 class ForwardContext:
-    """What one forward pass needs besides token ids and positions."""
+    """What one forward pass needs besides token ids and positions: each KV-cache group's attention metadata
+    (indexed by group id; a single AttentionMetadata stands for one group)."""
 
-    def __init__(self, attn_metadata: AttentionMetadata, kv_caches: list):
-        self.attn_metadata = attn_metadata
-        self.kv_caches = kv_caches
+    def __init__(self, attn_metadata: list[AttentionMetadata] | AttentionMetadata):
+        self.attn_metadata = attn_metadata if isinstance(attn_metadata, (list, tuple)) else [attn_metadata]

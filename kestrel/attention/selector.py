@@ -1,12 +1,12 @@
-"""Pick the first attention backend whose declared flags and validate() fit the model and platform."""
+"""Pick, for each KV-cache group, the first attention backend whose declared flags and validate() fit the group's
+spec, the model's dtype and the platform."""
 from __future__ import annotations
 
 import logging
 
-import torch
-
 from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
+from kestrel.core.kv_spec import KVCacheSpec
 from kestrel.errors import ConfigError
 from kestrel.platform import Platform, current_platform
 
@@ -25,9 +25,8 @@ def backend_candidates() -> list[type[AttentionBackend]]:
     return out
 
 
-def select_attention_backend(dtype: torch.dtype, head_size: int, block_size: int, forced: str = "auto",
-                             need_prefix_caching: bool = True, need_mla: bool = False,
-                             platform: Platform | None = None) -> type[AttentionBackend]:
+def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "auto",
+                             platform: Platform | None = None, what: str = "attention") -> type[AttentionBackend]:
     platform = platform or current_platform()
     cands = backend_candidates()
     if forced != "auto":
@@ -36,14 +35,14 @@ def select_attention_backend(dtype: torch.dtype, head_size: int, block_size: int
             raise ConfigError(f"unknown attention backend {forced!r}; available: {', '.join(names)}")
         cands = [c for c in cands if c.name == forced]
     skipped = []
+    head_size = getattr(spec, "head_dim", 0)
     for cls in cands:
-        ok, why = cls.validate(platform, dtype, head_size, block_size)
-        if ok and need_prefix_caching and not cls.supports_prefix_caching:
-            ok, why = False, "no prefix caching"
-        if ok and need_mla != cls.supports_mla:
-            ok, why = False, "MLA mismatch"
+        ok, why = cls.validate(platform, spec.dtype, head_size, block_size)
         if ok:
-            logger.info("Selected attention backend %s%s", cls.name, f" (skipped: {'; '.join(skipped)})" if skipped else "")
+            ok, why = cls.validate_spec(spec)
+        if ok:
+            logger.info("Selected attention backend %s for %s%s", cls.name, what,
+                        f" (skipped: {'; '.join(skipped)})" if skipped else "")
             return cls
         skipped.append(f"{cls.name}: {why}")
-    raise ConfigError("no attention backend fits: " + "; ".join(skipped))
+    raise ConfigError(f"no attention backend fits {what}: " + "; ".join(skipped))

@@ -15,13 +15,6 @@ from kestrel.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-def context_length(hf_config, requested: int | None) -> int:
-    native = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested is not None and requested > native:
-        logger.warning("max_model_len %d exceeds the model's %d positions", requested, native)
-    return requested or native
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0, progress: bool = True):
         t0 = time.perf_counter()
@@ -29,14 +22,15 @@ class EngineCore:
         self.engine_index = engine_index
         self.runner = ModelRunner(config, progress)
         self.runner.precompile_kernels()
-        self.max_model_len = context_length(self.runner.hf_config, config.model.max_model_len)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.model_config.max_model_len
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_after_kv()
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                 self.runner.kv_cache_groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        eos = getattr(self.runner.hf_config, "eos_token_id", None)
-        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id = self.model_config.eos_token_id
         self._sleeping = False
         self._paused = False
         mode = config.scheduler.async_scheduling
@@ -71,15 +65,16 @@ class EngineCore:
             self._inflight = None
             if self._pipeline_ok() and not (self._paused or self._sleeping):
                 sched = self.scheduler.schedule()
+                inf = self.runner.launch(sched.step, prev)  # an empty step still delivers finished ids
                 if not sched.is_empty:
-                    self._inflight = (sched, self.runner.launch(sched, self.eos_token_id, prev))
+                    self._inflight = (sched, inf)
                     self.scheduler.on_launch(sched)
             result = self.runner.collect(prev)
             return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, [], self.stats())
         sched = self.scheduler.schedule()
-        inf = self.runner.launch(sched, self.eos_token_id)
+        inf = self.runner.launch(sched.step)
         self.scheduler.on_launch(sched)
         if self._pipeline_ok() and inf.tokens is not None:
             self._inflight = (sched, inf)

@@ -5,10 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kestrel.core.step import PLACEHOLDER  # noqa: F401  (re-exported: the engine's code reads it from here)
 from kestrel.engine.sampling_params import SamplingParams
-
-
-PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +38,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full blocks
+    cache_salt: bytes = b""  # mixed into every block hash (what else the KV depends on: adapter, images)
+    num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
 
     @property
     def num_prompt_tokens(self) -> int:

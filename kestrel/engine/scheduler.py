@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kestrel.config import SchedulerConfig
+from kestrel.core.step import NewRequestData, ScheduledChunk, StepInput
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
 
@@ -21,7 +22,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # before this step
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group
     output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
     samples: bool = False  # this step reaches the end of the known tokens, so a new token is sampled
 
@@ -31,9 +32,11 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """The engine's view of a step (live requests), and `step`: the deltas the model runner receives."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # aborted/finished since the last step
+    step: StepInput = field(default_factory=StepInput)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -120,7 +123,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if self.kv.blocks_needed(req.num_prompt_tokens + 1) > self.kv.num_blocks:
+        if self.kv.blocks_needed(req.num_prompt_tokens + 1, self.config.max_num_batched_tokens) > self.kv.num_blocks:
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache")
         self.requests[req.request_id] = req
         if needs_sync(req):
@@ -148,6 +151,7 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
+        req.num_sent_blocks = None
 
     @property
     def num_running(self) -> int:
@@ -175,6 +179,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push_front(req)
         out.preempted.append(req)
+        req.num_sent_blocks = None  # the runner drops it; a resume sends it anew
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -225,7 +230,30 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit, self.kv.block_ids(req)))
             budget -= num_new
+        out.step = self._step_input(out)
         return out
+
+    def _step_input(self, out: SchedulerOutput) -> StepInput:
+        """The runner's deltas: new (or resumed) requests in full, block ids appended since each request's last
+        step, and every request the runner should forget (finished, aborted or preempted)."""
+        step = StepInput(finished_ids=out.finished_ids + [r.request_id for r in out.preempted])
+        for s in out.scheduled:
+            req = s.request
+            if req.num_sent_blocks is None:
+                sp = req.sampling_params
+                stop = ([req.eos_token_id] if req.eos_token_id is not None and not sp.ignore_eos else [])
+                step.new_requests.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, [t for t in req.output_token_ids if t != PLACEHOLDER], sp,
+                    stop + list(sp.stop_token_ids), [list(ids) for ids in s.block_ids]))
+                new_ids = None
+            else:
+                sent = req.num_sent_blocks
+                new_ids = [ids[n:] for ids, n in zip(s.block_ids, sent)] if any(
+                    len(ids) > n for ids, n in zip(s.block_ids, sent)) else None
+            req.num_sent_blocks = [len(ids) for ids in s.block_ids]
+            step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
+                                              new_ids))
+        return step
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Synchronous step: the launch bookkeeping and the result at once. Returns the finished requests."""

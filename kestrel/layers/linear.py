@@ -9,7 +9,10 @@ from kestrel.kernels.base import LinearSpec
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). `output_sizes` lists merged shards (q/k/v or gate/up) stacked along the output dim."""
+    """y = x W^T (+ b). `output_sizes` lists merged shards (q/k/v or gate/up) stacked along the output dim.
+    `forward` is the one entry point; NormLinear may fuse a norm into the kernel while `fusable` is True."""
+
+    fusable = True
 
     def __init__(
         self,
@@ -71,25 +74,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(self, x)
 
-    def forward_rms_norm(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """(self(norm(x + residual)), x + residual), with x for the residual when there is none yet; one kernel
-        where this layer's kernel fuses the norm into its input load."""
-        fused = self.kernel.apply_rms_norm(self, x, norm.weight, norm.eps, residual)
-        if fused is not None:
-            return fused
-        if residual is None:
-            return self(norm(x)), x
-        h, residual = norm(x, residual)
-        return self(h), residual
-
-    def forward_rms_norm_silu(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, act: nn.Module):
-        """(act(self(norm(x + residual))), x + residual) for this layer = merged [gate; up] and act = SiLU-and-mul;
-        one kernel where this layer's kernel fuses both."""
-        fused = self.kernel.apply_rms_norm_silu(self, x, norm.weight, norm.eps, residual)
-        if fused is not None:
-            return fused
-        y, residual = self.forward_rms_norm(norm, x, residual)
-        return act(y), residual
+    @classmethod
+    def from_ctx(cls, ctx, input_size: int, output_sizes, prefix: str, bias: bool = False) -> "Linear":
+        """A linear layer with the model's dtype, quantization and kernel choice."""
+        return cls(input_size, output_sizes, bias, ctx.dtype, prefix, ctx.quant_config, ctx.linear_backend)
 
     def extra_repr(self) -> str:
         return f"in={self.spec.input_size}, out={self.spec.output_sizes}, bias={self.spec.bias}, kernel={self.kernel.name}"

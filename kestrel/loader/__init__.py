@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.config import ModelConfig
+from kestrel.config import KernelConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    hf_config: object
+    config: "HFConfig"
+    context: "ModelContext"  # what the modules were built with, incl. every attention layer and its cache spec
     tokenizer: object
     path: str
     dtype: torch.dtype
+
+    @property
+    def hf_config(self):
+        return self.config.hf
 
 
 def load_hf_config(path: Path, trust_remote_code: bool = False):
@@ -72,9 +77,11 @@ def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
             m.process_weights_after_loading()
 
 
-def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None = None,
-               linear_backend: str = "auto", progress: bool = True) -> LoadedModel:
+def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | None = None,
+               progress: bool = True) -> LoadedModel:
     from kestrel.layers.quant import get_quant_config
+    from kestrel.models.context import ModelContext
+    from kestrel.models.hf_config import HFConfig
     from kestrel.models.registry import get_model_class
 
     t0 = time.perf_counter()
@@ -96,13 +103,16 @@ def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None
         hf_config = load_hf_config(path, cfg.trust_remote_code)
         dtype = resolve_dtype(cfg.dtype, device)
         weights = iter_safetensors(path, progress)
+    config = HFConfig.from_hf(hf_config, cfg.max_model_len)
+    kernel = kernel or KernelConfig()
     hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
-    quant_config = get_quant_config(hf_dict, cfg.quantization, dtype)
-    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    arch = config.architecture
     model_cls = get_model_class(arch)
-    max_positions = max_positions or hf_config.max_position_embeddings
+    quant_config = get_quant_config(hf_dict, cfg.quantization, dtype,
+                                    packed_modules=getattr(model_cls, "packed_modules", None))
+    ctx = ModelContext(config, dtype, quant_config, kernel.linear_backend, kernel.moe_backend)
     with torch.device(device):
-        model = model_cls(hf_config, dtype, max_positions, quant_config=quant_config, linear_backend=linear_backend)
+        model = model_cls(ctx)
     if cfg.load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -117,4 +127,4 @@ def load_model(cfg: ModelConfig, device: torch.device, max_positions: int | None
         tokenizer = None
     logger.info("Loaded %s (%s, %.1fM params, %s) in %.1f s", path.name, arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, time.perf_counter() - t0)
-    return LoadedModel(model, hf_config, tokenizer, str(path), dtype)
+    return LoadedModel(model, config, ctx, tokenizer, str(path), dtype)

@@ -1,6 +1,6 @@
 """CUDA graphs for decode: one graph per captured batch size, replayed from the persistent input buffers.
-A decode batch is padded up to the next captured size; padded rows have seq_len 0 and slot -1, which the
-attention kernels treat as empty (zeros out, nothing written)."""
+A decode batch is padded up to the next captured size; each group's metadata builder prepares the padded rows
+before a replay (for paged attention: seq_len 0 and slot -1, which the kernels treat as empty)."""
 from __future__ import annotations
 
 import bisect
@@ -8,9 +8,6 @@ import logging
 import time
 
 import torch
-
-from kestrel.attention.backend import AttentionMetadata
-from kestrel.attention.layer import ForwardContext
 
 logger = logging.getLogger(__name__)
 
@@ -21,27 +18,26 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buffers, kv_caches, sizes: list[int], max_seq_len: int):
-        self.model, self.buf, self.kv_caches = model, buffers, kv_caches
+    def __init__(self, runner, sizes: list[int]):
+        self.runner, self.model, self.buf = runner, runner.model, runner.buffers
         self.sizes = sorted(sizes)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = runner.max_model_len
+        self.width = self.buf.max_blocks
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.contexts: dict[int, object] = {}
         self.pool = None
-        self.arange = torch.arange(buffers.max_reqs + 1, dtype=torch.int32, device=buffers.device)
+        self.arange = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=self.buf.device)
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        buf = self.buf
-        return AttentionMetadata(num_tokens=b, num_reqs=b, num_decodes=b, max_query_len=1,
-                                 max_seq_len=self.max_seq_len, query_start_loc=buf.query_start_loc[:b + 1],
-                                 seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b],
-                                 slot_mapping=buf.slot_mapping[:b])
+    def _context(self, b: int):
+        if b not in self.contexts:
+            self.contexts[b] = self.runner.metadata(b, b, b, 1, self.max_seq_len, self.width, capture=True)
+        return self.contexts[b]
 
     @torch.inference_mode()
     def run(self, b: int) -> torch.Tensor:
         """One eager decode forward of the padded batch `b` from the buffers; returns its logits."""
-        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b],
-                            ForwardContext(self._meta(b), self.kv_caches))
+        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b], self._context(b))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -49,8 +45,9 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         buf = self.buf
         buf.seq_lens.zero_()
-        buf.slot_mapping.fill_(-1)
-        buf.query_start_loc.copy_(torch.arange(buf.max_reqs + 1, dtype=torch.int32, device=buf.device))
+        for table in buf.groups:
+            table.slot_mapping.fill_(-1)
+        buf.query_start_loc.copy_(self.arange)
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             for _ in range(2):
                 self.run(b)  # warm-up (Triton autotune / JIT) outside the capture
@@ -74,10 +71,10 @@ class DecodeGraphs:
     def replay(self, b: int, padded: int) -> torch.Tensor:
         buf = self.buf
         if padded > b:
-            buf.seq_lens[b:padded].zero_()
-            buf.slot_mapping[b:padded].fill_(-1)
             buf.input_ids[b:padded].zero_()
             buf.positions[b:padded].zero_()
             buf.query_start_loc[b + 1:padded + 1].copy_(self.arange[b + 1:padded + 1])
+            for builder, meta in zip(self.runner.builders, self.contexts[padded].attn_metadata):
+                builder.prepare_replay(meta, b, padded)
         self.graphs[padded].replay()
         return self.logits[padded][:b]

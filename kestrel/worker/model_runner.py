@@ -1,23 +1,24 @@
-"""Runs one scheduled step on the model: builds input tensors and attention metadata, runs the forward, samples."""
+"""Runs one scheduled step on the model. It keeps its own batch state from the scheduler's per-step deltas
+(kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
+that group's attention metadata, runs the forward (or replays a CUDA graph) and samples."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from kestrel.attention.backend import AttentionMetadata
+from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
+from kestrel.core.step import PLACEHOLDER, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
-from kestrel.engine.request import PLACEHOLDER
-from kestrel.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kestrel.loader import LoadedModel, load_model
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
-from kestrel.worker.input_batch import InputBuffers
+from kestrel.worker.input_batch import InputBuffers, RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 class InFlight:
     """A launched step: its sampled tokens on the device, and where they land on the host."""
     out: "RunnerOutput"
-    samplers: list = field(default_factory=list)
+    samplers: list[tuple[str, int]] = field(default_factory=list)  # (request id, index in its outputs)
     tokens: torch.Tensor | None = None
     rows: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
     tokens_host: torch.Tensor | None = None
@@ -58,101 +59,157 @@ class ModelRunner:
             except ImportError:  # no triton: no Triton kernels to launch
                 pass
         torch.manual_seed(config.model.seed)
-        self.loaded: LoadedModel = load_model(config.model, self.device, config.model.max_model_len,
-                                              config.kernel.linear_backend, progress)
+        self.loaded: LoadedModel = load_model(config.model, self.device, config.kernel, progress)
         self.model = self.loaded.model
-        self.hf_config = self.loaded.hf_config
+        self.model_config = self.loaded.config
+        self.hf_config = self.model_config.text  # the decoder's HF config
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size
-        attn_layers = self.model.attention_layers()
-        a0 = attn_layers[0]
-        self.num_layers, self.num_kv_heads, self.head_dim = len(attn_layers), a0.num_kv_heads, a0.head_dim
-        self.backend = select_attention_backend(self.dtype, self.head_dim, self.block_size,
-                                                config.kernel.attention_backend,
-                                                need_prefix_caching=config.cache.enable_prefix_caching)
-        for layer in attn_layers:
-            layer.impl = self.backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_model_len = self.model_config.max_model_len
+        self._bind_attention()
+        self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler(config.model.seed)
         self.prompt_logprobs_done: dict[str, int] = {}
-        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
+        self.buffers = None
+
+    def _bind_attention(self) -> None:
+        """Group the attention layers by cache spec, pick a backend per group and give each layer its impl."""
+        ctx = self.loaded.context
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs)
+        self.backends, self.builders = [], []
+        for g in self.kv_cache_groups:
+            what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
+            backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
+                                               what=what)
+            self.backends.append(backend)
+            self.builders.append(backend.builder_cls(g.spec, self.block_size, self.device))
+            for name in g.layer_names:
+                layer = ctx.attention_layers[name]
+                layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
+                                              sliding_window=layer.sliding_window,
+                                              logits_soft_cap=layer.logits_soft_cap)
+                layer.group_id = g.group_id
+        self.num_cache_slots = max(len(g.layer_names) for g in self.kv_cache_groups)
+
+    @property
+    def backend(self):
+        """The first group's backend (the only one for single-kind models)."""
+        return self.backends[0]
 
     # ---- KV cache
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """One block id holds a page in each cache slot (layer i of every group shares slot i)."""
+        return self.num_cache_slots * self.kv_cache_groups[0].spec.page_bytes(self.block_size)
 
     def determine_num_blocks(self) -> int:
-        cc = self.config.cache
-        if cc.num_kv_blocks:
-            return cc.num_kv_blocks
+        cache = self.config.cache
+        if cache.num_kv_blocks:
+            return cache.num_kv_blocks
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
             peak = self._profile_peak_bytes()
-            budget = total * cc.gpu_memory_utilization - (total - free) - peak
+            budget = total * cache.gpu_memory_utilization - (total - free) - peak
             blocks = int(budget // self.bytes_per_block)
-            needed = -(-self.max_model_len // self.block_size)
+            needed = cdiv(self.max_model_len, self.block_size)
             if blocks < needed:
                 raise ConfigError(
                     f"KV cache too small: {max(blocks, 0)} blocks of {self.block_size} tokens fit in "
-                    f"--gpu-memory-utilization {cc.gpu_memory_utilization} of {total / 2**30:.0f} GiB "
+                    f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {total / 2**30:.0f} GiB "
                     f"({(total - free) / 2**30:.1f} GiB already in use, {peak / 2**30:.1f} GiB activations), "
                     f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
                     f"--max-model-len, or set --num-kv-blocks")
             return blocks
-        return max(1, cc.kv_cache_memory // self.bytes_per_block)
+        return max(1, cache.kv_cache_memory // self.bytes_per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One byte tensor per cache slot; each layer views its slot through its spec's shape."""
+        page = self.kv_cache_groups[0].spec.page_bytes(self.block_size)
+        slots = [torch.zeros(num_blocks * page, dtype=torch.uint8, device=self.device)
+                 for _ in range(self.num_cache_slots)]
+        layers = self.loaded.context.attention_layers
+        self.kv_caches = []
+        for g in self.kv_cache_groups:
+            shape = g.spec.cache_shape(num_blocks, self.block_size)
+            for i, name in enumerate(g.layer_names):
+                kv = slots[i].view(g.spec.dtype).view(shape)
+                layers[name].kv_cache = (kv[0], kv[1])
+        self.kv_caches = slots
+        self.num_blocks = num_blocks
+
+    def free_kv_cache(self) -> None:
+        for layer in self.loaded.context.attention_layers.values():
+            layer.kv_cache = None
+        self.kv_caches = []
+
+    # ---- metadata
+    def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
+                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False) -> ForwardContext:
+        """Every group's attention metadata over the buffers' first rows, from its backend's builder."""
+        buf = self.buffers
+        common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
+                                         buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu)
+        metas = []
+        for builder, table in zip(self.builders, buf.groups):
+            build = builder.build_for_capture if capture else builder.build
+            metas.append(build(common, table.block_tables[:num_reqs, :width], table.slot_mapping[:num_tokens]))
+        return ForwardContext(metas)
+
+    def _new_buffers(self, max_tokens: int | None = None) -> InputBuffers:
+        sc = self.config.scheduler
+        return InputBuffers(max_tokens or max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
+                            cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
+                            len(self.kv_cache_groups))
 
     def dummy_prefill_batch(self, n: int):
-        """A prefill batch of `n` tokens in sequences no longer than the context, with real block tables over
-        a freshly allocated cache (memory profiling). Returns (input_ids, positions, metadata)."""
+        """A prefill batch of `n` tokens in sequences no longer than the context, with real block tables over a
+        freshly allocated cache (memory profiling). Returns (input_ids, positions, forward context)."""
         seq = min(n, self.max_model_len)
         lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
-        per_seq = -(-seq // self.block_size)
+        per_seq = cdiv(seq, self.block_size)
         self.allocate_kv_cache(per_seq * len(lens))
-        dev = self.device
-        qsl = [0]
-        for length in lens:
-            qsl.append(qsl[-1] + length)
-        meta = AttentionMetadata(
-            n, len(lens), 0, seq, seq, torch.tensor(qsl, dtype=torch.int32, device=dev),
-            torch.tensor(lens, dtype=torch.int32, device=dev),
-            torch.arange(per_seq * len(lens), dtype=torch.int32, device=dev).view(len(lens), per_seq),
-            torch.full((n,), -1, dtype=torch.int64, device=dev), qsl, lens)
-        positions = torch.cat([torch.arange(length, device=dev) for length in lens])
-        return torch.zeros(n, dtype=torch.long, device=dev), positions, meta
+        if self.buffers is None or self.buffers.max_tokens < n or self.buffers.max_reqs < len(lens):
+            self.buffers = self._new_buffers(max(n, self.config.scheduler.max_num_seqs))
+        buf = self.buffers
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        buf.qsl_np[:len(lens) + 1] = qsl
+        buf.sl_np[:len(lens)] = lens
+        buf.ids_np[:n] = 0
+        buf.pos_np[:n] = np.concatenate([np.arange(length) for length in lens])
+        for table in buf.groups:
+            table.slot_np[:n] = -1
+            table.bt_flat_np[:per_seq * len(lens)] = np.arange(per_seq * len(lens))
+        buf.copy_to_device(n, len(lens), per_seq)
+        ctx = self.metadata(n, len(lens), 0, seq, seq, per_seq, qsl.tolist(), lens)
+        return buf.input_ids[:n], buf.positions[:n], ctx
 
     def _profile_peak_bytes(self) -> int:
         """Activation memory of one forward at the full token budget (GPU only)."""
         n = self.config.scheduler.max_num_batched_tokens
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        ids, positions, meta = self.dummy_prefill_batch(n)
+        ids, positions, ctx = self.dummy_prefill_batch(n)
         kv_bytes = torch.cuda.memory_allocated() - before
-        self._profile_forward(ids, positions, meta)
+        self._profile_forward(ids, positions, ctx)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before - kv_bytes
-        self.kv_caches = []
+        self.free_kv_cache()
+        self.buffers = None
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 
     @torch.inference_mode()
-    def _profile_forward(self, ids, positions, meta) -> None:
-        hidden = self.model(ids, positions, ForwardContext(meta, self.kv_caches))
-        self.model.compute_logits(hidden[-min(meta.num_tokens, self.config.scheduler.max_num_seqs):])
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.num_layers)]
+    def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
+        hidden = self.model(ids, positions, ctx)
+        self.model.compute_logits(hidden[-min(ids.shape[0], self.config.scheduler.max_num_seqs):])
 
     # ---- CUDA graphs
     def setup_after_kv(self) -> None:
-        """Persistent buffers, then (on CUDA with a graph-capable backend) decode graphs."""
+        """Persistent buffers, then (on CUDA with graph-capable backends) decode graphs."""
         sc = self.config.scheduler
         self.buffers = self._new_buffers()
         self.graphs = None
@@ -160,23 +217,18 @@ class ModelRunner:
             self._warm_up_kernels()
         sizes = self._graph_sizes()
         if sizes:
-            self.graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, sizes, self.max_model_len)
+            self.graphs = DecodeGraphs(self, sizes)
             self.graph_capture_seconds = self.graphs.capture()
         pin = self.device.type == "cuda"
         self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._token_flip = 0
 
-    def _new_buffers(self) -> InputBuffers:
-        sc = self.config.scheduler
-        max_blocks = -(-self.max_model_len // self.block_size)
-        return InputBuffers(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs, max_blocks, self.device)
-
     def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, backend without)."""
-        cc, sc = self.config.compilation, self.config.scheduler
-        if self.device.type != "cuda" or cc.enforce_eager or not self.backend.supports_cuda_graphs:
+        """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, a backend without)."""
+        comp, sc = self.config.compilation, self.config.scheduler
+        if self.device.type != "cuda" or comp.enforce_eager or not all(b.supports_cuda_graphs for b in self.backends):
             return []
-        return [s for s in (cc.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
+        return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
 
     def precompile_kernels(self) -> None:
         """Compile, in parallel, every Triton variant that the profile run, the kernel warm-up and the graph
@@ -191,18 +243,19 @@ class ModelRunner:
             return
 
         def dry_run():
-            ids, positions, meta = self.dummy_prefill_batch(self.config.scheduler.max_num_batched_tokens)
-            self._profile_forward(ids, positions, meta)
+            ids, positions, ctx = self.dummy_prefill_batch(self.config.scheduler.max_num_batched_tokens)
+            self._profile_forward(ids, positions, ctx)
             self.buffers = self._new_buffers()
             self._warm_up_kernels()
-            graphs = DecodeGraphs(self.model, self.buffers, self.kv_caches, self._graph_sizes(), self.max_model_len)
+            graphs = DecodeGraphs(self, self._graph_sizes())
             for b in graphs.sizes:
                 graphs.run(b)
 
         try:
             precompile(dry_run)
         finally:
-            self.kv_caches, self.buffers = [], None
+            self.free_kv_cache()
+            self.buffers = None
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
@@ -212,62 +265,76 @@ class ModelRunner:
         and writes nothing (slots -1)."""
         buf = self.buffers
         for q_len in (min(24, buf.max_tokens // 2), 4):
-            lens = [q_len, q_len]
-            n = sum(lens)
-            qsl = [0, q_len, n]
-            buf.query_start_loc[:3].copy_(torch.tensor(qsl, dtype=torch.int32))
-            buf.seq_lens[:2].fill_(q_len)
-            buf.block_tables[:2].zero_()
-            buf.slot_mapping[:n].fill_(-1)
-            buf.input_ids[:n].zero_()
-            buf.positions[:n].copy_(torch.arange(q_len).repeat(2))
-            meta = AttentionMetadata(n, 2, 0, q_len, q_len, buf.query_start_loc[:3], buf.seq_lens[:2],
-                                     buf.block_tables[:2, :max(1, -(-q_len // self.block_size))],
-                                     buf.slot_mapping[:n], qsl, lens)
-            hidden = self.model(buf.input_ids[:n], buf.positions[:n], ForwardContext(meta, self.kv_caches))
+            n = 2 * q_len
+            width = cdiv(q_len, self.block_size)
+            buf.qsl_np[:3] = [0, q_len, n]
+            buf.sl_np[:2] = q_len
+            buf.ids_np[:n] = 0
+            buf.pos_np[:n] = np.tile(np.arange(q_len), 2)
+            for table in buf.groups:
+                table.slot_np[:n] = -1
+                table.bt_flat_np[:2 * width] = 0
+            buf.copy_to_device(n, 2, width)
+            ctx = self.metadata(n, 2, 0, q_len, q_len, width, [0, q_len, n], [q_len, q_len])
+            hidden = self.model(buf.input_ids[:n], buf.positions[:n], ctx)
             self.model.compute_logits(hidden[[q_len - 1, n - 1]])
         torch.cuda.synchronize()
 
+    # ---- batch state from the scheduler's deltas
+    def _update_states(self, step: StepInput) -> None:
+        for rid in step.finished_ids:
+            self.requests.pop(rid, None)
+            self.prompt_logprobs_done.pop(rid, None)
+        for r in step.new_requests:
+            self.requests[r.request_id] = RequestState.from_new(r)
+        for c in step.chunks:
+            if c.new_block_ids:
+                for ids, new in zip(self.requests[c.request_id].block_ids, c.new_block_ids):
+                    ids.extend(new)
+
     # ---- one step
-    def _prepare(self, batch: list[ScheduledRequest], prev: "InFlight | None" = None) -> AttentionMetadata:
+    def _prepare(self, chunks: list[ScheduledChunk], prev: "InFlight | None") -> ForwardContext:
         """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
-        buf, bs = self.buffers, self.block_size
+        buf = self.buffers
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the last step's host->device copies have left the staging buffers
         fills_dst, fills_src = [], []
-        n_tok = sum(s.num_new_tokens for s in batch)
-        if n_tok > buf.max_tokens or len(batch) > buf.max_reqs:
-            raise RuntimeError(f"batch of {n_tok} tokens / {len(batch)} requests exceeds the runner's buffers")
-        qsl, sl, bt = buf.qsl_np, buf.sl_np, buf.bt_flat_np
-        ids, pos, slots = buf.ids_np, buf.pos_np, buf.slot_np
+        n_tok = sum(c.num_new_tokens for c in chunks)
+        if n_tok > buf.max_tokens or len(chunks) > buf.max_reqs:
+            raise RuntimeError(f"batch of {n_tok} tokens / {len(chunks)} requests exceeds the runner's buffers")
+        qsl, sl, ids, pos = buf.qsl_np, buf.sl_np, buf.ids_np, buf.pos_np
+        tables = buf.groups
+        states = [self.requests[c.request_id] for c in chunks]
+        width = max(1, max(len(ids_) for st in states for ids_ in st.block_ids))
         qsl[0] = 0
         t = 0
-        width = max(1, max(len(s.block_ids) for s in batch))
         num_decodes = 0
-        for b, s in enumerate(batch):
-            c, n, blocks = s.num_computed_tokens, s.num_new_tokens, s.block_ids
-            req = s.request
+        for b, (c, st) in enumerate(zip(chunks, states)):
+            start, n = c.num_computed_tokens, c.num_new_tokens
             if n == 1:
-                tok = req.token_at(c)
+                tok = st.token_at(start)
                 if tok == PLACEHOLDER:  # sampled by the step in flight: copied on the device below
                     fills_dst.append(t)
-                    fills_src.append(prev.rows[req.request_id])
+                    fills_src.append(prev.rows[c.request_id])
                     tok = 0
                 ids[t] = tok
-                pos[t] = c
-                slots[t] = blocks[c // bs] * bs + c % bs
+                pos[t] = start
+                for table, blocks in zip(tables, st.block_ids):
+                    table.stage_decode(t, blocks, start)
                 if num_decodes == b:
                     num_decodes += 1
             else:
-                ids[t:t + n] = req.tokens_slice(c, c + n)
-                p = np.arange(c, c + n)
+                ids[t:t + n] = st.tokens_slice(start, start + n)
+                p = np.arange(start, start + n)
                 pos[t:t + n] = p
-                slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
+                for table, blocks in zip(tables, st.block_ids):
+                    table.stage_chunk(t, blocks, p)
+            for table, blocks in zip(tables, st.block_ids):
+                table.stage_row(b, width, blocks)
             t += n
             qsl[b + 1] = t
-            sl[b] = c + n
-            bt[b * width:b * width + len(blocks)] = blocks
-        nr = len(batch)
+            sl[b] = start + n
+        nr = len(chunks)
         buf.copy_to_device(t, nr, width)
         if fills_dst:
             k = len(fills_dst)
@@ -278,47 +345,44 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
-        return AttentionMetadata(
-            num_tokens=t, num_reqs=nr, num_decodes=num_decodes, max_query_len=max(s.num_new_tokens for s in batch),
-            max_seq_len=int(sl[:nr].max()), query_start_loc=buf.query_start_loc[:nr + 1],
-            seq_lens=buf.seq_lens[:nr], block_tables=buf.block_tables[:nr, :width],
-            slot_mapping=buf.slot_mapping[:t], query_start_loc_cpu=qsl[:nr + 1].tolist(), seq_lens_cpu=sl[:nr].tolist())
+        return self.metadata(t, nr, num_decodes, max(c.num_new_tokens for c in chunks), int(sl[:nr].max()), width,
+                             qsl[:nr + 1].tolist(), sl[:nr].tolist())
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, eos_token_id: int | None, prev: "InFlight | None" = None) -> "InFlight":
+    def launch(self, step: StepInput, prev: "InFlight | None" = None) -> "InFlight":
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
         placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode)."""
         inf = InFlight(RunnerOutput())
-        for rid in sched.finished_ids:
-            self.prompt_logprobs_done.pop(rid, None)
-        if sched.is_empty:
+        self._update_states(step)
+        if step.is_empty:
             return inf
-        batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
-        meta = self._prepare(batch, prev)
+        chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
+        ctx = self._prepare(chunks, prev)
+        meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        samplers = [s for s in batch if s.samples]
+        samplers = [c for c in chunks if c.samples]
         hidden = None
         padded = self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs else None
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
-                                ForwardContext(meta, self.kv_caches))
-            sample_idx = [qsl[b + 1] - 1 for b, s in enumerate(batch) if s.samples]
+                                ctx)
+            sample_idx = [qsl[b + 1] - 1 for b, c in enumerate(chunks) if c.samples]
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
-            rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
-                                ([eos_token_id] if eos_token_id is not None and not s.request.sampling_params.ignore_eos
-                                 else []) + s.request.sampling_params.stop_token_ids)
-                    for s in samplers]
+            states = [self.requests[c.request_id] for c in samplers]
+            rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
+                    for st in states]
             res = self.sampler(logits, rows)
-            inf.samplers = samplers
             inf.tokens = res.tokens
-            inf.rows = {s.request.request_id: i for i, s in enumerate(samplers)}
-            for s, lp in zip(samplers, res.logprobs):
+            inf.rows = {c.request_id: i for i, c in enumerate(samplers)}
+            for c, st, lp in zip(samplers, states, res.logprobs):
                 if lp is not None:
-                    inf.out.logprobs[s.request.request_id] = lp
+                    inf.out.logprobs[c.request_id] = lp
+                inf.samplers.append((c.request_id, len(st.output_token_ids)))
+                st.output_token_ids.append(PLACEHOLDER)
             if self.device.type == "cuda":
                 host = self._token_host[self._token_flip][: len(samplers)]
                 self._token_flip ^= 1
@@ -327,13 +391,14 @@ class ModelRunner:
                 inf.event = torch.cuda.Event()
                 inf.event.record()
         if hidden is not None:
-            for b, s in enumerate(batch):
-                if s.request.sampling_params.prompt_logprobs is not None:
-                    self._prompt_logprobs(s, hidden[qsl[b]:qsl[b + 1]], inf.out)
+            for b, c in enumerate(chunks):
+                st = self.requests[c.request_id]
+                if st.sampling_params.prompt_logprobs is not None:
+                    self._prompt_logprobs(c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
         return inf
 
     def collect(self, inf: "InFlight") -> RunnerOutput:
-        """Wait for a launched step's sampled tokens."""
+        """Wait for a launched step's sampled tokens (and record them in the batch state)."""
         if inf.tokens is None:
             return inf.out
         if inf.event is not None:
@@ -341,21 +406,24 @@ class ModelRunner:
             tokens = inf.tokens_host.tolist()
         else:
             tokens = inf.tokens.tolist()
-        for s, tok in zip(inf.samplers, tokens):
-            inf.out.sampled[s.request.request_id] = tok
+        for (rid, index), tok in zip(inf.samplers, tokens):
+            inf.out.sampled[rid] = tok
+            st = self.requests.get(rid)
+            if st is not None and index < len(st.output_token_ids):
+                st.output_token_ids[index] = tok
         return inf.out
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, out: RunnerOutput) -> None:
+    def _prompt_logprobs(self, c: ScheduledChunk, st: RequestState, hidden: torch.Tensor, out: RunnerOutput) -> None:
         """Logprobs of prompt tokens 1..P-1, each given its prefix; collected chunk by chunk, once."""
-        req, c, n = s.request, s.num_computed_tokens, s.num_new_tokens
-        done = self.prompt_logprobs_done.get(req.request_id, 0)  # prompt positions (targets) already reported
-        first_target = max(c + 1, done + 1)
-        last_target = min(c + n, req.num_prompt_tokens - 1)
+        start, n = c.num_computed_tokens, c.num_new_tokens
+        done = self.prompt_logprobs_done.get(c.request_id, 0)  # prompt positions (targets) already reported
+        first_target = max(start + 1, done + 1)
+        last_target = min(start + n, st.num_prompt_tokens - 1)
         if first_target > last_target:
             return
-        rows = torch.arange(first_target - 1 - c, last_target - c, device=hidden.device)
+        rows = torch.arange(first_target - 1 - start, last_target - start, device=hidden.device)
         logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
-        targets = torch.tensor(req.prompt_token_ids[first_target:last_target + 1], device=hidden.device)
-        entries = compute_logprobs(logprobs, targets, req.sampling_params.prompt_logprobs)
-        out.prompt_logprobs[req.request_id] = [(int(t), *e) for t, e in zip(targets.tolist(), entries)]
-        self.prompt_logprobs_done[req.request_id] = last_target
+        targets = torch.tensor(st.prompt_token_ids[first_target:last_target + 1], device=hidden.device)
+        entries = compute_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs)
+        out.prompt_logprobs[c.request_id] = [(int(t), *e) for t, e in zip(targets.tolist(), entries)]
+        self.prompt_logprobs_done[c.request_id] = last_target

@@ -24,9 +24,10 @@ def test_prefix_hit_shares_blocks_and_counts():
     assert allocate_prompt(kv, a) == 0
     b = req("b", list(range(8)) + [99, 98, 97])
     assert allocate_prompt(kv, b) == 8
-    assert kv.block_ids(a)[:2] == kv.block_ids(b)[:2]
-    assert kv.block_ids(a)[2] != kv.block_ids(b)[2]
-    assert kv.pool.blocks[kv.block_ids(a)[0]].ref_cnt == 2
+    (ids_a,), (ids_b,) = kv.block_ids(a), kv.block_ids(b)  # one KV group
+    assert ids_a[:2] == ids_b[:2]
+    assert ids_a[2] != ids_b[2]
+    assert kv.pool.blocks[ids_a[0]].ref_cnt == 2
     assert kv.prefix_hits == 8 and kv.prefix_queries == 21
     kv.free(a), kv.free(b)
     assert kv.num_free_blocks == 10
@@ -55,11 +56,11 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     assert len(kv.pool.cached) == 3
     c = req("c", [5, 6, 8])  # takes b's cached block back off the free list
     assert allocate_prompt(kv, c) == 2
-    assert kv.pool.cached[b.block_hashes[0]].ref_cnt == 1
+    assert kv.pool.cached[(0, b.block_hashes[0])].ref_cnt == 1
     d = req("d", [10, 11, 12])  # two new blocks: the oldest free ones, evicting a's prefix only
     allocate_prompt(kv, d)
-    assert a.block_hashes[0] not in kv.pool.cached
-    assert b.block_hashes[0] in kv.pool.cached and e.block_hashes[0] in kv.pool.cached
+    assert (0, a.block_hashes[0]) not in kv.pool.cached
+    assert (0, b.block_hashes[0]) in kv.pool.cached and (0, e.block_hashes[0]) in kv.pool.cached
 
 
 def test_allocate_fails_without_side_effects():

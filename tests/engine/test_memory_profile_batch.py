@@ -2,7 +2,6 @@
 model's positions once read past the rotary cache and the block table on the GPU)."""
 import torch
 
-from kestrel.attention.layer import ForwardContext
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 
@@ -11,10 +10,11 @@ def test_dummy_prefill_batch_is_valid(tiny_llama):
     core = EngineCore(EngineConfig.create(model=str(tiny_llama), num_kv_blocks=8, max_num_batched_tokens=1200),
                       progress=False)
     runner = core.runner
-    ids, positions, meta = runner.dummy_prefill_batch(1200)  # context is 512: three sequences
+    ids, positions, ctx = runner.dummy_prefill_batch(1200)  # context is 512: three sequences
+    (meta,) = ctx.attn_metadata
     assert meta.seq_lens_cpu == [512, 512, 176] and int(positions.max()) == 511
     assert meta.block_tables.shape == (3, 32)
-    assert int(meta.block_tables.max()) < runner.kv_caches[0][0].shape[0]
+    assert int(meta.block_tables.max()) < runner.num_blocks
     with torch.inference_mode():
-        hidden = runner.model(ids, positions, ForwardContext(meta, runner.kv_caches))
+        hidden = runner.model(ids, positions, ctx)
     assert hidden.shape[0] == 1200 and torch.isfinite(hidden).all()

@@ -58,6 +58,6 @@ def test_embedding_contract(tiny_models):
                                      torch.tensor([4], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32),
                                      torch.arange(4), [0, 4], [4])
             with torch.inference_mode():
-                return model(ids, torch.arange(4), ForwardContext(meta, runner.kv_caches), **kw)
+                return model(ids, torch.arange(4), ForwardContext(meta), **kw)
 
         torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)

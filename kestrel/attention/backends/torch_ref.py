@@ -23,8 +23,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache[block_table[:nblk].long()].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]; causal with each request's cached prefix."""
+def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                        sliding_window: int = 0, logits_soft_cap: float = 0.0) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D]; causal with each request's cached prefix; with a sliding window W a query at
+    position p sees keys p - W + 1 .. p; soft-capping squashes scores to (-cap, cap) before the softmax."""
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist() if torch.is_tensor(query_start_loc) else query_start_loc
     sl = seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens
@@ -40,9 +42,18 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
             v = v.repeat_interleave(hq // hkv, dim=1)
         q_len = e - s
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
-                                           v.transpose(0, 1).contiguous(), attn_mask=mask, scale=scale)
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window:
+            mask &= k_pos > q_pos[:, None] - sliding_window
+        qh, kh, vh = q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if logits_soft_cap:
+            scores = (qh.float() @ kh.float().transpose(1, 2)) * scale
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+            o = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vh.float()).to(q.dtype)
+        else:
+            o = F.scaled_dot_product_attention(qh.contiguous(), kh.contiguous(), vh.contiguous(), attn_mask=mask,
+                                               scale=scale)
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -55,7 +66,8 @@ class TorchRefImpl(AttentionImpl):
         out = torch.zeros_like(q)
         out[:n] = paged_attention_ref(q[:n], k_cache, v_cache, meta.block_tables,
                                       meta.query_start_loc_cpu or meta.query_start_loc,
-                                      meta.seq_lens_cpu or meta.seq_lens, self.scale)
+                                      meta.seq_lens_cpu or meta.seq_lens, self.scale, self.sliding_window,
+                                      self.logits_soft_cap)
         return out
 
 
@@ -63,4 +75,5 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
     devices = ("cpu", "cuda")
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    supports_sliding_window = True
     impl_cls = TorchRefImpl

@@ -1,0 +1,49 @@
+"""What the scheduler sends the model runner each step: deltas, never the engine's live request objects, so the
+runner (or, with tensor parallelism, every worker rank) keeps its own batch state from them.
+
+- `new_requests`: requests the runner has not seen (first schedule, or resumed after a preemption, with the
+  outputs known so far): tokens, sampling parameters and block ids per KV-cache group.
+- `chunks`: every request of this step in batch order (decodes first): how many tokens to compute from where,
+  whether the step samples a token for it, and the block ids appended since the last step.
+- `finished_ids`: requests finished, aborted or preempted since the last step: the runner drops their state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kestrel.engine.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # outputs known so far (a request resumed after preemption); no placeholders
+    sampling_params: SamplingParams
+    min_tokens_stop_ids: list[int]  # eos (unless ignore_eos) + stop ids: masked until min_tokens outputs exist
+    block_ids: list[list[int]]  # per KV-cache group
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    num_new_tokens: int
+    num_computed_tokens: int  # before this step
+    samples: bool  # the step reaches the end of the known tokens, so it samples a new one
+    new_block_ids: list[list[int]] | None = None  # per group, appended since the request's last step
+
+
+@dataclass
+class StepInput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)

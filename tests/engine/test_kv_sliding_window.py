@@ -1,0 +1,103 @@
+"""KV-cache groups: a sliding-window group frees the blocks that fell out of its window while the request runs,
+its prefix hits need only the blocks under the window, and a full-attention group beside it bounds the hit."""
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec, group_layers
+from kestrel.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
+from kestrel.engine.request import Request
+from kestrel.engine.sampling_params import SamplingParams
+
+BS, WINDOW = 4, 6  # a query needs the 5 keys before it: ceil(5 / 4) = 2 blocks before its own
+FULL = FullAttentionSpec(torch.float32, 2, 8)
+SLIDING = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=WINDOW)
+
+
+def hybrid(num_blocks, caching=True):
+    # 2 full + 4 sliding layers: 1 full group and 2 sliding groups of 2 layers
+    specs = {f"l{i}": (FULL if i in (2, 5) else SLIDING) for i in range(6)}
+    groups = group_layers(specs)
+    assert [type(g.spec) for g in groups] == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
+    return KVCacheManager(num_blocks, BS, caching, groups)
+
+
+def req(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams(), max_tokens=64)
+
+
+def run_prompt(kv, r, chunk):
+    """Prefill in chunks the way the scheduler does: allocate, compute, cache."""
+    hits, n = kv.get_computed_blocks(r)
+    first = True
+    while r.num_computed_tokens + (n if first else 0) < r.num_tokens:
+        todo = min(chunk, r.num_tokens - r.num_computed_tokens - (n if first else 0))
+        assert kv.allocate_slots(r, todo, hits if first else None)
+        r.num_computed_tokens += (n if first else 0) + todo
+        first = False
+        kv.cache_full_blocks(r)
+    return n
+
+
+def test_grouping_cuts_layers_into_equal_groups():
+    groups = group_layers({f"l{i}": (FULL if i % 6 == 5 else SLIDING) for i in range(26)})  # Gemma 3 1B's pattern
+    assert [len(g.layer_names) for g in groups] == [4, 4, 4, 4, 4, 2, 4]
+    assert sum(isinstance(g.spec, SlidingWindowSpec) for g in groups) == 6
+
+
+def test_sliding_group_frees_blocks_out_of_window_while_running():
+    kv = hybrid(64)
+    r = req("a", range(40))
+    run_prompt(kv, r, chunk=8)
+    sliding, full = kv.block_ids(r)[0], kv.block_ids(r)[2]
+    assert len(full) == 10 and NULL_BLOCK_ID not in full
+    # next query at position 40 needs keys 35..40: blocks 8.. (positions 32..) stay, blocks 0..7 are freed
+    assert kv.allocate_slots(r, 1)
+    assert sliding[:8] == [NULL_BLOCK_ID] * 8 and NULL_BLOCK_ID not in sliding[8:]
+    held = {b for ids in kv.block_ids(r) for b in ids if b != NULL_BLOCK_ID}
+    assert kv.num_free_blocks == kv.num_blocks - len(held)
+    kv.free(r)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_prefix_hit_needs_only_the_window_and_full_group_bounds_it():
+    kv = hybrid(64)
+    run_prompt(kv, req("a", range(40)), chunk=40)
+    b = req("b", list(range(36)) + [7, 7, 7, 7, 7])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 36  # 9 full blocks shared
+    assert [blk.block_id for blk in hits[0][:7]] == [NULL_BLOCK_ID] * 7  # outside the window before position 36
+    assert all(blk.block_id != NULL_BLOCK_ID for blk in hits[0][7:]) and len(hits[0]) == 9
+    assert all(blk.block_id != NULL_BLOCK_ID for blk in hits[2])
+    # evict block 8 of the first sliding group: its hit now ends at block 8 (blocks 6, 7 still cached), and
+    # the full group and the other sliding group follow it down
+    kv.pool.cached.pop((0, b.block_hashes[8]))
+    hits2, n2 = kv.get_computed_blocks(b)
+    assert n2 == 8 * BS
+    assert [len(h) for h in hits2] == [8, 8, 8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3), st.integers(1, 12), st.booleans()),
+                min_size=1, max_size=20))
+def test_random_hybrid_allocations_never_leak(ops):
+    kv = hybrid(48)
+    live = []
+    for i, (length, prefix_kind, chunk, free_now) in enumerate(ops):
+        r = req(f"r{i}", [prefix_kind] * min(length, 12) + list(range(100 + i, 100 + i + max(0, length - 12))))
+        hits, n = kv.get_computed_blocks(r)
+        if kv.allocate_slots(r, min(chunk, r.num_tokens - n), hits):
+            r.num_computed_tokens = n + min(chunk, r.num_tokens - n)
+            kv.cache_full_blocks(r)
+            while r.num_computed_tokens < r.num_tokens and kv.allocate_slots(
+                    r, min(chunk, r.num_tokens - r.num_computed_tokens)):
+                r.num_computed_tokens += min(chunk, r.num_tokens - r.num_computed_tokens)
+                kv.cache_full_blocks(r)
+            live.append(r)
+        held = [b for ids in kv.block_ids(r) for b in ids]
+        assert len(held) == 0 or r in live
+        if free_now and live:
+            kv.free(live.pop(0))
+    for r in live:
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
