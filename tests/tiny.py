@@ -50,6 +50,16 @@ CONFIGS = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),
+    "gemma": ("gemma", dict(num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                            tie_word_embeddings=True)),
+    # 6 layers: 5 sliding (window 8, smaller than most prompts) + 1 full; linear rope scaling on the full layer;
+    # both soft-caps on so the capped paths run
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=6, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
+                                   final_logit_softcapping=30.0, tie_word_embeddings=True, rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 1000000.0}})),
 }
 
 
@@ -65,6 +75,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
+                p.normal_(0, 0.2)
         # peakier next-token distributions keep bf16 rounding from flipping near-tied argmaxes (GPU tests)
         model.get_output_embeddings().weight.mul_(logit_scale)
     out = root / (name or kind)

@@ -308,8 +308,9 @@ class KVCacheManager:
         reclaimed = len({b.block_id for h in hits for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
         if sum(need) + reclaimed > self.pool.num_free:
             return False
-        for m, h, n in zip(self.managers, hits, need):
+        for h in hits:  # every group's hits leave the free list before any new block is taken from it
             self.pool.touch(h)
+        for m, h, n in zip(self.managers, hits, need):
             m.add(rid, h, self.pool.allocate(n))
         return True
 

@@ -25,3 +25,18 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm scales by (1 + weight); the checkpoint stores `weight`, and after loading we keep
+    1 + weight so the plain (and fused) RMSNorm kernels apply it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.data.zero_()
+        self._offset_applied = False
+
+    def process_weights_after_loading(self) -> None:
+        if not self._offset_applied:
+            self.weight.data += 1.0
+            self._offset_applied = True

@@ -8,8 +8,10 @@ from torch import nn
 from kestrel.layers.fused import fused_ops_for
 
 
-def _rope_params(hf_config) -> dict:
+def _rope_params(hf_config, layer_type: str | None = None) -> dict:
     params = getattr(hf_config, "rope_parameters", None)
+    if layer_type is not None:  # per layer type (Gemma 3: sliding_attention / full_attention)
+        return dict(params[layer_type])
     if params and "rope_type" in params:
         return dict(params)
     legacy = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -18,8 +20,9 @@ def _rope_params(hf_config) -> dict:
     return legacy
 
 
-def inv_freq_for(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    params = _rope_params(hf_config)
+def inv_freq_for(hf_config, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = _rope_params(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params["rope_theta"]
@@ -32,16 +35,19 @@ def inv_freq_for(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Te
         return ROPE_INIT_FUNCTIONS["dynamic"](hf_config, "cpu", seq_len=max_positions)
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
+    if layer_type is not None:
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=layer_type)
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding, the HF Llama/Qwen convention."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 layer_type: str | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, scaling = inv_freq_for(hf_config, head_dim, max_positions)
+        inv_freq, scaling = inv_freq_for(hf_config, head_dim, max_positions, layer_type)
         inv_freq = inv_freq.to(torch.get_default_device())  # rope-init functions build on the CPU
         self.rot_dim = inv_freq.numel() * 2
         t = torch.arange(max_positions, dtype=torch.float, device=inv_freq.device)

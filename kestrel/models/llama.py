@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.layer import Attention, ForwardContext
-from kestrel.layers.activation import SiluAndMul
+from kestrel.layers.activation import SiluAndMul, gated_activation
 from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import Linear
 from kestrel.layers.norm import RMSNorm
@@ -74,14 +74,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    norm_cls = RMSNorm
 
     def __init__(self, ctx: ModelContext, prefix: str):
         super().__init__()
         cfg = ctx.text
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn", self.input_layernorm)
-        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp", self.post_attention_layernorm)
+        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp", self.post_attention_layernorm,
+                            gated_activation(getattr(cfg, "hidden_act", "silu")))
 
     def forward(self, positions, hidden, residual, ctx):
         # residual is None before the first layer; each norm adds the residual stream first
@@ -91,6 +93,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     decoder_layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm
     # our merged module -> the checkpoint's modules it stacks, in shard order
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -101,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         self.layers = nn.ModuleList(self.decoder_layer_cls(ctx, f"{prefix}.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         tied = getattr(cfg, "tie_word_embeddings", False)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, tied_to=self.embed_tokens if tied else None)
 

@@ -8,6 +8,8 @@ _MODELS = {
     "MistralForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("kestrel.models.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kestrel.models.qwen", "Qwen3ForCausalLM"),
+    "GemmaForCausalLM": ("kestrel.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("kestrel.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

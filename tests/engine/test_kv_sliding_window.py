@@ -101,3 +101,24 @@ def test_random_hybrid_allocations_never_leak(ops):
         kv.free(r)
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_hits_of_every_group_are_taken_before_new_blocks():
+    """A request's hits in a later group sit on the free list while an earlier group takes new blocks: they must
+    be claimed first, or the earlier group's allocation evicts and reuses them (found by the Gemma 3 tests)."""
+    kv = hybrid(40)
+    a = req("a", range(24))
+    run_prompt(kv, a, chunk=24)  # 6 blocks in each of the 3 groups
+    fresh = kv.pool.allocate(kv.pool.num_free)
+    kv.free(a)  # a's blocks now head the free list (group 0's first), the never-used ones follow
+    kv.pool.release(fresh)
+    b = req("b", list(range(12)) + list(range(50, 78)))  # 3 blocks shared, 7 new blocks per group
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12
+    assert kv.allocate_slots(b, b.num_tokens - n, hits)
+    held = [i for ids in kv.block_ids(b) for i in ids if i != NULL_BLOCK_ID]
+    assert len(held) == len(set(held))  # no block serves two places
+    for group_hits in hits:
+        for blk in group_hits:
+            if blk.block_id != NULL_BLOCK_ID:
+                assert blk.ref_cnt == 1 and kv.pool.cached[blk.block_hash] is blk

@@ -42,22 +42,17 @@ def test_greedy_and_logprobs_match_transformers(tiny_models, kind):
 
 def test_embedding_contract(tiny_models):
     """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)) for every model family."""
-    from kestrel.engine.core import EngineCore
     from kestrel.config import EngineConfig
-    from kestrel.attention.backend import AttentionMetadata
-    from kestrel.attention.layer import ForwardContext
+    from kestrel.engine.core import EngineCore
 
-    for kind in ["llama", "qwen2", "qwen3"]:
+    for kind in ["llama", "qwen2", "qwen3", "gemma", "gemma3"]:
         core = EngineCore(EngineConfig.create(model=str(tiny_models[kind]), num_kv_blocks=8), progress=False)
         model, runner = core.runner.model, core.runner
         ids = torch.tensor([3, 9, 27, 81])
 
         def run(**kw):
-            runner.allocate_kv_cache(8)
-            meta = AttentionMetadata(4, 1, 0, 4, 4, torch.tensor([0, 4], dtype=torch.int32),
-                                     torch.tensor([4], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32),
-                                     torch.arange(4), [0, 4], [4])
+            _, positions, ctx = runner.dummy_prefill_batch(4)  # a fresh cache and one 4-token sequence
             with torch.inference_mode():
-                return model(ids, torch.arange(4), ForwardContext(meta), **kw)
+                return model(ids, positions, ctx, **kw)
 
         torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
