@@ -28,6 +28,14 @@ SHAPES = {
                                                         "high_freq_factor": 4.0,
                                                         "original_max_position_embeddings": 8192},
                      bos_token_id=128000, eos_token_id=128009),
+    # Gemma-3-1B (text): hidden 1152, 26 layers (5 of every 6 sliding, window 512), 4 heads / 1 KV head, head dim
+    # 256, MLP 6912 (GeLU-tanh), vocab 262144, tied
+    "gemma3-1b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True,
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
+                      query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1000000.0,
+                      rope_local_base_freq=10000.0, bos_token_id=2, eos_token_id=1),
 }
 
 

@@ -9,7 +9,7 @@ import gc
 import json
 import time
 
-from common import git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
+from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
 
 
 def run_kestrel(model_dir, prompt, n_out, quantization=None, pdl=True):
@@ -65,7 +65,7 @@ def run_hf(model_dir, prompt, n_out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "llama-8b"])
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--hf-output-len", type=int, default=64, help="tokens for transformers (0 = skip)")

@@ -44,15 +44,15 @@ def main():
     recs = []
     orig_launch, orig_collect = runner.launch, runner.collect
 
-    def launch(sched, eos, prev=None):
+    def launch(step, prev=None):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        inf = orig_launch(sched, eos, prev)
+        inf = orig_launch(step, prev)
         end.record()
         t1 = time.perf_counter()
-        s = sched.scheduled
+        s = step.chunks
         n_tok = sum(x.num_new_tokens for x in s)
         dec = sum(1 for x in s if x.num_new_tokens == 1)
         ctx = sum(x.num_computed_tokens + x.num_new_tokens for x in s if x.num_new_tokens == 1)

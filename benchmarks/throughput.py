@@ -13,7 +13,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 
-from common import git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape  # noqa: E402
+from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape  # noqa: E402
 
 
 def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict) -> float:
@@ -106,7 +106,7 @@ def run_hf(model_dir, prompts, outs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "llama-8b"])
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many of the requests "
                     "(0 = skip); its tokens/s is the comparison")
