@@ -15,6 +15,28 @@ from kestrel.engine.sampling_params import SamplingParams
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
 
 
+class TokenSequence:
+    """Reads over `prompt_token_ids` + `output_token_ids` (the engine's Request and the runner's RequestState)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+
 @dataclass
 class NewRequestData:
     request_id: str

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kestrel.core.step import PLACEHOLDER  # noqa: F401  (re-exported: the engine's code reads it from here)
+from kestrel.core.step import PLACEHOLDER, TokenSequence  # noqa: F401  (PLACEHOLDER re-exported)
 from kestrel.engine.sampling_params import SamplingParams
 
 
@@ -23,7 +23,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Request:
+class Request(TokenSequence):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -42,28 +42,12 @@ class Request:
     num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
-    def tokens_slice(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def is_finished(self) -> bool:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kestrel.core.step import PLACEHOLDER, NewRequestData
+from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
 from kestrel.engine.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestState:
+class RequestState(TokenSequence):
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # PLACEHOLDER where a launched step's token is not collected yet
@@ -29,22 +29,6 @@ class RequestState:
     def from_new(cls, r: NewRequestData) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
                    r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids])
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
-    def tokens_slice(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
 
 def _pair(shape, dtype, device, pin):
