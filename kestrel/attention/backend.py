@@ -78,9 +78,15 @@ class AttentionMetadataBuilder:
 class AttentionImpl:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        """sliding_window W: a query at position p sees keys p-W+1 .. p (None or 0: all of 0 .. p).
+        logits_soft_cap c: scaled logits s become c * tanh(s / c) (Gemma 2; None or 0: off)."""
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.sliding_window = sliding_window or 0
-        self.logits_soft_cap = logits_soft_cap or 0.0
+        if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 0):
+            raise ValueError(f"sliding_window must be a non-negative integer or None, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap >= 0:
+            raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap!r}")
+        self.sliding_window = int(sliding_window or 0)
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -38,26 +38,69 @@ def test_qk_norm_rope_cache_compiles(has_norm, d, hq, hkv):
                              HKV_PAD=triton.next_power_of_2(hkv), HAS_NORM=has_norm, PAGE=16))
 
 
+FLOAT_ARGS = ("qk_scale", "cap_log2")
+# (WINDOWED, SOFTCAP): full attention, Gemma 3's sliding layers, Gemma 2 (both)
+OPTIONS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("windowed,softcap", OPTIONS)
 @pytest.mark.parametrize("split,fused_reduce", [(True, True), (True, False), (False, False)])
-def test_decode_kernels_compile(split, fused_reduce):
+def test_decode_kernels_compile(split, fused_reduce, windowed, softcap):
     fn = triton_attention._decode_kernel
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
             "PLSE": "*fp32", "CNT": "*i32"}
-    sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False,
-                             FUSED_REDUCE=fused_reduce, MAX_SPLITS=triton_attention.MAX_SPLITS))
+                             FUSED_REDUCE=fused_reduce, MAX_SPLITS=triton_attention.MAX_SPLITS,
+                             WINDOWED=windowed, SOFTCAP=softcap))
     fn = triton_attention._decode_reduce_kernel
     sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64))
+    compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64, WINDOWED=windowed))
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_prefill_kernel_compiles(block_m):
+@pytest.mark.parametrize("windowed,softcap", OPTIONS)
+@pytest.mark.parametrize("block_m,block_n,page", [(16, 64, 16), (64, 64, 16), (64, 32, 64)])
+def test_prefill_kernel_compiles(block_m, block_n, page, windowed, softcap):
     fn = triton_attention._prefill_kernel
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
-    sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(HEAD_DIM=128, PAGE=16, BLOCK_M=block_m, BLOCK_N=64,
-                             SEARCH_ITERS=triton_attention._search_iters(256), UPCAST=False))
+    sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(HEAD_DIM=128, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+                             SEARCH_ITERS=triton_attention._search_iters(256), UPCAST=False,
+                             WINDOWED=windowed, SOFTCAP=softcap))
+
+
+def _ptx(fn, ptrs, consts):
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
+                          options={"num_warps": 4}).asm["ptx"]
+
+
+def _reads_param(fn, consts, ptx, name):
+    """Whether the kernel loads run-time argument `name` (PTX numbers the non-constexpr arguments in order)."""
+    index = [n for n in fn.arg_names if n not in consts].index(name)
+    return f"_param_{index}]" in ptx
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_full_attention_never_reads_the_window_or_the_cap(kernel):
+    """WINDOWED=False / SOFTCAP=False: the run-time window and cap arguments are dead (the full-attention path
+    pays nothing for them); with the flags on, they are read."""
+    if kernel == "prefill":
+        fn = triton_attention._prefill_kernel
+        ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
+        consts = dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False)
+    else:
+        fn = triton_attention._decode_kernel
+        ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+                "PLSE": "*fp32", "CNT": "*i32"}
+        consts = dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=True, USE_DOT=True, UPCAST=False,
+                      FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, PDL=False)
+    for on in (False, True):
+        c = {**consts, "WINDOWED": on, "SOFTCAP": on}
+        ptx = _ptx(fn, ptrs, c)
+        assert _reads_param(fn, c, ptx, "window") == on
+        assert _reads_param(fn, c, ptx, "cap_log2") == on
+        assert _reads_param(fn, c, ptx, "qk_scale")  # the check itself sees parameter reads
 
 
 @pytest.mark.parametrize("split", [1, 4])

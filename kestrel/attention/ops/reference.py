@@ -1,8 +1,14 @@
-"""Plain PyTorch references for the Triton ops in this folder.
+"""Plain PyTorch references for the Triton ops in this folder, and the attention of the `torch_ref` backend.
 
 They follow the same contracts as `triton_attention.py` and are written for clarity, not speed: K/V are
 gathered through the block table one sequence at a time and every softmax runs in float32. The tests and
 `benchmarks/gpu_attention_check.py` compare the Triton kernels against these.
+
+Masking follows transformers (masking_utils: causal, and `sliding_window_overlay`): a query at absolute
+position p sees the keys at positions max(0, p - W + 1) .. p for a sliding window W (W keys, itself included),
+all of 0 .. p without one. Only the blocks that hold a visible key are read: blocks that fell out of the window
+may already hold another request's data. Soft-capping (Gemma 2) replaces a scaled logit s by
+cap * tanh(s / cap) before the mask.
 """
 from __future__ import annotations
 
@@ -10,66 +16,83 @@ import torch
 
 
 def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Write token t's K/V to slot slot_mapping[t] (slot = block * block_size + offset); slot < 0 skips."""
-    block_size = k_cache.shape[1]
+    """Write token t's K/V to slot slot_mapping[t] (slot = block * block_size + offset); slot < 0 skips.
+    key/value may be longer than slot_mapping (CUDA-graph padding): the extra rows are ignored."""
+    nb, bs, h, d = k_cache.shape
+    n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache.view(nb * bs, h, d).index_copy_(0, slots, key[:n][keep].to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slots, value[:n][keep].to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
-    """Tokens 0..length-1 of one sequence from a paged cache -> [length, H, D]."""
-    block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    blocks = block_row.long()[pos // block_size]
-    return cache[blocks, pos % block_size]
+def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens start..end-1 of one sequence from a paged cache -> [end - start, H, D]. Reads only the blocks
+    that hold them (never the block-table entries before `start`'s block)."""
+    bs = cache.shape[1]
+    first, last = start // bs, -(-end // bs)
+    return cache[block_row[first:last].long()].flatten(0, 1)[start - first * bs : end - first * bs]
 
 
-def _attend(q, k, v, q_pos, scale):
-    """q [M, Hq, D], k/v [N, Hkv, D], causal on absolute positions q_pos [M] vs key index. fp32 out."""
+def window_start(first_query_pos: int, sliding_window: int | None) -> int:
+    """The first key position any query at >= first_query_pos can see."""
+    return max(0, first_query_pos - sliding_window + 1) if sliding_window else 0
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
+    """q [M, Hq, D] at positions q_pos [M]; k/v [N, Hkv, D] at positions k_pos [N]. float32 out."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf = q.float().transpose(0, 1)  # [Hq, M, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, N, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, M, N]
-    kpos = torch.arange(k.shape[0], device=q.device)
-    s = s.masked_fill(kpos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    s = s.masked_fill(~visible[None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, vf).transpose(0, 1)  # [M, Hq, D]
 
 
-def prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, **_):
-    """Causal varlen attention; sequence b's queries sit at positions seq_lens[b]-q_len_b .. seq_lens[b]-1."""
+def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
+                        sliding_window: int | None = None, softcap: float = 0.0, **_):
+    """Causal varlen attention over a paged cache: q [T, Hq, D] -> [T, Hq, D] (out's dtype, default q's).
+
+    Sequence b's queries q[query_start_loc[b]:query_start_loc[b+1]] sit at positions seq_lens[b] - q_len_b ..
+    seq_lens[b] - 1; its K/V (cached prefix and new tokens) are in the cache. A sequence with seq_len 0
+    (a padding row) gives zeros. query_start_loc / seq_lens: tensors or lists.
+    """
     out = torch.empty_like(q) if out is None else out
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for b in range(len(lens)):
+    qsl = query_start_loc.tolist() if torch.is_tensor(query_start_loc) else list(query_start_loc)
+    lens = seq_lens.tolist() if torch.is_tensor(seq_lens) else list(seq_lens)
+    for b, seq_len in enumerate(lens):
         s, e = qsl[b], qsl[b + 1]
         if e == s:
             continue
-        seq_len = lens[b]
-        k = gather_kv(k_cache, block_tables[b], seq_len)
-        v = gather_kv(v_cache, block_tables[b], seq_len)
-        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
-        out[s:e] = _attend(q[s:e], k, v, q_pos, scale).to(out.dtype)
-    return out
-
-
-def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, **_):
-    """One query per sequence at position seq_lens[b]-1; seq_len 0 (padding) gives zeros."""
-    out = torch.empty_like(q) if out is None else out
-    for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
-            out[b] = 0
+            out[s:e] = 0
             continue
-        k = gather_kv(k_cache, block_tables[b], seq_len)
-        v = gather_kv(v_cache, block_tables[b], seq_len)
-        q_pos = torch.tensor([seq_len - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0].to(out.dtype)
+        lo = window_start(seq_len - (e - s), sliding_window)
+        k = gather_kv(k_cache, block_tables[b], lo, seq_len)
+        v = gather_kv(v_cache, block_tables[b], lo, seq_len)
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+        k_pos = torch.arange(lo, seq_len, device=q.device)
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
     return out
+
+
+def prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, **kw):
+    """`prefill_attention`'s contract: paged_attention_ref (same keyword arguments)."""
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, **kw)
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, **kw):
+    """One query per sequence at position seq_lens[b]-1; seq_len 0 (padding) gives zeros."""
+    qsl = list(range(q.shape[0] + 1))
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, out, **kw)
 
 
 def rms_norm_ref(x, weight, eps, residual=None):

@@ -7,6 +7,14 @@ All softmax arithmetic is float32 in the log2 domain (scale * log2(e) folded int
 reads a device value on the host: grids depend only on tensor shapes and optional python ints, so every op can
 be captured in a CUDA graph.
 
+Per-layer options (fixed for a layer, run-time values): `sliding_window` W (a query at position p sees keys
+p-W+1 .. p, as transformers' sliding_window_overlay; 0/None = all of 0 .. p) and `softcap` c (scaled logits s
+become c * tanh(s / c), Gemma 2; 0 = off). W and c are run-time kernel arguments; only whether they are on is a
+constexpr (WINDOWED, SOFTCAP), so a model compiles at most one more variant per kernel for its sliding layers,
+and full-attention layers run the same code as without these options. Windowed kernels never touch the K/V (or
+the block-table entries, where a tile spans pages) of tokens below the window: those blocks may already be
+freed and reused by another request.
+
 The fused helpers (rms_norm, silu_and_mul, rotary_embedding_) live in `fused_ops.py` and are re-exported here.
 """
 from __future__ import annotations
@@ -129,10 +137,14 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Element offsets (int64) of tokens n0..n0+BLOCK_N-1 of one sequence in the paged cache, and their mask."""
+def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   lo=0, LOWER: tl.constexpr = False):
+    """Element offsets (int64) of tokens n0..n0+BLOCK_N-1 of one sequence in the paged cache, and their mask
+    (tokens < limit, and >= lo if LOWER: no block-table entry of a token outside is read)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < limit
+    if LOWER:
+        mask_n = mask_n & (offs_n >= lo)
     if BLOCK_N <= PAGE:
         # n0 is a multiple of BLOCK_N, so the whole tile sits inside one page: one block-table read.
         blk = tl.load(bt_row + n0 // PAGE).to(tl.int64)
@@ -141,6 +153,37 @@ def _token_offsets(bt_row, n0, limit, stride_b, stride_t, PAGE: tl.constexpr, BL
         blk = tl.load(bt_row + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         offs = blk * stride_b + (offs_n % PAGE) * stride_t
     return offs, mask_n
+
+
+@triton.jit
+def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """Logits in the log2 domain from raw q.k. SOFTCAP: qk_scale is scale / c and cap_log2 is c * log2(e), so
+    this is c * tanh(scale * q.k / c) * log2(e); tanh from exp2 (no libdevice: the interpreter runs it too)."""
+    if SOFTCAP:
+        x = qk * qk_scale
+        t = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+        th = (1.0 - t) / (1.0 + t)
+        s = tl.where(x < 0, -th, th) * cap_log2
+    else:
+        s = qk * qk_scale
+    return s
+
+
+def _score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:
+    """(qk_scale, cap_log2, SOFTCAP) for _scores."""
+    if softcap:
+        return float(scale) / float(softcap), float(softcap) * _LOG2E, True
+    return float(scale) * _LOG2E, 0.0, False
+
+
+def _check_options(sliding_window, softcap) -> int:
+    """The window as an int (0 = off); raises on bad values."""
+    w = 0 if sliding_window is None else sliding_window
+    if int(w) != w or w < 0:
+        raise ValueError(f"sliding_window must be a non-negative integer or None, got {sliding_window!r}")
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
+    return int(w)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -156,17 +199,30 @@ def _split_bounds(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
     return per_split, n_active
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
+@triton.jit
+def _decode_window(seq_len, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """(lo, lo_al): the first key of the decode query's window and the tile boundary at or below it. The splits
+    divide lo_al .. seq_len-1 only; keys in lo_al .. lo-1 are masked (never loaded)."""
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+        lo_al = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        lo_al = 0
+    return lo, lo_al
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_kernel(
     Q, K, V, BT, SL, O, PO, PLSE, CNT,
-    qk_scale, G, num_q_heads, num_splits, min_split,
+    qk_scale, cap_log2, G, num_q_heads, num_splits, min_split, window,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_btb,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -175,10 +231,11 @@ def _decode_kernel(
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SL + b)
-    per_split, n_active = _split_bounds(seq_len, num_splits, min_split, BLOCK_N)
+    lo, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED)
+    per_split, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if split >= n_active:
         return  # past the context: CUDA graphs launch splits for max_model_len, most are empty at short contexts
-    start = split * per_split
+    start = lo_al + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -196,14 +253,15 @@ def _decode_kernel(
     k_base = K + kvh * stride_ch
     v_base = V + kvh * stride_ch
     for n0 in range(start, end, BLOCK_N):
-        offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N)
+        # Every tile holds at least one visible key (splits start at tile boundaries >= lo_al, end > lo).
+        offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, WINDOWED)
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         if USE_DOT:
             s = _mm(q, tl.trans(k), UPCAST)
         else:
             s = tl.sum(q[:, None, :] * k[None, :, :].to(tl.float32), axis=2)
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(mask_n[None, :], _scores(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -252,17 +310,18 @@ def _decode_kernel(
                 tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
+@triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_reduce_kernel(
-    PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split,
-    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split, window,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SL + b)
-    _, n_active = _split_bounds(seq_len, num_splits, min_split, BLOCK_N)
+    _, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED)
+    _, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # the decode kernel wrote the output itself
     row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
@@ -322,13 +381,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None, _config=None
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
+    sliding_window=None, softcap=0.0, _config=None
 ):
     """q [B, Hq, D] (one token per sequence, at position seq_lens[b]-1) -> out [B, Hq, D].
 
     num_splits: splits of the context (power of two); default from the shapes (block table width or
-    max_seq_len), never from device values. Rows with seq_len 0 produce zeros.
+    max_seq_len, capped by the window), never from device values. Rows with seq_len 0 produce zeros.
+    sliding_window / softcap: see the module docstring (the splits divide the window's keys only).
     """
+    window = _check_options(sliding_window, softcap)
     B, hq, d = q.shape
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, _ = k_cache.shape
@@ -344,6 +406,8 @@ def decode_attention(
     if _config:
         cfg.update(_config)
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+    if window:
+        max_ctx = min(max_ctx, window + cfg["BLOCK_N"])
     if num_splits is None:
         num_splits = choose_num_splits(B, hkv, max_ctx, _sms_for(q))
     if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
@@ -362,23 +426,24 @@ def decode_attention(
     fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
     min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     cnt = tile_counters(q.device) if fused_reduce else out
+    qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt,
-        float(scale) * _LOG2E, group, hq, num_splits, min_split,
+        qk_scale, cap_log2, group, hq, num_splits, min_split, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
-        FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS,
+        FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS, WINDOWED=window > 0, SOFTCAP=has_softcap,
         **launch,
         **pdl_launch(B),
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
-            po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split,
-            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"],
+            po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split, window,
+            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0,
             **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}), **pdl_launch(B),
         )
     return out
@@ -387,16 +452,39 @@ def decode_attention(
 # ----------------------------------------------------------------------------------------------------------
 # prefill: varlen causal attention over a paged cache with cached prefixes
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit
+def _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, offs_n, pos_m, m_i, l_i, acc, qk_scale, cap_log2, window,
+                 UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step of a windowed prefill over a tile that needs the causal and window masks. A row
+    may see none of the tile's keys (windows narrower than the tiles): its running max stays -inf, and the
+    exponentials are taken against 0 instead so that nothing turns into NaN."""
+    k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
+    visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+    if WINDOWED:
+        visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
     Q, K, V, BT, QSL, SL, O,
-    qk_scale, G, num_seqs,
+    qk_scale, cap_log2, G, num_seqs, window,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_btb,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -433,13 +521,28 @@ def _prefill_kernel(
     bt_row = BT + b.to(tl.int64) * stride_btb
     k_base = K + kvh * stride_ch
     v_base = V + kvh * stride_ch
-    # keys < ctx + m0 are visible to every query of this block: no mask there.
+    # keys < ctx + m0 are visible to every query of this block (within the window): no mask there.
     full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
+    if WINDOWED:
+        # Keys from lo (the first row's window start) on; those >= ctx + m0 + BLOCK_M - window are inside every
+        # row's window. The tiles below that boundary (and below full_end) take the window mask.
+        lo = tl.maximum(ctx + m0 - window + 1, 0)
+        lo_al = (lo // BLOCK_N) * BLOCK_N
+        edge_end = tl.cdiv(tl.maximum(ctx + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        edge_end = tl.minimum(tl.maximum(edge_end, lo_al), full_end)
+        for n0 in range(lo_al, edge_end, BLOCK_N):
+            offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, True)
+            m_i, l_i, acc = _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, n0 + tl.arange(0, BLOCK_N), pos_m,
+                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP)
+        mid_start = edge_end
+    else:
+        lo = 0
+        mid_start = 0
+    for n0 in range(mid_start, full_end, BLOCK_N):
         offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
         k = tl.load(k_base + offs[:, None] + offs_d[None, :])
-        s = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -448,19 +551,24 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     for n0 in range(full_end, kv_end, BLOCK_N):
-        offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
-        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        s = _mm(q, tl.trans(k), UPCAST) * qk_scale
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        if WINDOWED:
+            offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, True)
+            m_i, l_i, acc = _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, n0 + tl.arange(0, BLOCK_N), pos_m,
+                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP)
+        else:
+            offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
+            k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
+            m_i = m_new
 
     o = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty),
@@ -486,15 +594,16 @@ def _search_iters(num_seqs: int) -> int:
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
-    max_query_len=None, max_seq_len=None, *, _config=None,
+    max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, _config=None,
 ):
     """Causal varlen attention for q [T, Hq, D]; K/V (prefix and new tokens) are read from the paged cache.
 
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]] at absolute positions
     seq_lens[b] - q_len_b + i. The grid is sized from T and B alone (each program finds its sequence by a
     binary search over query_start_loc), so no host sync; max_query_len only picks the tile size and
-    max_seq_len is accepted for interface symmetry.
+    max_seq_len is accepted for interface symmetry. sliding_window / softcap: see the module docstring.
     """
+    window = _check_options(sliding_window, softcap)
     T, hq, d = q.shape
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, _ = k_cache.shape
@@ -511,15 +620,16 @@ def prefill_attention(
         cfg.update(_config)
     bm = cfg["BLOCK_M"]
     launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     _prefill_kernel[(T // bm + B, hq)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * _LOG2E, hq // hkv, B,
+        qk_scale, cap_log2, hq // hkv, B, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
-        SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype),
+        SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype), WINDOWED=window > 0, SOFTCAP=has_softcap,
         **launch,
     )
     return out
