@@ -19,6 +19,8 @@ if _ok:
     from kestrel.attention.ops import reference as ref
     from kestrel.attention.ops import triton_attention as ta
 
+from tests.attention.paged_cases import paged_case, poison_outside_window  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] + ([] if torch.cuda.is_available() else [torch.float32])
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
@@ -141,6 +143,109 @@ def test_decode_attention_no_dot_variant(dtype):
                               _config={"USE_DOT": False, "BLOCK_N": 16, "MIN_SPLIT": 16})
     expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, 0.125)
     assert rel_err(out, expect) < TOL[dtype]
+
+
+# ---- sliding window and soft-capping (Gemma 2/3, Mistral) ------------------------------------------------
+WINDOW_DTYPES = [torch.bfloat16] + ([torch.float16] if torch.cuda.is_available() else [])
+WD = 64 if torch.cuda.is_available() else 32  # head dim (small under the interpreter)
+# (page, BLOCK_N): a tile inside a page, not at its start; a tile over two pages (the lower one may be freed)
+PAGE_TILES = [(32, 16), (16, 32)]
+
+
+def _poisoned_equal_and_close(run, q, kc, vc, bt, q_lens, seq_lens, window, expect, dtype):
+    """run(kc, vc, bt) -> out. The kernel on clean inputs matches the reference; with everything below each
+    request's window turned into NaN (and some table entries pointing at a NaN null block) the output is finite
+    and bit-identical: nothing outside the window is loaded."""
+    clean = run(kc, vc, bt)
+    assert rel_err(clean, expect) < TOL[dtype]
+    pkc, pvc, pbt = poison_outside_window(kc, vc, bt, q_lens, seq_lens, window)
+    poisoned = run(pkc, pvc, pbt)
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("dtype", WINDOW_DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 24, 40, 1000])  # 1000: wider than every context
+@pytest.mark.parametrize("page,block_n", PAGE_TILES)
+def test_prefill_sliding_window(dtype, window, page, block_n):
+    """A fresh prompt, chunks after cached prefixes and a one-token chunk; 16-row query tiles, so that windows
+    of 24 and 40 give window-edge tiles, fully visible middle tiles and diagonal tiles in one query block."""
+    gen = torch.Generator().manual_seed(8)
+    q_lens, prefixes = [33, 9, 1, 20], [0, 40, 57, 18]
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    q, kc, vc, bt, qsl, sl = paged_case(q_lens, seq_lens, page, 4, 2, WD, dtype, gen, DEVICE)
+    scale = WD ** -0.5
+    cfg = {"BLOCK_M": 16, "BLOCK_N": block_n}
+
+    def run(k, v, table):
+        out = torch.full_like(q, float("nan"))
+        return ta.prefill_attention(q, k, v, table, qsl, sl, scale, out=out, max_query_len=max(q_lens),
+                                    sliding_window=window, _config=cfg)
+
+    expect = ref.prefill_attention_ref(*f32(q, kc, vc), bt, qsl, sl, scale, sliding_window=window)
+    _poisoned_equal_and_close(run, q, kc, vc, bt, q_lens, seq_lens, window, expect, dtype)
+
+
+@pytest.mark.parametrize("dtype", WINDOW_DTYPES)
+@pytest.mark.parametrize("window", [1, 16, 50, 4096])  # 4096: wider than every context
+@pytest.mark.parametrize("page,block_n", PAGE_TILES)
+@pytest.mark.parametrize("splits", [1, "4-separate-reduce", "8-min-split-32"])
+def test_decode_sliding_window(dtype, window, page, block_n, splits):
+    """Long contexts that the window cuts: the splits divide the window's keys only (a window of 50 in 4 splits
+    of >= 16 tokens; an 8-split launch sized for long contexts of which 2 splits of >= 32 tokens hold it)."""
+    gen = torch.Generator().manual_seed(9)
+    seq_lens = [300, 0, 1, 37, 129]  # 0 = a padding row
+    q, kc, vc, bt, _, sl = paged_case([1] * len(seq_lens), seq_lens, page, 8, 2, WD, dtype, gen, DEVICE)
+    scale = WD ** -0.5
+    cfg = {"BLOCK_N": block_n, "MIN_SPLIT": 16}
+    if splits == "4-separate-reduce":
+        splits, cfg = 4, {**cfg, "FUSED_REDUCE": False}
+    elif splits == "8-min-split-32":
+        splits, cfg = 8, {**cfg, "MIN_SPLIT": 32}
+
+    def run(k, v, table):
+        out = torch.full_like(q, float("nan"))
+        return ta.decode_attention(q, k, v, table, sl, scale, out=out, num_splits=splits, sliding_window=window,
+                                   _config=cfg)
+
+    expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, scale, sliding_window=window)
+    _poisoned_equal_and_close(run, q, kc, vc, bt, [1] * len(seq_lens), seq_lens, window, expect, dtype)
+    assert torch.all(run(kc, vc, bt)[1] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("op", ["prefill", "decode", "decode-no-dot"])
+def test_softcap(dtype, window, op):
+    """Soft-capped logits (Gemma 2: cap * tanh(s / cap)), alone and with a window; queries scaled up so that
+    most logits sit beyond the cap (the capped result differs from the plain one)."""
+    gen = torch.Generator().manual_seed(10)
+    cap, scale = 5.0, WD ** -0.5
+    if op == "prefill":
+        q_lens, seq_lens = [20, 9], [20, 49]
+    else:
+        q_lens, seq_lens = [1, 1, 1], [70, 5, 33]
+    q, kc, vc, bt, qsl, sl = paged_case(q_lens, seq_lens, 16, 4, 2, WD, dtype, gen, DEVICE)
+    q = (4 * q.float()).to(dtype)
+    opts = {"sliding_window": window}
+    if op == "prefill":
+        out = ta.prefill_attention(q, kc, vc, bt, qsl, sl, scale, max_query_len=20, softcap=cap,
+                                   _config={"BLOCK_M": 16, "BLOCK_N": 16}, **opts)
+    else:
+        cfg = {"BLOCK_N": 16, "MIN_SPLIT": 16, "USE_DOT": op == "decode"}
+        out = ta.decode_attention(q, kc, vc, bt, sl, scale, num_splits=2, softcap=cap, _config=cfg, **opts)
+    expect = ref.paged_attention_ref(*f32(q, kc, vc), bt, qsl, sl, scale, softcap=cap, **opts)
+    plain = ref.paged_attention_ref(*f32(q, kc, vc), bt, qsl, sl, scale, **opts)
+    assert rel_err(out, expect) < TOL[dtype]
+    assert rel_err(plain, expect) > 10 * TOL[dtype]
+
+
+def test_window_and_cap_arguments_are_checked():
+    q, kc, vc, bt, qsl, sl = paged_case([1], [5], 16, 2, 2, 64, torch.float16, torch.Generator(), DEVICE)
+    with pytest.raises(ValueError, match="sliding_window"):
+        ta.decode_attention(q, kc, vc, bt, sl, 0.1, sliding_window=-2)
+    with pytest.raises(ValueError, match="softcap"):
+        ta.prefill_attention(q, kc, vc, bt, qsl, sl, 0.1, softcap=-1.0)
 
 
 def test_choose_num_splits_depends_on_shapes_only():

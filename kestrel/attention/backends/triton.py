@@ -38,14 +38,15 @@ class TritonImpl(AttentionImpl):
     def _attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
+        options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap}
         if meta.num_decodes == meta.num_reqs:
             decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
-                             max_seq_len=meta.max_seq_len)
+                             max_seq_len=meta.max_seq_len, **options)
         else:
             n = meta.num_tokens
             prefill_attention(q[:n], k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                               self.scale, out=out[:n], max_query_len=meta.max_query_len,
-                              max_seq_len=meta.max_seq_len)
+                              max_seq_len=meta.max_seq_len, **options)
         return out
 
 
