@@ -4,9 +4,12 @@
    GQA ratios, head dims, dtypes, prefix lengths and decode contexts up to 32k (shuffled block ids);
 2. timings: decode at batch 256 x ~1000 context (Qwen3-0.6B shape: 16 q heads, 8 kv heads, head dim 128),
    decode at batch 1 x 32k, prefill 8 x 1024, with small sweeps of tile sizes / warps / stages / splits,
-   as achieved GB/s (KV bytes read / time) against the measured device copy bandwidth.
+   as achieved GB/s (KV bytes read / time) against the measured device copy bandwidth;
+3. section `window`: sliding-window (Gemma 3 / Mistral) and soft-capped (Gemma 2) attention: correctness vs the
+   reference with everything below each window poisoned with NaN (nothing out of the window may be read), a
+   CUDA-graph replay, and timings of windowed decode / prefill beside the same shapes without a window.
 
-Usage: python3 benchmarks/gpu_attention_check.py [--quick] [--budget SECONDS]
+Usage: python3 benchmarks/gpu_attention_check.py [--quick] [--budget SECONDS] [--sections smoke,time,check,window]
 Writes the full log to $OUT/gpu_attention_check.log when OUT is set; prints a compact table last.
 """
 from __future__ import annotations
@@ -219,6 +222,161 @@ def check_fused():
 
 
 # ------------------------------------------------------------------------------------------------------------
+def poison_outside_window(kc, vc, bt, q_lens, seq_lens, window):
+    """Copies with every K/V slot below each request's window (that of its first query) set to NaN, and the
+    table entries of wholly out-of-window blocks of every other request pointed at a NaN null block (the last)."""
+    kc, vc, bt = kc.clone(), vc.clone(), bt.clone()
+    page, null = kc.shape[1], kc.shape[0] - 1
+    kc[null] = float("nan")
+    vc[null] = float("nan")
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        lo = max(0, seq_len - q_len - window + 1) if seq_len else 0
+        if lo == 0:
+            continue
+        pos = torch.arange(lo, device=DEV)
+        blocks = bt[b, pos // page].long()
+        kc[blocks, pos % page] = float("nan")
+        vc[blocks, pos % page] = float("nan")
+        if b % 2 == 0:
+            bt[b, : lo // page] = null
+    return kc, vc, bt
+
+
+def check_windowed(gen, dtypes=(torch.bfloat16, torch.float16), pages=(16, 64),
+                   shapes=((4, 1, 256), (16, 8, 128), (8, 4, 256))):
+    """Gemma 3 shapes (1B 4q/1kv/256, 27B 32q/16kv/128 ~ 16/8/128, 4B 8q/4kv/256); windows 1, 512, 1024, 4096 and
+    soft-capping 50 (Gemma 2), with every key below the window NaN: outputs must stay finite and match."""
+    for dtype in dtypes:
+        for page in pages:
+            for hq, hkv, d in shapes:
+                for window, cap in ((512, 0.0), (1024, 0.0), (4096, 0.0), (1, 0.0), (1024, 50.0), (0, 50.0)):
+                    case = f"{str(dtype)[6:]} page={page} {hq}/{hkv}/{d} W={window} cap={cap:g}"
+                    guarded("win-dec", case, _windowed_decode_case, gen, dtype, page, hq, hkv, d, window, cap, case)
+                    guarded("win-pre", case, _windowed_prefill_case, gen, dtype, page, hq, hkv, d, window, cap, case)
+
+
+def _windowed_decode_case(gen, dtype, page, hq, hkv, d, window, cap, case):
+    seq_lens = [0, 1, 17, 1000, 4097, 32768, 777, 0, 2049, 1025]
+    bt, nb = block_tables_for(seq_lens, page, gen)
+    kc, vc = rand_cache(nb, page, hkv, d, dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(seq_lens), hq, d, device=DEV, dtype=dtype) * (3.0 if cap else 1.0)
+    scale = d ** -0.5
+    pkc, pvc, pbt = poison_outside_window(kc, vc, bt, [1] * len(seq_lens), seq_lens, window) if window else (kc, vc, bt)
+    expect = ref.decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale, sliding_window=window,
+                                      softcap=cap)
+    for splits in (None, 1, 64):
+        out = torch.full_like(q, float("nan"))
+        ta.decode_attention(q, pkc, pvc, pbt, sl, scale, out=out, num_splits=splits, sliding_window=window,
+                            softcap=cap)
+        torch.cuda.synchronize()
+        zero_ok = bool((out[0] == 0).all() and (out[7] == 0).all())
+        worst = max(rel_err(out[i], expect[i]) for i in range(len(seq_lens)) if seq_lens[i])
+        record("win-dec", f"{case} splits={splits or 'auto'}", worst if zero_ok else float("inf"), TOL[dtype])
+
+
+def _windowed_prefill_case(gen, dtype, page, hq, hkv, d, window, cap, case):
+    q_lens, seq_lens = [], []
+    for prefix in (0, 100, 1000, 3000):
+        for ql in (300, 77):
+            q_lens.append(ql)
+            seq_lens.append(prefix + ql)
+    q_lens.append(1)
+    seq_lens.append(2555)
+    bt, nb = block_tables_for(seq_lens, page, gen)
+    kc, vc = rand_cache(nb, page, hkv, d, dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=dtype) * (3.0 if cap else 1.0)
+    scale = d ** -0.5
+    pkc, pvc, pbt = poison_outside_window(kc, vc, bt, q_lens, seq_lens, window) if window else (kc, vc, bt)
+    expect = ref.prefill_attention_ref(q.float(), kc.float(), vc.float(), bt, qsl, sl, scale, sliding_window=window,
+                                       softcap=cap)
+    out = torch.full_like(q, float("nan"))
+    ta.prefill_attention(q, pkc, pvc, pbt, qsl, sl, scale, out=out, max_query_len=max(q_lens), sliding_window=window,
+                         softcap=cap)
+    torch.cuda.synchronize()
+    qs = qsl.tolist()
+    worst = max(rel_err(out[qs[i] : qs[i + 1]], expect[qs[i] : qs[i + 1]]) for i in range(len(q_lens)))
+    record("win-pre", case, worst, TOL[dtype])
+
+
+def windowed_graph_check(window=1024):
+    """A windowed split decode captured in a CUDA graph: replay equals eager, also after the contexts grow."""
+    q, kc, vc, bt, sl, _, _ = decode_setup(4, 3000, 5000, 16, hq=8, hkv=4, d=256)
+    scale = 256 ** -0.5
+    out = torch.empty_like(q)
+    fn = lambda: ta.decode_attention(q, kc, vc, bt, sl, scale, out=out, num_splits=16,  # noqa: E731
+                                     max_seq_len=bt.shape[1] * 16, sliding_window=window)
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ok = True
+    for grow in (0, 7, 300):
+        sl.add_(grow)
+        sl.clamp_(max=bt.shape[1] * 16)
+        fn()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ok &= torch.equal(out, eager)
+    log(f"  windowed decode cuda graph replay (W={window}, 16 splits) == eager: {ok}")
+    RESULTS.append(("graph", f"windowed decode W={window} capture+replay == eager", 0.0 if ok else 1.0, ok))
+
+
+def time_windowed(copy_bw, quick):
+    """Windowed vs full attention on the same shapes: the windowed kernels read only the window's keys."""
+    for name, (B, lo, hi, hq, hkv, d, window) in {
+        "dec256 W512 g3-1b": (256, 800, 1200, 4, 1, 256, 512),
+        "dec256 W1024 16/8/128": (256, 3000, 5000, 16, 8, 128, 1024),
+        "dec1x32k W1024": (1, 32768, 32768, 8, 4, 256, 1024),
+    }.items():
+        setup = decode_setup(B, lo, hi, 16, hq=hq, hkv=hkv, d=d)
+        q, kc, vc, bt, sl, kv_bytes, seq_lens = setup
+        scale = d ** -0.5
+        win_bytes = sum(min(s, window) for s in seq_lens) * hkv * d * 2 * kc.element_size()
+        expect = ref.decode_attention_ref(q[:8].float(), kc.float(), vc.float(), bt[:8], sl[:8], scale,
+                                          sliding_window=window)
+        for label, w, nbytes in ((f"{name} full", 0, kv_bytes), (name, window, win_bytes)):
+            out = torch.empty_like(q)
+            fn = lambda: ta.decode_attention(q, kc, vc, bt, sl, scale, out=out, sliding_window=w)  # noqa: E731
+            t = bench_graph(fn)
+            err = rel_err(out[:8], expect) if w else 0.0
+            gbs = nbytes / t / 1e9
+            log(f"  {label:26s} {t * 1e6:8.1f} us {gbs:7.0f} GB/s {100 * gbs * 1e9 / copy_bw:5.1f}% err={err:.1e}")
+            TIMINGS.append((label, "default", t * 1e6, gbs, 100 * gbs * 1e9 / copy_bw, ""))
+            if w:
+                RESULTS.append(("win-time", f"{label} vs reference", err, err < 1e-2))
+        del setup
+    hq, hkv, d, dtype = 8, 4, 256, torch.bfloat16
+    for name, (B, L, prefix, window) in {"prefill 8x4096 W1024": (8, 4096, 0, 1024),
+                                         "chunk 8x512+3584 W1024": (8, 512, 3584, 1024)}.items():
+        gen = torch.Generator().manual_seed(2)
+        seq_lens = [prefix + L] * B
+        bt, nb = block_tables_for(seq_lens, 16, gen)
+        kc, vc = rand_cache(nb, 16, hkv, d, dtype)
+        q = torch.randn(B * L, hq, d, device=DEV, dtype=dtype)
+        qsl = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=DEV)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        for label, w in ((f"{name} full", 0), (name, window)):
+            out = torch.empty_like(q)
+            fn = lambda: ta.prefill_attention(q, kc, vc, bt, qsl, sl, d ** -0.5, out=out, max_query_len=L,  # noqa
+                                              sliding_window=w)
+            t = bench(fn)
+            log(f"  {label:26s} {t * 1e6:8.1f} us")
+            TIMINGS.append((label, "default", t * 1e6, 0.0, 0.0, ""))
+        if quick:
+            break
+
+
+# ------------------------------------------------------------------------------------------------------------
 def bench(fn):
     fn()
     torch.cuda.synchronize()
@@ -386,7 +544,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
     ap.add_argument("--budget", type=float, default=340.0, help="seconds after which remaining checks are skipped")
-    ap.add_argument("--sections", default="smoke,time,check", help="comma list of smoke,time,check")
+    ap.add_argument("--sections", default="smoke,time,check,window", help="comma list of smoke,time,check,window")
     args = ap.parse_args()
     sections = args.sections.split(",")
     torch.manual_seed(0)
@@ -471,6 +629,14 @@ def main():
                 check_prefill(gen, (16, 64), (1, 2, 8), (d,), dtypes)
                 log(f"   [{elapsed():.0f}s]")
                 flush_log()
+        if "window" in sections:
+            log("== sliding window / soft-capping: correctness (NaN below every window), graph replay, timings")
+            check_windowed(gen, pages=(16,) if args.quick else (16, 64))
+            windowed_graph_check()
+            log(f"   [{elapsed():.0f}s]")
+            time_windowed(copy_bw, args.quick)
+            log(f"   [{elapsed():.0f}s]")
+            flush_log()
     except Exception:
         log(traceback.format_exc())
 
