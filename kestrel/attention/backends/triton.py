@@ -55,6 +55,7 @@ class TritonBackend(AttentionBackend):
     devices = ("cuda",)
     dtypes = tuple(d for d in gates.GATES["dtypes"] if d != torch.float32)
     head_sizes = gates.GATES["head_dims"]  # the head dims checked on the GPU (64, 128, 256)
+    supports_sliding_window = True
     supports_cuda_graphs = True
     impl_cls = TritonImpl
 
