@@ -224,9 +224,10 @@ def check_fused():
 # ------------------------------------------------------------------------------------------------------------
 def poison_outside_window(kc, vc, bt, q_lens, seq_lens, window):
     """Copies with every K/V slot below each request's window (that of its first query) set to NaN, and the
-    table entries of wholly out-of-window blocks of every other request pointed at a NaN null block (the last)."""
+    table entries of wholly out-of-window blocks of every other request pointed at a NaN null block (a spare)."""
     kc, vc, bt = kc.clone(), vc.clone(), bt.clone()
-    page, null = kc.shape[1], kc.shape[0] - 1
+    page = kc.shape[1]
+    null = sorted(set(range(kc.shape[0])) - set(bt.flatten().tolist()))[0]  # block_tables_for leaves spares
     kc[null] = float("nan")
     vc[null] = float("nan")
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
