@@ -62,21 +62,38 @@ CONFIGS = {
                                                           "rope_theta": 1000000.0}})),
 }
 
+# MoE families (their own fixture in tests/models/test_moe_models.py, so the dense tests do not build them).
+_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    "qwen2_moe": ("qwen2_moe", dict(_MOE, num_key_value_heads=2, num_experts=8, shared_expert_intermediate_size=64,
+                                    norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe": ("qwen3_moe", dict(_MOE, num_key_value_heads=2, head_dim=32, num_experts=8, norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                                intermediate_size=32)),
+    "glm4_moe": ("glm4_moe", dict(_MOE, num_hidden_layers=3, num_key_value_heads=2, n_routed_experts=8,
+                                  n_shared_experts=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                                  use_qk_norm=True)),
+}
+
 
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
                     logit_scale: float = 1.0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = CONFIGS[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init give peakier, less tie-prone logits
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # MoE experts are 3-D in memory
                 p.normal_(0, 0.08)
             elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
                 p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
+                b.normal_(0, 0.05)
         # peakier next-token distributions keep bf16 rounding from flipping near-tied argmaxes (GPU tests)
         model.get_output_embeddings().weight.mul_(logit_scale)
     out = root / (name or kind)

@@ -18,7 +18,7 @@ from typing import Any
 from kestrel.kernels.base import KernelCandidate, LinearKernel, LinearSpec
 from kestrel.kernels.dense import TorchDenseLinear, TritonSkinnyDenseLinear
 from kestrel.kernels.fp8 import Fp8DequantFallbackLinear, TorchScaledMMLinear, TritonFp8BlockLinear
-from kestrel.kernels.moe import MoEKernel, MoESpec, TorchMoE
+from kestrel.kernels.moe import MoEKernel, MoESpec, TorchMoE, TritonFp8BlockMoE, TritonFusedMoE
 from kestrel.platform import Platform, current_platform
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,11 @@ CANDIDATES: dict[str, list[type[KernelCandidate]]] = {
         TritonSkinnyDenseLinear,  # unquantized bf16/fp16 on CUDA: skinny GEMM at small batch
         TorchDenseLinear,  # unquantized, everywhere
     ],
-    "moe": [TorchMoE],
+    "moe": [
+        TritonFp8BlockMoE,  # FP8 block-quantized experts on CUDA
+        TritonFusedMoE,  # bf16/fp16 experts on CUDA: sorted grouped GEMMs
+        TorchMoE,  # everywhere: the reference loop
+    ],
 }
 
 

@@ -10,6 +10,10 @@ _MODELS = {
     "Qwen3ForCausalLM": ("kestrel.models.qwen", "Qwen3ForCausalLM"),
     "GemmaForCausalLM": ("kestrel.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("kestrel.models.gemma3", "Gemma3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kestrel.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kestrel.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("kestrel.models.mixtral", "MixtralForCausalLM"),
+    "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,234 @@
+"""Fused mixture-of-experts in Triton: two grouped-GEMM launches over tokens sorted and padded by expert.
+
+    gate_up: act[s]  = silu(x[s // k] @ w13[e, :I]^T) * (x[s // k] @ w13[e, I:]^T)     (SiLU-and-mul in the epilogue)
+    down:    y[s]    = topk_weight[s] * (act[s] @ w2[e]^T)                            (routing weight in the epilogue)
+    out[t]  = sum_j y[t * k + j]
+
+s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
+
+Index math stays in torch (`align_by_expert`): the sort, the per-expert padding to BLOCK_M and the block -> expert
+table are torch ops on the router's torch top-k ids, so they are valid values even while the engine's start-up
+pre-compilation turns every Triton launch into a compilation (kestrel/kernels/triton_ops/precompile.py): no Triton
+output ever feeds a torch index. Nothing that varies with the batch is a constexpr or a specialised int
+(`num_valid` is `do_not_specialize`; the grid is not part of the key), and the tile config comes from a fixed set
+of batch buckets (`kestrel/kernels/configs/fused_moe.json`, defaults below), so a run compiles each bucket's
+variant once and `warm_up` compiles them all at load time.
+
+FP8 block-quantized experts (DeepSeek-style): w13/w2 float8_e4m3fn with fp32 block scales [E, N/bn, K/bk] and
+activations quantized per token and per group of bk columns; BLOCK_K equals bk so each K step reads one scale of
+each operand.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.triton_ops.fp8_block import per_token_group_quant_fp8
+
+CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "fused_moe.json"
+# Upper bounds of the batch buckets (tokens per forward); one config, i.e. one compiled variant, per bucket.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30)
+
+
+@triton.jit(do_not_specialize=["num_valid"])
+def _moe_grouped_gemm_kernel(
+    A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, BLOCK_EXPERT, NUM_PADDED,
+    N, K, num_valid,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    stride_asm, stride_bse, stride_bsn, stride_bsk,
+    A_ROW_DIV: tl.constexpr,  # k for gate_up (a row per token), 1 for down (a row per (token, slot))
+    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return silu(gate) * up
+    MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
+        return
+    slots = tl.load(SORTED_IDS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    slot_ok = slots < num_valid  # padding entries hold num_valid
+    expert = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    a_rows = (slots // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    up_off = N * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            a_s = tl.load(A_SCALE + a_rows * stride_asm + kb, mask=slot_ok, other=0.0)
+            bs_ptrs = B_SCALE + expert * stride_bse + kb * stride_bsk
+            b_s = tl.load(bs_ptrs + (offs_n // GROUP_N) * stride_bsn, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            b_up = tl.load(b_ptrs + up_off, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                b_s_up = tl.load(bs_ptrs + ((offs_n + N) // GROUP_N) * stride_bsn, mask=n_ok, other=0.0)
+                acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        w = tl.load(TOPK_W + slots, mask=slot_ok, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = C + slots[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=slot_ok[:, None] & n_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ routing layout
+def padded_size(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Length of the sorted-id array: every slot, plus at most block_m - 1 padding per expert that got slots."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Torch-only index math (see the module docstring). topk_ids [T, k] ->
+    sorted_ids int32 [P]: slot ids grouped by expert, each expert's run padded to a multiple of block_m with
+                          the value T * k (masked by the kernel);
+    block_expert int32 [P / block_m]: the expert of each block (blocks past the padded end are skipped);
+    num_padded int32 [1]: where the padded runs end.
+    No host synchronisation, so it can be captured in a CUDA graph."""
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert_of]
+    size = padded_size(n, num_experts, block_m)
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, (pad_end - padded)[expert_of] + rank, order.to(torch.int32))
+    block_start = torch.arange(0, size, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert, pad_end[-1:].to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def config_key(num_experts: int, hidden: int, inter: int, fp8: bool) -> str:
+    return f"E={num_experts},H={hidden},I={inter},dtype={'fp8_block' if fp8 else 'bf16'}"
+
+
+@functools.lru_cache(maxsize=None)
+def _stored_configs() -> dict:
+    return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
+
+
+def bucket_of(num_tokens: int) -> int:
+    return next(b for b in BUCKETS if num_tokens <= b)
+
+
+def default_config(bucket: int, num_experts: int, top_k: int, fp8: bool) -> dict:
+    """Tiles from the average rows per expert: decode batches give each expert a handful of rows."""
+    rows = bucket * top_k / num_experts
+    block_k = 128 if fp8 else 64
+    if rows <= 16:
+        up = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
+        down = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    elif rows <= 48:
+        up = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        down = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    elif rows <= 128:
+        up = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    else:
+        up = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=block_k, num_warps=8, num_stages=3)
+        down = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3)
+    return {"up": up, "down": down}
+
+
+def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, fp8: bool) -> dict:
+    """The bucket's stored config for this expert shape (tuned on the H200 by benchmarks/moe_kernel.py --tune),
+    else the default. Both GEMMs share BLOCK_M (they share the sorted layout)."""
+    bucket = bucket_of(num_tokens)
+    stored = _stored_configs().get(config_key(num_experts, hidden, inter, fp8), {}).get(str(bucket))
+    cfg = stored or default_config(bucket, num_experts, top_k, fp8)
+    assert cfg["up"]["BLOCK_M"] == cfg["down"]["BLOCK_M"], cfg
+    if fp8:
+        assert cfg["up"]["BLOCK_K"] == cfg["down"]["BLOCK_K"] == 128, "FP8 block tiles need BLOCK_K = 128"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ launch
+def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gated, mul_weight, group_n, tile):
+    sorted_ids, block_expert, num_padded = layout
+    n_out = b.shape[1] // 2 if gated else b.shape[1]
+    k = b.shape[2]
+    fp8 = a_scale is not None
+    cfg = dict(tile)
+    grid = (block_expert.numel(), triton.cdiv(n_out, cfg["BLOCK_N"]))
+    dummy = c  # never read when FP8 / MUL_WEIGHT are off
+    _moe_grouped_gemm_kernel[grid](
+        a, b, c, a_scale if fp8 else dummy, b_scale if fp8 else dummy, topk_w if mul_weight else dummy,
+        sorted_ids, block_expert, num_padded,
+        n_out, k, num_valid,
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+        a_scale.stride(0) if fp8 else 0,
+        b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
+        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, FP8=fp8, GROUP_N=group_n,
+        **cfg,
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape: tuple[int, int] | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's dtype.
+    FP8: w13/w2 float8_e4m3fn with block scales [E, ceil(rows / bn), ceil(cols / bk)], block_shape (bn, bk)."""
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    fp8 = w13_scale is not None
+    if t == 0:
+        return torch.zeros_like(x)
+    cfg = config or get_config(t, e, k, h, inter, fp8)
+    bm = cfg["up"]["BLOCK_M"]
+    layout = align_by_expert(topk_ids, e, bm)
+    num_valid = t * k
+    weights = topk_weights.reshape(-1).float().contiguous()
+    group_n = block_shape[0] if fp8 else 1
+    x = x.contiguous()
+    act = torch.empty((num_valid, inter), dtype=x.dtype, device=x.device)
+    if fp8:
+        xq, xs = per_token_group_quant_fp8(x, block_shape[1])
+        _launch(xq, w13, act, xs, w13_scale, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        aq, as_ = per_token_group_quant_fp8(act, block_shape[1])
+    else:
+        _launch(x, w13, act, None, None, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        aq, as_ = act, None
+    y = torch.empty((num_valid, h), dtype=x.dtype, device=x.device)
+    _launch(aq, w2, y, as_, w2_scale, weights, layout, num_valid, 1, False, True, group_n, cfg["down"])
+    return y.view(t, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype) if k > 1 else y
+
+
+def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
+            w13_scale=None, w2_scale=None, block_shape=None) -> None:
+    """Launch once per bucket up to max_tokens (ids spread over all experts), so every variant is compiled
+    before the first request. Meant to run inside compile-only mode (parallel compilation)."""
+    e, _, h = w13.shape
+    for b in BUCKETS:
+        t = min(b, max_tokens)
+        x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
+        ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k).to(torch.int32)
+        fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
+        if b >= max_tokens:
+            break

@@ -1,0 +1,154 @@
+"""The MoE block: router -> routed experts (one kernel call) + shared experts (fused into that call, or a separate
+MLP), with explicit constructor arguments so a model context can wrap it.
+
+Checkpoint names under the block's prefix (experts are per-expert tensors on disk, fused [E, 2I, H] / [E, H, I]
+in memory):
+  gate.weight, gate.e_score_correction_bias
+  experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}
+  {shared_expert|shared_experts}.{gate_proj, up_proj, down_proj}.{weight, ...}, shared_expert_gate.weight
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel import kernels
+from kestrel.kernels.moe import MoESpec
+from kestrel.layers.activation import SiluAndMul
+from kestrel.layers.linear import Linear
+from kestrel.layers.moe.fse import FseDecision, SharedExperts, resolve_fused_shared_experts
+from kestrel.layers.moe.router import Router, RouterConfig
+
+# checkpoint projection name -> (fused parameter, shard of w13 or None)
+EXPERT_PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+               "down_proj": ("w2", None), "w2": ("w2", None)}
+SHARED_NAMES = ("shared_expert", "shared_experts")
+
+
+class FusedExperts(nn.Module):
+    """The routed experts (plus fused shared-expert slots): parameters and compute belong to the kernel."""
+
+    def __init__(self, spec: MoESpec, backend: str = "auto", platform=None):
+        super().__init__()
+        self.kernel = kernels.select("moe", spec, backend, platform)
+        self.spec = spec
+        self.kernel.create_weights(self)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel.name
+
+    def process_weights_after_loading(self) -> None:
+        self.kernel.process_weights_after_loading(self)
+
+    def forward(self, x, topk_weights, topk_ids):
+        return self.kernel.apply(self, x, topk_weights, topk_ids)
+
+
+class SharedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, prefix: str, quant_config, linear_backend):
+        super().__init__()
+        lin = dict(params_dtype=dtype, quant_config=quant_config, backend=linear_backend)
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, prefix=f"{prefix}.gate_up_proj", **lin)
+        self.down_proj = Linear(intermediate_size, hidden_size, prefix=f"{prefix}.down_proj", **lin)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, *, prefix: str, hidden_size: int, moe_intermediate_size: int, router: RouterConfig,
+                 dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
+                 shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
+                 linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None):
+        super().__init__()
+        self.prefix = prefix
+        self.gate = Router(hidden_size, router, dtype)
+        quant = quant_config.for_layer(f"{prefix}.experts") if quant_config is not None else None
+        spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, moe_intermediate_size,
+                       dtype, "silu", quant)
+        shared = None
+        if shared_intermediate_size:
+            sq = quant_config.for_layer(f"{prefix}.{shared_name}.gate_up_proj") if quant_config is not None else None
+            shared = SharedExperts(shared_intermediate_size, shared_gated, sq)
+        kernel_cls = type(kernels.select("moe", spec, moe_backend, platform))
+        self.fse: FseDecision = resolve_fused_shared_experts(spec, shared, kernel_cls, fuse_shared_experts)
+        self.experts = FusedExperts(spec.with_shared(self.fse.slots), moe_backend, platform)
+        self.shared_name = shared_name
+        if shared is not None and not self.fse.fused:
+            setattr(self, shared_name, SharedMLP(hidden_size, shared_intermediate_size, dtype,
+                                                 f"{prefix}.{shared_name}", quant_config, linear_backend))
+        self.shared_expert_gate = (Linear(hidden_size, 1, params_dtype=dtype, prefix=f"{prefix}.shared_expert_gate",
+                                          backend=linear_backend) if shared_gated else None)
+        if self.fse.fused:
+            ids = torch.arange(router.num_experts, router.num_experts + self.fse.slots, dtype=torch.long)
+            self.register_buffer("shared_ids", ids, persistent=False)
+
+    @property
+    def shared_mlp(self) -> SharedMLP | None:
+        return getattr(self, self.shared_name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        shared_scale = torch.sigmoid(self.shared_expert_gate(x)).float() if self.shared_expert_gate is not None else None
+        if self.fse.fused:
+            t, n = x.shape[0], self.fse.slots
+            extra_w = shared_scale.expand(t, n) if shared_scale is not None else weights.new_ones(t, n)
+            weights = torch.cat([weights, extra_w], dim=1)
+            ids = torch.cat([ids, self.shared_ids.expand(t, n)], dim=1)
+        out = self.experts(x, weights, ids)
+        mlp = self.shared_mlp
+        if mlp is not None:
+            s = mlp(x)
+            out = out + (s * shared_scale.to(s.dtype) if shared_scale is not None else s)
+        return out
+
+    # ---- weights
+    def load_weight(self, name: str, tensor: torch.Tensor, fse: FseDecision) -> None:
+        """`name` relative to this block. `fse` is the decision the model recorded at construction: the loader's
+        only source for where shared-expert weights go."""
+        parts = name.split(".")
+        if parts[0] == "gate":
+            param = getattr(self.gate, parts[1])
+            if param is None or param.shape != tensor.shape:
+                raise ValueError(f"{self.prefix}.{name}: unexpected tensor {tuple(tensor.shape)}")
+            param.data.copy_(tensor)
+        elif parts[0] == "shared_expert_gate":
+            self.shared_expert_gate.load_weight(parts[1], tensor)
+        elif parts[0] == "experts":
+            slot, (param, shard) = int(parts[1]), EXPERT_PROJ[parts[2]]
+            self.experts.kernel.load_expert(self.experts, self._param_name(param, parts[3]), slot, shard, tensor)
+        elif parts[0] in SHARED_NAMES:
+            proj, pname = parts[1], parts[2]
+            if fse.fused:
+                self._load_shared_into_experts(proj, pname, tensor, fse.slots)
+            else:
+                mlp = self.shared_mlp
+                if mlp is None:
+                    raise ValueError(f"{self.prefix}.{name}: the recorded decision says the shared experts are "
+                                     "separate, but this block has no shared MLP")
+                target, shard = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                                 "down_proj": ("down_proj", None)}[proj]
+                getattr(mlp, target).load_weight(pname, tensor, shard)
+        else:
+            raise KeyError(f"{self.prefix}.{name}: not an MoE block tensor")
+
+    def _param_name(self, param: str, ckpt_param: str) -> str:
+        if ckpt_param == "weight":
+            return param
+        return f"{param}_scale"  # weight_scale_inv / weight_scale: the block scales
+
+    def _load_shared_into_experts(self, proj: str, ckpt_param: str, tensor: torch.Tensor, slots: int) -> None:
+        """Split a shared MLP tensor into `slots` expert-sized chunks along its intermediate dim: rows of
+        gate/up (and of their block scales), columns of down."""
+        param, shard = EXPERT_PROJ[proj]
+        dim = 1 if param == "w2" else 0
+        size = tensor.shape[dim] // slots
+        if size * slots != tensor.shape[dim]:
+            raise ValueError(f"{self.prefix}.{proj}.{ckpt_param}: dim {dim} of {tuple(tensor.shape)} does not split "
+                             f"into {slots} experts")
+        base = self.experts.spec.num_experts
+        for c in range(slots):
+            self.experts.kernel.load_expert(self.experts, self._param_name(param, ckpt_param), base + c, shard,
+                                            tensor.narrow(dim, c * size, size))

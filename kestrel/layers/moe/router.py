@@ -1,0 +1,91 @@
+"""Routers: scores over the experts -> each token's top-k experts and their weights (fp32).
+
+* softmax top-k (Qwen2/3-MoE, Mixtral, DeepSeek-V2): softmax over all experts, top-k, optionally renormalized to
+  sum to one (Mixtral always; Qwen by `norm_topk_prob`). Mixtral's "softmax after top-k" is the same numbers: the
+  renormalized top-k of a softmax is the softmax of the top-k logits.
+* sigmoid with a score-correction bias (DeepSeek-V3, GLM-4-MoE): the bias only steers which experts are chosen
+  (grouped top-k: groups ranked by the sum of their two best biased scores, the best `topk_group` groups kept);
+  the weights are the unbiased sigmoid scores, renormalized by `norm_topk_prob`, times `routed_scaling_factor`.
+* DeepSeek-V2's `group_limited_greedy`: groups ranked by their best softmax score.
+Torch ops only: the ids are valid expert indices whatever the input (see fused_moe.py on pre-compilation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    renormalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3 / GLM) | "max" (DeepSeek-V2)
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # e_score_correction_bias (sigmoid routers)
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"{self.num_experts} experts in {self.num_groups} groups (keep {self.topk_groups}) "
+                             "do not divide evenly")
+
+
+def _group_mask(choice: torch.Tensor, cfg: RouterConfig, fill: float) -> torch.Tensor:
+    t = choice.shape[0]
+    grouped = choice.view(t, cfg.num_groups, -1)
+    score = grouped.topk(2, dim=-1)[0].sum(-1) if cfg.group_score == "top2_sum" else grouped.max(-1).values
+    keep = torch.zeros_like(score).scatter_(1, score.topk(cfg.topk_groups, dim=-1, sorted=False)[1], 1.0)
+    return choice.masked_fill(~keep.bool().unsqueeze(-1).expand_as(grouped).reshape(t, -1), fill)
+
+
+def select_experts(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor | None = None):
+    """logits [T, E] -> (weights fp32 [T, k], ids int64 [T, k])."""
+    logits = logits.float()
+    if cfg.scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+        if cfg.num_groups > 1:
+            scores = _group_mask(scores, cfg, 0.0)
+        weights, ids = scores.topk(cfg.top_k, dim=-1)
+        if cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        choice = scores + bias if bias is not None else scores
+        if cfg.num_groups > 1:
+            choice = _group_mask(choice, cfg, float("-inf"))
+        ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
+
+
+class Router(nn.Module):
+    """The `gate` of an MoE block: `weight` [E, H] (fp32 for sigmoid routers, as their references compute) and,
+    for DeepSeek-V3-style routers, `e_score_correction_bias` [E]."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        wdtype = torch.float32 if cfg.scoring == "sigmoid" else dtype
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=wdtype), requires_grad=False)
+        if cfg.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.to(self.weight.dtype), self.weight)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
