@@ -91,8 +91,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                 p.normal_(0, 0.08)
             elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
                 p.normal_(0, 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
+        for buf_name, b in model.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)
         # peakier next-token distributions keep bf16 rounding from flipping near-tied argmaxes (GPU tests)
         model.get_output_embeddings().weight.mul_(logit_scale)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.kernels.base import KernelCandidate
-from kestrel.layers.quant.fp8 import Fp8Scheme
+from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
