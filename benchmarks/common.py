@@ -36,6 +36,14 @@ SHAPES = {
                       max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
                       query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", rope_theta=1000000.0,
                       rope_local_base_freq=10000.0, bos_token_id=2, eos_token_id=1),
+    # Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads / 4 KV heads, head dim 128, 128 experts of 768, top-8
+    # (renormalized), every layer sparse, vocab 151936, untied
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                          tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
 }
 
 
@@ -49,20 +57,39 @@ def write_shape(name: str) -> Path:
 @dataclass
 class ShapeFacts:
     params: int
-    weight_bytes: int
+    weight_bytes: int  # every weight a step can read (MoE: all experts)
     kv_bytes_per_token: int
     flops_per_token: int  # 2 * params touched per token (matmuls), without attention
+    expert_bytes: int = 0  # MoE: one expert of every layer
+    num_experts: int = 0
+    top_k: int = 0
+
+    def active_weight_bytes(self, batch: float = 1) -> float:
+        """The roofline's bytes per step: the weights a step of `batch` tokens reads. MoE: the dense part plus the
+        experts expected to be hit (each of E experts is missed by all of batch * top-k uniform picks with
+        probability (1 - k/E)^batch)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        hit = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        return self.weight_bytes - (self.num_experts - hit) * self.expert_bytes
 
 
 def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     s = SHAPES[name]
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
                                    s["num_key_value_heads"], s["head_dim"], s["intermediate_size"], s["vocab_size"])
-    per_layer = h * (nh + 2 * kvh) * hd + nh * hd * h + 3 * h * inter
+    attn = h * (nh + 2 * kvh) * hd + nh * hd * h
+    e, k = s.get("num_experts", 0), s.get("num_experts_per_tok", 0)
+    if e:  # every layer sparse (the shapes here): router + experts
+        expert = 3 * h * s["moe_intermediate_size"]
+        per_layer, active_layer = attn + e * h + e * expert, attn + e * h + k * expert
+    else:
+        expert, per_layer, active_layer = 0, attn + 3 * h * inter, attn + 3 * h * inter
     emb = V * h
     params = L * per_layer + emb * (1 if s["tie_word_embeddings"] else 2)
-    matmul_params = L * per_layer + emb  # the lm_head is a matmul, the embedding lookup is not
-    return ShapeFacts(params, (L * per_layer + emb) * dtype_bytes, 2 * L * kvh * hd * dtype_bytes, 2 * matmul_params)
+    matmul_params = L * active_layer + emb  # the lm_head is a matmul, the embedding lookup is not
+    return ShapeFacts(params, (L * per_layer + emb) * dtype_bytes, 2 * L * kvh * hd * dtype_bytes, 2 * matmul_params,
+                      L * expert * dtype_bytes, e, k)
 
 
 def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):

@@ -78,7 +78,7 @@ def main():
     ceil = measure_ceilings()
     prompt = nano_workload(1, seed=2, in_range=(args.prompt_len, args.prompt_len))[0][0]
     ttft, tpot = run_kestrel(model_dir, prompt, args.output_len, args.quantization, not args.no_pdl)
-    roof = facts.weight_bytes / ceil["copy_bytes_per_s"]  # every weight read once per token
+    roof = facts.active_weight_bytes(1) / ceil["copy_bytes_per_s"]  # active weights read once per token
     rows = [dict(engine="kestrel", ttft_ms=ttft * 1e3, ms_per_token=tpot * 1e3, roofline_ms=roof * 1e3,
                  x_roofline=f"{tpot / roof:.2f}")]
     result = dict(shape=args.shape, commit=git_commit(), ttft_ms=ttft * 1e3, ms_per_token=tpot * 1e3,

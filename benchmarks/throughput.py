@@ -17,9 +17,11 @@ from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_ta
 
 
 def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict) -> float:
-    """Decode: weights once per step + every token's KV context read; prefill: matmul FLOPs."""
+    """Decode: weights once per step (MoE: the active experts) + every token's KV context read; prefill: matmul
+    FLOPs."""
     kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token
-    decode = (kv_reads + steps * facts.weight_bytes) / ceil["copy_bytes_per_s"]
+    mean_batch = sum(outs) / max(steps, 1)  # MoE: the experts a step of this many tokens hits
+    decode = (kv_reads + steps * facts.active_weight_bytes(mean_batch)) / ceil["copy_bytes_per_s"]
     prefill = sum(len(p) for p in prompts) * facts.flops_per_token / ceil["bf16_flops_per_s"]
     return decode + prefill
 
