@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
+# MoE (issue 13): moe (GPU kernel tests + kernel table), moetune (tile search, writes fused_moe.json to $OUT),
+#   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -36,6 +38,13 @@ for s in $stages; do
     startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up\|Pre-compiled" "$OUT/startprof.txt" ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
+    moe)    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_moe.py 2>&1 | tail -6
+            timeout 240 python3 benchmarks/moe_kernel.py --json "$OUT/moe_kernel.json" 2>&1 | tail -20 ;;
+    moetune) timeout 560 python3 benchmarks/moe_kernel.py --tune --write --json "$OUT/moe_tuned.json" 2>&1 | tail -20
+            cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
+    tputmoe) timeout 480 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --json "$OUT/tput_moe.json" 2>&1 | grep -v Warning | tail -12 ;;
+    latmoe) timeout 300 python3 benchmarks/latency.py --shape qwen3-30b-a3b --hf-output-len 0 --json "$OUT/lat_moe.json" 2>&1 | tail -8 ;;
+    vllmmoe) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
 echo "=== done $(date +%T)"
