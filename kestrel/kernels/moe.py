@@ -217,6 +217,14 @@ class TritonFp8BlockMoE(TritonFusedMoE):
                 return False, f"{what} size {size} is not a multiple of the weight block {block}"
         return True, ""
 
+    @classmethod
+    def can_implement_on(cls, spec: MoESpec, platform: Platform) -> tuple[bool, str]:
+        from kestrel.platform.capabilities import is_fp8_fnuz
+
+        if is_fp8_fnuz(platform):
+            return False, "FNUZ FP8 (gfx942): checkpoint e4m3fn experts are not converted for this kernel yet"
+        return True, ""
+
     def create_weights(self, layer: nn.Module) -> None:
         s = self.spec
         bn, bk = s.quant.block_size
