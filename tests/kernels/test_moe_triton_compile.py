@@ -40,3 +40,14 @@ def test_grouped_gemm_compiles_for_every_default_tile(fp8):
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
                                 options={"num_warps": warps, "num_stages": stages})
         assert kernel.asm.get("ptx"), (part, tile)
+
+
+def test_align_kernel_compiles():
+    fn = fused_moe._align_kernel
+    ptrs = {"IDS": "*i64", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32", "CURSOR": "*i32"}
+    for e_pad, bm in ((256, 16), (16, 128)):
+        constexprs = dict(E_PAD=e_pad, BLOCK_M=bm, CHUNK=256, BCHUNK=max(16, 4096 // e_pad))
+        sig = {n: ptrs.get(n, "i32") for n in fn.arg_names} | {n: "constexpr" for n in constexprs}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                                options={"num_warps": 4})
+        assert kernel.asm.get("ptx")

@@ -6,10 +6,12 @@
 
 s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
 
-Index math stays in torch (`align_by_expert`): the sort, the per-expert padding to BLOCK_M and the block -> expert
-table are torch ops on the router's torch top-k ids, so they are valid values even while the engine's start-up
-pre-compilation turns every Triton launch into a compilation (kestrel/kernels/triton_ops/precompile.py): no Triton
-output ever feeds a torch index. Nothing that varies with the batch is a constexpr or a specialised int
+Routing stays in torch (the router's top-k ids are always valid expert indices). The layout (sort by expert, pad
+each run to BLOCK_M, the block -> expert table) is one Triton launch whose outputs feed only the two Triton GEMMs,
+never a torch index, so the engine's start-up pre-compilation, which turns every Triton launch into a compilation
+and leaves outputs unwritten (kestrel/kernels/triton_ops/precompile.py), cannot produce an out-of-range torch
+index; the GEMM grid comes from host-side sizes, not from a kernel output. `align_by_expert` is the torch
+reference of the same layout. Nothing that varies with the batch is a constexpr or a specialised int
 (`num_valid` is `do_not_specialize`; the grid is not part of the key), and the tile config comes from a fixed set
 of batch buckets (`kestrel/kernels/configs/fused_moe.json`, defaults below), so a run compiles each bucket's
 variant once and `warm_up` compiles them all at load time.
@@ -94,13 +96,65 @@ def _moe_grouped_gemm_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ routing layout
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
+def _align_kernel(
+    IDS, SORTED, BLOCK_EXPERT, NUM_PADDED, CURSOR,
+    num_slots, num_blocks, num_experts,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr,
+):
+    """One program: count slots per expert, pad each run to BLOCK_M, write the block -> expert table, fill the
+    sorted array with the sentinel, then place every slot in its expert's run (an atomic cursor per expert:
+    the order inside a run does not change any row's result)."""
+    offs = tl.arange(0, CHUNK)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        ids = tl.load(IDS + start + offs, mask=start + offs < num_slots, other=E_PAD - 1).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD)  # masked lanes land in bin E_PAD - 1, never a real expert
+    counts = tl.where(experts < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(CURSOR + experts, pad_end - padded)
+    tl.store(NUM_PADDED, tl.sum(padded, 0))
+    boffs = tl.arange(0, BCHUNK)
+    for b0 in range(0, num_blocks, BCHUNK):
+        first_row = (b0 + boffs) * BLOCK_M
+        e = tl.sum((pad_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(BLOCK_EXPERT + b0 + boffs, tl.minimum(e, num_experts - 1), mask=b0 + boffs < num_blocks)
+    for s0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        tl.store(SORTED + s0 + offs, num_slots, mask=s0 + offs < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # the cursors and the sentinel fill are visible to every thread before the scatter
+    for start in range(0, num_slots, CHUNK):
+        ok = start + offs < num_slots
+        ids = tl.load(IDS + start + offs, mask=ok, other=0)
+        pos = tl.atomic_add(CURSOR + ids, 1, mask=ok)
+        tl.store(SORTED + pos, start + offs, mask=ok)
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`align_by_expert` in one launch (what fused_moe uses: ~30 torch launches per layer would dominate a
+    batch-1 decode step). Its outputs feed only the Triton GEMMs, never a torch index, so the compile-only
+    start-up mode (outputs left unwritten) stays safe."""
+    ids = topk_ids.reshape(-1)
+    n, dev = ids.numel(), ids.device
+    size = padded_size(n, num_experts, block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, cursor, n, size // block_m, num_experts,
+                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=256, BCHUNK=max(16, 4096 // e_pad), num_warps=4)
+    return sorted_ids, block_expert, num_padded
+
+
 def padded_size(num_slots: int, num_experts: int, block_m: int) -> int:
     """Length of the sorted-id array: every slot, plus at most block_m - 1 padding per expert that got slots."""
     return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Torch-only index math (see the module docstring). topk_ids [T, k] ->
+    """The torch reference of the routing layout (align_by_expert_triton is what runs). topk_ids [T, k] ->
     sorted_ids int32 [P]: slot ids grouped by expert, each expert's run padded to a multiple of block_m with
                           the value T * k (masked by the kernel);
     block_expert int32 [P / block_m]: the expert of each block (blocks past the padded end are skipped);
@@ -202,7 +256,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x)
     cfg = config or get_config(t, e, k, h, inter, fp8)
     bm = cfg["up"]["BLOCK_M"]
-    layout = align_by_expert(topk_ids, e, bm)
+    layout = align_by_expert_triton(topk_ids, e, bm)
     num_valid = t * k
     weights = topk_weights.reshape(-1).float().contiguous()
     group_n = block_shape[0] if fp8 else 1
