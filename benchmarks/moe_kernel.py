@@ -42,21 +42,34 @@ def grouped_mm_moe(x, w13, w2, topk_w, topk_ids):
     return out.view(t, k, -1).sum(1)
 
 
+_WEIGHTS: dict = {}
+
+
+def experts(shape: str, fp8: bool, gen):
+    """One layer's experts (made once per shape and format)."""
+    if (shape, fp8) not in _WEIGHTS:
+        s = SHAPES[shape]
+        e, h, i = s["num_experts"], s["hidden_size"], s["moe_intermediate_size"]
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h ** -0.5
+        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i ** -0.5
+        scales = {}
+        if fp8:
+            from kestrel.kernels.fp8_quant import quantize_weight_block
+
+            q13, s13 = zip(*(quantize_weight_block(w, (128, 128)) for w in w13))
+            q2, s2 = zip(*(quantize_weight_block(w, (128, 128)) for w in w2))
+            w13, w2 = torch.stack(q13), torch.stack(q2)
+            scales = dict(w13_scale=torch.stack(s13), w2_scale=torch.stack(s2), block_shape=(128, 128))
+        _WEIGHTS[(shape, fp8)] = (w13, w2, scales)
+    return _WEIGHTS[(shape, fp8)]
+
+
 def problem(shape: str, t: int, fp8: bool, gen):
     s = SHAPES[shape]
-    e, k, h, i = s["num_experts"], s["num_experts_per_tok"], s["hidden_size"], s["moe_intermediate_size"]
-    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h ** -0.5
-    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i ** -0.5
+    e, k, h = s["num_experts"], s["num_experts_per_tok"], s["hidden_size"]
+    w13, w2, scales = experts(shape, fp8, gen)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     topk_w, ids = torch.randn(t, e, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
-    scales = {}
-    if fp8:
-        from kestrel.kernels.fp8_quant import quantize_weight_block
-
-        q13, s13 = zip(*(quantize_weight_block(w, (128, 128)) for w in w13))
-        q2, s2 = zip(*(quantize_weight_block(w, (128, 128)) for w in w2))
-        w13, w2 = torch.stack(q13), torch.stack(q2)
-        scales = dict(w13_scale=torch.stack(s13), w2_scale=torch.stack(s2), block_shape=(128, 128))
     return x, w13, w2, topk_w, ids.to(torch.int32), scales
 
 
