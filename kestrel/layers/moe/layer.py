@@ -137,7 +137,9 @@ class SparseMoeBlock(nn.Module):
     def _param_name(self, param: str, ckpt_param: str) -> str:
         if ckpt_param == "weight":
             return param
-        return f"{param}_scale"  # weight_scale_inv / weight_scale: the block scales
+        if ckpt_param in ("weight_scale_inv", "weight_scale"):
+            return f"{param}_scale"  # the block scales
+        raise KeyError(f"{self.prefix}: expert tensor {ckpt_param!r} is not supported by {self.experts.kernel_name}")
 
     def _load_shared_into_experts(self, proj: str, ckpt_param: str, tensor: torch.Tensor, slots: int) -> None:
         """Split a shared MLP tensor into `slots` expert-sized chunks along its intermediate dim: rows of
