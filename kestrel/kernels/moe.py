@@ -199,23 +199,11 @@ class TritonFp8BlockMoE(TritonFusedMoE):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        q = spec.quant
-        if not isinstance(q, Fp8Scheme):
-            return False, "expert weights are not FP8-quantized"
         if spec.activation != "silu":
             return False, f"activation {spec.activation!r}: the epilogue implements silu only"
         if spec.params_dtype not in (torch.bfloat16, torch.float16):
             return False, f"activations in {spec.params_dtype}; needs bf16 or fp16"
-        if q.weight != "block" or q.activation != "group" or not q.activation_dynamic:
-            return False, f"needs block weights with dynamic per-token-group activations (got {q.name})"
-        bn, bk = q.block_size
-        if bk != 128 or q.group_size != bk:
-            return False, f"needs weight block K = activation group = 128 (got {bk}, group {q.group_size})"
-        for what, size, block in (("intermediate", spec.intermediate_size, bn), ("intermediate", spec.intermediate_size, bk),
-                                  ("hidden", spec.hidden_size, bn), ("hidden", spec.hidden_size, bk)):
-            if size % block:
-                return False, f"{what} size {size} is not a multiple of the weight block {block}"
-        return True, ""
+        return _check_fp8_block(spec)
 
     @classmethod
     def can_implement_on(cls, spec: MoESpec, platform: Platform) -> tuple[bool, str]:
@@ -226,17 +214,66 @@ class TritonFp8BlockMoE(TritonFusedMoE):
         return True, ""
 
     def create_weights(self, layer: nn.Module) -> None:
-        s = self.spec
-        bn, bk = s.quant.block_size
-        e, h, i = s.total_experts, s.hidden_size, s.intermediate_size
-        fp8 = torch.float8_e4m3fn
-        layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=fp8), requires_grad=False)
-        layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
-        layer.w13_scale = nn.Parameter(torch.ones(e, 2 * i // bn, h // bk), requires_grad=False)
-        layer.w2_scale = nn.Parameter(torch.ones(e, h // bn, i // bk), requires_grad=False)
+        _fp8_block_weights(layer, self.spec)
 
     def _scales(self, layer):
         return dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block_shape=tuple(self.spec.quant.block_size))
 
 
-__all__ = ["MOE_ACTIVATIONS", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]
+def _check_fp8_block(spec: MoESpec) -> tuple[bool, str]:
+    q = spec.quant
+    if not isinstance(q, Fp8Scheme):
+        return False, "expert weights are not FP8-quantized"
+    if q.weight != "block" or q.activation != "group" or not q.activation_dynamic:
+        return False, f"needs block weights with dynamic per-token-group activations (got {q.name})"
+    bn, bk = q.block_size
+    if bk != 128 or q.group_size != bk:
+        return False, f"needs weight block K = activation group = 128 (got {bk}, group {q.group_size})"
+    for what, size, block in (("intermediate", spec.intermediate_size, bn), ("intermediate", spec.intermediate_size, bk),
+                              ("hidden", spec.hidden_size, bn), ("hidden", spec.hidden_size, bk)):
+        if size % block:
+            return False, f"{what} size {size} is not a multiple of the weight block {block}"
+    return True, ""
+
+
+def _fp8_block_weights(layer: nn.Module, s: MoESpec) -> None:
+    """Checkpoint layout of block-quantized experts: fp8 weights and fp32 block scales (multiples of the block)."""
+    bn, bk = s.quant.block_size
+    e, h, i = s.total_experts, s.hidden_size, s.intermediate_size
+    fp8 = torch.float8_e4m3fn
+    layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=fp8), requires_grad=False)
+    layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
+    layer.w13_scale = nn.Parameter(torch.ones(e, 2 * i // bn, h // bk), requires_grad=False)
+    layer.w2_scale = nn.Parameter(torch.ones(e, h // bn, i // bk), requires_grad=False)
+
+
+class Fp8DequantMoE(TorchMoE):
+    """FP8 block-quantized experts anywhere: loaded in the checkpoint's layout, dequantized once after loading,
+    then the reference loop (the CPU path for DeepSeek-style FP8 checkpoints)."""
+
+    name = "fp8_dequant_moe"
+    family = "fp8"
+
+    @classmethod
+    def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
+        if spec.params_dtype not in _FLOATS:
+            return False, f"dtype {spec.params_dtype} is not a float type"
+        if spec.activation not in MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r} is not one of {', '.join(MOE_ACTIVATIONS)}"
+        return _check_fp8_block(spec)
+
+    def create_weights(self, layer: nn.Module) -> None:
+        _fp8_block_weights(layer, self.spec)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        bn, bk = self.spec.quant.block_size
+
+        def dequant(w, s):
+            scale = s.float().repeat_interleave(bn, 1).repeat_interleave(bk, 2)
+            return nn.Parameter((w.float() * scale).to(self.spec.params_dtype), requires_grad=False)
+
+        layer.w13, layer.w2 = dequant(layer.w13, layer.w13_scale), dequant(layer.w2, layer.w2_scale)
+        del layer.w13_scale, layer.w2_scale
+
+
+__all__ = ["MOE_ACTIVATIONS", "Fp8DequantMoE", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]

@@ -62,7 +62,7 @@ def _fp8_block_scheme():
 
 def test_moe_selection_per_platform_dtype_and_quant():
     from kestrel.kernels import KernelSelectionError
-    from kestrel.kernels.moe import TritonFp8BlockMoE, TritonFusedMoE
+    from kestrel.kernels.moe import Fp8DequantMoE, TritonFp8BlockMoE, TritonFusedMoE
 
     h200 = fake_platform("sm_90", triton_available=True)
     bf16 = MoESpec("model.layers.0.mlp.experts", 128, 8, 2048, 768, torch.bfloat16)
@@ -73,6 +73,7 @@ def test_moe_selection_per_platform_dtype_and_quant():
     assert type(k) is TorchMoE and any(s.startswith("triton_fused_moe:") for s in k.skipped)
     assert type(select("moe", fp8, "auto", h200)) is TritonFp8BlockMoE
     assert type(select("moe", bf16, "auto", fake_platform("cpu"))) is TorchMoE
+    assert type(select("moe", fp8, "auto", fake_platform("cpu"))) is Fp8DequantMoE
     with pytest.raises(KernelSelectionError, match="model.layers.0.mlp.experts"):
         select("moe", bf16, "triton_fused_moe", fake_platform("cpu"))
     with pytest.raises(KernelSelectionError, match="model.layers.0.mlp.experts"):  # I = 100: not a multiple of 128
