@@ -80,6 +80,10 @@ TRITON_FP8_ARCHS = ArchRule(cuda_min_sm=89, rocm=("gfx942", "gfx950", "gfx12??")
 # the H200 (sm_90) only; Ampere and newer CUDA share the instructions it uses. Not offered on ROCm until run there.
 TRITON_SKINNY_GEMM_ARCHS = ArchRule(cuda_min_sm=80)
 
+# The fused MoE (grouped GEMMs over expert-sorted tokens, an atomic-cursor layout kernel): written for the H200
+# (sm_90); Ampere and newer CUDA share its instructions. Not offered on ROCm until run there.
+TRITON_MOE_ARCHS = ArchRule(cuda_min_sm=80)
+
 # Architectures whose FP8 e4m3 is the FNUZ variant (bias 8, no negative zero, max 240). gfx950 uses OCP e4m3fn.
 FP8_FNUZ_ARCHS = ArchRule(rocm=("gfx940", "gfx941", "gfx942"))
 
@@ -146,6 +150,10 @@ def check_pdl(platform: Platform | None = None) -> tuple[bool, str]:
 
 def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, str]:
     return _then(check_triton, TRITON_SKINNY_GEMM_ARCHS, "skinny GEMM not validated here", platform)
+
+
+def check_triton_moe(platform: Platform | None = None) -> tuple[bool, str]:
+    return _then(check_triton, TRITON_MOE_ARCHS, "fused MoE not validated here", platform)
 
 
 def check_triton_fp8(platform: Platform | None = None) -> tuple[bool, str]:

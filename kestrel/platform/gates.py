@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kestrel.platform import Platform, current_platform
-from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8,
+from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8, check_triton_moe,
                                            check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
@@ -49,13 +49,13 @@ GATES: dict[str, KernelGate] = {
     "triton_fused_moe": KernelGate(
         description="Triton fused MoE: tokens sorted by expert, one grouped GEMM for gate_up (+SiLU-and-mul), one for "
                     "down (+routing weights)",
-        requires=(check_triton,),
+        requires=(check_triton_moe,),
         act_dtypes=(torch.bfloat16, torch.float16),
         notes="silu experts; fused shared experts as extra always-selected experts",
     ),
     "triton_fp8_block_moe": KernelGate(
         description="the Triton fused MoE on block-quantized FP8 experts (per-token-group activation quantization)",
-        requires=(check_triton, check_triton_fp8),
+        requires=(check_triton_moe, check_triton_fp8),
         act_dtypes=(torch.bfloat16, torch.float16),
         notes="block K 128 = activation group; I and H multiples of the weight block",
     ),
