@@ -110,7 +110,8 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
     model_cls = get_model_class(arch)
     quant_config = get_quant_config(hf_dict, cfg.quantization, dtype,
                                     packed_modules=getattr(model_cls, "packed_modules", None))
-    ctx = ModelContext(config, dtype, quant_config, kernel.linear_backend, kernel.moe_backend)
+    ctx = ModelContext(config, dtype, quant_config, kernel.linear_backend, kernel.moe_backend,
+                       kernel.fuse_shared_experts)
     with torch.device(device):
         model = model_cls(ctx)
     if cfg.load_format == "dummy":

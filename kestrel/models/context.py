@@ -18,6 +18,7 @@ class ModelContext:
     quant_config: Any = None  # kestrel.layers.quant config, or None
     linear_backend: str = "auto"
     moe_backend: str = "auto"
+    fuse_shared_experts: str = "auto"  # MoE shared experts inside the routed-expert kernel: auto | on | off
     kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)  # attention layer prefix -> its spec
     attention_layers: dict[str, Any] = field(default_factory=dict)  # attention layer prefix -> the layer
     _shared: dict[str, Any] = field(default_factory=dict)

@@ -4,7 +4,8 @@ n_shared_experts x moe_intermediate_size)."""
 from __future__ import annotations
 
 from kestrel.layers.moe import RouterConfig, SparseMoeBlock
-from kestrel.models.moe_base import MoEOptions, cfg_get
+from kestrel.models.context import ModelContext
+from kestrel.models.moe_base import cfg_get, moe_block_from_ctx
 
 
 def deepseek_router(cfg) -> RouterConfig:
@@ -28,11 +29,7 @@ def deepseek_v2_router(cfg) -> RouterConfig:
                         float(cfg_get(cfg, "routed_scaling_factor", default=1.0)))
 
 
-def deepseek_moe_block(cfg, prefix: str, dtype, router: RouterConfig, quant_config=None,
-                       linear_backend: str = "auto", moe: MoEOptions | None = None) -> SparseMoeBlock:
-    moe = moe or MoEOptions()
+def deepseek_moe_block(ctx: ModelContext, prefix: str, router: RouterConfig) -> SparseMoeBlock:
+    cfg = ctx.text
     shared = cfg_get(cfg, "n_shared_experts", default=0) * cfg.moe_intermediate_size
-    return SparseMoeBlock(prefix=prefix, hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
-                          router=router, dtype=dtype, shared_intermediate_size=shared, shared_name="shared_experts",
-                          quant_config=quant_config, moe_backend=moe.moe_backend, linear_backend=linear_backend,
-                          fuse_shared_experts=moe.fuse_shared_experts, platform=moe.platform)
+    return moe_block_from_ctx(ctx, prefix, router, cfg.moe_intermediate_size, shared, shared_name="shared_experts")

@@ -5,31 +5,38 @@ and ungated shared experts (`n_shared_experts` x `moe_intermediate_size`)."""
 from __future__ import annotations
 
 from kestrel.layers.linear import Linear
-from kestrel.models.llama import LlamaAttention
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.context import layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router
-from kestrel.models.moe_base import MoEForCausalLM, cfg_get
+from kestrel.models.llama import LlamaAttention, head_dim_of
+from kestrel.models.moe_base import MoEDecoderLayer, MoEForCausalLM, cfg_get
+
+
+def rotary_dim(cfg) -> int:
+    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+        or getattr(cfg, "partial_rotary_factor", None) or 0.5
+    return int(head_dim_of(cfg) * factor)
 
 
 class Glm4MoeAttention(LlamaAttention):
-    def __init__(self, cfg, layer_index, dtype, prefix, quant_config, linear_backend, rotary):
+    def __init__(self, ctx, prefix, input_norm, **kw):
+        cfg = ctx.text
         self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", False))
-        super().__init__(cfg, layer_index, dtype, prefix, quant_config, linear_backend, rotary)
+        rotary = ctx.shared("rotary", lambda: RotaryEmbedding(cfg, rotary_dim(cfg), ctx.max_positions, ctx.dtype))
+        super().__init__(ctx, prefix, input_norm, rotary=rotary, **kw)
         if getattr(cfg, "attention_bias", False):  # the bias is on q/k/v only
-            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, params_dtype=dtype,
-                                 prefix=f"{prefix}.o_proj", quant_config=quant_config, backend=linear_backend)
+            self.o_proj = Linear.from_ctx(ctx, cfg.num_attention_heads * head_dim_of(cfg), cfg.hidden_size,
+                                          f"{prefix}.o_proj", False)
+
+
+class Glm4MoeDecoderLayer(MoEDecoderLayer):
+    attention_cls = Glm4MoeAttention
+
+    def moe_block(self, ctx, prefix):
+        if layer_index(prefix) < cfg_get(ctx.text, "first_k_dense_replace", default=0):
+            return None
+        return deepseek_moe_block(ctx, prefix, deepseek_router(ctx.text))
 
 
 class Glm4MoeForCausalLM(MoEForCausalLM):
-    attention_cls = Glm4MoeAttention
-
-    @staticmethod
-    def rotary_dim(cfg) -> int:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-            or getattr(cfg, "partial_rotary_factor", None) or 0.5
-        return int(head_dim * factor)
-
-    def moe_block(self, cfg, i, prefix, dtype, quant_config, linear_backend, moe):
-        if i < cfg_get(cfg, "first_k_dense_replace", default=0):
-            return None
-        return deepseek_moe_block(cfg, prefix, dtype, deepseek_router(cfg), quant_config, linear_backend, moe)
+    decoder_layer_cls = Glm4MoeDecoderLayer

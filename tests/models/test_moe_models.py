@@ -2,9 +2,6 @@
 on and off, and the FSE contract: decided once at construction, recorded, and the only input of the loader."""
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import pytest
 import torch
 
@@ -13,6 +10,8 @@ from kestrel.kernels.moe import MoESpec, TorchMoE
 from kestrel.layers.moe import FseError, SharedExperts, SparseMoeBlock, resolve_fused_shared_experts
 from kestrel.loader import load_model
 from kestrel.loader.safetensors import iter_safetensors
+from kestrel.models.context import ModelContext
+from kestrel.models.hf_config import HFConfig
 from tests.models.test_hf_equivalence import PROMPTS, hf_greedy
 from tests.tiny import MOE_CONFIGS, make_checkpoint
 
@@ -25,18 +24,8 @@ def moe_models(tmp_path_factory, tiny_tokenizer):
     return {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer) for k in MOE_CONFIGS}
 
 
-@contextlib.contextmanager
-def engine_with(fse: str, moe_backend: str = "auto"):
-    """The runner builds the model through load_model(config.model, ...): until the model context carries the
-    kernel config there, hand the MoE options to load_model here."""
-    import kestrel.worker.model_runner as mr
-
-    original = mr.load_model
-    mr.load_model = functools.partial(load_model, fuse_shared_experts=fse, moe_backend=moe_backend)
-    try:
-        yield
-    finally:
-        mr.load_model = original
+def model_context(hf, dtype=torch.float32, quant_config=None, **kernel) -> ModelContext:
+    return ModelContext(HFConfig.from_hf(hf, 64), dtype, quant_config, **kernel)
 
 
 def blocks_of(llm) -> dict[str, SparseMoeBlock]:
@@ -55,8 +44,7 @@ def test_greedy_matches_transformers_with_fse_on_and_off(moe_models, kind):
     settings, fuses = FAMILIES[kind]
     outputs = {}
     for fse in settings:
-        with engine_with(fse):
-            llm = LLM(str(path), progress=False)
+        llm = LLM(str(path), progress=False, fuse_shared_experts=fse)
         blocks = blocks_of(llm)
         assert blocks and all(type(b.experts.kernel) is TorchMoE for b in blocks.values())
         assert all(b.fse.fused == (fuses and fse == "auto") for b in blocks.values()), \
@@ -117,11 +105,11 @@ class NoFseMoE(TorchMoE):
 def test_loader_follows_the_recorded_decision_not_the_current_kernel(moe_models):
     """Swap every block's kernel for one without FSE support after construction: loading still places the shared
     experts per the recorded (fused) decision. A loader that re-derived it would look for the separate MLP."""
-    from kestrel.models.glm4_moe import Glm4MoeForCausalLM
     from kestrel.loader import load_hf_config
+    from kestrel.models.glm4_moe import Glm4MoeForCausalLM
 
     path = moe_models["glm4_moe"]
-    model = Glm4MoeForCausalLM(load_hf_config(path), torch.float32, 512)
+    model = Glm4MoeForCausalLM(model_context(load_hf_config(path)))
     for block in model.moe_blocks().values():
         block.experts.kernel = NoFseMoE(block.experts.spec)
         block.experts.w13.data.zero_()
@@ -196,7 +184,6 @@ def test_mixed_fse_state_raises_naming_the_layers():
 
     from kestrel.layers.quant import Fp8Config
     from kestrel.models.glm4_moe import Glm4MoeForCausalLM
-    from kestrel.models.moe_base import MoEOptions
     from kestrel.platform import fake_platform
     from kestrel.platform.testing import use_platform
 
@@ -207,13 +194,12 @@ def test_mixed_fse_state_raises_naming_the_layers():
     quant = Fp8Config(_fp8_block(), ignore=["model.layers.2.mlp.shared_experts"])
     h200 = fake_platform("sm_90", triton_available=True)
     with use_platform(h200), pytest.raises(FseError) as err:
-        Glm4MoeForCausalLM(cfg, torch.bfloat16, 64, quant_config=quant, moe=MoEOptions(platform=h200))
+        Glm4MoeForCausalLM(model_context(cfg, torch.bfloat16, quant))
     msg = str(err.value)
     assert "fused in model.layers.1.mlp" in msg and "not fused in model.layers.2.mlp" in msg and "unquantized" in msg
     # the same model with fusion off builds, every layer unfused
     with use_platform(h200):
-        model = Glm4MoeForCausalLM(cfg, torch.bfloat16, 64, quant_config=quant,
-                                   moe=MoEOptions(fuse_shared_experts="off", platform=h200))
+        model = Glm4MoeForCausalLM(model_context(cfg, torch.bfloat16, quant, fuse_shared_experts="off"))
     assert not any(d.fused for d in model.fse_decisions.values())
     assert {type(b.experts.kernel).__name__ for b in model.moe_blocks().values()} == {"TritonFp8BlockMoE"}
 
@@ -265,7 +251,6 @@ def test_deepseek_moe_block_matches_transformers(variant):
     from transformers import AutoConfig
 
     from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router
-    from kestrel.models.moe_base import MoEOptions
 
     common = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
                   n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
@@ -296,7 +281,7 @@ def test_deepseek_moe_block_matches_transformers(variant):
     weights = _hf_block_weights(hf)
     outs = {}
     for fse in ("auto", "off"):
-        block = deepseek_moe_block(cfg, "model.layers.1.mlp", torch.float32, router, moe=MoEOptions(fuse_shared_experts=fse))
+        block = deepseek_moe_block(model_context(cfg, fuse_shared_experts=fse), "model.layers.1.mlp", router)
         for name, t in weights.items():
             block.load_weight(name, t, block.fse)
         assert block.fse.fused == (fse == "auto")
