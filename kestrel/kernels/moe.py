@@ -143,7 +143,7 @@ class TorchMoE(MoEKernel):
         return out.to(x.dtype)
 
 
-# Buckets are compiled once per expert shape and process: (kernel name, E, H, I, dtype).
+# Buckets are compiled once per expert shape and process: (kernel name, E, slots per token, H, I, dtype).
 _WARMED: set[tuple] = set()
 
 
@@ -173,14 +173,14 @@ class TritonFusedMoE(MoEKernel):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Compile every batch bucket's variant now, in parallel, so no request waits for a compilation."""
         s = self.spec
-        key = (self.name, s.total_experts, s.hidden_size, s.intermediate_size, s.params_dtype)
+        k = s.top_k + s.num_shared_experts  # a constexpr of the gate_up GEMM
+        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype)
         if layer.w13.device.type != "cuda" or key in _WARMED:
             return
         _WARMED.add(key)
         from kestrel.kernels.triton_ops import fused_moe
         from kestrel.kernels.triton_ops.precompile import precompile
 
-        k = s.top_k + s.num_shared_experts
         precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384, **self._scales(layer)),
                    f"fused MoE {s.layer_name} buckets")
 
