@@ -282,7 +282,7 @@ def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: in
     for b in BUCKETS:
         t = min(b, max_tokens)
         x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
-        ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k).to(torch.int32)
+        ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k)  # int64, as the router gives
         fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
         if b >= max_tokens:
             break
