@@ -2,6 +2,8 @@
 block-quantized experts (< 2e-2 against the dequantized weights, activations quantized as the kernel does),
 across expert counts, top-k and batch sizes including non-multiples of the tiles; CUDA-graph capture; and the
 pre-compilation mode (launches become compilations) with garbage inputs raising no device assert."""
+import functools
+
 import pytest
 import torch
 
@@ -9,6 +11,15 @@ from tests.kernels.moe_cases import make_experts, quantize_experts, random_routi
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 3, 16, 57, 256, 1000, 4096]
+
+
+@functools.lru_cache(maxsize=2)
+def gpu_experts(e: int, h: int, i: int):
+    """bf16 experts made once per shape, on the device (a CPU randn of 128 x 1536 x 2048 takes seconds)."""
+    gen = torch.Generator(device="cuda").manual_seed(e + h + i)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i ** -0.5).bfloat16()
+    return w13, w2
 
 
 @pytest.mark.parametrize("e,k", [(8, 1), (8, 2), (64, 2), (64, 8), (128, 1), (128, 8)])
@@ -19,12 +30,11 @@ def test_triton_moe_bf16_matches_reference(e, k, t):
 
     gen = torch.Generator().manual_seed(e * 100 + k * 10 + t)
     h, i = (2048, 768) if e == 128 else (1000, 352)  # Qwen3-30B-A3B's expert shape; a non-multiple shape
-    w13, w2 = make_experts(e, h, i, gen)
-    x = torch.randn(t, h, generator=gen)
-    topk_w, ids = random_routing(t, e, k, gen, skew=t % 2 == 1)
-    out = fused_moe(x.cuda().bfloat16(), w13.cuda().bfloat16(), w2.cuda().bfloat16(), topk_w.cuda(), ids.cuda())
-    ref = reference_moe(x.cuda().bfloat16().double(), w13.cuda().bfloat16(), w2.cuda().bfloat16(), topk_w.cuda(),
-                        ids.cuda())
+    w13, w2 = gpu_experts(e, h, i)
+    x = torch.randn(t, h, generator=gen).cuda().bfloat16()
+    topk_w, ids = (v.cuda() for v in random_routing(t, e, k, gen, skew=t % 2 == 1))
+    out = fused_moe(x, w13, w2, topk_w, ids)
+    ref = reference_moe(x.double(), w13, w2, topk_w, ids)
     assert rel_err(out, ref) < 1e-2
 
 
