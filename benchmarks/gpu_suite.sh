@@ -38,8 +38,8 @@ for s in $stages; do
     startprof) TRITON_CACHE_DIR=/tmp/triton_cold_p$$ timeout 100 python3 benchmarks/startup.py --cprofile > "$OUT/startprof.txt" 2>&1; grep "start-up\|Pre-compiled" "$OUT/startprof.txt" ;;
     profile1) (cd benchmarks && timeout 150 python3 profile_step.py --batch 1 --greedy > "$OUT/profile1.txt" 2>&1; head -3 "$OUT/profile1.txt") ;;
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
-    moe)    timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_moe_models.py 2>&1 | tail -6
-            timeout 240 python3 benchmarks/moe_kernel.py --json "$OUT/moe_kernel.json" 2>&1 | tail -20 ;;
+    moe)    timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_moe_models.py 2>&1 | tail -6
+            timeout 230 python3 benchmarks/moe_kernel.py --json "$OUT/moe_kernel.json" 2>&1 | tail -20 ;;
     moetune) timeout 560 python3 benchmarks/moe_kernel.py --tune --write --json "$OUT/moe_tuned.json" 2>&1 | tail -20
             cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
     tputmoe) timeout 480 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --json "$OUT/tput_moe.json" 2>&1 | grep -v Warning | tail -12 ;;
