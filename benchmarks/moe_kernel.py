@@ -120,7 +120,7 @@ def tune(args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     bks = (128,) if args.fp8 else (64, 128)
     tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-             for bn, bk, w, st in itertools.product((64, 128), bks, (4, 8), (3, 4))]
+             for bn, bk, w, st in itertools.product((32, 64, 128), bks, (4, 8), (3, 4))]
     buckets = [b for b in fm.BUCKETS if b <= 8192]
     problems = {b: problem(args.shape, b, args.fp8, gen) for b in buckets}
 
