@@ -79,6 +79,17 @@ class CompilationConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enable_lora: bool = _f(False, "serve LoRA adapters (PEFT format) over the base model; a request picks one "
+                                  "by its model name")
+    lora_modules: list[str] | None = _f(None, "adapters to load at start-up, as name=path (PEFT folders)")
+    max_lora_rank: int = _f(16, "largest adapter rank accepted (device slots are sized for it)")
+    max_loras: int = _f(4, "adapters resident on the device at once: the most distinct adapters in one batch")
+    max_cpu_loras: int | None = _f(None, "adapters kept in host memory, least recently used dropped first "
+                                         "(default: --max-loras); dropped ones are re-read from disk")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -86,8 +97,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    SECTIONS = ("model", "cache", "scheduler", "parallel", "kernel", "compilation")
+    SECTIONS = ("model", "cache", "scheduler", "parallel", "kernel", "compilation", "lora")
 
     @classmethod
     def create(cls, **kwargs) -> "EngineConfig":
@@ -132,7 +144,7 @@ def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             base = inner[0]
             kw: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {default})"}
             if get_origin(base) is list:
-                kw.update(type=int, nargs="+")
+                kw.update(type=(get_args(base) or (int,))[0], nargs="+")
             else:
                 kw["type"] = base
             choices = [c for c in f.metadata.get("choices", []) if c is not None]

@@ -31,17 +31,29 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in input order."""
+                 priority: Sequence[int] | None = None, lora_request=None) -> list[RequestOutput]:
+        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in input order.
+        lora_request: one adapter (a LoRARequest from load_lora, or its name) for all prompts, or one per prompt
+        (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
                for i, (p, sp) in enumerate(zip(prompts, plist))]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    def load_lora(self, name: str, path: str):
+        """Load a PEFT adapter folder (needs enable_lora=True); returns the LoRARequest to pass to generate."""
+        return self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:

@@ -45,6 +45,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]  # eos (unless ignore_eos) + stop ids: masked until min_tokens outputs exist
     block_ids: list[list[int]]  # per KV-cache group
+    lora_id: int = 0  # the request's LoRA adapter (0: none)
 
 
 @dataclass

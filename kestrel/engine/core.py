@@ -29,7 +29,8 @@ class EngineCore:
         self.runner.setup_after_kv()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                  self.runner.kv_cache_groups)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   config.lora.max_loras if config.lora.enable_lora else 0)
         self.eos_token_id = self.model_config.eos_token_id
         self._sleeping = False
         self._paused = False
@@ -44,6 +45,10 @@ class EngineCore:
     def add_request(self, r: EngineCoreRequest) -> None:
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_id
                       if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time)
+        if r.lora_id:
+            self._check_lora(r.lora_id)
+            req.lora_id = r.lora_id
+            req.cache_salt = f"lora:{r.lora_id}".encode()  # two adapters never share KV blocks
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -146,5 +151,30 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
+    # ---- LoRA adapters (utility calls; the frontend fans them out to every engine core)
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        return self.runner.lora
+
+    def _check_lora(self, lora_id: int) -> None:
+        if lora_id not in self._lora_manager().registered:
+            raise ValueError(f"LoRA id {lora_id} is not loaded on engine {self.engine_index}")
+
+    def add_lora(self, lora_id: int, name: str, path: str) -> bool:
+        return self._lora_manager().add(lora_id, name, path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Refused while a request of this engine uses the adapter (its KV and device slot depend on it)."""
+        users = sum(1 for r in self.scheduler.requests.values() if r.lora_id == lora_id)
+        if users:
+            raise ValueError(f"LoRA id {lora_id} is in use by {users} request(s) on engine {self.engine_index}")
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> list[list]:
+        """[[lora id, name], ...] of the adapters loaded on this engine."""
+        return sorted([i, n] for i, n in self.runner.lora.list().items()) if self.runner.lora is not None else []
+
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",
-                                 "resume", "is_paused", "ping", "finish_requests"})
+                                 "resume", "is_paused", "ping", "finish_requests", "add_lora", "remove_lora",
+                                 "list_loras"})

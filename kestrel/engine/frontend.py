@@ -8,6 +8,7 @@ from kestrel.engine.core import EngineCore
 from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.processor import InputProcessor, OutputProcessor
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.lora.registry import LoRARequest, parse_lora_modules
 
 
 class LLMEngine:
@@ -20,11 +21,33 @@ class LLMEngine:
                                               self.core.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._lora_ids = itertools.count(1)
+        self.loras: dict[str, LoRARequest] = {}
+        for name, path in parse_lora_modules(config.lora.lora_modules):
+            self.add_lora(name, path)
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Load a PEFT adapter; requests pick it with lora_request (or its name)."""
+        if name in self.loras:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        req = LoRARequest(name, next(self._lora_ids), path)
+        self.core.add_lora(req.lora_id, name, path)
+        self.loras[name] = req
+        return req
+
+    def remove_lora(self, name: str) -> bool:
+        req = self.loras.pop(name, None)
+        return req is not None and self.core.remove_lora(req.lora_id)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, stream: bool = False) -> str:
+                    priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
-        ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority)
+        if isinstance(lora_request, str):
+            if lora_request not in self.loras:
+                raise ValueError(f"no adapter named {lora_request!r} is loaded")
+            lora_request = self.loras[lora_request]
+        ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
+                                                      lora_id=lora_request.lora_id if lora_request else 0)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           core_reqs, stream)
         for r in core_reqs:

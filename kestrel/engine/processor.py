@@ -36,7 +36,7 @@ class InputProcessor:
             raise InvalidRequest(f"chat template failed: {e}", param="messages") from e
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
+                arrival_time: float | None = None, lora_id: int = 0) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size)
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
@@ -59,7 +59,7 @@ class InputProcessor:
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_id, max_tokens,
-                                          arrival, priority))
+                                          arrival, priority, lora_id))
         return ids, reqs
 
 

@@ -17,6 +17,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     max_tokens: int
     arrival_time: float
     priority: int = 0
+    lora_id: int = 0  # the adapter registered under this id on every engine core (0: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

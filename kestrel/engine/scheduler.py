@@ -108,8 +108,9 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 0):
         self.config = config
+        self.max_loras = max_loras  # most distinct LoRA adapters among running requests (0: no LoRA)
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -209,11 +210,14 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
 
-        # 2. waiting requests, while budget, sequence slots and blocks last
+        # 2. waiting requests, while budget, sequence slots, blocks and LoRA slots last
+        loras = {r.lora_id for r in self.running if r.lora_id}
         while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req is None:
                 break
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
+                break  # its adapter needs a device slot that running requests hold: wait for them
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -227,6 +231,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            if req.lora_id:
+                loras.add(req.lora_id)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit, self.kv.block_ids(req)))
             budget -= num_new
@@ -244,7 +250,7 @@ class Scheduler:
                 stop = ([req.eos_token_id] if req.eos_token_id is not None and not sp.ignore_eos else [])
                 step.new_requests.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, [t for t in req.output_token_ids if t != PLACEHOLDER], sp,
-                    stop + list(sp.stop_token_ids), [list(ids) for ids in s.block_ids]))
+                    stop + list(sp.stop_token_ids), [list(ids) for ids in s.block_ids], req.lora_id))
                 new_ids = None
             else:
                 sent = req.num_sent_blocks

@@ -24,11 +24,12 @@ class RequestState(TokenSequence):
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]
     block_ids: list[list[int]]  # per KV-cache group
+    lora_id: int = 0  # 0: no adapter
 
     @classmethod
     def from_new(cls, r: NewRequestData) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids])
+                   r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids], r.lora_id)
 
 
 def _pair(shape, dtype, device, pin):

@@ -67,6 +67,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = self.model_config.max_model_len
         self._bind_attention()
+        self.lora = self._init_lora()
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler(config.model.seed)
         self.prompt_logprobs_done: dict[str, int] = {}
@@ -93,6 +94,22 @@ class ModelRunner:
                                               logits_soft_cap=layer.logits_soft_cap)
                 layer.group_id = g.group_id
         self.num_cache_slots = max(len(g.layer_names) for g in self.kv_cache_groups)
+
+    def _init_lora(self):
+        """--enable-lora: wrap the model's LoRA-capable linears (kestrel/lora/manager.py)."""
+        if not self.config.lora.enable_lora:
+            return None
+        from kestrel.lora.manager import LoRAManager
+        sc = self.config.scheduler
+        return LoRAManager(self.model, self.config.lora, self.device, self.dtype,
+                           max(sc.max_num_batched_tokens, sc.max_num_seqs))
+
+    def _prepare_lora(self, chunks: list[ScheduledChunk], states: list[RequestState]) -> None:
+        """This step's token -> adapter slot mapping (device buffers the LoRA kernels and CUDA graphs read)."""
+        if self.lora is None:
+            return
+        live = {st.lora_id for st in self.requests.values() if st.lora_id}
+        self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], live)
 
     @property
     def backend(self):
@@ -335,6 +352,7 @@ class ModelRunner:
             qsl[b + 1] = t
             sl[b] = start + n
         nr = len(chunks)
+        self._prepare_lora(chunks, states)
         buf.copy_to_device(t, nr, width)
         if fills_dst:
             k = len(fills_dst)

@@ -1,0 +1,105 @@
+"""Batched LoRA for a batch that mixes adapters: shrink (y = x A_s^T) and expand (out += y B_s^T) where s is each
+token's adapter slot. Tokens are grouped by slot (a segment per slot over a sorted token list, as punica's SGMV
+does for prefill); a decode token is a segment of one row of its slot (BGMV's case). The grid is
+(token blocks, column blocks, slots) with a fixed size for a given token count, and programs with nothing to do
+exit at once: the slot segments are read from device buffers, so a CUDA graph replays any mix of adapters.
+
+- `sorted_ids[seg_start[s]:seg_start[s+1]]`: the token rows of slot s; tokens without an adapter are in no segment.
+- shrink writes only the rows of tokens in a segment; expand adds into `out` in place, one launch per shard of a
+  merged layer (q/k/v, gate/up): shard i reads y's columns [i R, (i+1) R) and writes out's columns of shard i."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _lora_shrink_kernel(X, A, Y, SORTED, SEG, K, R, sxm, sxk, sas, sar, sak, sym, syr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    slot = tl.program_id(2)
+    start = tl.load(SEG + slot)
+    end = tl.load(SEG + slot + 1)
+    row0 = start + pid_m * BLOCK_M
+    if row0 >= end:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_base = A + slot.to(tl.int64) * sas
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(X + tok[:, None] * sxm + kk[None, :] * sxk, mask=rmask[:, None] & (kk[None, :] < K), other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * sar + kk[:, None] * sak,
+                    mask=(offs_r[None, :] < R) & (kk[:, None] < K), other=0.0)
+        acc += tl.dot(x, a)
+    tl.store(Y + tok[:, None] * sym + offs_r[None, :] * syr, acc, mask=rmask[:, None] & (offs_r[None, :] < R))
+
+
+@triton.jit
+def _lora_expand_kernel(Y, B, OUT, SORTED, SEG, N, R, y_col0, out_col0, sym, syr, sbs, sbn, sbr, som, son,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    start = tl.load(SEG + slot)
+    end = tl.load(SEG + slot + 1)
+    row0 = start + pid_m * BLOCK_M
+    if row0 >= end:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    y = tl.load(Y + tok[:, None] * sym + (y_col0 + offs_r[None, :]) * syr, mask=rmask[:, None] & (offs_r[None, :] < R),
+                other=0.0)
+    b = tl.load(B + slot.to(tl.int64) * sbs + offs_n[None, :] * sbn + offs_r[:, None] * sbr,
+                mask=(offs_n[None, :] < N) & (offs_r[:, None] < R), other=0.0)
+    acc = tl.dot(y.to(b.dtype), b)
+    o_ptrs = OUT + tok[:, None] * som + (out_col0 + offs_n[None, :]) * son
+    omask = rmask[:, None] & (offs_n[None, :] < N)
+    o = tl.load(o_ptrs, mask=omask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_ids: torch.Tensor, seg_start: torch.Tensor) -> torch.Tensor:
+    """y[t, :] = x[t] @ a[slot(t)]^T for the tokens in a slot's segment (other rows are left unwritten).
+    x [T, K]; a [S, R, K]; returns y [T, R] in float32."""
+    t, k = x.shape
+    num_slots, r, _ = a.shape
+    y = torch.empty((t, r), dtype=torch.float32, device=x.device)
+    block_r, block_k = _block(r, 64), _block(k, 64)
+    grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(r, block_r), num_slots)
+    _lora_shrink_kernel[grid](x, a, y, sorted_ids, seg_start, k, r, x.stride(0), x.stride(1), a.stride(0),
+                              a.stride(1), a.stride(2), y.stride(0), y.stride(1),
+                              BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k)
+    return y
+
+
+def lora_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                seg_start: torch.Tensor, rank: int, shard_sizes: tuple[int, ...]) -> None:
+    """out[t, shard i] += y[t, i*rank:(i+1)*rank] @ b[slot(t), shard i rows]^T, in place.
+    y [T, len(shards) * rank] float32; b [S, sum(shard_sizes), rank]; out [T, sum(shard_sizes)]."""
+    t = y.shape[0]
+    num_slots = b.shape[0]
+    block_r = _block(rank, 256)
+    col = 0
+    for i, n in enumerate(shard_sizes):
+        block_n = _block(n, 64)
+        grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n), num_slots)
+        _lora_expand_kernel[grid](y, b[:, col:col + n], out, sorted_ids, seg_start, n, rank, i * rank, col,
+                                  y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+                                  out.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r)
+        col += n

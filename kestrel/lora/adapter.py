@@ -1,0 +1,144 @@
+"""A PEFT LoRA adapter read from disk (`adapter_config.json` + `adapter_model.safetensors`) and checked against
+the model it will serve: targets resolved to our layers (merged qkv / gate_up take one shard each), rank within
+--max-lora-rank, the scaling folded into B. Anything we cannot apply is refused with an error naming it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kestrel.errors import InvalidRequest
+
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                     "gate_up_proj")
+_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+
+
+class LoRAAdapterError(InvalidRequest):
+    """The adapter cannot be served (bad folder, unsupported feature, rank too large, unknown module)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="lora_path")
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    # our Linear's name -> per shard (A [rank, in], B [out_shard, rank] with the scaling folded in) or None
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for shards in self.layers.values() for s in shards if s is not None for a, b in [s])
+
+
+def _read_config(folder: Path) -> dict:
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise LoRAAdapterError(f"{folder} is not a PEFT adapter folder: no adapter_config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise LoRAAdapterError(f"{cfg_path}: not valid JSON ({e})") from e
+
+
+def _check_config(cfg: dict, where: str, max_rank: int) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    for key, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full-weight modules)"),
+                      ("rank_pattern", "rank_pattern"), ("alpha_pattern", "alpha_pattern"),
+                      ("layers_to_transform", "layers_to_transform")):
+        if cfg.get(key):
+            raise LoRAAdapterError(f"{where}: {what} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"{where}: bias={cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("fan_in_fan_out"):
+        raise LoRAAdapterError(f"{where}: fan_in_fan_out adapters are not supported")
+    rank = int(cfg.get("r", 0))
+    if not 0 < rank <= max_rank:
+        raise LoRAAdapterError(f"{where}: rank {rank} is outside 1..--max-lora-rank ({max_rank})")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    bad = [t for t in targets if any(t.endswith(u) for u in _UNSUPPORTED_TARGETS)]
+    if bad:
+        raise LoRAAdapterError(f"{where}: LoRA on {bad} (embedding / lm_head, extra vocabulary) is not supported; "
+                               f"supported targets: {', '.join(SUPPORTED_TARGETS)}")
+
+
+def _module_name(key: str) -> tuple[str, str]:
+    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
+    name = key.removeprefix("base_model.model.")
+    for part in ("lora_A", "lora_B"):
+        marker = f".{part}."
+        if marker in name:
+            return name.split(marker)[0], part[-1]
+    raise LoRAAdapterError(f"unexpected tensor {key!r} in the adapter (only lora_A / lora_B weights are supported)")
+
+
+def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[str, ...]], max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """`linears`: our LoRA-capable Linear layers by name; `packed`: merged module -> the modules it stacks."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    where = f"adapter {name!r} ({path})"
+    cfg = _read_config(folder)
+    _check_config(cfg, where, max_rank)
+    if (folder / "new_embeddings.safetensors").exists():
+        raise LoRAAdapterError(f"{where}: extra vocabulary (new_embeddings.safetensors) is not supported")
+    weights_path = folder / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        raise LoRAAdapterError(f"{where}: no adapter_model.safetensors")
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as e:
+        raise LoRAAdapterError(f"{where}: cannot read adapter_model.safetensors ({e})") from e
+    rank = int(cfg["r"])
+    scaling = cfg.get("lora_alpha", rank) / (rank ** 0.5 if cfg.get("use_rslora") else rank)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, part = _module_name(key)
+        pairs.setdefault(module, {})[part] = t
+    member_of = {m: (merged, i) for merged, members in packed.items() for i, m in enumerate(members)}
+    adapter = LoRAAdapter(name, str(path), rank)
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAAdapterError(f"{where}: {module} lacks lora_{''.join(sorted({'A', 'B'} - set(ab)))}")
+        parent, leaf = module.rsplit(".", 1)
+        if leaf in _UNSUPPORTED_TARGETS:
+            raise LoRAAdapterError(f"{where}: LoRA on {leaf} is not supported")
+        a, b = ab["A"].to(dtype), (ab["B"].float() * scaling).to(dtype)
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise LoRAAdapterError(f"{where}: {module} has rank {a.shape[0]}, the config says {rank}")
+        if module in linears:
+            target, shard = module, None
+        elif leaf in member_of and f"{parent}.{member_of[leaf][0]}" in linears:
+            target, shard = f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
+        else:
+            raise LoRAAdapterError(f"{where}: module {module} is not a LoRA target of this model (supported: "
+                                   f"{', '.join(SUPPORTED_TARGETS)})")
+        spec = linears[target].spec
+        sizes = spec.output_sizes
+        if a.shape[1] != spec.input_size:
+            raise LoRAAdapterError(f"{where}: {module} lora_A takes {a.shape[1]} inputs, the layer has "
+                                   f"{spec.input_size}")
+        shards = adapter.layers.setdefault(target, [None] * len(sizes))
+        if shard is None:  # a whole (possibly merged) layer: its B splits over the shards, A is shared
+            if b.shape[0] != spec.output_size:
+                raise LoRAAdapterError(f"{where}: {module} lora_B has {b.shape[0]} outputs, the layer has "
+                                       f"{spec.output_size}")
+            for i, part in enumerate(b.split(list(sizes))):
+                shards[i] = (a, part.contiguous())
+        else:
+            if b.shape[0] != sizes[shard]:
+                raise LoRAAdapterError(f"{where}: {module} lora_B has {b.shape[0]} outputs, the layer's shard has "
+                                       f"{sizes[shard]}")
+            shards[shard] = (a, b)
+    if not adapter.layers:
+        raise LoRAAdapterError(f"{where}: no LoRA weights in adapter_model.safetensors")
+    return adapter

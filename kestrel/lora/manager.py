@@ -1,0 +1,128 @@
+"""The runner's side of LoRA: which adapters exist (registered by id), which are in host memory (an LRU of
+--max-cpu-loras; dropped ones are read from disk again), which sit in the --max-loras device slots (LRU among the
+slots no live request uses), and the per-step token -> slot mapping. Every LoRA-capable Linear of the model gets
+a LoRAKernel and `fusable = False` for the model's whole life: a CUDA graph is captured once for any mix of
+adapters, so the unfused path must be the one captured whether or not a step has adapters."""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from kestrel.config import LoRAConfig
+from kestrel.layers.linear import Linear
+from kestrel.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRAAdapterError, load_adapter
+from kestrel.lora.layers import LoRAKernel, LoRAMapping
+
+logger = logging.getLogger(__name__)
+
+
+def pick_backend(device: torch.device) -> str:
+    """Triton shrink/expand on CUDA (where Triton imports), the PyTorch reference elsewhere."""
+    if device.type == "cuda":
+        from kestrel.platform.triton_gates import triton_importable
+        if triton_importable()[0]:
+            return "triton"
+    return "torch"
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 max_tokens: int, backend: str | None = None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.num_slots = cfg.max_loras
+        self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
+        if self.num_slots < 1 or self.max_cpu < self.num_slots:
+            raise LoRAAdapterError(f"--max-loras ({cfg.max_loras}) must be >= 1 and --max-cpu-loras "
+                                   f"({cfg.max_cpu_loras}) >= --max-loras")
+        self.backend = backend or pick_backend(device)
+        self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)
+        self.packed = dict(getattr(model, "packed_modules", {}))
+        self.linears: dict[str, Linear] = {}
+        self.kernels: dict[str, LoRAKernel] = {}
+        for module in model.modules():
+            if isinstance(module, Linear) and module.spec.layer_name.rsplit(".", 1)[-1] in SUPPORTED_TARGETS:
+                name = module.spec.layer_name
+                module.kernel = LoRAKernel(module.kernel, module, self.mapping, self.num_slots, cfg.max_lora_rank,
+                                           dtype, device)
+                module.fusable = False
+                self.linears[name] = module
+                self.kernels[name] = module.kernel
+        if not self.linears:
+            raise LoRAAdapterError(f"--enable-lora: this model has no LoRA-capable layers ({', '.join(SUPPORTED_TARGETS)})")
+        logger.info("LoRA: %d layers, %d device slots of rank %d, %s kernels", len(self.linears), self.num_slots,
+                    cfg.max_lora_rank, self.backend)
+        self.registered: dict[int, tuple[str, str]] = {}  # lora id -> (name, path)
+        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot, LRU
+        self.free_slots = list(range(self.num_slots))
+
+    # ---- registry (engine-core utility calls)
+    def add(self, lora_id: int, name: str, path: str) -> bool:
+        """Read and check the adapter now (a bad one fails here, not in a later step). False: already there."""
+        if lora_id in self.registered:
+            if self.registered[lora_id] != (name, path):
+                raise LoRAAdapterError(f"LoRA id {lora_id} is already {self.registered[lora_id][0]!r}")
+            return False
+        for other_id, (other, _) in self.registered.items():
+            if other == name:
+                raise LoRAAdapterError(f"an adapter named {name!r} is already loaded (id {other_id})")
+        adapter = self._read(name, path)
+        self.registered[lora_id] = (name, path)
+        self._cache(lora_id, adapter)
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        if self.registered.pop(lora_id, None) is None:
+            return False
+        self.cpu.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        return True
+
+    def list(self) -> dict[int, str]:
+        return {i: name for i, (name, _) in self.registered.items()}
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype)
+
+    def _cache(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        self.cpu[lora_id] = adapter
+        self.cpu.move_to_end(lora_id)
+        while len(self.cpu) > self.max_cpu:
+            self.cpu.popitem(last=False)
+
+    # ---- device slots
+    def activate(self, lora_id: int, live: set[int]) -> int:
+        """The slot holding `lora_id`, loading it (evicting the least recently used adapter that no live request
+        uses) if needed."""
+        slot = self.slot_of.get(lora_id)
+        if slot is not None:
+            self.slot_of.move_to_end(lora_id)
+            return slot
+        if lora_id not in self.registered:
+            raise LoRAAdapterError(f"LoRA id {lora_id} is not loaded")
+        adapter = self.cpu.get(lora_id)
+        if adapter is None:
+            adapter = self._read(*self.registered[lora_id])
+        self._cache(lora_id, adapter)
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next((i for i in self.slot_of if i not in live), None)
+            if victim is None:
+                raise RuntimeError(f"all {self.num_slots} LoRA slots are used by running requests")
+            slot = self.slot_of.pop(victim)
+        for name, kernel in self.kernels.items():
+            kernel.set_slot(slot, adapter.layers.get(name))
+        self.slot_of[lora_id] = slot
+        return slot
+
+    def set_mapping(self, request_lora_ids: list[int], tokens_per_request: list[int], live: set[int]) -> None:
+        """One step's token -> slot mapping, requests in batch order (lora id 0: no adapter)."""
+        slots = [self.activate(i, live) if i else -1 for i in request_lora_ids]
+        self.mapping.set(np.repeat(np.asarray(slots, dtype=np.int64), tokens_per_request))

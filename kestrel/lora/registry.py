@@ -1,0 +1,105 @@
+"""The frontend's LoRA adapters by name. Loading and unloading go to every engine core through the utility fan-out
+(kestrel/engine/utility.py): all engines settle, and a change that failed somewhere is undone where it succeeded, so
+an adapter is either loaded on every engine or on none; the error names the engines that failed and why. An
+operation runs to its end even if its caller goes away (a cancelled HTTP request must not leave engines half
+changed), and operations run one at a time."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from kestrel.engine.utility import UtilityFanoutError
+from kestrel.errors import ConfigError, InvalidRequest, KestrelError, ModelNotFound
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    name: str
+    lora_id: int
+    path: str
+
+
+class LoRAFanoutError(KestrelError):
+    """A load or unload that did not succeed on every engine core (and was undone where it did)."""
+
+    error_type = "lora_error"
+
+    def __init__(self, err: UtilityFanoutError):
+        super().__init__(str(err))
+        self.failed_engines = err.failed_engines
+        # the adapter itself is bad when it failed everywhere (400); one engine failing is the server's (500)
+        self.status_code = 400 if not err.ok_engines else 500
+
+
+def parse_lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
+    """--lora-modules name=path ... -> [(name, path), ...]."""
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules expects name=path, got {spec!r}")
+        out.append((name, path))
+    return out
+
+
+class LoRARegistry:
+    def __init__(self, client, base_model_name: str | None = None):
+        self.client = client  # call_utility_all_or_undo(method, args, undo_method, undo_args_fn)
+        self.base_model_name = base_model_name
+        self.adapters: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    def resolve(self, model: str | None) -> int:
+        """The lora id for a request's `model` field (0: the base model). Unknown names are the caller's to
+        reject (the server's check_model)."""
+        req = self.adapters.get(model) if model is not None else None
+        return req.lora_id if req is not None else 0
+
+    async def load(self, name: str, path: str) -> LoRARequest:
+        return await self._shielded(self._load(name, path))
+
+    async def unload(self, name: str) -> LoRARequest:
+        return await self._shielded(self._unload(name))
+
+    async def _shielded(self, coro):
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return await asyncio.shield(task)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller may have gone away
+
+    async def _load(self, name: str, path: str) -> LoRARequest:
+        async with self._lock:
+            if not name or name == self.base_model_name:
+                raise InvalidRequest(f"lora_name {name!r} is empty or the base model's name", param="lora_name")
+            if name in self.adapters:
+                raise InvalidRequest(f"the adapter {name!r} is already loaded", param="lora_name")
+            req = LoRARequest(name, next(self._ids), path)
+            try:
+                await self.client.call_utility_all_or_undo("add_lora", (req.lora_id, name, path), "remove_lora",
+                                                           lambda args: (args[0],))
+            except UtilityFanoutError as e:
+                raise LoRAFanoutError(e) from e
+            self.adapters[name] = req
+            return req
+
+    async def _unload(self, name: str) -> LoRARequest:
+        async with self._lock:
+            req = self.adapters.get(name)
+            if req is None:
+                raise ModelNotFound(f"no adapter named {name!r} is loaded", param="lora_name",
+                                    code="model_not_found")
+            try:
+                await self.client.call_utility_all_or_undo("remove_lora", (req.lora_id,), "add_lora",
+                                                           lambda args: (req.lora_id, req.name, req.path))
+            except UtilityFanoutError as e:
+                raise LoRAFanoutError(e) from e
+            del self.adapters[name]
+            return req

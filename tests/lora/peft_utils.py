@@ -1,0 +1,45 @@
+"""Random PEFT LoRA adapters saved as real adapter folders, and transformers + PEFT greedy references."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_path: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS, alpha: int | None = None,
+                 scale: float = 0.15, **extra) -> Path:
+    """A PEFT adapter with random A and B (PEFT initialises B to zero: such an adapter would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), lora_dropout=0.0,
+                     bias="none", task_type="CAUSAL_LM", **extra)
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def hf_greedy(base_path: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of transformers (+ PEFT with `adapter`), eos ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    results = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            results.append(out[0, len(p):].tolist())
+    return results
