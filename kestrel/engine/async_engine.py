@@ -21,6 +21,7 @@ from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
 from kestrel.errors import EngineDead, InvalidRequest
+from kestrel.lora.registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.block_size = config.cache.block_size
+        self.loras = LoRARegistry(self.client)  # adapters by name, loaded on every engine core or on none
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -79,6 +81,8 @@ class AsyncEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                               info["eos_token_id"])
         self.output_processor = OutputProcessor(self.tokenizer)
+        for name, path in parse_lora_modules(self.config.lora.lora_modules):
+            await self.loras.load(name, path)
         return self
 
     async def shutdown(self) -> None:
@@ -107,7 +111,7 @@ class AsyncEngine:
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
         The request reaches the engine when the stream is first iterated; leaving it early aborts the request."""
         if self.client.is_dead:
@@ -115,7 +119,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
-        ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority)
+        ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
+                                                      lora_id=lora_request.lora_id if lora_request else 0)
         need = -(-(len(ids) + 1) // self.block_size)
         if need > self.num_kv_blocks:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
@@ -235,6 +240,17 @@ class AsyncEngine:
 
     async def call_utility_all(self, method: str, *args, timeout: float | None = None):
         return await self.client.call_utility_all(method, *args, timeout=timeout)
+
+    # ---- LoRA adapters: fan-outs applied on every engine or undone (kestrel/lora/registry.py)
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        return await self.loras.load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> LoRARequest:
+        return await self.loras.unload(name)
+
+    async def list_loras(self) -> list[list]:
+        """Every engine's [[lora id, name], ...]; raises if the engines disagree."""
+        return (await self.call_utility_all("list_loras")).consensus()
 
     async def get_stats(self) -> list[dict]:
         return (await self.call_utility_all("get_stats")).values_or_raise()

@@ -22,6 +22,7 @@ from kestrel.errors import EngineDead, InvalidRequest, KestrelError
 from kestrel.server.chat import create_chat_completion, render_prompt
 from kestrel.server.common import ServerState
 from kestrel.server.completions import create_completion
+from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest, error_body)
@@ -135,7 +136,7 @@ def build_app(config: EngineConfig, model_name: str | None = None, api_key: str 
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
                                             "owned_by": "kestrel", "root": config.model.model,
-                                            "max_model_len": engine.max_model_len}]}
+                                            "max_model_len": engine.max_model_len}] + lora_model_cards(state)}
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -192,6 +193,8 @@ def build_app(config: EngineConfig, model_name: str | None = None, api_key: str 
         return {"is_sleeping": await engine.is_sleeping()}
 
     app.include_router(api)
+    if config.lora.enable_lora:  # admin routes: behind the API key, like the other engine-wide mutations
+        app.include_router(lora_router(state, [Depends(check_key)]))
     return app
 
 

@@ -38,12 +38,12 @@ def render_prompt(state: ServerState, req) -> list[int]:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     engine = state.engine
     params = req.sampling_params()
     prompt_ids = render_prompt(state, req)
     rid = req.request_id or new_id("chatcmpl")
-    gen = engine.generate(prompt_ids, params, rid, req.priority)
+    gen = engine.generate(prompt_ids, params, rid, req.priority, lora)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, rid, created, gen), media_type="text/event-stream")

@@ -23,10 +23,16 @@ class ServerState:
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                                param="model", code="model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.loras.adapters.get(model)
+        if lora is None:
+            raise ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+                                + (f" and the adapters {sorted(self.engine.loras.adapters)}."
+                                   if self.engine.loras.adapters else "."), param="model", code="model_not_found")
+        return lora
 
 
 def new_id(prefix: str) -> str:

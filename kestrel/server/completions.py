@@ -57,13 +57,13 @@ def _usage(outs: list[RequestOutput]) -> dict:
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     engine = state.engine
     tok = engine.tokenizer
     params = req.sampling_params()
     prompts = req.prompts()
     rid = req.request_id or new_id("cmpl")
-    gens = [engine.generate(p, params, f"{rid}-{i}" if len(prompts) > 1 else rid, req.priority)
+    gens = [engine.generate(p, params, f"{rid}-{i}" if len(prompts) > 1 else rid, req.priority, lora)
             for i, p in enumerate(prompts)]
     prompt_texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
     created = int(time.time())

@@ -1,0 +1,92 @@
+"""Acceptance 2: LoRA adapters loaded and unloaded at run time across 2 engine-core processes (real ZeroMQ).
+A load that fails on one engine (fault injected) leaves the adapter loaded nowhere and the error names that engine;
+a load that succeeds is visible on both; unloading likewise."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel.config import EngineConfig
+from kestrel.engine.async_engine import AsyncEngine
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.lora.registry import LoRAFanoutError
+from tests.lora.peft_utils import make_adapter
+from tests.tiny import make_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("lora_dyn")
+    base = make_checkpoint("llama", root, tokenizer=tiny_tokenizer)
+    good = make_adapter(base, root / "good", 8, seed=1)
+    too_big = make_adapter(base, root / "too_big", 32, seed=2)  # rank 32 > --max-lora-rank 16
+    return base, good, too_big
+
+
+def inject_fault(client, engine: int, method: str, replace):
+    """Rewrite `method`'s arguments (or name) for one engine as the client encodes the call."""
+    encode = client.encode
+
+    def faulty(engine_index, call_id, m, args):
+        if engine_index == engine and m == method:
+            m, args = replace(m, args)
+        return encode(engine_index, call_id, m, args)
+
+    client.encode = faulty
+    return lambda: setattr(client, "encode", encode)
+
+
+async def loaded(engine: AsyncEngine) -> list[list]:
+    """Every engine's adapters (one list per engine)."""
+    return (await engine.call_utility_all("list_loras")).values_or_raise()
+
+
+async def test_dynamic_lora_across_two_engines(lora_files):
+    base, good, too_big = lora_files
+    cfg = EngineConfig.create(model=str(base), data_parallel_size=2, cpu_threads=1, num_kv_blocks=64,
+                              max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2)
+    engine = await AsyncEngine(cfg, "mp").start()
+    try:
+        assert engine.client.num_engines == 2
+        # 1. a load that fails on engine 1 only (it is handed an adapter of rank 32): undone on engine 0
+        restore = inject_fault(engine.client, 1, "add_lora", lambda m, a: (m, (a[0], a[1], str(too_big))))
+        with pytest.raises(LoRAFanoutError) as err:
+            await engine.load_lora_adapter("ad", str(good))
+        restore()
+        msg = str(err.value)
+        assert err.value.failed_engines == [1] and err.value.status_code == 500
+        assert "engine 1" in msg and "rank 32" in msg and "undone" in msg and "engine 0" in msg
+        assert await loaded(engine) == [[], []]
+        assert "ad" not in engine.loras.adapters
+
+        # 2. the same load, no fault: visible on both engines, and requests for it run on either
+        req = await engine.load_lora_adapter("ad", str(good))
+        assert await loaded(engine) == [[[req.lora_id, "ad"]]] * 2
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = {}
+        for i, lora in enumerate([req, None, req, None]):  # least-loaded routing spreads them over both engines
+            async for o in engine.generate([5, 17, 99, 3], params, f"r{i}", lora_request=lora):
+                outs[i] = o.outputs[0].token_ids
+        assert outs[0] == outs[2] and outs[1] == outs[3] and outs[0] != outs[1]
+
+        # 3. an unload that fails on engine 0: engine 1's removal is undone (the adapter is read again)
+        restore = inject_fault(engine.client, 0, "remove_lora", lambda m, a: ("fault_injected", a))
+        with pytest.raises(LoRAFanoutError) as err:
+            await engine.unload_lora_adapter("ad")
+        restore()
+        assert err.value.failed_engines == [0] and "engine 0" in str(err.value)
+        assert await loaded(engine) == [[[req.lora_id, "ad"]]] * 2
+        assert "ad" in engine.loras.adapters
+
+        # 4. unload: gone from both
+        await engine.unload_lora_adapter("ad")
+        assert await loaded(engine) == [[], []] and engine.loras.adapters == {}
+
+        # 5. a bad adapter fails everywhere: a 400 naming both engines and the reason
+        with pytest.raises(LoRAFanoutError) as err:
+            await engine.load_lora_adapter("big", str(too_big))
+        assert err.value.failed_engines == [0, 1] and err.value.status_code == 400
+        assert await loaded(engine) == [[], []]
+    finally:
+        await engine.shutdown()
