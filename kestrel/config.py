@@ -68,6 +68,9 @@ class KernelConfig:
                                           "always-selected experts: auto (where the kernel and quantization allow), "
                                           "on (fail naming the layer where they do not), off",
                                   choices=["auto", "on", "off"])
+    lora_backend: str = _f("auto", "LoRA shrink/expand kernels: auto (triton on CUDA, torch elsewhere), triton "
+                                   "(also under the Triton interpreter on the CPU), torch (the PyTorch reference)",
+                           choices=["auto", "triton", "torch"])
 
 
 @dataclass

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kestrel.config import LoRAConfig
+from kestrel.errors import ConfigError
 from kestrel.layers.linear import Linear
 from kestrel.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRAAdapterError, load_adapter
 from kestrel.lora.layers import LoRAKernel, LoRAMapping
@@ -19,18 +20,25 @@ from kestrel.lora.layers import LoRAKernel, LoRAMapping
 logger = logging.getLogger(__name__)
 
 
-def pick_backend(device: torch.device) -> str:
-    """Triton shrink/expand on CUDA (where Triton imports), the PyTorch reference elsewhere."""
-    if device.type == "cuda":
-        from kestrel.platform.triton_gates import triton_importable
-        if triton_importable()[0]:
-            return "triton"
-    return "torch"
+def pick_backend(device: torch.device, forced: str = "auto") -> str:
+    """Triton shrink/expand on CUDA (where Triton imports), the PyTorch reference elsewhere. The reference loops
+    over the slots on the host, so CUDA graphs need the Triton kernels."""
+    from kestrel.platform.triton_gates import interpreter_mode, triton_importable
+
+    ok, why = triton_importable()
+    runnable = ok and (device.type == "cuda" or interpreter_mode())
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if not runnable:
+            raise ConfigError(f"--lora-backend triton cannot run here: {why or 'no CUDA device'}")
+        return "triton"
+    return "triton" if runnable and device.type == "cuda" else "torch"
 
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype,
-                 max_tokens: int, backend: str | None = None):
+                 max_tokens: int, backend: str = "auto"):
         self.cfg = cfg
         self.dtype = dtype
         self.num_slots = cfg.max_loras
@@ -38,7 +46,7 @@ class LoRAManager:
         if self.num_slots < 1 or self.max_cpu < self.num_slots:
             raise LoRAAdapterError(f"--max-loras ({cfg.max_loras}) must be >= 1 and --max-cpu-loras "
                                    f"({cfg.max_cpu_loras}) >= --max-loras")
-        self.backend = backend or pick_backend(device)
+        self.backend = pick_backend(device, backend)
         self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)
         self.packed = dict(getattr(model, "packed_modules", {}))
         self.linears: dict[str, Linear] = {}

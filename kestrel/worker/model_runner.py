@@ -102,7 +102,7 @@ class ModelRunner:
         from kestrel.lora.manager import LoRAManager
         sc = self.config.scheduler
         return LoRAManager(self.model, self.config.lora, self.device, self.dtype,
-                           max(sc.max_num_batched_tokens, sc.max_num_seqs))
+                           max(sc.max_num_batched_tokens, sc.max_num_seqs), self.config.kernel.lora_backend)
 
     def _prepare_lora(self, chunks: list[ScheduledChunk], states: list[RequestState]) -> None:
         """This step's token -> adapter slot mapping (device buffers the LoRA kernels and CUDA graphs read)."""
@@ -244,6 +244,8 @@ class ModelRunner:
         """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, a backend without)."""
         comp, sc = self.config.compilation, self.config.scheduler
         if self.device.type != "cuda" or comp.enforce_eager or not all(b.supports_cuda_graphs for b in self.backends):
+            return []
+        if self.lora is not None and self.lora.backend != "triton":  # the reference reads the mapping on the host
             return []
         return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
 
