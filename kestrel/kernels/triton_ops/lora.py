@@ -5,8 +5,9 @@ does for prefill); a decode token is a segment of one row of its slot (BGMV's ca
 exit at once: the slot segments are read from device buffers, so a CUDA graph replays any mix of adapters.
 
 - `sorted_ids[seg_start[s]:seg_start[s+1]]`: the token rows of slot s; tokens without an adapter are in no segment.
-- shrink writes only the rows of tokens in a segment; expand adds into `out` in place, one launch per shard of a
-  merged layer (q/k/v, gate/up): shard i reads y's columns [i R, (i+1) R) and writes out's columns of shard i."""
+- shrink writes only the rows of tokens in a segment; expand adds into `out` in place, every shard of a merged
+  layer (q/k/v, gate/up) in one launch: shard i reads y's columns [i R, (i+1) R) and writes out's columns of
+  shard i. So a LoRA layer costs two launches."""
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,10 @@ def _lora_shrink_kernel(X, A, Y, SORTED, SEG, K, R, sxm, sxk, sas, sar, sak, sym
 
 
 @triton.jit
-def _lora_expand_kernel(Y, B, OUT, SORTED, SEG, N, R, y_col0, out_col0, sym, syr, sbs, sbn, sbr, som, son,
+def _lora_expand_kernel(Y, B, OUT, SORTED, SEG, R, N0, N1, N2, NB0, NB1, sym, syr, sbs, sbn, sbr, som, son,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Column blocks of up to 3 shards in one grid axis: blocks [0, NB0) are shard 0's, [NB0, NB0 + NB1) shard
+    1's, the rest shard 2's. Shard i reads y's columns [i R, (i+1) R)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
@@ -54,18 +57,26 @@ def _lora_expand_kernel(Y, B, OUT, SORTED, SEG, N, R, y_col0, out_col0, sym, syr
     row0 = start + pid_m * BLOCK_M
     if row0 >= end:
         return
+    in1 = pid_n >= NB0
+    in2 = pid_n >= NB0 + NB1
+    shard = in1.to(tl.int32) + in2.to(tl.int32)
+    local = pid_n - tl.where(in2, NB0 + NB1, tl.where(in1, NB0, 0))
+    n_size = tl.where(in2, N2, tl.where(in1, N1, N0))
+    col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < end
     tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = local * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < n_size
+    cols = col0 + offs_n
     offs_r = tl.arange(0, BLOCK_R)
-    y = tl.load(Y + tok[:, None] * sym + (y_col0 + offs_r[None, :]) * syr, mask=rmask[:, None] & (offs_r[None, :] < R),
-                other=0.0)
-    b = tl.load(B + slot.to(tl.int64) * sbs + offs_n[None, :] * sbn + offs_r[:, None] * sbr,
-                mask=(offs_n[None, :] < N) & (offs_r[:, None] < R), other=0.0)
+    y = tl.load(Y + tok[:, None] * sym + (shard * R + offs_r[None, :]) * syr,
+                mask=rmask[:, None] & (offs_r[None, :] < R), other=0.0)
+    b = tl.load(B + slot.to(tl.int64) * sbs + cols[None, :] * sbn + offs_r[:, None] * sbr,
+                mask=nmask[None, :] & (offs_r[:, None] < R), other=0.0)
     acc = tl.dot(y.to(b.dtype), b)
-    o_ptrs = OUT + tok[:, None] * som + (out_col0 + offs_n[None, :]) * son
-    omask = rmask[:, None] & (offs_n[None, :] < N)
+    o_ptrs = OUT + tok[:, None] * som + cols[None, :] * son
+    omask = rmask[:, None] & nmask[None, :]
     o = tl.load(o_ptrs, mask=omask, other=0.0)
     tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=omask)
 
@@ -90,16 +101,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_ids: torch.Tensor, seg_
 
 def lora_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                 seg_start: torch.Tensor, rank: int, shard_sizes: tuple[int, ...]) -> None:
-    """out[t, shard i] += y[t, i*rank:(i+1)*rank] @ b[slot(t), shard i rows]^T, in place.
+    """out[t, shard i] += y[t, i*rank:(i+1)*rank] @ b[slot(t), shard i rows]^T, in place, all shards in one launch.
     y [T, len(shards) * rank] float32; b [S, sum(shard_sizes), rank]; out [T, sum(shard_sizes)]."""
+    if len(shard_sizes) > 3:
+        raise ValueError(f"at most 3 merged shards, got {len(shard_sizes)}")
     t = y.shape[0]
     num_slots = b.shape[0]
     block_r = _block(rank, 256)
-    col = 0
-    for i, n in enumerate(shard_sizes):
-        block_n = _block(n, 64)
-        grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n), num_slots)
-        _lora_expand_kernel[grid](y, b[:, col:col + n], out, sorted_ids, seg_start, n, rank, i * rank, col,
-                                  y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-                                  out.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r)
-        col += n
+    block_n = _block(max(shard_sizes), 64)
+    sizes = list(shard_sizes) + [0] * (3 - len(shard_sizes))
+    nb = [triton.cdiv(n, block_n) for n in sizes]
+    grid = (triton.cdiv(t, BLOCK_M), sum(nb), num_slots)
+    _lora_expand_kernel[grid](y, b, out, sorted_ids, seg_start, rank, sizes[0], sizes[1], sizes[2], nb[0], nb[1],
+                              y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+                              out.stride(1), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r)
