@@ -20,7 +20,7 @@ from kestrel.engine.processor import InputProcessor, OutputProcessor
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
-from kestrel.errors import EngineDead, InvalidRequest
+from kestrel.errors import EngineDead, InvalidRequest, ModelNotFound
 from kestrel.lora.registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,9 @@ class AsyncEngine:
         if self.client.is_dead:
             raise next(iter(self.client.dead.values()))
         request_id = request_id or uuid.uuid4().hex
+        if lora_request is not None and self.loras.adapters.get(lora_request.name) != lora_request:
+            raise ModelNotFound(f"the adapter {lora_request.name!r} is not loaded", param="model",
+                                code="model_not_found")
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,

@@ -37,6 +37,7 @@ class EngineCore:
         mode = config.scheduler.async_scheduling
         self.pipelined = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
         self._inflight = None
+        self._rejected: list[EngineCoreOutput] = []  # requests finished at arrival (their adapter is gone)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
                     num_blocks * self.runner.bytes_per_block / 2**20, time.perf_counter() - t0)
@@ -46,7 +47,11 @@ class EngineCore:
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_id
                       if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time)
         if r.lora_id:
-            self._check_lora(r.lora_id)
+            if self.runner.lora is None or r.lora_id not in self.runner.lora.registered:
+                # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it
+                logger.warning("request %s: LoRA id %d is not loaded; aborted", r.request_id, r.lora_id)
+                self._rejected.append(EngineCoreOutput(r.request_id, [], finish_reason="abort"))
+                return
             req.lora_id = r.lora_id
             req.cache_salt = f"lora:{r.lora_id}".encode()  # two adapters never share KV blocks
         self.scheduler.add_request(req)
@@ -55,7 +60,7 @@ class EngineCore:
         return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
 
     # ---- one step
     def _pipeline_ok(self) -> bool:
@@ -65,6 +70,13 @@ class EngineCore:
         return self.pipelined and self.scheduler.num_sync_requests == 0
 
     def step(self) -> EngineCoreOutputs:
+        out = self._step()
+        if self._rejected:
+            out.outputs = self._rejected + out.outputs
+            self._rejected = []
+        return out
+
+    def _step(self) -> EngineCoreOutputs:
         if self._inflight is not None:
             prev_sched, prev = self._inflight
             self._inflight = None
@@ -156,10 +168,6 @@ class EngineCore:
         if self.runner.lora is None:
             raise ValueError("LoRA is not enabled on this engine (start it with --enable-lora)")
         return self.runner.lora
-
-    def _check_lora(self, lora_id: int) -> None:
-        if lora_id not in self._lora_manager().registered:
-            raise ValueError(f"LoRA id {lora_id} is not loaded on engine {self.engine_index}")
 
     def add_lora(self, lora_id: int, name: str, path: str) -> bool:
         return self._lora_manager().add(lora_id, name, path)

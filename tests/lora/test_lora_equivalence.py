@@ -37,3 +37,29 @@ def test_mixed_batch_matches_transformers_peft(base_and_adapters):
         assert out.outputs[0].token_ids == ref, f"prompt {i} ({lora.name if lora else 'base'})"
         if lora is not None:  # the adapter matters: without it the tokens differ
             assert ref != base_ref[i], f"adapter {lora.name} does not change prompt {i}'s output"
+
+
+@pytest.mark.parametrize("base_and_adapters", ["llama"], indirect=True)
+def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapters):
+    """An adapter's request never reuses the base model's (or another adapter's) KV blocks, but does reuse its own;
+    a request whose adapter is gone when it reaches the engine ends as "abort" instead of hanging."""
+    from kestrel.engine.protocol import EngineCoreRequest
+
+    base, adapters = base_and_adapters
+    llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=64, max_loras=2)
+    r8, r64 = (llm.load_lora(n, str(adapters[n])) for n in ("r8", "r64"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = PROMPTS[1]  # 30 tokens: one full 16-token block
+    runs = [(None, 0), (r8, 0), (r64, 0), (r8, 16), (None, 16)]  # (adapter, prompt tokens served from the cache)
+    outs = {}
+    for lora, cached in runs:
+        out = llm.generate(prompt, params, lora_request=lora)[0]
+        assert out.num_cached_tokens == cached, (lora, out.num_cached_tokens)
+        outs.setdefault(lora.name if lora else None, []).append(out.outputs[0].token_ids)
+    assert outs["r8"][0] == outs["r8"][1] and outs[None][0] == outs[None][1] != outs["r8"][0]
+
+    core = llm.engine.core
+    core.add_request(EngineCoreRequest("gone", prompt, params, None, 4, 0.0, lora_id=999))
+    out = core.step()
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in out.outputs] == [("gone", "abort", [])]
+    assert not core.has_unfinished_requests()
