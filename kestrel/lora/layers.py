@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 BACKENDS = ("triton", "torch")
+BLOCK_M = 16  # token rows per program of the Triton kernels (kestrel/kernels/triton_ops/lora.py)
 
 
 class LoRAMapping:
@@ -22,6 +23,11 @@ class LoRAMapping:
         self.seg_h = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
         self.sorted_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.seg_start = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        # token blocks of the Triton kernels: (slot, first sorted row) each, -1 past the last
+        blocks = -(-max_tokens // BLOCK_M) + num_slots
+        self.blk_h = torch.full((2, blocks), -1, dtype=torch.int32, pin_memory=pin)
+        self.blk = torch.full((2, blocks), -1, dtype=torch.int32, device=device)
+        self.blk_slot, self.blk_row0 = self.blk[0], self.blk[1]
         self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, token rows): the reference path's view
         self.num_lora_tokens = 0
 
@@ -36,9 +42,18 @@ class LoRAMapping:
         seg[1:] = np.cumsum(counts)
         lora_rows = order[num_none:]  # tokens without an adapter (-1) sort first
         self.sorted_h.numpy()[:len(lora_rows)] = lora_rows
+        blk = self.blk_h.numpy()
+        blk.fill(-1)
+        i = 0
+        for s in np.flatnonzero(counts):
+            row0 = np.arange(seg[s], seg[s + 1], BLOCK_M)
+            blk[0, i:i + len(row0)] = s
+            blk[1, i:i + len(row0)] = row0
+            i += len(row0)
         nb = self.sorted_ids.device.type == "cuda"
         self.sorted_ids[:len(lora_rows)].copy_(self.sorted_h[:len(lora_rows)], non_blocking=nb)
         self.seg_start.copy_(self.seg_h, non_blocking=nb)
+        self.blk.copy_(self.blk_h, non_blocking=nb)
         self.num_lora_tokens = len(lora_rows)
         if self.backend == "torch":
             rows = torch.from_numpy(lora_rows.astype(np.int64))
@@ -105,8 +120,8 @@ class LoRAKernel:
         m = self.mapping
         if m.backend == "triton":
             from kestrel.kernels.triton_ops.lora import lora_expand, lora_shrink
-            y = lora_shrink(x, self.lora_a, m.sorted_ids, m.seg_start)
-            lora_expand(y, self.lora_b, out, m.sorted_ids, m.seg_start, self.rank, self.shard_sizes)
+            y = lora_shrink(x, self.lora_a, m)
+            lora_expand(y, self.lora_b, out, m, self.rank, self.shard_sizes)
         elif m.groups:
             lora_delta_torch(x, out, self.lora_a, self.lora_b, self.rank, self.shard_sizes, m.groups)
         return out

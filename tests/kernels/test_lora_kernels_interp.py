@@ -18,7 +18,7 @@ DTYPE = torch.float16 if DEVICE == "cuda" else torch.float32
 
 
 @pytest.mark.parametrize("shards,k,rank,num_tokens", [((64, 32, 32), 96, 16, 37), ((80,), 130, 8, 5),
-                                                      ((48, 48), 64, 64, 1)])
+                                                      ((48, 48), 64, 64, 1), ((32,), 64, 16, 70)])
 def test_triton_lora_matches_reference(shards, k, rank, num_tokens):
     from kestrel.kernels.triton_ops.lora import lora_expand, lora_shrink
     from kestrel.lora.layers import LoRAMapping, lora_delta_torch
@@ -32,14 +32,14 @@ def test_triton_lora_matches_reference(shards, k, rank, num_tokens):
     base = torch.randn(num_tokens, sum(shards), generator=gen).to(DEVICE, DTYPE)
     slots = np.random.default_rng(num_tokens).integers(-1, num_slots, num_tokens)
 
-    mapping = LoRAMapping(64, num_slots, torch.device(DEVICE), "torch")
+    mapping = LoRAMapping(128, num_slots, torch.device(DEVICE), "torch")
     mapping.set(slots)
     ref = base.clone().double()
     lora_delta_torch(x.double(), ref, a.double(), b.double(), rank, shards, mapping.groups)
 
     out = base.clone()
-    y = lora_shrink(x, a, mapping.sorted_ids, mapping.seg_start)
-    lora_expand(y, b, out, mapping.sorted_ids, mapping.seg_start, rank, shards)
+    y = lora_shrink(x, a, mapping)
+    lora_expand(y, b, out, mapping, rank, shards)
     none = torch.from_numpy(slots < 0).to(DEVICE)
     assert torch.equal(out[none], base[none])  # tokens without an adapter are untouched
     delta, ref_delta = (out.double() - base.double()), ref - base.double()
