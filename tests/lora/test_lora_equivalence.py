@@ -63,3 +63,24 @@ def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapter
     out = core.step()
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in out.outputs] == [("gone", "abort", [])]
     assert not core.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("base_and_adapters", ["llama"], indirect=True)
+def test_one_device_slot_and_one_host_slot(base_and_adapters):
+    """--max-loras 1 --max-cpu-loras 1: requests of three adapters take turns in the one device slot (the scheduler
+    holds back an adapter with no slot), adapters dropped from host memory are read again from disk, and every
+    request gets the tokens it gets with four slots."""
+    base, adapters = base_and_adapters
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    names = ["r8", "r64", "attn16", "r8"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for slots in (4, 1):
+        llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=64, max_loras=slots,
+                  max_cpu_loras=slots)
+        for n, p in adapters.items():
+            llm.load_lora(n, str(p))
+        manager = llm.engine.core.runner.lora
+        assert len(manager.cpu) == min(slots, 3) and manager.num_slots == slots
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=names)])
+    assert outs[0] == outs[1]
