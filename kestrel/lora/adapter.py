@@ -31,11 +31,6 @@ class LoRAAdapter:
     # our Linear's name -> per shard (A [rank, in], B [out_shard, rank] with the scaling folded in) or None
     layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for shards in self.layers.values() for s in shards if s is not None for a, b in [s])
-
 
 def _read_config(folder: Path) -> dict:
     cfg_path = folder / "adapter_config.json"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BACKENDS = ("triton", "torch")
 BLOCK_M = 16  # token rows per program of the Triton kernels (kestrel/kernels/triton_ops/lora.py)
 
 

@@ -52,12 +52,6 @@ class LoRARegistry:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
-    def resolve(self, model: str | None) -> int:
-        """The lora id for a request's `model` field (0: the base model). Unknown names are the caller's to
-        reject (the server's check_model)."""
-        req = self.adapters.get(model) if model is not None else None
-        return req.lora_id if req is not None else 0
-
     async def load(self, name: str, path: str) -> LoRARequest:
         return await self._shielded(self._load(name, path))
 
