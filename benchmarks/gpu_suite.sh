@@ -2,6 +2,7 @@
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
 # MoE (issue 13): moe (GPU kernel tests + kernel table), moetune (tile search, writes fused_moe.json to $OUT),
 #   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
+# LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -44,6 +45,10 @@ for s in $stages; do
             cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
     tputmoe) timeout 480 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --json "$OUT/tput_moe.json" 2>&1 | grep -v Warning | tail -12 ;;
     latmoe) timeout 300 python3 benchmarks/latency.py --shape qwen3-30b-a3b --hf-output-len 0 --json "$OUT/lat_moe.json" 2>&1 | tail -8 ;;
+    lora)   timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_lora.py \
+              tests/kernels/test_lora_kernels_interp.py 2>&1 | tail -8 ;;
+    tputlora) timeout 400 python3 benchmarks/lora_throughput.py --shape qwen3-0.6b --json "$OUT/tput_lora.json" 2>&1 \
+              | grep -v Warning | tail -10 ;;
     vllmmoe) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
