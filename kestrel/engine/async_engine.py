@@ -69,6 +69,7 @@ class AsyncEngine:
         from kestrel.loader import default_model_path, load_tokenizer
 
         m = self.config.model
+        lora_modules = parse_lora_modules(self.config.lora)  # a bad flag fails before any engine starts
         path = m.model or default_model_path()
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
@@ -81,8 +82,8 @@ class AsyncEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                               info["eos_token_id"])
         self.output_processor = OutputProcessor(self.tokenizer)
-        for name, path in parse_lora_modules(self.config.lora.lora_modules):
-            await self.loras.load(name, path)
+        for name, lora_path in lora_modules:
+            await self.loras.load(name, lora_path)
         return self
 
     async def shutdown(self) -> None:

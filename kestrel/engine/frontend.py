@@ -23,7 +23,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
         self.loras: dict[str, LoRARequest] = {}
-        for name, path in parse_lora_modules(config.lora.lora_modules):
+        for name, path in parse_lora_modules(config.lora):
             self.add_lora(name, path)
 
     def add_lora(self, name: str, path: str) -> LoRARequest:

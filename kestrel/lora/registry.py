@@ -32,10 +32,12 @@ class LoRAFanoutError(KestrelError):
         self.status_code = 400 if not err.ok_engines else 500
 
 
-def parse_lora_modules(specs: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-modules name=path ... -> [(name, path), ...]."""
+def parse_lora_modules(cfg) -> list[tuple[str, str]]:
+    """--lora-modules name=path ... -> [(name, path), ...] (they need --enable-lora)."""
+    if cfg.lora_modules and not cfg.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     out = []
-    for spec in specs or []:
+    for spec in cfg.lora_modules or []:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ConfigError(f"--lora-modules expects name=path, got {spec!r}")
