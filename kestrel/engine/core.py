@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from kestrel.config import EngineConfig
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.scheduler import Scheduler
+from kestrel.structured_output.manager import StructuredOutputManager
 from kestrel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,11 @@ class EngineCore:
         mode = config.scheduler.async_scheduling
         self.pipelined = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
         self._inflight = None
-        self._rejected: list[EngineCoreOutput] = []  # requests finished at arrival (their adapter is gone)
+        self.structured = StructuredOutputManager(
+            self.runner.loaded.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
+            config.scheduler.max_num_seqs, pin=self.runner.device.type == "cuda")
+        self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
+        self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
                     num_blocks * self.runner.bytes_per_block / 2**20, time.perf_counter() - t0)
@@ -54,13 +60,44 @@ class EngineCore:
                 return
             req.lora_id = r.lora_id
             req.cache_salt = f"lora:{r.lora_id}".encode()  # two adapters never share KV blocks
-        self.scheduler.add_request(req)
+        so = r.sampling_params.structured_outputs
+        if so is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests or any(c.request_id == req.request_id for c in self._compiling):
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.grammar = self.structured.submit(so)  # a future until compiled; scheduled once it is done
+        self._compiling.append(req)
+
+    def _admit_compiled(self) -> None:
+        """Hand requests whose grammar compiled to the scheduler (a failed compile finishes the request)."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            wait([r.grammar for r in self._compiling], timeout=0.01, return_when=FIRST_COMPLETED)  # idle: no spin
+        waiting = []
+        for req in self._compiling:
+            if not req.grammar.done():
+                waiting.append(req)
+                continue
+            try:
+                req.grammar = self.structured.new_request_grammar(req.grammar.result(), req.eos_token_id)
+                self.scheduler.add_request(req)
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                logger.warning("request %s failed before running: %s", req.request_id, e)
+                self._rejected.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
+                                                       stop_reason=f"structured output failed: {e}"))
+        self._compiling = waiting
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
+        ids = set(request_ids)
+        compiling = [r.request_id for r in self._compiling if r.request_id in ids]
+        self._compiling = [r for r in self._compiling if r.request_id not in ids]
+        return compiling + [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
+                or bool(self._compiling))
 
     # ---- one step
     def _pipeline_ok(self) -> bool:
@@ -70,37 +107,59 @@ class EngineCore:
         return self.pipelined and self.scheduler.num_sync_requests == 0
 
     def step(self) -> EngineCoreOutputs:
-        out = self._step()
-        if self._rejected:
-            out.outputs = self._rejected + out.outputs
-            self._rejected = []
-        return out
-
-    def _step(self) -> EngineCoreOutputs:
+        self._admit_compiled()
         if self._inflight is not None:
             prev_sched, prev = self._inflight
             self._inflight = None
             if self._pipeline_ok() and not (self._paused or self._sleeping):
                 sched = self.scheduler.schedule()
-                inf = self.runner.launch(sched.step, prev)  # an empty step still delivers finished ids
+                inf = self._launch(sched, prev)  # an empty step still delivers finished ids
                 if not sched.is_empty:
                     self._inflight = (sched, inf)
                     self.scheduler.on_launch(sched)
             result = self.runner.collect(prev)
-            return self._outputs(prev_sched, result)
+            out = self._outputs(prev_sched, result)
+            if self._inflight is not None:
+                self._sample(*self._inflight)  # the grammars have seen prev's tokens now
+            return out
         if self._paused or self._sleeping:
-            return EngineCoreOutputs(self.engine_index, [], self.stats())
+            return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         sched = self.scheduler.schedule()
-        inf = self.runner.launch(sched.step)
+        inf = self._launch(sched)
         self.scheduler.on_launch(sched)
+        self._sample(sched, inf)
         if self._pipeline_ok() and inf.tokens is not None:
             self._inflight = (sched, inf)
-            return EngineCoreOutputs(self.engine_index, [], self.stats())
+            return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         return self._outputs(sched, self.runner.collect(inf))
 
+    def _launch(self, sched, prev=None):
+        """Queue the forward; a step with grammar-constrained rows samples later (_sample), once the host has
+        filled the bitmask, which it does while the device runs the forward."""
+        constrained = any(s.samples and s.request.grammar is not None for s in sched.scheduled)
+        return self.runner.launch(sched.step, prev, sample=not constrained)
+
+    def _sample(self, sched, inf) -> None:
+        if not inf.sample_pending:
+            return  # sampled at launch, or nothing samples
+        grammars = [None] * len(inf.rows)
+        for s in sched.scheduled:
+            row = inf.rows.get(s.request.request_id)
+            if row is not None and not s.request.is_finished:
+                grammars[row] = s.request.grammar
+        self.runner.sample(inf, self.structured.fill_bitmask(grammars))
+
+    def _take_rejected(self) -> list[EngineCoreOutput]:
+        out, self._rejected = self._rejected, []
+        return out
+
     def _outputs(self, sched, result) -> EngineCoreOutputs:
+        for s in sched.scheduled:  # advance the grammars before the stop checks free their requests
+            tok = result.sampled.get(s.request.request_id)
+            if tok is not None and s.request.grammar is not None and not s.request.is_finished:
+                s.request.grammar.accept(tok)
         finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
-        outputs = []
+        outputs = self._take_rejected()
         for s in sched.scheduled:
             req = s.request
             rid = req.request_id

@@ -38,6 +38,7 @@ class Request(TokenSequence):
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full blocks
+    grammar: object = None  # structured outputs: a compile future, then the request's RequestGrammar
     cache_salt: bytes = b""  # mixed into every block hash (what else the KV depends on: adapter, images)
     num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
     lora_id: int = 0  # LoRA adapter (0: none)

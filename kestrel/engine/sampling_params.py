@@ -1,13 +1,67 @@
 """Sampling parameters, matching the OpenAI / vLLM parameter set. `validate()` names the bad field."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json as _json
+from dataclasses import dataclass, field, fields, replace
 
 from kestrel.errors import InvalidRequest
 
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict or its JSON
+    text), a regular expression, a list of choices, an EBNF grammar, or any JSON object."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):  # one canonical text: the compile cache key
+            self.json = _json.dumps(self.json)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string (with `kind`, the grammar cache key)."""
+        v = getattr(self, self.kind)
+        return _json.dumps(v) if self.kind == "choice" else ("" if self.kind == "json_object" else v)
+
+    def validate(self, param: str = "structured_outputs") -> "StructuredOutputsParams":
+        def bad(field_, msg):
+            raise InvalidRequest(f"{param}{field_} {msg}", param=param)
+
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            bad("", f"must set exactly one of {', '.join(self.KINDS)}; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            try:
+                schema = _json.loads(self.json) if isinstance(self.json, str) else None
+            except ValueError as e:
+                bad(".json", f"is not valid JSON: {e}")
+            if not isinstance(schema, (dict, bool)):
+                bad(".json", "must be a JSON schema (an object)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            bad(".regex", "must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            bad(".grammar", "must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            bad(".choice", "must be a non-empty list of non-empty strings")
+        from kestrel.structured_output.grammar import check_grammar  # xgrammar parses it: a 400, not a crash
+
+        check_grammar(self.kind, self.spec, param)
+        return self
 
 
 @dataclass
@@ -31,8 +85,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            known = {f.name for f in fields(StructuredOutputsParams)}
+            unknown = set(self.structured_outputs) - known
+            if unknown:
+                raise InvalidRequest(f"structured_outputs has unknown fields {sorted(unknown)}; known: "
+                                     f"{sorted(known)}", param="structured_outputs")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -87,4 +149,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         return self

@@ -17,6 +17,7 @@ from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.step import PLACEHOLDER, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
+from kestrel.structured_output.bitmask import apply_token_bitmask
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import InputBuffers, RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
@@ -33,6 +34,8 @@ class InFlight:
     rows: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
     tokens_host: torch.Tensor | None = None
     event: object = None
+    logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
+    sample_pending: bool = False
 
 
 @dataclass
@@ -369,9 +372,11 @@ class ModelRunner:
                              qsl[:nr + 1].tolist(), sl[:nr].tolist())
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: "InFlight | None" = None) -> "InFlight":
+    def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True) -> "InFlight":
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
-        placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode)."""
+        placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode). With sample=False
+        only the forward (to the logits) is queued: the caller fills a token bitmask on the host meanwhile, then
+        calls sample() (structured outputs)."""
         inf = InFlight(RunnerOutput())
         self._update_states(step)
         if step.is_empty:
@@ -392,30 +397,41 @@ class ModelRunner:
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
-            states = [self.requests[c.request_id] for c in samplers]
-            rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
-                    for st in states]
-            res = self.sampler(logits, rows)
-            inf.tokens = res.tokens
             inf.rows = {c.request_id: i for i, c in enumerate(samplers)}
-            for c, st, lp in zip(samplers, states, res.logprobs):
-                if lp is not None:
-                    inf.out.logprobs[c.request_id] = lp
-                inf.samplers.append((c.request_id, len(st.output_token_ids)))
-                st.output_token_ids.append(PLACEHOLDER)
-            if self.device.type == "cuda":
-                host = self._token_host[self._token_flip][: len(samplers)]
-                self._token_flip ^= 1
-                host.copy_(res.tokens, non_blocking=True)
-                inf.tokens_host = host
-                inf.event = torch.cuda.Event()
-                inf.event.record()
+            inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
             for b, c in enumerate(chunks):
                 st = self.requests[c.request_id]
                 if st.sampling_params.prompt_logprobs is not None:
                     self._prompt_logprobs(c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
+        if sample and inf.sample_pending:
+            self.sample(inf)
         return inf
+
+    @torch.inference_mode()
+    def sample(self, inf: "InFlight", bitmask: torch.Tensor | None = None) -> None:
+        """Queue the sampling of a launched step. `bitmask` (host int32 [rows, ceil(vocab / 32)], rows in
+        inf.rows order) masks the logits on the device first (kestrel/structured_output)."""
+        logits, inf.logits, inf.sample_pending = inf.logits, None, False
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
+        states = [self.requests[rid] for rid in inf.rows]
+        rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
+                for st in states]
+        res = self.sampler(logits, rows)
+        inf.tokens = res.tokens
+        for rid, st, lp in zip(inf.rows, states, res.logprobs):
+            if lp is not None:
+                inf.out.logprobs[rid] = lp
+            inf.samplers.append((rid, len(st.output_token_ids)))
+            st.output_token_ids.append(PLACEHOLDER)
+        if self.device.type == "cuda":
+            host = self._token_host[self._token_flip][: len(states)]
+            self._token_flip ^= 1
+            host.copy_(res.tokens, non_blocking=True)
+            inf.tokens_host = host
+            inf.event = torch.cuda.Event()
+            inf.event.record()
 
     def collect(self, inf: "InFlight") -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""

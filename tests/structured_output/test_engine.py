@@ -1,0 +1,105 @@
+"""Constrained generation through the real engine on a tiny random-weight model (whose unconstrained output is
+noise, so every constraint that holds is the mask's doing): sync and pipelined decode, n > 1, stop strings, and a
+request waiting for its compile while others run."""
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.protocol import EngineCoreRequest
+from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tag": {"enum": ["fox", "dog"]}, "xs": {"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 2}},
+    "required": ["ok", "n", "tag", "xs"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "pipelined"])
+def llm(request, tiny_llama):
+    return LLM(str(tiny_llama), progress=False, num_kv_blocks=128, max_model_len=256,
+               async_scheduling=request.param)
+
+
+def test_constraints_hold(llm):
+    regex = r"[0-9]{2}-(fox|dog)"
+    params = [SamplingParams(max_tokens=90, temperature=1.0, seed=i, structured_outputs=SO(json=SCHEMA))
+              for i in range(4)]
+    params += [SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7, structured_outputs=SO(regex=regex)),
+               SamplingParams(max_tokens=8, temperature=0, structured_outputs=SO(choice=["stop", "end", "fox"])),
+               SamplingParams(max_tokens=12, temperature=1.0, seed=3)]  # unconstrained in the same batch
+    outs = llm.generate(["The quick brown fox"] * len(params), params)
+    for o in outs[:4]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        assert o.outputs[0].finish_reason == "stop"
+    assert len(outs[4].outputs) == 3
+    for c in outs[4].outputs:
+        assert re.fullmatch(regex, c.text), c.text
+    assert outs[5].outputs[0].text in ("stop", "end", "fox")
+    assert not re.fullmatch(regex, outs[6].outputs[0].text)
+
+
+def test_stop_string_inside_a_constrained_output(llm):
+    p = SamplingParams(max_tokens=20, temperature=0, stop=["o"], structured_outputs=SO(regex="(fox|dog)+"))
+    out = llm.generate(["Hello"], p)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "o"
+    assert out.text in ("f", "d")
+
+
+def test_pipelined_equals_sync(tiny_llama, llm):
+    other = LLM(str(tiny_llama), progress=False, num_kv_blocks=128, max_model_len=256,
+                async_scheduling="off" if llm.engine.core.pipelined else "on")
+    p = [SamplingParams(max_tokens=90, temperature=0, structured_outputs=SO(json=SCHEMA)),
+         SamplingParams(max_tokens=10, temperature=0, structured_outputs=SO(regex="[a-z]{3,9}"))]
+    a = [o.outputs[0].token_ids for o in llm.generate(["Paris is", "Hello"], p)]
+    b = [o.outputs[0].token_ids for o in other.generate(["Paris is", "Hello"], p)]
+    assert a == b
+
+
+def test_a_compiling_request_does_not_block_others(llm, monkeypatch):
+    engine = llm.engine
+    manager = engine.core.structured
+    release = threading.Event()
+    real = manager._compile
+
+    def slow_compile(kind, spec):
+        assert release.wait(30)
+        return real(kind, spec)
+
+    monkeypatch.setattr(manager, "_compile", slow_compile)
+    slow = engine.add_request("Hello", SamplingParams(max_tokens=6, temperature=0,
+                                                      structured_outputs=SO(regex="(ab){3}[0-9]{2}")))
+    fast = engine.add_request("Hello", SamplingParams(max_tokens=6, temperature=0))
+    done = {}
+    for _ in range(200):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if fast in done:
+            break
+    assert fast in done and slow not in done  # the unconstrained request ran to the end meanwhile
+    release.set()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[slow].outputs[0].text == "ababab" or re.fullmatch(r"(ab){3}[0-9]{0,2}", done[slow].outputs[0].text)
+
+
+def test_a_grammar_that_fails_in_the_core_aborts_only_its_request(llm):
+    core = llm.engine.core
+    bad = SamplingParams(max_tokens=4, structured_outputs=SO(grammar="root ::= nowhere"))  # never validated here
+    core.add_request(EngineCoreRequest("bad", [1, 5, 7], bad, None, 4, 0.0))
+    core.add_request(EngineCoreRequest("good", [1, 5, 7], SamplingParams(max_tokens=4, temperature=0), None, 4, 0.0))
+    finished = {}
+    for _ in range(100):
+        for o in core.step().outputs:
+            if o.finish_reason:
+                finished[o.request_id] = o
+        if not core.has_unfinished_requests():
+            break
+    assert finished["bad"].finish_reason == "abort" and "structured output failed" in finished["bad"].stop_reason
+    assert finished["good"].finish_reason == "length"
