@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also KESTREL_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the path's name)")
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off: ids and sizes only)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls appear in this model's output (hermes: <tool_call> JSON, also Qwen)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="put the <think>...</think> part of the output into reasoning_content")
     add_cli_args(s)
 
     b = sub.add_parser("bench", help="benchmarks: throughput | latency | serve (extra flags go to the script)")

@@ -18,12 +18,14 @@ import kestrel
 from kestrel.config import EngineConfig, from_cli_args
 from kestrel.engine.async_engine import AsyncEngine
 from kestrel.engine.utility import UtilityError
-from kestrel.errors import EngineDead, InvalidRequest, KestrelError
+from kestrel.errors import ConfigError, EngineDead, InvalidRequest, KestrelError
 from kestrel.server.chat import create_chat_completion, render_prompt
 from kestrel.server.common import ServerState
 from kestrel.server.completions import create_completion
 from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.reasoning import get_reasoning_parser
+from kestrel.server.tool_parsers import get_tool_parser
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest, error_body)
 
@@ -42,11 +44,19 @@ def default_model_name(config: EngineConfig) -> str:
 
 
 def build_app(config: EngineConfig, model_name: str | None = None, api_key: str | None = None,
-              log_requests: bool = False, client: str = "mp") -> FastAPI:
+              log_requests: bool = False, client: str = "mp", tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     model_name = model_name or default_model_name(config)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        tool_parser, reasoning = get_tool_parser(tool_call_parser), get_reasoning_parser(reasoning_parser)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     metrics = ServerMetrics(model_name)
     engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests)
-    state = ServerState(engine, model_name, metrics, api_key)
+    state = ServerState(engine, model_name, metrics, api_key, tool_parser=tool_parser,
+                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -212,7 +222,10 @@ def run_server(args) -> int:
 
     config = from_cli_args(args)
     api_key = getattr(args, "api_key", None) or os.environ.get("KESTREL_API_KEY") or None
-    app = build_app(config, getattr(args, "served_model_name", None), api_key, getattr(args, "log_requests", False))
+    app = build_app(config, getattr(args, "served_model_name", None), api_key, getattr(args, "log_requests", False),
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                    reasoning_parser=getattr(args, "reasoning_parser", None))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     server.run()

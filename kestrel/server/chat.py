@@ -11,6 +11,7 @@ from kestrel.engine.outputs import Logprob
 from kestrel.errors import KestrelError
 from kestrel.server.common import ServerState, final_outputs, new_id, sse, sse_chunk, unless_disconnected
 from kestrel.server.openai_protocol import ChatCompletionRequest, error_body
+from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -29,30 +30,36 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
     return {"content": content}
 
 
-def render_prompt(state: ServerState, req) -> list[int]:
+def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int]:
     """messages -> the chat template's text -> token ids (the template already holds the special tokens)."""
     ip = state.engine.input_processor
+    kw = dict(getattr(req, "chat_template_kwargs", None) or {})
+    if tools:
+        kw["tools"] = tools
     text = ip.apply_chat_template([m.as_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                                  **(getattr(req, "chat_template_kwargs", None) or {}))
+                                  **kw)
     return state.engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     lora = state.check_model(req.model)
     engine = state.engine
-    params = req.sampling_params()
-    prompt_ids = render_prompt(state, req)
+    plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
+                      req.parallel_tool_calls)
+    params = req.sampling_params(plan.structured)
+    prompt_ids = render_prompt(state, req, plan.tools)
     rid = req.request_id or new_id("chatcmpl")
     gen = engine.generate(prompt_ids, params, rid, req.priority, lora)
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, created, gen), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, rid, created, gen, plan), media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
     for c in out.outputs:
         lp = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, engine.tokenizer) if req.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        message, finish_reason = build_message(plan, state.reasoning_parser, c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
+                        "stop_reason": c.stop_reason})
     p = len(out.prompt_token_ids)
     comp = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
@@ -60,7 +67,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                          "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}})
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen,
+                  plan) -> AsyncIterator[str]:
     tok = state.engine.tokenizer
 
     def chunk(choices, usage=None):
@@ -68,6 +76,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
 
     started: set[int] = set()
     done: set[int] = set()
+    messages: dict[int, MessageStream] = {}
     last = None
     try:
         async for out in gen:
@@ -77,17 +86,21 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
                     continue
                 if c.index not in started:
                     started.add(c.index)
+                    messages[c.index] = MessageStream(plan, state.reasoning_parser)
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
                 if not c.text_delta and not c.token_ids_delta and c.finish_reason is None:
                     continue
                 lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, req.top_logprobs or 0, tok)
                       if req.logprobs else None)
-                delta = {"content": c.text_delta} if c.text_delta else {}
+                message = messages[c.index]
+                delta = message.feed(c.text_delta, final=c.finish_reason is not None)
                 if c.finish_reason is not None:
                     done.add(c.index)
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}])
+                elif not delta and lp is None:
+                    continue  # held back (a partial tag or call): nothing to send yet
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
+                              "finish_reason": message.finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
         if req.stream_options and req.stream_options.include_usage and last is not None:
             p = len(last.prompt_token_ids)
             comp = sum(len(c.token_ids) for c in last.outputs)

@@ -22,6 +22,9 @@ class ServerState:
     metrics: Any = None
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_parser: Any = None  # kestrel.server.tool_parsers.ToolParser (--tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: Any = None  # kestrel.server.reasoning.ReasoningParser (--reasoning-parser)
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""

@@ -2,11 +2,12 @@
 Unknown fields are ignored; a field of the wrong type is a 400 naming that field."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.errors import InvalidRequest
 
 
@@ -42,11 +43,55 @@ class _SamplingRequest(_Base):
     skip_special_tokens: bool = True
     priority: int = 0
     request_id: str | None = None
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older guided_* fields)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, validated (a bad one is a 400 naming the field it came from)."""
+        sources = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                sources.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                                         param="response_format")
+                sources.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                                     param="response_format")
+        if self.structured_outputs is not None:
+            sources.append(("structured_outputs", self.structured_outputs))
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        if guided:
+            sources.append((f"guided_{next(iter(guided))}", guided))
+        if not sources:
+            return None
+        if len(sources) > 1:
+            raise InvalidRequest(f"give one output constraint, not {' and '.join(n for n, _ in sources)}",
+                                 param=sources[1][0])
+        param, spec = sources[0]
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        if not isinstance(spec, dict) or set(spec) - known:
+            raise InvalidRequest(f"{param} takes the fields {sorted(known)}", param=param)
+        return StructuredOutputsParams(**spec).validate(param)
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                  structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         return SamplingParams(
+            structured_outputs=structured,
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -85,7 +130,7 @@ class CompletionRequest(_SamplingRequest):
         if best_of > self.n and self.stream:
             raise InvalidRequest("best_of > n is not supported with stream=true", param="best_of")
         p = self._sampling(self.max_tokens, self.logprobs, self.logprobs if self.echo and self.logprobs is not None
-                           else None)
+                           else None, self.structured())
         if best_of > self.n:  # ranking by cumulative logprob needs the sampled tokens' logprobs
             p = p.clone(n=best_of, logprobs=p.logprobs if p.logprobs is not None else 0)
         p.validate()
@@ -101,6 +146,8 @@ class ChatMessage(_Base):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result
 
     def as_dict(self) -> dict:
         c = self.content
@@ -114,7 +161,23 @@ class ChatMessage(_Base):
         d = {"role": self.role, "content": c or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         return d
+
+
+def _template_tool_call(call: dict) -> dict:
+    """An OpenAI tool call as chat templates expect it: the arguments as a dict (OpenAI sends JSON text)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -124,20 +187,22 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    response_format: dict | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`structured`: the constraint that a required or named tool_choice imposes (chat.py)."""
         if self.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {self.n}", param="n")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format other than text is not supported", param="response_format")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", param="tools")
+        own = self.structured()
+        if own is not None and structured is not None:
+            raise InvalidRequest("a required or named tool_choice cannot be combined with another output "
+                                 "constraint", param="tool_choice")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None)
+        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, own or structured)
         p.validate()
         return p
 

@@ -20,8 +20,8 @@ def build_grammar(kind: str, spec: str):
 
     if kind == "json":
         return xgr.Grammar.from_json_schema(spec, **JSON_SCHEMA_OPTIONS)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # OpenAI's json_object: an object (xgrammar's builtin JSON grammar takes any value)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', **JSON_SCHEMA_OPTIONS)
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
     if kind == "choice":
