@@ -3,7 +3,7 @@
 # MoE (issue 13): moe (GPU kernel tests + kernel table), moetune (tile search, writes fused_moe.json to $OUT),
 #   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
-# Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -28,6 +28,7 @@ for s in $stages; do
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;
+    structured) timeout 400 python3 benchmarks/structured.py --shape qwen3-0.6b --json "$OUT/structured.json" 2>&1 | grep -v Warning | tail -12 ;;
     tputfp8) timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --quantization fp8 --json "$OUT/tputfp8.json" 2>&1 | tail -12 ;;
     trace)  timeout 200 python3 benchmarks/step_trace.py --shape qwen3-0.6b --json "$OUT/trace.json" 2>&1 | tail -14 ;;
     tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;

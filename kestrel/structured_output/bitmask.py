@@ -19,13 +19,20 @@ def _bits(device: torch.device) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set the logits of disallowed tokens to -inf, in place. `bitmask` (host, ideally pinned) has one row per
-    logits row; it goes to the device without a host sync."""
+    logits row; it goes to the device without a host sync. Where the model's vocabulary is padded beyond the
+    tokenizer's, the bitmask may be narrower: the padding ids are then disallowed in every constrained row (a
+    row that is all ones is unconstrained and keeps them)."""
     rows, vocab = logits.shape
-    if bitmask.shape[0] != rows or bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+    if bitmask.shape[0] != rows:
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not match logits {tuple(logits.shape)}")
     mask = bitmask.to(logits.device, non_blocking=True)
-    allowed = (mask.unsqueeze(-1) & _bits(logits.device)).ne(0).view(rows, -1)[:, :vocab]
-    return logits.masked_fill_(~allowed, float("-inf"))
+    cover = min(vocab, mask.shape[1] * 32)
+    allowed = (mask.unsqueeze(-1) & _bits(logits.device)).ne(0).view(rows, -1)[:, :cover]
+    logits[:, :cover].masked_fill_(~allowed, float("-inf"))
+    if cover < vocab:
+        constrained = mask.ne(-1).any(dim=1, keepdim=True)
+        logits[:, cover:].masked_fill_(constrained, float("-inf"))
+    return logits
 
 
 def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:

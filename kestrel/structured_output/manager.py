@@ -44,9 +44,12 @@ class RequestGrammar:
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int, pin: bool = False):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.width = bitmask_width(vocab_size)
+        # The grammar's vocabulary: the tokenizer's ids, not the model's padding beyond them (xgrammar would treat
+        # each padding id as a special token, which makes every fill far slower; bitmask.py masks them instead).
+        real = len(tokenizer) if tokenizer is not None else vocab_size
+        self.vocab_size = min(vocab_size, max(real, (eos_token_id or 0) + 1))
+        self.width = bitmask_width(self.vocab_size)
         self._max_rows = max_rows
         self._pin = pin
         self._executor: ThreadPoolExecutor | None = None

@@ -10,6 +10,7 @@ from kestrel.structured_output.bitmask import allowed_tokens, apply_token_bitmas
 from kestrel.structured_output.manager import StructuredOutputManager
 
 VOCAB = 400  # wider than the tokenizer (384), as a model's padded embedding can be
+REAL = 384
 
 
 @pytest.fixture
@@ -30,8 +31,16 @@ def test_apply_matches_a_plain_loop():
             if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
                 ref[r, t] = float("-inf")
     assert torch.equal(apply_token_bitmask(logits, bitmask), ref)
-    with pytest.raises(ValueError, match="does not cover"):
-        apply_token_bitmask(torch.zeros(5, 200), bitmask)
+    with pytest.raises(ValueError, match="does not match"):
+        apply_token_bitmask(torch.zeros(4, 77), bitmask)
+
+
+def test_padding_ids_beyond_the_bitmask():
+    """A model vocabulary wider than the bitmask: constrained rows lose the padding ids, all-ones rows keep them."""
+    bitmask = torch.tensor([[-1, -1], [5, 0]], dtype=torch.int32)  # row 1 allows tokens 0 and 2
+    out = apply_token_bitmask(torch.zeros(2, 70), bitmask)
+    assert torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 2]
 
 
 def test_compile_cache_is_keyed_by_the_constraint(manager):
@@ -47,9 +56,9 @@ def test_fill_allows_exactly_the_grammar_tokens(manager, tiny_tokenizer):
     grammar = manager.new_request_grammar(manager.submit(SO(choice=["stop", "end"])).result(30),
                                           tiny_tokenizer.eos_token_id)
     mask = manager.fill_bitmask([None, grammar])
-    assert mask.shape == (2, bitmask_width(VOCAB))
-    assert allowed_tokens(mask[0], VOCAB) == list(range(VOCAB))  # an unconstrained row allows everything
-    allowed = allowed_tokens(mask[1], VOCAB)
+    assert mask.shape == (2, bitmask_width(REAL))  # the grammar sees the tokenizer's ids, not the padding
+    assert allowed_tokens(mask[0], REAL) == list(range(REAL))  # an unconstrained row allows everything
+    allowed = allowed_tokens(mask[1], REAL)
     vocab = {i: tiny_tokenizer.decode([i]) for i in range(len(tiny_tokenizer))}
     expect = sorted(i for i, s in vocab.items() if s and ("stop".startswith(s) or "end".startswith(s))
                     and i not in tiny_tokenizer.all_special_ids)
@@ -57,7 +66,7 @@ def test_fill_allows_exactly_the_grammar_tokens(manager, tiny_tokenizer):
     # walk "end" token by token: at the end only the stop token (eos) is allowed, then the grammar terminates
     for t in tiny_tokenizer.encode("end", add_special_tokens=False):
         assert grammar.accept(t)
-    assert allowed_tokens(manager.fill_bitmask([grammar])[0], VOCAB) == [tiny_tokenizer.eos_token_id]
+    assert allowed_tokens(manager.fill_bitmask([grammar])[0], REAL) == [tiny_tokenizer.eos_token_id]
     assert grammar.accept(tiny_tokenizer.eos_token_id) and grammar.terminated
     assert manager.fill_bitmask([grammar, None]) is None  # nothing left to constrain
 

@@ -1,0 +1,42 @@
+"""Structured outputs on CUDA: the device-side bitmask equals the CPU one, and constrained generation holds with
+pipelined decode (on by default on CUDA), where the bitmask is filled while the forward runs."""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+from kestrel.structured_output.bitmask import apply_token_bitmask
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bitmask_on_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 1000, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (64, 30), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[::3] = -1  # unconstrained rows
+    ref = apply_token_bitmask(logits.clone(), bitmask)
+    got = apply_token_bitmask(logits.cuda().to(torch.bfloat16), bitmask.pin_memory())
+    assert torch.equal(torch.isinf(got.float().cpu()), torch.isinf(ref))
+
+
+def test_constrained_generation_pipelined(tiny_llama):
+    llm = LLM(str(tiny_llama), progress=False, num_kv_blocks=256, max_model_len=256, enforce_eager=False)
+    assert llm.engine.core.pipelined
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["fox", "dog"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured_outputs=SO(json=schema))
+              for i in range(16)]
+    params += [SamplingParams(max_tokens=12, temperature=1.0, seed=i, n=2, structured_outputs=SO(regex="[0-9]{4}"))
+               for i in range(8)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=i) for i in range(8)]
+    outs = llm.generate(["The quick brown fox"] * len(params), params)
+    for o in outs[:16]:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    for o in outs[16:24]:
+        assert all(re.fullmatch("[0-9]{4}", c.text) for c in o.outputs)
+    assert llm.engine.core.structured.num_compiles == 2
