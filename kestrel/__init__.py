@@ -7,11 +7,11 @@ def __getattr__(name):  # lazy so that `import kestrel.engine.scheduler` stays l
         from kestrel.entrypoints import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from kestrel.engine.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from kestrel.engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
