@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -17,6 +18,7 @@ from kestrel.structured_output.grammar import build_grammar
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
+CACHE_SIZE = 1024  # compiled grammars kept (least recently used out)
 FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar batch fill: a step's rows in parallel
 
 
@@ -55,7 +57,7 @@ class StructuredOutputManager:
         self._executor: ThreadPoolExecutor | None = None
         self._compiler = None
         self._compiler_lock = threading.Lock()
-        self._cache: dict[tuple[str, str], Future] = {}
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._buffers: list[torch.Tensor] = []
         self._flip = 0
         self._batch = None
@@ -88,6 +90,9 @@ class StructuredOutputManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kestrel-grammar")
             fut = self._cache[key] = self._executor.submit(self._compile, *key)
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
         return fut
 
     def new_request_grammar(self, compiled, eos_token_id: int | None) -> RequestGrammar:
