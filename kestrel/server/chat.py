@@ -8,9 +8,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob
-from kestrel.errors import KestrelError
-from kestrel.server.common import ServerState, final_outputs, new_id, sse, sse_chunk, unless_disconnected
-from kestrel.server.openai_protocol import ChatCompletionRequest, error_body
+from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
+                                   stream_error, unless_disconnected)
+from kestrel.server.openai_protocol import ChatCompletionRequest
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -29,24 +29,31 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
     return {"content": content}
 
 
-def render_prompt(state: ServerState, req) -> list[int]:
-    """messages -> the chat template's text -> token ids (the template already holds the special tokens)."""
-    ip = state.engine.input_processor
-    text = ip.apply_chat_template([m.as_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                                  **(getattr(req, "chat_template_kwargs", None) or {}))
-    return state.engine.tokenizer.encode(text, add_special_tokens=False)
+async def render_prompt(state: ServerState, req) -> list[int]:
+    """messages -> the chat template's text -> token ids (the template already holds the special tokens). Runs on
+    the tokenizer thread: a huge conversation never stalls the event loop."""
+    engine = state.engine
+    template = state.chat_template(req)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
+    messages = [m.as_dict() for m in req.messages]
+
+    def render() -> list[int]:
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, **kwargs)
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+
+    return await engine.run_tokenizer(render)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
     state.check_model(req.model)
     engine = state.engine
-    params = req.sampling_params()
-    prompt_ids = render_prompt(state, req)
-    rid = req.request_id or new_id("chatcmpl")
-    gen = engine.generate(prompt_ids, params, rid, req.priority)
+    params = req.sampling_params(state.sampling_defaults)
+    rid, public_id = request_ids("chatcmpl", req.request_id, raw)
+    prompt_ids = await render_prompt(state, req)
+    gen = engine.generate(prompt_ids, params, rid, req.priority, state.timeout(req))
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, created, gen), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, public_id, created, gen), media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
     for c in out.outputs:
@@ -55,9 +62,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     p = len(out.prompt_token_ids)
     comp = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                         "choices": choices,
-                         "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}})
+    body = {"id": public_id, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}}
+    if params.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out)
+    return JSONResponse(body)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen) -> AsyncIterator[str]:
@@ -93,5 +102,5 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
             comp = sum(len(c.token_ids) for c in last.outputs)
             yield chunk([], {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp})
         yield "data: [DONE]\n\n"
-    except KestrelError as e:
-        yield sse(error_body(str(e), e.error_type, getattr(e, "param", None), e.status_code))
+    except Exception as e:
+        yield stream_error(e)
