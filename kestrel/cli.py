@@ -78,10 +78,6 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.which == "serve":
-        from kestrel.bench.serve import main as serve_main
-
-        return serve_main(args.rest)
     from kestrel.bench.offline import run
 
     return run(args.which, args)
@@ -139,9 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parser(bsub, "throughput")
     add_parser(bsub, "latency")
-    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server with streaming clients "
-                                      "(kestrel bench serve --help)", add_help=False)
-    bs.add_argument("rest", nargs=argparse.REMAINDER)
+    bsub.add_parser("serve", help="load an OpenAI-compatible server with streaming clients "
+                                  "(kestrel bench serve --help)", add_help=False)  # main() hands its flags over
     return p
 
 
@@ -149,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     from kestrel.errors import KestrelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # its own parser (kestrel/bench/serve.py)
+        from kestrel.bench.serve import main as serve_main
+
+        return serve_main(argv[2:])
+    args = build_parser().parse_args(argv)
     if args.command == "serve" and args.model_tag and not args.model:
         args.model = args.model_tag
     try:
-        if not (args.command == "bench" and args.which == "serve"):
-            check_args(args)
+        check_args(args)
         return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except KeyboardInterrupt:
         print("kestrel: interrupted", file=sys.stderr)

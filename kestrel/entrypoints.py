@@ -68,7 +68,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.apply_chat_template(c, **template_kwargs) for c in convs]
+        prompts = [self.engine.input_processor.apply_chat_template(c, template_kwargs=template_kwargs) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -169,7 +169,7 @@ async def run(args, url: str) -> int:
     deadline = time.monotonic() + args.drain_timeout
     while True:
         m = metrics_totals(url, headers)
-        running, waiting = m.get("kestrel_num_requests_running", -1), m.get("kestrel_num_requests_waiting", -1)
+        running, waiting = m.get("vllm:num_requests_running", -1), m.get("vllm:num_requests_waiting", -1)
         free, total = m.get("kestrel_kv_blocks_free", -1), m.get("kestrel_kv_blocks_total", -2)
         if (running == 0 and waiting == 0 and free == total) or time.monotonic() > deadline:
             break

@@ -157,7 +157,7 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             while True:
                 try:
-                    async with asyncio.timeout(None if deadline is None else loop.time() + deadline - time.monotonic()):
+                    async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
                         item = await queue.get()
                 except TimeoutError:
                     self.client.abort_requests(self.output_processor.child_ids(request_id))

@@ -39,8 +39,9 @@ class InputProcessor:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kw) -> str:
-        """``kw`` are extra template variables (chat_template_kwargs); they may not repeat our own arguments."""
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+        """``template_kwargs``: extra template variables (chat_template_kwargs); they may not repeat our arguments."""
+        kw = template_kwargs or {}
         template = chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequest("this model has no chat template; use the completions API or start the server "
@@ -64,18 +65,15 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt)
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                                  f"tokens, leaving no room to generate", param="prompt", code="context_length_exceeded")
+        if not isinstance(prompt, str) and any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
                                  f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")

@@ -96,6 +96,13 @@ async def _on_unauthorized(request: Request, exc: _Unauthorized):
                   None, "invalid_api_key")
 
 
+def install_error_handlers(app: FastAPI) -> None:
+    for exc_type, handler in ((RequestValidationError, _on_validation), (KestrelError, _on_kestrel),
+                              (UtilityError, _on_utility), (StarletteHTTPException, _on_http),
+                              (_Unauthorized, _on_unauthorized), (Exception, _on_internal)):
+        app.add_exception_handler(exc_type, handler)
+
+
 # ------------------------------------------------------------------------------ access
 async def check_key(request: Request):
     key = _state(request).api_key
@@ -299,10 +306,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
 
     app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-    for exc_type, handler in ((RequestValidationError, _on_validation), (KestrelError, _on_kestrel),
-                              (UtilityError, _on_utility), (StarletteHTTPException, _on_http),
-                              (_Unauthorized, _on_unauthorized), (Exception, _on_internal)):
-        app.add_exception_handler(exc_type, handler)
+    install_error_handlers(app)
     for router in (open_routes, api, admin):
         app.include_router(router)
     if server.allowed_origins:

@@ -38,7 +38,7 @@ async def render_prompt(state: ServerState, req) -> list[int]:
     messages = [m.as_dict() for m in req.messages]
 
     def render() -> list[int]:
-        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, **kwargs)
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs)
         return engine.tokenizer.encode(text, add_special_tokens=False)
 
     return await engine.run_tokenizer(render)
