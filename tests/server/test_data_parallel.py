@@ -92,7 +92,8 @@ async def test_dp_kill_one_engine(dp_server):
     deadline = time.monotonic() + 120
     while dp_server.health()[1]["engines"][1]["state"] != "ready":
         assert time.monotonic() < deadline, "engine 1 did not come back"
-        r = await c.completions.create(model="llama", prompt="still there?", max_tokens=3)
+        r = await c.completions.create(model="llama", prompt="still there?", max_tokens=3,
+                                       extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
         served += 1
     assert served >= 3
