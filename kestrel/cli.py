@@ -74,6 +74,7 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel.server.app import run_server
 
+    args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY")  # the documented fallback of --api-key
     return run_server(args)
 
 

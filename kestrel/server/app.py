@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -322,8 +321,7 @@ def run_server(args) -> int:
     from kestrel.config import from_cli_args, section_from_cli_args
 
     config = from_cli_args(args)
-    api_key = args.api_key or os.environ.get("KESTREL_API_KEY") or None  # the documented fallback of --api-key
-    app = build_app(config, section_from_cli_args(ServerConfig, args), args.served_model_name, api_key,
+    app = build_app(config, section_from_cli_args(ServerConfig, args), args.served_model_name, args.api_key or None,
                     args.log_requests)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
