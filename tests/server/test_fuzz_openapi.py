@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-EXAMPLES = 15  # per operation and mode: the run stays well under 2 minutes on two cores
+EXAMPLES = 10  # per operation and mode: the run stays well under a minute on two cores
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
