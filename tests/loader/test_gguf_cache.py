@@ -17,14 +17,14 @@ def test_gguf_dequantised_copy(tmp_path, caplog, capfd):
     caplog.set_level(logging.INFO, logger="kestrel.loader")
     cfg = ModelConfig(model=default_model_path(), gguf_cache_dir=str(tmp_path / "cache"))
     t0 = time.perf_counter()
-    first = load_model(cfg, torch.device("cpu"), max_positions=256, progress=False)
+    first = load_model(cfg, torch.device("cpu"), progress=False)
     t_first = time.perf_counter() - t0
     assert "dequantised copy written" in caplog.text
     (folder,) = (tmp_path / "cache").iterdir()
     assert (folder / "float32" / "config.json").exists() and (folder / "tokenizer").is_dir()
     capfd.readouterr()
     t0 = time.perf_counter()
-    second = load_model(cfg, torch.device("cpu"), max_positions=256, progress=True)
+    second = load_model(cfg, torch.device("cpu"), progress=True)
     t_second = time.perf_counter() - t0
     assert "reading the dequantised copy" in caplog.text
     assert "Loading weights" in capfd.readouterr().err  # the progress bar
