@@ -155,9 +155,10 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.on_routed(timing.engine)
             loop = asyncio.get_running_loop()
+            loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
                 try:
-                    async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
+                    async with asyncio.timeout_at(loop_deadline):
                         item = await queue.get()
                 except TimeoutError:
                     self.client.abort_requests(self.output_processor.child_ids(request_id))

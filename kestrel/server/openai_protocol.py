@@ -114,7 +114,8 @@ class _SamplingRequest(_Base):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens)
 
 

@@ -22,7 +22,8 @@ PROMPTS = ["The quick brown fox", "Hello world", "Paris is the capital of", "def
 
 @pytest.fixture(scope="module")
 def dp_server(server_model, tmp_path_factory):
-    s = Server(server_model, tmp_path_factory.mktemp("dp") / "server.log", extra=["--data-parallel-size", "2", "--enable-admin-api"])
+    s = Server(server_model, tmp_path_factory.mktemp("dp") / "server.log",
+               extra=["--data-parallel-size", "2", "--enable-admin-api"])
     yield s.wait_ready()
     s.stop()
 
