@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import runpy
+import os
 import sys
-from pathlib import Path
 
-from kestrel.config import add_cli_args, from_cli_args
+from kestrel.config import ServerConfig, add_cli_args, add_section_args, from_cli_args
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -35,9 +34,7 @@ def _engine(args):
 def cmd_generate(args) -> int:
     from kestrel.entrypoints import LLM
 
-    llm = LLM.__new__(LLM)
-    llm.config = from_cli_args(args)
-    llm.engine = _engine(args)
+    llm = LLM.from_config(from_cli_args(args))
     prompts = args.prompt or ["The capital of France is"]
     if args.chat_template:
         prompts = [llm.engine.input_processor.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -77,25 +74,40 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel.server.app import run_server
 
+    args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY")  # the documented fallback of --api-key
     return run_server(args)
 
 
-def cmd_bench(args, rest: list[str]) -> int:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.which}.py"
-    if not script.exists():
-        print(f"benchmark script {script} not found (run from a source checkout)", file=sys.stderr)
-        return 2
-    sys.argv = [str(script), *rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+def cmd_bench(args) -> int:
+    from kestrel.bench.offline import run
+
+    return run(args.which, args)
+
+
+def check_args(args) -> None:
+    """Checks that fail in a second with one clear line instead of after minutes of start-up."""
+    from kestrel.errors import ConfigError
+
+    model = getattr(args, "model", None)
+    if model is not None and not os.path.exists(model):
+        raise ConfigError(f"model path {model!r} does not exist (give a checkpoint folder or a .gguf file)")
+    from kestrel.attention.selector import backend_candidates
+    from kestrel.kernels import backend_names
+
+    names = {"attention_backend": ["auto"] + [b.name for b in backend_candidates()],
+             "linear_backend": backend_names("linear"), "moe_backend": backend_names("moe")}
+    for field, valid in names.items():
+        value = getattr(args, field, "auto")
+        if value not in valid:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(f"{flag} {value!r} is not one of {', '.join(valid)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kestrel", description="Kestrel: a compact LLM inference and serving engine.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for prompts (offline, batched)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = sub.add_parser("generate", help="generate text for prompts (offline, batched)")
     g.add_argument("prompt", nargs="*", help="prompts (default: a demo prompt)")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message with the chat template")
     _sampling_args(g)
@@ -111,33 +123,45 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also KESTREL_API_KEY)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                                                   "/health (default: $KESTREL_API_KEY if set)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the path's name)")
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off: ids and sizes only)")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="how tool calls appear in this model's output (hermes: <tool_call> JSON, also Qwen)")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide to call tools (tool_choice "auto"; needs --tool-call-parser)')
-    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="put the <think>...</think> part of the output into reasoning_content")
+    add_section_args(s, ServerConfig, "server")
     add_cli_args(s)
 
-    b = sub.add_parser("bench", help="benchmarks: throughput | latency | serve (extra flags go to the script)")
-    b.add_argument("which", choices=["throughput", "latency", "serve"])
+    b = sub.add_parser("bench", help="benchmarks: throughput | latency | serve")
+    bsub = b.add_subparsers(dest="which", required=True)
+    from kestrel.bench.offline import add_parser
+
+    add_parser(bsub, "throughput")
+    add_parser(bsub, "latency")
+    bsub.add_parser("serve", help="load an OpenAI-compatible server with streaming clients "
+                                  "(kestrel bench serve --help)", add_help=False)  # main() hands its flags over
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kestrel.errors import KestrelError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if argv and argv[0] == "bench":
-        args, rest = parser.parse_known_args(argv)
-        return cmd_bench(args, rest)
-    args = parser.parse_args(argv)
+    if argv[:2] == ["bench", "serve"]:  # its own parser (kestrel/bench/serve.py)
+        from kestrel.bench.serve import main as serve_main
+
+        return serve_main(argv[2:])
+    args = build_parser().parse_args(argv)
     if args.command == "serve" and args.model_tag and not args.model:
         args.model = args.model_tag
-    return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
+    try:
+        check_args(args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+    except KeyboardInterrupt:
+        print("kestrel: interrupted", file=sys.stderr)
+        return 130
+    except (KestrelError, FileNotFoundError) as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

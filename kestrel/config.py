@@ -27,6 +27,9 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "allow custom model code from the checkpoint (off by default)")
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
+    max_logprobs: int = _f(20, "most logprobs or prompt_logprobs a request may ask for")
+    gguf_cache_dir: str | None = _f("~/.cache/kestrel/gguf", "keep a dequantised copy of a .gguf model here for "
+                                                             "fast loads (pass '' to turn it off)")
 
 
 @dataclass
@@ -53,6 +56,10 @@ class ParallelConfig:
     data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache")
     cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
                                        "(default: CPU cores / (data-parallel size + 1), at least 1)")
+    engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "
+                                              "report ready")
+    engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
+                                      "0.5 s, 1 s, 2 s, ...); 0: never")
 
 
 @dataclass
@@ -127,33 +134,66 @@ class EngineConfig:
         return cls(**{s: types[s](**d[s]) for s in cls.SECTIONS})
 
 
+@dataclass
+class ServerConfig:
+    """Options of `kestrel serve` only (not sent to the engine cores)."""
+
+    enable_admin_api: bool = _f(False, "serve /sleep, /wake_up, /is_sleeping and /reset_prefix_cache (they need "
+                                       "the API key too when one is set)")
+    chat_template: str | None = _f(None, "chat template file (or the template text) instead of the model's own")
+    trust_request_chat_template: bool = _f(False, "let requests bring their own chat template (chat_template)")
+    generation_config: str = _f("auto", "sampling defaults for fields a request leaves out: auto (the model's "
+                                        "generation_config.json), vllm (none), or a folder holding one")
+    default_max_tokens: int = _f(4096, "max_tokens of a chat request that sets none (capped by the context left)")
+    request_timeout: float | None = _f(None, "seconds after which a request is aborted and its KV cache freed "
+                                             "(a request's own 'timeout' field wins)")
+    max_request_body_bytes: int = _f(8 * 2**20, "largest request body; larger ones get 413")
+    allowed_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser (off "
+                                                 "by default; '*' for any)")
+    tool_call_parser: str | None = _f(None, "how tool calls appear in this model's output (hermes: <tool_call> "
+                                            "JSON, also Qwen; llama3_json)", choices=[None, "hermes", "llama3_json"])
+    enable_auto_tool_choice: bool = _f(False, 'let the model decide to call tools (tool_choice "auto"; needs '
+                                              '--tool-call-parser)')
+    reasoning_parser: str | None = _f(None, "put the <think>...</think> part of the output into reasoning_content",
+                                      choices=[None, "qwen3", "deepseek_r1"])
+
+
+def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of the dataclass ``cls``: --kebab-case, default and help text from the field."""
+    group = parser.add_argument_group(title)
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint, help_text = hints[f.name], f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if "default" not in help_text:  # each default is printed once
+            help_text = f"{help_text} (default: {default})"
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        inner = [a for a in get_args(hint) if a is not type(None)] or [hint]
+        base = inner[0]
+        kw: dict[str, Any] = {"default": default, "help": help_text}
+        if get_origin(base) is list:
+            kw.update(type=get_args(base)[0], nargs="+")
+        else:
+            kw["type"] = base
+        choices = [c for c in f.metadata.get("choices", []) if c is not None]
+        if choices:
+            kw["choices"] = choices
+        group.add_argument(flag, **kw)
+
+
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Add one flag per config field, grouped by concern."""
     for section in EngineConfig.SECTIONS:
-        sub_cls = type(getattr(EngineConfig(), section))
-        group = parser.add_argument_group(section)
-        hints = get_type_hints(sub_cls)
-        for f in fields(sub_cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            hint, help_text = hints[f.name], f.metadata.get("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if hint is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                   help=f"{help_text} (default: {default})")
-                continue
-            inner = [a for a in get_args(hint) if a is not type(None)] or [hint]
-            base = inner[0]
-            kw: dict[str, Any] = {"default": default, "help": f"{help_text} (default: {default})"}
-            if get_origin(base) is list:
-                kw.update(type=(get_args(base) or (int,))[0], nargs="+")
-            else:
-                kw["type"] = base
-            choices = [c for c in f.metadata.get("choices", []) if c is not None]
-            if choices:
-                kw["choices"] = choices
-            group.add_argument(flag, **kw)
+        add_section_args(parser, type(getattr(EngineConfig(), section)), section, skip)
+
+
+def section_from_cli_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def from_cli_args(args: argparse.Namespace) -> EngineConfig:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -12,6 +12,19 @@ from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+PromptType = Union[str, list[int], dict]
+
+
+def _prompt_of(p: PromptType) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt dicts -> what the engine takes."""
+    if not isinstance(p, dict):
+        return p
+    unknown = set(p) - {"prompt", "prompt_token_ids"}
+    if unknown or len(p) != 1:
+        raise ValueError(f"a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids' (got keys {sorted(p)})")
+    return p.get("prompt", p.get("prompt_token_ids"))
 
 
 class LLM:
@@ -25,18 +38,26 @@ class LLM:
         self.config = EngineConfig.create(model=model, **engine_options)
         self.engine = LLMEngine(self.config, progress=progress)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.config = config
+        llm.engine = LLMEngine(config, progress=progress)
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | None = None,
                  priority: Sequence[int] | None = None, lora_request=None) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists; returns one RequestOutput per prompt, in input order.
-        lora_request: one adapter (a LoRARequest from load_lora, or its name) for all prompts, or one per prompt
-        (None: the base model)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Prompts in vLLM's forms: a string, a token-id list, {"prompt": str} or {"prompt_token_ids": [...]}, or a
+        list of those; returns one RequestOutput per prompt, in input order. lora_request: one adapter (a
+        LoRARequest from load_lora, or its name) for all prompts, or one per prompt (None: the base model)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt_of(p) for p in prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -58,7 +79,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.apply_chat_template(c, **template_kwargs) for c in convs]
+        prompts = [self.engine.input_processor.apply_chat_template(c, template_kwargs=template_kwargs) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -19,9 +19,13 @@ class InvalidRequest(KestrelError, ValueError):
         self.code = code
 
 
-class ModelNotFound(InvalidRequest):
+class NotFound(InvalidRequest):
     status_code = 404
     error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    pass
 
 
 class EngineDead(KestrelError, RuntimeError):

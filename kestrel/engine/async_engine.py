@@ -1,17 +1,20 @@
 """AsyncEngine: the asyncio frontend over a core client (what the HTTP server uses).
 
-generate() validates and tokenizes (InputProcessor), sends the core requests, and yields RequestOutputs with
-streaming deltas (OutputProcessor, incremental detokenization and stop strings). Leaving the iterator early
-(client disconnect = cancellation, or a break) aborts the request in the engine, which frees its KV blocks. A stop
-string found here is sent to the core as an abort so the engine stops generating. When an engine core dies,
-every request waiting on it fails with EngineDead."""
+generate() validates (InputProcessor), sends the core requests, and yields RequestOutputs with streaming deltas
+(OutputProcessor, incremental detokenization and stop strings). Callers tokenize off the event loop first
+(run_tokenizer: one worker thread, so a huge prompt never stalls other clients). Leaving the iterator early
+(client disconnect = cancellation, or a break) aborts the request in the engine, which frees its KV blocks; so
+does a request's timeout, after which its stream ends with finish_reason "abort" and stop_reason "timeout". A
+stop string found here is sent to the core as an abort so the engine stops generating. When an engine core
+dies, every request waiting on it fails with EngineDead."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
 from kestrel.engine.core_client import EngineCoreClient, make_client
@@ -27,22 +30,26 @@ logger = logging.getLogger(__name__)
 
 
 class RequestMetricsSink(Protocol):
-    def on_first_token(self, ttft_s: float) -> None: ...
-    def on_tokens(self, itl_s: float, count: int) -> None: ...
-    def on_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason: str | None) -> None: ...
+    """Request latency hooks; ``engine`` is the index of the engine core that served the request."""
+
+    def on_routed(self, engine: int) -> None: ...
+    def on_first_token(self, engine: int, ttft_s: float) -> None: ...
+    def on_tokens(self, engine: int, itl_s: float, count: int) -> None: ...
+    def on_finished(self, engine: int, e2e_s: float, prompt_tokens: int, generation_tokens: int,
+                    finish_reason: str | None) -> None: ...
 
 
 _ABORTED = object()
 
 
 class _Timing:
-    __slots__ = ("arrival", "first", "last", "tokens")
+    __slots__ = ("arrival", "first", "last", "engine")
 
     def __init__(self):
         self.arrival = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
-        self.tokens = 0
+        self.engine = 0
 
 
 class AsyncEngine:
@@ -60,7 +67,8 @@ class AsyncEngine:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.block_size = config.cache.block_size
-        self.loras = LoRARegistry(self.client)  # adapters by name, loaded on every engine core or on none
+        self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer")
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -74,13 +82,14 @@ class AsyncEngine:
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
         _, self.tokenizer = await asyncio.gather(
-            self.client.start(), asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code))
+            self.client.start(),
+            asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code, m.gguf_cache_dir))
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.block_size = info["block_size"]
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              info["eos_token_id"])
+                                              info["eos_token_id"], self.config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
@@ -88,35 +97,36 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         await self.client.shutdown()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_dead(self) -> bool:
+        """No engine core can serve now (all dead or restarting)."""
         return self.client.is_dead
 
-    @property
-    def dead_engines(self) -> dict[int, EngineDead]:
-        return dict(self.client.dead)
-
-    def check_health(self) -> None:
-        if self.client.dead:
-            raise next(iter(self.client.dead.values())) if self.is_dead else EngineDead(
-                "; ".join(str(e) for e in self.client.dead.values()))
+    def unavailable(self) -> EngineDead:
+        """The error for a request that finds no engine core able to serve."""
+        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in sorted(self.client.dead.items()))
+                          or "no engine core can serve")
 
     @property
     def stats(self) -> list:
         return list(self.client.stats)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._queues)
+    async def run_tokenizer(self, fn: Callable, *args, **kwargs):
+        """Run a tokenizer or chat-template call on the tokenizer thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, timeout: float | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
-        The request reaches the engine when the stream is first iterated; leaving it early aborts the request."""
+        The request reaches the engine when the stream is first iterated; leaving it early aborts the request.
+        ``timeout`` (seconds from now): then the request is aborted and its stream ends with finish_reason
+        "abort", stop_reason "timeout"."""
         if self.client.is_dead:
-            raise next(iter(self.client.dead.values()))
+            raise self.unavailable()
         request_id = request_id or uuid.uuid4().hex
         if lora_request is not None and self.loras.adapters.get(lora_request.name) != lora_request:
             raise ModelNotFound(f"the adapter {lora_request.name!r} is not loaded", param="model",
@@ -129,17 +139,18 @@ class AsyncEngine:
         if need > self.num_kv_blocks:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
                                  f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
-        return self._stream(request_id, prompt, ids, params, core_reqs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._stream(request_id, prompt, ids, params, core_reqs, deadline)
 
-    async def _stream(self, request_id, prompt, ids, params, core_reqs) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         if self.client.is_dead:
-            raise next(iter(self.client.dead.values()))
+            raise self.unavailable()
         queue: asyncio.Queue = asyncio.Queue()
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
-        self._timing[request_id] = _Timing()
+        timing = self._timing[request_id] = _Timing()
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           core_reqs, stream=True)
         if self.log_requests:
@@ -150,11 +161,23 @@ class AsyncEngine:
         finished = False
         try:
             for r in core_reqs:
-                engine = self.client.add_request(r)
-                if self.metrics is not None and hasattr(self.metrics, "on_routed"):
-                    self.metrics.on_routed(engine)
+                timing.engine = self.client.add_request(r)
+                if self.metrics is not None:
+                    self.metrics.on_routed(timing.engine)
+            loop = asyncio.get_running_loop()
+            loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
-                item = await queue.get()
+                try:
+                    async with asyncio.timeout_at(loop_deadline):
+                        item = await queue.get()
+                except TimeoutError:
+                    self.client.abort_requests(self.output_processor.child_ids(request_id))
+                    item = self.output_processor.finish(request_id, "abort", "timeout")
+                    logger.info("request %s timed out; aborted", request_id)
+                    finished = True
+                    if item is not None:
+                        yield item
+                    return
                 if item is _ABORTED:
                     finished = True
                     return
@@ -215,16 +238,15 @@ class AsyncEngine:
         if new:
             if t.first is None:
                 t.first = now
-                self.metrics.on_first_token(now - t.arrival)
+                self.metrics.on_first_token(t.engine, now - t.arrival)
                 if new > 1:
-                    self.metrics.on_tokens(0.0, new - 1)
+                    self.metrics.on_tokens(t.engine, 0.0, new - 1)
             else:
-                self.metrics.on_tokens((now - t.last) / new, new)
+                self.metrics.on_tokens(t.engine, (now - t.last) / new, new)
             t.last = now
-            t.tokens += new
         if ro.finished:
             reason = ro.outputs[0].finish_reason if ro.outputs else None
-            self.metrics.on_finished(now - t.arrival, len(ro.prompt_token_ids),
+            self.metrics.on_finished(t.engine, now - t.arrival, len(ro.prompt_token_ids),
                                      sum(len(c.token_ids) for c in ro.outputs), reason)
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
@@ -238,14 +260,20 @@ class AsyncEngine:
             if q is not None:
                 q.put_nowait(exc)
 
-    # ---- utility passthroughs (fan-outs wait for every engine; see engine/utility.py)
+    # ---- fan-outs to the live engine cores (they wait for every engine; see engine/utility.py). A dead or
+    # restarting engine is left out: it has no state to change, and it comes back fresh.
     async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        return await self.client.call_utility(method, *args, engine=engine)
+        return await self.client.utility.call(engine, method, *args)
 
-    async def call_utility_all(self, method: str, *args, timeout: float | None = None):
-        return await self.client.call_utility_all(method, *args, timeout=timeout)
+    def _live(self) -> list[int]:
+        if self.client.is_dead:
+            raise self.unavailable()
+        return self.client.live_engines
 
-    # ---- LoRA adapters: fan-outs applied on every engine or undone (kestrel/lora/registry.py)
+    # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/lora/registry.py)
+    async def call_utility_all_or_undo(self, method: str, args: tuple, undo_method: str, undo_args: tuple):
+        return await self.client.utility.call_all_or_undo(method, args, undo_method, undo_args, engines=self._live())
+
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         return await self.loras.load(name, path)
 
@@ -253,23 +281,20 @@ class AsyncEngine:
         return await self.loras.unload(name)
 
     async def list_loras(self) -> list[list]:
-        """Every engine's [[lora id, name], ...]; raises if the engines disagree."""
-        return (await self.call_utility_all("list_loras")).consensus()
-
-    async def get_stats(self) -> list[dict]:
-        return (await self.call_utility_all("get_stats")).values_or_raise()
+        """Every live engine's [[lora id, name], ...]; raises if the engines disagree."""
+        return (await self.client.utility.call_all("list_loras", engines=self._live())).consensus()
 
     async def reset_prefix_cache(self) -> bool:
-        return (await self.call_utility_all("reset_prefix_cache")).all_true()
+        return (await self.client.utility.call_all("reset_prefix_cache", engines=self._live())).all_true()
 
     async def sleep(self, level: int = 1) -> bool:
         """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation)."""
-        res = await self.client.call_utility_all_or_undo("sleep", (level,), "wake_up", lambda args: ())
+        res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
         return res.all_true()
 
     async def wake_up(self) -> bool:
-        res = await self.client.call_utility_all_or_undo("wake_up", (), "sleep", lambda args: (1,))
+        res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
         return res.all_true()
 
     async def is_sleeping(self) -> bool:
-        return (await self.call_utility_all("is_sleeping")).consensus()
+        return (await self.client.utility.call_all("is_sleeping", engines=self._live())).consensus()

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 import zmq
@@ -25,14 +25,14 @@ import zmq.asyncio
 
 from kestrel.config import EngineConfig
 from kestrel.engine import protocol as P
-from kestrel.engine.core_proc import engine_identity, run_engine_core
-from kestrel.engine.utility import FanoutResult, UtilityClient
+from kestrel.engine.core_proc import engine_facts, engine_identity, run_engine_core, run_utility
+from kestrel.engine.utility import UtilityClient
 from kestrel.errors import EngineDead, KestrelError
 
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
-STARTUP_TIMEOUT_S = float(os.environ.get("KESTREL_ENGINE_STARTUP_TIMEOUT", "600"))
+RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles per restart of the same engine
 
 
 class EngineStartupError(KestrelError, RuntimeError):
@@ -44,7 +44,8 @@ DeadHandler = Callable[[EngineDead, list[str] | None], None]
 
 
 class EngineCoreClient:
-    """Interface shared by the clients."""
+    """Interface shared by the clients. ``dead`` is the one record of engines that cannot serve now (dead,
+    restarting, or given up); the utility client reads it too."""
 
     num_engines = 1
 
@@ -54,19 +55,26 @@ class EngineCoreClient:
         self.engine_info: list[dict] = []
         self.stats: list[P.SchedulerStats | None] = []
         self.dead: dict[int, EngineDead] = {}
+        self.utility = UtilityClient(self)
 
     @property
     def is_dead(self) -> bool:
-        """True when no engine is left to serve."""
+        """True when no engine can serve."""
         return len(self.dead) >= self.num_engines
+
+    @property
+    def live_engines(self) -> list[int]:
+        return [i for i in range(self.num_engines) if i not in self.dead]
+
+    def engine_state(self, i: int) -> str:
+        return "dead" if i in self.dead else "ready"
 
     async def start(self) -> None: ...
     def add_request(self, request: P.EngineCoreRequest) -> int: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
     async def shutdown(self) -> None: ...
 
-    # ---- utility calls: all of them go through engine/utility.py's UtilityClient (self.utility), for which
-    # the client is the transport (num_engines, encode, send)
+    # ---- the UtilityTransport half (engine/utility.py): encode + send; replies come back through deliver
     def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes:
         return P.encoder.encode(P.UtilityRequest(call_id, method, list(args)))
 
@@ -75,18 +83,6 @@ class EngineCoreClient:
 
     def _deliver_utility(self, engine: int, u: P.UtilityOutput) -> None:
         self.utility.deliver(u.call_id, u.ok, u.result if u.ok else u.failure_message, engine_index=engine)
-
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        return await self.utility.call_utility(engine, method, *args)
-
-    async def call_utility_all(self, method: str, *args, timeout: float | None = None) -> FanoutResult:
-        """Every engine's outcome, in engine order, after all settled (never raises by itself)."""
-        return await self.utility.call_utility_all(method, *args, timeout=timeout)
-
-    async def call_utility_all_or_undo(self, method: str, args, undo_method: str, undo_args_fn=None,
-                                       timeout: float | None = None) -> FanoutResult:
-        """A mutating fan-out: applied everywhere, or undone on the engines where it succeeded."""
-        return await self.utility.call_utility_all_or_undo(method, args, undo_method, undo_args_fn, timeout=timeout)
 
 
 # ------------------------------------------------------------------ in-process
@@ -103,17 +99,13 @@ class InprocClient(EngineCoreClient):
         self._task: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kestrel-core")
         self._closed = False
-        self.utility = UtilityClient(self)
 
     async def start(self) -> None:
         from kestrel.engine.core import EngineCore
 
         loop = asyncio.get_running_loop()
         self.core = await loop.run_in_executor(self._pool, lambda: EngineCore(self.config, progress=False))
-        hf = self.core.runner.hf_config
-        self.engine_info = [{"engine_index": 0, "pid": os.getpid(), "max_model_len": self.core.max_model_len,
-                             "vocab_size": int(hf.vocab_size), "eos_token_id": self.core.eos_token_id,
-                             "num_kv_blocks": self.core.kv.num_blocks, "block_size": self.config.cache.block_size}]
+        self.engine_info = [engine_facts(self.core, 0)]
         self.stats = [self.core.stats()]
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop())
@@ -153,21 +145,14 @@ class InprocClient(EngineCoreClient):
         loop = asyncio.get_running_loop()
 
         def run():  # on the core thread, like the engine-core process's loop
-            call = P.utility_decoder.decode(payload)
-            try:
-                if call.method not in self.core.UTILITY_METHODS:
-                    raise AttributeError(f"{call.method!r} is not a utility method of the engine core")
-                reply = P.UtilityOutput(call.call_id, True, getattr(self.core, call.method)(*call.args))
-            except Exception as e:
-                reply = P.UtilityOutput(call.call_id, False, None,
-                                        f"Call to {call.method} method failed: {type(e).__name__}: {e}")
+            reply = run_utility(self.core, P.utility_decoder.decode(payload))
             loop.call_soon_threadsafe(self._deliver_utility, 0, reply)
 
         self._queue(run)
 
     async def shutdown(self) -> None:
         self._closed = True
-        self.utility.fail_all(EngineDead("the engine client was shut down"))
+        self.utility.fail_engine(None, EngineDead("the engine client was shut down"))
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:
@@ -178,21 +163,35 @@ class InprocClient(EngineCoreClient):
 # ------------------------------------------------------------------ engine-core processes over ZeroMQ
 class MPClient(EngineCoreClient):
     """One or more engine-core processes. The client binds a ROUTER (input) and a PULL (output) socket on ipc
-    paths in a private temporary folder; every engine connects a DEALER and a PUSH."""
+    paths in a private temporary folder; every engine connects a DEALER and a PUSH.
 
-    def __init__(self, config: EngineConfig, num_engines: int = 1, startup_timeout: float = STARTUP_TIMEOUT_S):
+    An engine that dies fails its in-flight requests at once and is restarted after a back-off, at most
+    ``engine_restart_limit`` times; while it is down it is in ``dead`` and gets no traffic."""
+
+    def __init__(self, config: EngineConfig, num_engines: int = 1):
         super().__init__()
         self.config = config
         self.num_engines = num_engines
-        self.startup_timeout = startup_timeout
-        self.procs: list = []
+        self.startup_timeout = config.parallel.engine_startup_timeout
+        self.restart_limit = config.parallel.engine_restart_limit
+        self.procs: list = [None] * num_engines
+        self.engine_info = [{} for _ in range(num_engines)]
         self.stats = [None] * num_engines
         self.routed_since_stats = [0] * num_engines
         self.request_engine: dict[str, int] = {}  # core request id -> engine index
-        self.utility = UtilityClient(self)
+        self.restarts = [0] * num_engines
+        self._restart_at: dict[int, float] = {}  # dead engine -> when to spawn it again
+        self._starting: dict[int, float] = {}  # spawned after a death, not ready yet -> start-up deadline
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._dir: str | None = None
+
+    def engine_state(self, i: int) -> str:
+        if i not in self.dead:
+            return "ready"
+        if i in self._starting or i in self._restart_at:
+            return "restarting"
+        return "dead"
 
     # ---- start-up
     def _device_for(self, i: int) -> str | None:
@@ -210,26 +209,29 @@ class MPClient(EngineCoreClient):
         devices = [d.strip() for d in visible.split(",")] if visible else [str(d) for d in range(n)]
         return devices[i % len(devices)]
 
+    def _spawn(self, i: int) -> None:
+        p = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name=f"kestrel-engine-{i}", daemon=True,
+            args=(self.config.to_dict(), self._in_addr, self._out_addr, i, os.getpid(), self._device_for(i),
+                  logging.getLogger("kestrel").getEffectiveLevel()))
+        p.start()
+        self.procs[i] = p
+
     async def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="kestrel-")
-        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._in_addr, self._out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._input.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes over its identity
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(in_addr)
+        self._input.bind(self._in_addr)
         self._output = self._actx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        cfg = self.config.to_dict()
+        self._output.bind(self._out_addr)
         for i in range(self.num_engines):
-            p = mp.Process(target=run_engine_core, name=f"kestrel-engine-{i}", daemon=True,
-                           args=(cfg, in_addr, out_addr, i, os.getpid(), self._device_for(i),
-                                 logging.getLogger("kestrel").getEffectiveLevel()))
-            p.start()
-            self.procs.append(p)
+            self._spawn(i)
         try:
             await self._wait_ready()
         except BaseException:
@@ -238,29 +240,35 @@ class MPClient(EngineCoreClient):
         self._tasks = [asyncio.create_task(self._output_loop(), name="kestrel-output-loop"),
                        asyncio.create_task(self._watch_engines(), name="kestrel-engine-watch")]
 
+    def _handshakes(self):
+        """(engine index, hand-shake message) for every hand-shake queued on the input socket."""
+        while self._input.poll(0):
+            frames = self._input.recv_multipart()
+            idx = int.from_bytes(frames[0], "little")
+            try:
+                msg = msgspec.msgpack.decode(frames[1])
+                assert isinstance(msg, dict)
+            except Exception:
+                msg = {"status": "error", "message": "undecodable hand-shake"}
+            yield idx, msg
+
     async def _wait_ready(self) -> None:
-        info: dict[int, dict] = {}
+        ready: set[int] = set()
         deadline = time.monotonic() + self.startup_timeout
-        while len(info) < self.num_engines:
-            while self._input.poll(0):
-                ident, payload = self._input.recv_multipart()[:2]
-                idx = int.from_bytes(ident, "little")
-                try:
-                    msg = msgspec.msgpack.decode(payload)
-                except Exception:
-                    msg = {"status": "error", "message": "undecodable hand-shake"}
+        while len(ready) < self.num_engines:
+            for idx, msg in self._handshakes():
                 if msg.get("status") != "ready":
                     raise EngineStartupError(f"engine core {idx} failed to start: {msg.get('message')}")
-                info[idx] = msg
+                self.engine_info[idx] = msg
+                ready.add(idx)
             for i, p in enumerate(self.procs):
-                if i not in info and not p.is_alive():
-                    raise EngineStartupError(f"engine core {i} (pid {p.pid}) exited with code {p.exitcode} "
-                                             f"before it was ready; see its log above")
+                if i not in ready and not p.is_alive():
+                    raise EngineStartupError(f"engine core {i} exited with code {p.exitcode} before it was ready; "
+                                             f"see its log above")
             if time.monotonic() > deadline:
                 raise EngineStartupError(f"engine cores not ready after {self.startup_timeout:.0f} s "
-                                         f"(ready: {sorted(info)})")
+                                         f"(ready: {sorted(ready)}); raise --engine-startup-timeout")
             await asyncio.sleep(0.05)
-        self.engine_info = [info[i] for i in range(self.num_engines)]
 
     # ---- sending
     def _send(self, engine: int, rtype: P.RequestType, payload: bytes) -> None:
@@ -272,6 +280,8 @@ class MPClient(EngineCoreClient):
             raise EngineDead(f"engine core {engine} is unreachable: {e}") from e
 
     def _choose_engine(self, request: P.EngineCoreRequest) -> int:
+        if 0 in self.dead:
+            raise self.dead[0]
         return 0
 
     def add_request(self, request: P.EngineCoreRequest) -> int:
@@ -289,11 +299,9 @@ class MPClient(EngineCoreClient):
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
             e = self.request_engine.pop(rid, None)
-            if e is not None:
+            if e is not None and e not in self.dead:
                 by_engine.setdefault(e, []).append(rid)
         for e, ids in by_engine.items():
-            if e in self.dead:
-                continue
             try:
                 self._send(e, P.RequestType.ABORT, P.encoder.encode(ids))
             except EngineDead as exc:
@@ -321,9 +329,11 @@ class MPClient(EngineCoreClient):
                 logger.warning("dropping an undecodable engine output: %s", e)
                 continue
             idx = outs.engine_index
+            if not 0 <= idx < self.num_engines or idx in self.dead:
+                continue  # a dead engine's last words: its requests have already failed
             if outs.utility_output is not None:
                 self._deliver_utility(idx, outs.utility_output)
-            if 0 <= idx < self.num_engines and outs.stats is not None:
+            if outs.stats is not None:
                 self.stats[idx] = outs.stats
                 self.routed_since_stats[idx] = 0
             for o in outs.outputs:
@@ -335,20 +345,60 @@ class MPClient(EngineCoreClient):
                 except Exception:
                     logger.exception("output handler failed")
 
+    # ---- deaths and restarts (one task: it alone spawns, reaps and reads hand-shakes after start-up)
     async def _watch_engines(self) -> None:
         try:
             while not self._closing:
-                for i, p in enumerate(self.procs):
-                    if i not in self.dead and not p.is_alive():
-                        self._engine_died(i, p)
+                self._watch_once(time.monotonic())
                 await asyncio.sleep(WATCH_INTERVAL_S)
         except asyncio.CancelledError:
             return
 
+    def _watch_once(self, now: float) -> None:
+        for idx, msg in self._handshakes():
+            if idx not in self._starting:
+                continue
+            if msg.get("status") == "ready":
+                del self._starting[idx]
+                self.engine_info[idx] = msg
+                self.stats[idx] = None
+                self.routed_since_stats[idx] = 0
+                del self.dead[idx]
+                logger.info("engine core %d is back (restart %d of %d)", idx, self.restarts[idx], self.restart_limit)
+            else:
+                logger.error("engine core %d failed to restart: %s", idx, msg.get("message"))
+        for i, p in enumerate(self.procs):
+            if i in self._starting:
+                if not p.is_alive() or now > self._starting[i]:
+                    del self._starting[i]
+                    if p.is_alive():
+                        p.kill()
+                    logger.error("engine core %d did not come back (exit code %s)", i, p.exitcode)
+                    self._schedule_restart(i, now)
+            elif i in self._restart_at:
+                if now >= self._restart_at[i]:
+                    del self._restart_at[i]
+                    self.restarts[i] += 1
+                    logger.info("restarting engine core %d (%d of %d)", i, self.restarts[i], self.restart_limit)
+                    self._spawn(i)
+                    self._starting[i] = now + self.startup_timeout
+            elif i not in self.dead and not p.is_alive():
+                self._engine_died(i, p)
+                self._schedule_restart(i, now)
+
+    def _schedule_restart(self, i: int, now: float) -> None:
+        if self.restarts[i] >= self.restart_limit:
+            logger.error("engine core %d stays down: it was restarted %d times (--engine-restart-limit)", i,
+                         self.restarts[i])
+            return
+        first, cap = RESTART_BACKOFF_S
+        self._restart_at[i] = now + min(cap, first * 2 ** self.restarts[i])
+
     def _engine_died(self, i: int, p) -> None:
-        exc = EngineDead(f"engine core {i} (pid {p.pid}) died with exit code {p.exitcode}")
+        exc = EngineDead(f"engine core {i} died with exit code {p.exitcode}")
         exc.engine_index = i
         self.dead[i] = exc
+        self.stats[i] = None
         logger.error("%s; failing its requests", exc)
         self.utility.fail_engine(i, exc)
         ids = [rid for rid, e in self.request_engine.items() if e == i]
@@ -366,16 +416,17 @@ class MPClient(EngineCoreClient):
         self._closing = True
         for t in self._tasks:
             t.cancel()
-        self.utility.fail_all(EngineDead("the engine client was shut down"))
+        self.utility.fail_engine(None, EngineDead("the engine client was shut down"))
+        procs = [p for p in self.procs if p is not None]
         for i, p in enumerate(self.procs):
-            if p.is_alive():
+            if p is not None and p.is_alive():
                 try:
                     self._input.send_multipart([engine_identity(i), P.RequestType.SHUTDOWN.value, b""],
                                                flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + 5
-        for p in self.procs:
+        for p in procs:
             while p.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if p.is_alive():
@@ -402,7 +453,7 @@ class DPClient(MPClient):
             if best_load is None or load < best_load:
                 best, best_load = i, load
         if best is None:
-            raise EngineDead("every engine core is dead")
+            raise EngineDead("no engine core can serve: " + "; ".join(str(e) for e in self.dead.values()))
         return best
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 
 import msgspec
@@ -35,6 +36,7 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
                     parent_pid: int | None = None, visible_device: str | None = None,
                     log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts the engines down
     if visible_device is not None:  # before torch initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine{engine_index}: %(message)s",
@@ -54,18 +56,13 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
 
             config = EngineConfig.from_dict(config_dict)
             _set_cpu_threads(config)
-            core = EngineCore(config, engine_index=engine_index, progress=False)
+            core = EngineCore(config, engine_index=engine_index, progress=engine_index == 0)  # one bar, not N
         except BaseException as e:  # report why start-up failed, then exit non-zero
             msg = f"{type(e).__name__}: {e}"
             logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
             inp.send(P.encoder.encode({"status": "error", "message": msg}))
             raise SystemExit(1)
-        hf = core.runner.hf_config
-        inp.send(P.encoder.encode({
-            "status": "ready", "engine_index": engine_index, "pid": os.getpid(),
-            "max_model_len": core.max_model_len, "vocab_size": int(hf.vocab_size),
-            "eos_token_id": core.eos_token_id, "num_kv_blocks": core.kv.num_blocks,
-            "block_size": config.cache.block_size, "device": str(core.runner.device)}))
+        inp.send(P.encoder.encode({"status": "ready", **engine_facts(core, engine_index)}))
         EngineCoreLoop(core, inp, out, engine_index, parent_pid).run()
     finally:
         inp.close()
@@ -145,18 +142,30 @@ class EngineCoreLoop:
         except Exception as e:
             logger.warning("dropping an undecodable utility call: %s", e)
             return
-        try:
-            if call.method not in self.core.UTILITY_METHODS:
-                raise AttributeError(f"{call.method!r} is not a utility method of the engine core")
-            result = getattr(self.core, call.method)(*call.args)
-            reply = P.UtilityOutput(call.call_id, True, result)
-            data = P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply))
-        except Exception as e:
-            reply = P.UtilityOutput(call.call_id, False, None,
-                                    f"Call to {call.method} method failed: {type(e).__name__}: {e}")
-            data = P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply))
+        reply = run_utility(self.core, call)
         self.stats_dirty = True
-        self.out.send(data, copy=False)
+        self.out.send(P.encoder.encode(P.EngineCoreOutputs(self.engine_index, utility_output=reply)), copy=False)
+
+
+def run_utility(core, call: P.UtilityRequest) -> P.UtilityOutput:
+    """The one dispatch table of utility calls: only the core's UTILITY_METHODS are callable by name."""
+    try:
+        if call.method not in core.UTILITY_METHODS:
+            raise AttributeError(f"{call.method!r} is not a utility method of the engine core")
+        result = getattr(core, call.method)(*call.args)
+        P.encoder.encode(result)  # a result that cannot cross the wire is this call's failure, not the loop's
+        return P.UtilityOutput(call.call_id, True, result)
+    except Exception as e:
+        return P.UtilityOutput(call.call_id, False, None, f"Call to {call.method} method failed: "
+                                                          f"{type(e).__name__}: {e}")
+
+
+def engine_facts(core, engine_index: int) -> dict:
+    """What the client learns about an engine when it is ready (the hand-shake)."""
+    return {"engine_index": engine_index, "max_model_len": core.max_model_len,
+            "vocab_size": int(core.model_config.vocab_size), "eos_token_id": core.eos_token_id,
+            "num_kv_blocks": core.kv.num_blocks, "block_size": core.config.cache.block_size,
+            "device": str(core.runner.device)}
 
 
 def _set_cpu_threads(config) -> None:

@@ -18,7 +18,7 @@ class LLMEngine:
         self.tokenizer = self.core.runner.loaded.tokenizer
         hf = self.core.runner.hf_config
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
-                                              self.core.eos_token_id)
+                                              self.core.eos_token_id, config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)

@@ -12,32 +12,59 @@ from kestrel.engine.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
 
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+                                    "return_dict", "return_tensors", "tokenizer_kwargs", "tools", "documents",
+                                    "continue_final_message", "padding", "truncation", "max_length"})
+
+
 def child_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{parent_id}#{index}"
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None):
+    """``default_max_tokens``: the cap for a request without max_tokens (None: the rest of the context);
+    ``chat_template``: used instead of the tokenizer's own when set."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
+                 max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.max_logprobs = max_logprobs
+        self.default_max_tokens = default_max_tokens
+        self.chat_template = chat_template
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest("this model has no chat template; use the completions API", param="messages")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+        """``template_kwargs``: extra template variables (chat_template_kwargs); they may not repeat our arguments."""
+        kw = template_kwargs or {}
+        template = chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise InvalidRequest("this model has no chat template; use the completions API or start the server "
+                                 "with --chat-template", param="messages")
+        clash = sorted(set(kw) & RESERVED_TEMPLATE_ARGS)
+        if clash:
+            raise InvalidRequest(f"chat_template_kwargs may not set {clash}: they are request fields of their own",
+                                 param="chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kw)
         except Exception as e:  # template errors are the caller's input problem
-            raise InvalidRequest(f"chat template failed: {e}", param="messages") from e
+            import jinja2  # the template's own errors (raise_exception) are for the client; nothing else is
+
+            why = f"{type(e).__name__}: {e}" if isinstance(e, jinja2.TemplateError) else type(e).__name__
+            raise InvalidRequest(f"chat template failed: {why}", param="messages") from e
+        if not isinstance(text, str):
+            raise InvalidRequest("the chat template did not render text", param="messages")
+        return text
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, lora_id: int = 0) -> tuple[list[int], list[EngineCoreRequest]]:
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.max_logprobs)
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
@@ -50,10 +77,12 @@ class InputProcessor:
         if room < 1:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                                  f"tokens, leaving no room to generate", param="prompt", code="context_length_exceeded")
+        if not isinstance(prompt, str) and any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
                                  f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.default_max_tokens or room)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):
@@ -119,6 +148,22 @@ class OutputProcessor:
         for cid in st.children:
             self.child_to_parent.pop(cid, None)
         return list(st.children)
+
+    def finish(self, request_id: str, finish_reason: str, stop_reason: str | None) -> RequestOutput | None:
+        """End a request here (e.g. its timeout): unfinished samples get ``finish_reason``; returns the last output."""
+        st = self.requests.get(request_id)
+        if st is None:
+            return None
+        for c in st.children.values():
+            if not c.finished:
+                c.finished = True
+                c.out.finish_reason, c.out.stop_reason = finish_reason, stop_reason
+                if c.detok is not None:
+                    c.out.text = c.detok.text
+                    c.out.text_delta += c.detok.take_delta(True)
+        out = self._snapshot(st)
+        self.abort(request_id)
+        return out
 
     def _logprob_dict(self, entry, token: int) -> dict[int, Logprob]:
         lp, rank, top = entry

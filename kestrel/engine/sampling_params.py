@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from kestrel.errors import InvalidRequest
@@ -110,9 +111,13 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> "SamplingParams":
         def bad(param, msg):
             raise InvalidRequest(f"{param} {msg}", param=param)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}")
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}")
@@ -143,12 +148,12 @@ class SamplingParams:
             bad("stop", "strings must be non-empty")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+            if v is not None and not 0 <= v <= max_logprobs:
+                bad(name, f"must be in [0, {max_logprobs}] (--max-logprobs), got {v}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            bad("seed", "must be a 64-bit integer")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")

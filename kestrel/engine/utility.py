@@ -4,125 +4,80 @@ A *utility call* is ``(call_id, method, args)`` sent to one engine core; the eng
 ``(call_id, ok, value_or_failure_message)``. A fan-out to several engines follows three rules:
 
 * **Wait for all.** Every engine's outcome is gathered (``return_exceptions`` semantics, never a
-  fail-fast ``gather`` nor a ``TaskGroup``), in engine order, and only then is one error raised that
-  carries all of them. Raising at the first failure would leave the other calls running unobserved:
-  the caller would not know which engines applied a mutation, and an undo would race calls still
-  in flight.
-* **Compensate after everything settled.** A mutating call (add_lora, sleep, pause) that failed on
-  some engines is undone on exactly the engines where it succeeded, once no reply is outstanding
-  (:meth:`UtilityClient.call_utility_all_or_undo`).
-* **One guard owns cleanup.** Every waiter is registered through a :class:`WaiterGuard`; on every
-  exit (preparation error, send error, timeout, caller cancellation, normal return) it removes what
-  it registered and is still there. Late or unknown replies are dropped with a debug log, so the
-  client's output loop never dies on them. ``add_request`` uses the same guard for its output stream
-  (:func:`register_and_send`).
+  fail-fast ``gather``), in engine order, and only then is one error raised that carries all of them.
+  Raising at the first failure would leave calls running unobserved: nobody would know which engines
+  applied a mutation, and an undo would race calls still in flight.
+* **Compensate after everything settled.** A mutating call (sleep, wake_up) that failed on some live
+  engine is undone on exactly the engines where it succeeded (:meth:`UtilityClient.call_all_or_undo`).
+  An engine that is *dead* is no reason to undo: its state is gone, and undoing would change the live
+  engines' state for nothing (a restarted engine starts fresh).
+* **One guard owns cleanup.** Every waiter is registered through a :class:`WaiterGuard`; on every exit
+  (preparation error, send error, timeout, cancellation, normal return) it removes what it registered
+  and is still there. Late or unknown replies are dropped with a debug log.
 
-This module knows no sockets: it is handed a small :class:`UtilityTransport` and fed replies by the
-core client's output loop through :meth:`UtilityClient.deliver`. Everything here runs on the event
-loop's thread.
+This module knows no sockets: the core client is its :class:`UtilityTransport` (which also owns the one
+record of dead engines) and feeds replies in through :meth:`UtilityClient.deliver`. Everything here runs
+on the event loop's thread.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, Union, overload
+from typing import Any, Generic, Protocol, TypeVar
+
+from kestrel.errors import EngineDead
 
 logger = logging.getLogger(__name__)
 
 K = TypeVar("K")
 V = TypeVar("V")
-
 _MISSING = object()
 
 
 # --------------------------------------------------------------------------------------- errors
-
-
 class UtilityError(Exception):
-    """Base class of the errors raised by utility calls."""
+    """Base class of the errors raised by utility calls; ``method`` and ``engine_index`` say where."""
+
+    def __init__(self, message: str, method: str = "?", engine_index: int = -1):
+        super().__init__(message)
+        self.method = method
+        self.engine_index = engine_index
 
 
 class UtilityCallError(UtilityError):
     """The engine ran the method and it failed; ``message`` is the engine's failure message."""
 
     def __init__(self, method: str, engine_index: int, message: str):
-        super().__init__(f"utility {method!r} failed on engine {engine_index}: {message}")
-        self.method = method
-        self.engine_index = engine_index
+        super().__init__(f"utility {method!r} failed on engine {engine_index}: {message}", method, engine_index)
         self.message = message
 
 
 class UtilityPrepareError(UtilityError):
     """Encoding the call for one engine failed; nothing was sent to any engine."""
 
-    def __init__(self, method: str, engine_index: int, cause: BaseException):
-        super().__init__(f"could not prepare utility {method!r} for engine {engine_index}: {_reason(cause)}")
-        self.method = method
-        self.engine_index = engine_index
-        self.__cause__ = cause
-
 
 class UtilitySendError(UtilityError):
     """The call could not be handed to one engine (send raised, or the engine is known dead)."""
 
-    def __init__(self, method: str, engine_index: int, cause: BaseException):
-        super().__init__(f"could not send utility {method!r} to engine {engine_index}: {_reason(cause)}")
-        self.method = method
-        self.engine_index = engine_index
-        self.__cause__ = cause
-
 
 class UtilityTimeoutError(UtilityError, TimeoutError):
-    """No reply (or no completed send) before the call's deadline. Is a ``TimeoutError``."""
-
-    def __init__(self, method: str, engine_index: int, timeout: float, waiting_for: str = "reply"):
-        super().__init__(
-            f"utility {method!r} to engine {engine_index} timed out after {timeout:g}s waiting for {waiting_for}"
-        )
-        self.method = method
-        self.engine_index = engine_index
-        self.timeout = timeout
+    """No reply (or no completed send) before the call's deadline."""
 
 
 class UtilityFanoutError(UtilityError):
-    """A fan-out did not succeed everywhere. Raised only after every engine settled.
-
-    ``result`` holds every per-engine outcome in engine order; ``undo`` holds the outcomes of the
-    compensating call when one was sent (see :meth:`UtilityClient.call_utility_all_or_undo`).
-    """
+    """A fan-out did not succeed everywhere; raised only after every engine settled. ``result`` holds every
+    per-engine outcome in engine order, ``undo`` the outcomes of the compensating call when one was sent."""
 
     def __init__(self, result: FanoutResult, undo: FanoutResult | None = None, message: str | None = None):
-        self.result = result
-        self.undo = undo
-        super().__init__(message if message is not None else _failure_message(result, undo))
-
-    @property
-    def method(self) -> str:
-        return self.result.method
-
-    @property
-    def outcomes(self) -> tuple[Outcome, ...]:
-        return self.result.outcomes
+        self.result, self.undo = result, undo
+        super().__init__(message or _failure_message(result, undo), result.method)
 
     @property
     def failed_engines(self) -> list[int]:
         return self.result.failed_engines()
-
-    @property
-    def ok_engines(self) -> list[int]:
-        return self.result.ok_engines()
-
-
-class InconsistentResultsError(UtilityFanoutError):
-    """Every engine answered, but not all with the same value. ``groups``: (value, engines) pairs."""
-
-    def __init__(self, result: FanoutResult, groups: list[tuple[Any, list[int]]]):
-        self.groups = groups
-        parts = "; ".join(f"{_engines_phrase(engines)} returned {value!r}" for value, engines in groups)
-        super().__init__(result, message=f"inconsistent results for utility {result.method!r}: {parts}")
 
 
 class AlreadyRegisteredError(ValueError):
@@ -132,157 +87,86 @@ class AlreadyRegisteredError(ValueError):
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, UtilityCallError):
         return exc.message
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _engines_phrase(engines: Sequence[int]) -> str:
-    if len(engines) == 1:
-        return f"engine {engines[0]}"
-    return f"engines {list(engines)}"
+def engine_lost(exc: BaseException) -> bool:
+    """Did this outcome fail because the engine is dead (rather than because the call failed on it)?"""
+    return isinstance(exc, EngineDead) or isinstance(exc.__cause__, EngineDead)
 
 
 def _failure_message(result: FanoutResult, undo: FanoutResult | None) -> str:
     errs = result.errors()
-    head = f"utility {result.method!r} failed on {len(errs)} of {len(result)} engines: "
-    head += "; ".join(f"engine {e.engine_index}: {_reason(e.exception)}" for e in errs)
-    ok = result.ok_engines()
-    if ok:
-        head += f" (succeeded on {_engines_phrase(ok)})"
+    msg = f"utility {result.method!r} failed on {len(errs)} of {len(result)} engines: " + "; ".join(
+        f"engine {e.engine_index}: {_reason(e.exception)}" for e in errs)
+    if result.ok_engines():
+        msg += f" (succeeded on engines {result.ok_engines()})"
     if undo is not None:
-        undo_errs = undo.errors()
-        if undo_errs:
-            head += f"; undo {undo.method!r} failed on " + "; ".join(
-                f"engine {e.engine_index}: {_reason(e.exception)}" for e in undo_errs
-            )
-            if undo.ok_engines():
-                head += f" (undone on {_engines_phrase(undo.ok_engines())})"
-        else:
-            head += f"; undone with {undo.method!r} on {_engines_phrase(undo.ok_engines())}"
-    return head
+        msg += f"; undo {undo.method!r}: ok on {undo.ok_engines()}, failed on {undo.failed_engines()}"
+    return msg
 
 
 # ------------------------------------------------------------------------------------- outcomes
-
-
 @dataclass(frozen=True, slots=True)
 class Ok:
-    """The engine answered with ``value``."""
-
     value: Any
     engine_index: int
-
-    @property
-    def ok(self) -> bool:
-        return True
-
-    def unwrap(self) -> Any:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
 class Err:
-    """The call failed for this engine: engine-side failure, send failure, timeout, or engine death."""
-
     exception: BaseException
     engine_index: int
 
     @property
-    def ok(self) -> bool:
-        return False
-
-    def unwrap(self) -> Any:
+    def value(self) -> Any:
         raise self.exception
 
 
-Outcome = Union[Ok, Err]
+Outcome = Ok | Err
 
 
-class FanoutResult(Sequence[Outcome]):
+class FanoutResult(tuple):
     """Every engine's outcome of one fan-out, in engine order, plus the aggregation policies."""
 
-    __slots__ = ("method", "_outcomes")
-
-    def __init__(self, method: str, outcomes: Iterable[Outcome]):
+    def __new__(cls, method: str, outcomes: Iterable[Outcome]):
+        self = super().__new__(cls, outcomes)
         self.method = method
-        self._outcomes = tuple(outcomes)
-
-    @overload
-    def __getitem__(self, index: int) -> Outcome: ...
-    @overload
-    def __getitem__(self, index: slice) -> tuple[Outcome, ...]: ...
-    def __getitem__(self, index):
-        return self._outcomes[index]
-
-    def __len__(self) -> int:
-        return len(self._outcomes)
-
-    def __repr__(self) -> str:
-        return f"FanoutResult({self.method!r}, {list(self._outcomes)!r})"
-
-    @property
-    def outcomes(self) -> tuple[Outcome, ...]:
-        return self._outcomes
+        return self
 
     def ok_engines(self) -> list[int]:
-        return [o.engine_index for o in self._outcomes if isinstance(o, Ok)]
+        return [o.engine_index for o in self if isinstance(o, Ok)]
 
     def failed_engines(self) -> list[int]:
-        return [o.engine_index for o in self._outcomes if isinstance(o, Err)]
+        return [o.engine_index for o in self if isinstance(o, Err)]
 
     def errors(self) -> list[Err]:
-        return [o for o in self._outcomes if isinstance(o, Err)]
-
-    def raise_for_errors(self) -> None:
-        """Raise one :class:`UtilityFanoutError` carrying every outcome if any engine failed."""
-        if any(isinstance(o, Err) for o in self._outcomes):
-            raise UtilityFanoutError(self)
+        return [o for o in self if isinstance(o, Err)]
 
     def values_or_raise(self) -> list[Any]:
-        """The values in engine order, or one :class:`UtilityFanoutError` if any engine failed."""
-        self.raise_for_errors()
-        return [o.value for o in self._outcomes]
+        """The values in engine order, or one :class:`UtilityFanoutError` carrying every outcome."""
+        if self.errors():
+            raise UtilityFanoutError(self)
+        return [o.value for o in self]
 
     def all_true(self) -> bool:
-        """AND of the values' truth (operation-style utilities: reset_prefix_cache, add_lora, ...)."""
+        """AND of the values (operation-style utilities: reset_prefix_cache, sleep, ...)."""
         return all(bool(v) for v in self.values_or_raise())
 
     def consensus(self) -> Any:
-        """The common value when every engine agrees (is_sleeping, is_paused, ...).
-
-        Raises :class:`UtilityFanoutError` if an engine failed and :class:`InconsistentResultsError`
-        (naming the engines of each distinct value) if they disagree. Values need not be hashable.
-        """
+        """The common value when every engine agrees (is_sleeping); names each distinct value's engines if not."""
         values = self.values_or_raise()
         if not values:
             raise ValueError(f"consensus of utility {self.method!r} over no engines")
-        groups: list[tuple[Any, list[int]]] = []
-        for outcome in self._outcomes:
-            for value, engines in groups:
-                if value == outcome.value:
-                    engines.append(outcome.engine_index)
-                    break
-            else:
-                groups.append((outcome.value, [outcome.engine_index]))
-        if len(groups) > 1:
-            raise InconsistentResultsError(self, groups)
+        if any(v != values[0] for v in values):
+            parts = "; ".join(f"engine {o.engine_index} returned {o.value!r}" for o in self)
+            raise UtilityFanoutError(self, message=f"inconsistent results for utility {self.method!r}: {parts}")
         return values[0]
-
-    def flatten(self) -> list[Any]:
-        """Concatenate per-engine list values (collective RPC: one list of worker results per engine)."""
-        return [item for value in self.values_or_raise() for item in value]
 
 
 # ---------------------------------------------------------------------------------------- guard
-
-
 def discard_waiter(value: Any) -> None:
-    """Default cleanup for a removed registry entry: cancel a pending future.
-
-    A future that already holds an exception is marked as retrieved, so a call abandoned on the
-    way out never leaves a "Future exception was never retrieved" log behind. Other values (an
-    output-stream queue) need nothing.
-    """
+    """Default cleanup of a removed entry: cancel a pending future (and mark a settled one's exception read)."""
     if isinstance(value, asyncio.Future):
         if not value.done():
             value.cancel()
@@ -291,17 +175,11 @@ def discard_waiter(value: Any) -> None:
 
 
 class WaiterGuard(Generic[K, V]):
-    """Owns the entries it registers in ``registry`` until it exits or is disarmed.
+    """Owns the entries it registers in ``registry`` until it exits or disarms them.
 
-    Use it as a (sync or async) context manager around the whole life of a call. On exit, by any
-    path (exception, ``CancelledError``, timeout, normal return), every entry it registered that is
-    still present *with the same value* is removed and passed to ``on_discard`` (default: cancel a
-    pending future). Entries someone else already removed (a delivered reply, ``fail_engine``) or
-    replaced are left alone. :meth:`disarm` hands entries over to the registry for good (e.g. an
-    output stream after a successful send).
-    """
-
-    __slots__ = ("registry", "_owned", "_on_discard", "_closed")
+    On exit by any path, every entry it registered that is still present *with the same value* is removed
+    and passed to ``on_discard``. Entries someone else already removed (a delivered reply, a failed engine)
+    or replaced are left alone."""
 
     def __init__(self, registry: MutableMapping[K, V], *, on_discard: Callable[[V], None] | None = discard_waiter):
         self.registry = registry
@@ -310,34 +188,25 @@ class WaiterGuard(Generic[K, V]):
         self._closed = False
 
     def register(self, key: K, value: V) -> V:
-        """Add ``key -> value`` to the registry, owned by this guard. Never overwrites an entry."""
         if self._closed:
             raise RuntimeError("WaiterGuard is closed; it cannot register more entries")
         if key in self.registry:
             raise AlreadyRegisteredError(f"key {key!r} is already registered")
-        self.registry[key] = value
-        self._owned[key] = value
+        self.registry[key] = self._owned[key] = value
         return value
 
     def release(self, key: K) -> None:
-        """Remove one owned entry now (e.g. the waiter of a failed send), as exit would."""
+        """Remove one owned entry now, as exit would."""
         value = self._owned.pop(key, _MISSING)
         if value is not _MISSING:
             self._remove(key, value)
 
     def disarm(self, *keys: K) -> None:
-        """Stop owning ``keys`` (all entries when none given): they stay registered after exit."""
-        if not keys:
-            self._owned.clear()
-        for key in keys:
+        """Stop owning ``keys`` (all when none given): they stay registered after exit."""
+        for key in keys or list(self._owned):
             self._owned.pop(key, None)
 
-    @property
-    def owned(self) -> tuple[K, ...]:
-        return tuple(self._owned)
-
     def close(self) -> None:
-        """Remove every entry still owned. Idempotent; never raises for a single bad entry."""
         self._closed = True
         owned, self._owned = self._owned, {}
         for key, value in owned.items():
@@ -358,317 +227,161 @@ class WaiterGuard(Generic[K, V]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> WaiterGuard[K, V]:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-async def register_and_send(
-    registry: MutableMapping[K, V],
-    key: K,
-    value: V,
-    send_coro_fn: Callable[[], Awaitable[object]],
-) -> V:
-    """Register ``key -> value``, await ``send_coro_fn()``, and keep the entry only if the send succeeded.
-
-    For ``add_request``: the output stream is registered before the send (so outputs can be routed
-    as soon as the engine answers) and removed again if the send raises or the caller is cancelled.
-    """
-    with WaiterGuard(registry) as guard:
-        guard.register(key, value)
-        await send_coro_fn()
-        guard.disarm()
-    return value
-
 
 # ------------------------------------------------------------------------------------ transport
-
-
 class UtilityTransport(Protocol):
-    """What :class:`UtilityClient` needs from the core client's sockets."""
+    """What :class:`UtilityClient` needs from a core client."""
 
-    @property
-    def num_engines(self) -> int: ...
+    num_engines: int
+    dead: Mapping[int, BaseException]  # the one record of dead engines: calls to them settle at once, unsent
 
-    def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes:
-        """Build the wire payload for one engine. May raise (preparation failure)."""
-        ...
-
-    async def send(self, engine_index: int, payload: bytes) -> None:
-        """Hand the payload to one engine. May raise (send failure)."""
-        ...
+    def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes: ...
+    async def send(self, engine_index: int, payload: bytes) -> None: ...
 
 
-class _UtilityWaiter(asyncio.Future):
-    """A reply future that remembers where its call went (for ``fail_engine`` and error messages)."""
+class _Waiter(asyncio.Future):
+    """A reply future that remembers where its call went."""
 
     def __init__(self, engine_index: int, method: str, *, loop: asyncio.AbstractEventLoop):
         super().__init__(loop=loop)
-        self.engine_index = engine_index
-        self.method = method
+        self.engine_index, self.method = engine_index, method
 
 
 # --------------------------------------------------------------------------------------- client
-
-
 class UtilityClient:
     """Utility calls over a :class:`UtilityTransport`; ``pending`` maps call_id -> reply future."""
 
     def __init__(self, transport: UtilityTransport):
         self.transport = transport
-        self.pending: dict[int, asyncio.Future] = {}
-        self.dead_engines: dict[int, BaseException] = {}
+        self.pending: dict[int, _Waiter] = {}
         self._call_ids = itertools.count(1)
 
-    # -- calls ---------------------------------------------------------------------------------
+    async def call(self, engine_index: int, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method`` on one engine and return its value (or raise its :class:`UtilityError`)."""
+        return (await self.call_all(method, *args, timeout=timeout, engines=(engine_index,)))[0].value
 
-    async def call_utility(self, engine_index: int, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``method`` on one engine and return its value.
-
-        Raises :class:`UtilityCallError` (engine-side failure), :class:`UtilityTimeoutError` (a
-        ``TimeoutError``), :class:`UtilityPrepareError` or :class:`UtilitySendError`.
-        """
-        result = await self.call_utility_all(method, *args, timeout=timeout, engines=(engine_index,))
-        return result[0].unwrap()
-
-    async def call_utility_all(
-        self,
-        method: str,
-        *args: Any,
-        timeout: float | None = None,
-        engines: Iterable[int] | None = None,
-    ) -> FanoutResult:
+    async def call_all(self, method: str, *args: Any, timeout: float | None = None,
+                       engines: Iterable[int] | None = None) -> FanoutResult:
         """Call ``method`` on every engine (or on ``engines``) and return once every engine settled.
 
-        1. Prepare: encode for every target first. If one encode raises, nothing is sent to anyone
-           and :class:`UtilityPrepareError` (naming the engine) is raised.
-        2. Send: all sends run together; a failed send becomes ``Err(UtilitySendError)`` for that
-           engine (its waiter is removed) and the others carry on.
-        3. Wait: all replies are awaited; ``timeout`` (seconds, one deadline for the whole call)
-           becomes ``Err(UtilityTimeoutError)`` for the engines that missed it, only.
-
-        The result never raises by itself: use ``values_or_raise()``, ``all_true()`` or
-        ``consensus()``. Cancelling the caller removes every waiter of this call.
-        """
+        1. Prepare every payload first: if one encode raises, nothing is sent (:class:`UtilityPrepareError`).
+        2. Send to all together; a failed send (or a known-dead engine) settles that engine only.
+        3. Await every reply; ``timeout`` (one deadline for the whole call) settles only the late engines.
+        The result never raises by itself. Cancelling the caller removes every waiter of this call."""
         targets = self._targets(engines)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         outcomes: dict[int, Outcome] = {}
         with WaiterGuard(self.pending) as guard:
-            # Phase 1: prepare every payload before anything leaves this process.
-            calls: list[tuple[int, int, asyncio.Future, bytes]] = []
-            for engine_index in targets:
-                dead = self.dead_engines.get(engine_index)
-                if dead is not None:
-                    outcomes[engine_index] = Err(UtilitySendError(method, engine_index, dead), engine_index)
+            calls: list[tuple[int, int, _Waiter, bytes]] = []
+            for i in targets:
+                if i in self.transport.dead:
+                    exc = UtilitySendError(f"could not send utility {method!r} to engine {i}: "
+                                           f"{_reason(self.transport.dead[i])}", method, i)
+                    exc.__cause__ = self.transport.dead[i]
+                    outcomes[i] = Err(exc, i)
                     continue
                 call_id = next(self._call_ids)
-                waiter = guard.register(call_id, _UtilityWaiter(engine_index, method, loop=loop))
+                waiter = guard.register(call_id, _Waiter(i, method, loop=loop))
                 try:
-                    payload = self.transport.encode(engine_index, call_id, method, args)
+                    payload = self.transport.encode(i, call_id, method, args)
                 except Exception as exc:
-                    raise UtilityPrepareError(method, engine_index, exc) from exc
-                calls.append((engine_index, call_id, waiter, payload))
-
-            # Phase 2: send to all; a failed send settles that engine only.
-            sent = await asyncio.gather(
-                *(self._send_one(method, i, payload, deadline, timeout) for i, _, _, payload in calls),
-                return_exceptions=True,
-            )
-            waiting: list[tuple[int, int, asyncio.Future]] = []
-            for (engine_index, call_id, waiter, _), failure in zip(calls, sent):
+                    raise UtilityPrepareError(f"could not prepare utility {method!r} for engine {i}: "
+                                              f"{_reason(exc)}", method, i) from exc
+                calls.append((i, call_id, waiter, payload))
+            sent = await asyncio.gather(*(self._send_one(method, i, p, deadline, timeout) for i, _, _, p in calls))
+            waiting = []
+            for (i, call_id, waiter, _), failure in zip(calls, sent):
                 if failure is None:
-                    waiting.append((engine_index, call_id, waiter))
-                    continue
-                if not isinstance(failure, UtilityError):
-                    failure = UtilitySendError(method, engine_index, failure)
-                guard.release(call_id)
-                outcomes[engine_index] = Err(failure, engine_index)
-
-            # Phase 3: wait for every reply (or its timeout); nobody is cancelled by a sibling.
-            settled = await asyncio.gather(
-                *(self._wait_one(guard, method, i, cid, w, deadline, timeout) for i, cid, w in waiting),
-                return_exceptions=True,
-            )
-            for (engine_index, _, _), outcome in zip(waiting, settled):
-                if not isinstance(outcome, (Ok, Err)):
-                    outcome = Err(outcome, engine_index)
-                outcomes[engine_index] = outcome
+                    waiting.append((i, call_id, waiter))
+                else:
+                    guard.release(call_id)
+                    outcomes[i] = Err(failure, i)
+            settled = await asyncio.gather(*(self._wait_one(guard, method, *w, deadline, timeout) for w in waiting))
+            outcomes.update((o.engine_index, o) for o in settled)
         return FanoutResult(method, (outcomes[i] for i in targets))
 
-    async def call_utility_all_or_undo(
-        self,
-        method: str,
-        args: Sequence[Any],
-        undo_method: str,
-        undo_args_fn: Callable[[tuple], Sequence[Any]] | None = None,
-        *,
-        timeout: float | None = None,
-        undo_timeout: float | None = None,
-        engines: Iterable[int] | None = None,
-    ) -> FanoutResult:
-        """A mutating fan-out that is either applied everywhere or undone where it was applied.
+    async def call_all_or_undo(self, method: str, args: Sequence[Any], undo_method: str, undo_args: Sequence[Any],
+                               *, timeout: float | None = None, engines: Iterable[int] | None = None) -> FanoutResult:
+        """A mutating fan-out that is applied everywhere or undone where it was applied.
 
-        Calls ``method(*args)`` on every target and waits for all. If every engine returned ``Ok``
-        the result is returned. Otherwise -- only after all settled -- ``undo_method`` is called on
-        exactly the engines that returned ``Ok``, with ``undo_args_fn(args)`` (default: the same
-        args), and :class:`UtilityFanoutError` is raised carrying both the forward outcomes and the
-        undo outcomes (``.undo``). Engines that timed out are reported, not undone: their state is
-        unknown. Examples: add_lora -> remove_lora, sleep -> wake_up, pause -> resume.
-        """
-        args = tuple(args)
-        result = await self.call_utility_all(method, *args, timeout=timeout, engines=engines)
-        if not result.failed_engines():
+        If every engine returned ``Ok`` the result is returned. Otherwise, after all settled,
+        ``undo_method(*undo_args)`` is called on exactly the engines that returned ``Ok`` and
+        :class:`UtilityFanoutError` is raised carrying both outcomes. Engines that timed out are reported, not
+        undone (their state is unknown). Engines that are dead trigger no undo at all."""
+        result = await self.call_all(method, *args, timeout=timeout, engines=engines)
+        errors = result.errors()
+        if not errors:
             return result
-        succeeded = result.ok_engines()
-        undo: FanoutResult | None = None
-        if succeeded:
-            undo_timeout = timeout if undo_timeout is None else undo_timeout
+        undo = None
+        if result.ok_engines() and not all(engine_lost(e.exception) for e in errors):
             try:
-                undo_args = tuple(args if undo_args_fn is None else undo_args_fn(args))
-                undo = await self.call_utility_all(undo_method, *undo_args, timeout=undo_timeout, engines=succeeded)
-            except Exception as exc:  # nothing of the undo was sent; report it per engine, keep the forward outcomes
-                undo = FanoutResult(undo_method, [Err(exc, i) for i in succeeded])
-        raise UtilityFanoutError(result, undo=undo)
+                undo = await self.call_all(undo_method, *undo_args, timeout=timeout, engines=result.ok_engines())
+            except UtilityError as exc:  # nothing of the undo was sent; report it per engine
+                undo = FanoutResult(undo_method, [Err(exc, i) for i in result.ok_engines()])
+        raise UtilityFanoutError(result, undo)
 
     # -- fed by the core client ----------------------------------------------------------------
-
-    def deliver(self, call_id: int, ok: bool, payload: Any, *, engine_index: int | None = None) -> bool:
-        """Settle the waiter of ``call_id`` with a reply from the output loop. Never raises.
-
-        ``payload`` is the value when ``ok``, else the engine's failure message (becomes
-        :class:`UtilityCallError`). Unknown, already-cleaned or already-settled ids are dropped with a
-        debug log; if ``engine_index`` is given and differs from the call's engine, the reply is
-        dropped too (warning). Returns whether a waiter was settled.
-        """
-        try:
-            waiter = self.pending.get(call_id)
-        except TypeError:  # unhashable garbage from the wire
-            waiter = None
-        if waiter is None:
+    def deliver(self, call_id: int, ok: bool, payload: Any, *, engine_index: int) -> bool:
+        """Settle the waiter of ``call_id`` (``payload``: the value, or the failure message). Never raises;
+        unknown, settled or wrong-engine replies are dropped with a log. Returns whether a waiter was settled."""
+        waiter = self.pending.get(call_id) if isinstance(call_id, int) else None
+        if waiter is None or waiter.done():
             logger.debug("dropping reply for unknown or finished utility call %r", call_id)
             return False
-        expected = getattr(waiter, "engine_index", None)
-        if engine_index is not None and expected is not None and engine_index != expected:
-            logger.warning(
-                "dropping reply for utility call %r from engine %s: the call went to engine %s",
-                call_id, engine_index, expected,
-            )
+        if engine_index != waiter.engine_index:
+            logger.warning("dropping reply for utility call %r from engine %s: the call went to engine %s",
+                           call_id, engine_index, waiter.engine_index)
             return False
         del self.pending[call_id]
-        if waiter.done():
-            logger.debug("dropping late reply for utility call %r (already settled)", call_id)
-            return False
         if ok:
             waiter.set_result(payload)
         else:
-            method = getattr(waiter, "method", "?")
-            waiter.set_exception(UtilityCallError(method, -1 if expected is None else expected, str(payload)))
-            waiter.exception()  # the awaiting fan-out reads it as an outcome; never log it as unretrieved
+            waiter.set_exception(UtilityCallError(waiter.method, engine_index, str(payload)))
+            waiter.exception()  # read by the fan-out as an outcome; never logged as unretrieved
         return True
 
-    def fail_engine(self, engine_index: int, exc: BaseException, *, dead: bool = True) -> int:
-        """Fail every waiter of calls sent to ``engine_index`` with ``exc`` (the engine died).
-
-        With ``dead`` (default) later calls to that engine settle at once as ``Err`` without being
-        sent, instead of waiting for a reply that cannot come; :meth:`revive_engine` undoes that.
-        Returns the number of waiters failed.
-        """
-        if dead:
-            self.dead_engines[engine_index] = exc
-        return self._fail(lambda w: getattr(w, "engine_index", None) == engine_index, exc)
-
-    def fail_all(self, exc: BaseException, *, dead: bool = True) -> int:
-        """Fail every pending waiter with ``exc`` (all engines gone, client shutting down)."""
-        if dead:
-            for engine_index in range(self.transport.num_engines):
-                self.dead_engines[engine_index] = exc
-        return self._fail(lambda w: True, exc)
-
-    def revive_engine(self, engine_index: int) -> None:
-        """Forget that ``engine_index`` was marked dead (it was restarted)."""
-        self.dead_engines.pop(engine_index, None)
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _fail(self, match: Callable[[asyncio.Future], bool], exc: BaseException) -> int:
-        hits = [call_id for call_id, waiter in self.pending.items() if match(waiter)]
+    def fail_engine(self, engine_index: int | None, exc: BaseException) -> int:
+        """Fail every waiter of calls sent to ``engine_index`` (every waiter when None) with ``exc``."""
+        hits = [cid for cid, w in self.pending.items() if engine_index is None or w.engine_index == engine_index]
         for call_id in hits:
             waiter = self.pending.pop(call_id)
-            if not waiter.done():
-                waiter.set_exception(exc)
-                waiter.exception()  # see deliver()
+            waiter.set_exception(exc)
+            waiter.exception()
         return len(hits)
 
+    # -- internals -----------------------------------------------------------------------------
     def _targets(self, engines: Iterable[int] | None) -> list[int]:
         n = self.transport.num_engines
-        if engines is None:
-            return list(range(n))
-        targets = sorted(engines)
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"duplicate engine indices in {targets}")
-        bad = [i for i in targets if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"engine indices {bad} out of range for {n} engines")
+        targets = list(range(n)) if engines is None else sorted(engines)
+        if len(set(targets)) != len(targets) or any(not 0 <= i < n for i in targets):
+            raise ValueError(f"bad engine indices {targets} for {n} engines")
         return targets
 
-    async def _send_one(
-        self, method: str, engine_index: int, payload: bytes, deadline: float | None, timeout: float | None
-    ) -> BaseException | None:
+    async def _send_one(self, method: str, i: int, payload: bytes, deadline: float | None,
+                        timeout: float | None) -> UtilityError | None:
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                await self.transport.send(engine_index, payload)
-        except TimeoutError as exc:
-            if scope.expired():
-                return UtilityTimeoutError(method, engine_index, timeout or 0.0, "the send")
-            return UtilitySendError(method, engine_index, exc)
+                await self.transport.send(i, payload)
         except Exception as exc:
-            return UtilitySendError(method, engine_index, exc)
+            if isinstance(exc, TimeoutError) and scope.expired():
+                return UtilityTimeoutError(f"utility {method!r} to engine {i} timed out after {timeout:g}s "
+                                           f"waiting for the send", method, i)
+            err = UtilitySendError(f"could not send utility {method!r} to engine {i}: {_reason(exc)}", method, i)
+            err.__cause__ = exc
+            return err
         return None
 
-    async def _wait_one(
-        self,
-        guard: WaiterGuard,
-        method: str,
-        engine_index: int,
-        call_id: int,
-        waiter: asyncio.Future,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> Outcome:
+    async def _wait_one(self, guard: WaiterGuard, method: str, i: int, call_id: int, waiter: _Waiter,
+                        deadline: float | None, timeout: float | None) -> Outcome:
         scope = asyncio.timeout_at(deadline)
         try:
             async with scope:
-                value = await waiter
-        except TimeoutError as exc:
-            if not scope.expired():  # a TimeoutError the engine failure carried, not our deadline
-                return Err(exc, engine_index)
-            guard.release(call_id)  # a reply after this is late and gets dropped
-            return Err(UtilityTimeoutError(method, engine_index, timeout or 0.0), engine_index)
+                return Ok(await waiter, i)
         except Exception as exc:
-            return Err(exc, engine_index)
-        return Ok(value, engine_index)
-
-
-__all__ = [
-    "AlreadyRegisteredError",
-    "Err",
-    "FanoutResult",
-    "InconsistentResultsError",
-    "Ok",
-    "Outcome",
-    "UtilityCallError",
-    "UtilityClient",
-    "UtilityError",
-    "UtilityFanoutError",
-    "UtilityPrepareError",
-    "UtilitySendError",
-    "UtilityTimeoutError",
-    "UtilityTransport",
-    "WaiterGuard",
-    "discard_waiter",
-    "register_and_send",
-]
+            if isinstance(exc, TimeoutError) and scope.expired():
+                guard.release(call_id)  # a reply after this is late and gets dropped
+                exc = UtilityTimeoutError(f"utility {method!r} to engine {i} timed out after {timeout:g}s",
+                                          method, i)
+            return Err(exc, i)

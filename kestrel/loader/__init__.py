@@ -6,10 +6,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kestrel.config import KernelConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from kestrel.models.context import ModelContext
+    from kestrel.models.hf_config import HFConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +59,15 @@ def load_hf_config(path: Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False):
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                   gguf_cache_dir: str | None = None):
     from transformers import AutoTokenizer
 
     p = Path(tokenizer_path or model_path)
     if p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        from kestrel.loader.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(p, gguf_cache_dir)
     return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
 
 
@@ -91,12 +99,10 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
         dtype = resolve_dtype(cfg.dtype, device)
         weights = iter(())
     elif path.suffix == ".gguf":
-        from kestrel.loader.gguf import gguf_config, iter_gguf, open_gguf
+        from kestrel.loader.gguf import load_gguf
 
-        reader = open_gguf(path)
-        hf_config = gguf_config(reader)
         dtype = resolve_dtype(cfg.dtype, device)
-        weights = iter_gguf(reader, hf_config, dtype, progress)
+        hf_config, weights = load_gguf(path, dtype, cfg.gguf_cache_dir, progress)
     else:
         from kestrel.loader.safetensors import iter_safetensors
 
@@ -120,7 +126,7 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
         model.load_weights((n, w.to(device)) for n, w in weights)
     model.eval()
     try:
-        tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code)
+        tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code, cfg.gguf_cache_dir)
     except (OSError, ValueError) as e:
         if cfg.load_format != "dummy":
             raise

@@ -1,7 +1,15 @@
 """GGUF files (llama.cpp): metadata -> a transformers config, tensors dequantized to the model dtype and renamed
-to HF names. llama.cpp's converter permutes attn_q / attn_k rows for its rope layout; we undo that here."""
+to HF names. llama.cpp's converter permutes attn_q / attn_k rows for its rope layout; we undo that here.
+
+Reading a GGUF is slow (the metadata parser and the tokenizer conversion are pure Python, and every tensor is
+dequantised), so the first load keeps a dequantised copy on disk (--gguf-cache-dir): config.json + safetensors
+per dtype, and the converted tokenizer. Later loads read that copy. The key is the file's path, size and mtime."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -17,6 +25,10 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CACHE_VERSION = 1
+SHARD_BYTES = 2**30
+
+logger = logging.getLogger(__name__)
 
 
 def _field(reader, key, default=None):
@@ -79,3 +91,94 @@ def open_gguf(path: Path):
     from gguf import GGUFReader
 
     return GGUFReader(str(path))
+
+
+# ------------------------------------------------------------------ the dequantised copy on disk
+def cache_folder(path: Path, cache_dir: str) -> Path:
+    st = path.stat()
+    key = f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return Path(cache_dir).expanduser() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _weights_folder(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
+    return cache_folder(path, cache_dir) / str(dtype).removeprefix("torch.")
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished temporary folder into place; another process may have won the race (fine)."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, cache_dir: str | None, progress: bool = True):
+    """(hf_config, weights iterator) from the cached copy when there is one, else from the GGUF (writing the copy
+    as the weights stream past, one shard at a time)."""
+    from transformers import AutoConfig
+
+    from kestrel.loader.safetensors import iter_safetensors
+
+    folder = _weights_folder(path, cache_dir, dtype) if cache_dir else None
+    if folder is not None and (folder / "config.json").exists():
+        logger.info("GGUF: reading the dequantised copy in %s", folder)
+        return AutoConfig.from_pretrained(folder), iter_safetensors(folder, progress)
+    reader = open_gguf(path)
+    cfg = gguf_config(reader)
+    weights = iter_gguf(reader, cfg, dtype, progress)
+    return cfg, (weights if folder is None else _write_through(weights, cfg, folder))
+
+
+def _write_through(weights, cfg, folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import save_file
+
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("GGUF: no dequantised copy (%s)", e)
+        yield from weights
+        return
+    shard: dict[str, torch.Tensor] = {}
+    size, n = 0, 0
+    ok = False
+    try:
+        for name, w in weights:
+            yield name, w
+            shard[name] = w.contiguous()
+            size += w.numel() * w.element_size()
+            if size >= SHARD_BYTES:
+                n += 1
+                save_file(shard, str(tmp / f"model-{n:05d}.safetensors"))
+                shard, size = {}, 0
+        if shard:
+            save_file(shard, str(tmp / f"model-{n + 1:05d}.safetensors"))
+        cfg.save_pretrained(tmp)
+        ok = True
+    except OSError as e:
+        logger.warning("GGUF: could not write the dequantised copy: %s", e)
+    finally:
+        if ok:
+            _publish(tmp, folder)
+            logger.info("GGUF: dequantised copy written to %s (later loads read it)", folder)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gguf_tokenizer(path: Path, cache_dir: str | None):
+    """The GGUF's tokenizer, converted once and kept beside the dequantised weights."""
+    from transformers import AutoTokenizer
+
+    folder = cache_folder(path, cache_dir) / "tokenizer" if cache_dir else None
+    if folder is not None and folder.is_dir():
+        return AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if folder is not None:
+        tmp = folder.parent / f".tokenizer.tmp-{os.getpid()}"
+        try:
+            tokenizer.save_pretrained(str(tmp))
+            _publish(tmp, folder)
+        except OSError as e:
+            logger.warning("GGUF: could not keep the converted tokenizer: %s", e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

@@ -47,7 +47,7 @@ def parse_lora_modules(cfg) -> list[tuple[str, str]]:
 
 class LoRARegistry:
     def __init__(self, client, base_model_name: str | None = None):
-        self.client = client  # call_utility_all_or_undo(method, args, undo_method, undo_args_fn)
+        self.client = client  # call_utility_all_or_undo(method, args, undo_method, undo_args): the AsyncEngine
         self.base_model_name = base_model_name
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
@@ -80,7 +80,7 @@ class LoRARegistry:
             req = LoRARequest(name, next(self._ids), path)
             try:
                 await self.client.call_utility_all_or_undo("add_lora", (req.lora_id, name, path), "remove_lora",
-                                                           lambda args: (args[0],))
+                                                           (req.lora_id,))
             except UtilityFanoutError as e:
                 raise LoRAFanoutError(e) from e
             self.adapters[name] = req
@@ -94,7 +94,7 @@ class LoRARegistry:
                                     code="model_not_found")
             try:
                 await self.client.call_utility_all_or_undo("remove_lora", (req.lora_id,), "add_lora",
-                                                           lambda args: (req.lora_id, req.name, req.path))
+                                                           (req.lora_id, req.name, req.path))
             except UtilityFanoutError as e:
                 raise LoRAFanoutError(e) from e
             del self.adapters[name]

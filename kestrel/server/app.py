@@ -1,24 +1,24 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncEngine whose engine cores run in their own
-processes. `kestrel serve MODEL` calls run_server(args)."""
+processes. `kestrel serve MODEL` calls run_server(args); docs/serving.md describes the endpoints and flags."""
 from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
-from kestrel.config import EngineConfig, from_cli_args
+from kestrel.config import EngineConfig, ServerConfig
 from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.utility import UtilityError
-from kestrel.errors import ConfigError, EngineDead, InvalidRequest, KestrelError
+from kestrel.engine.utility import UtilityError, UtilityFanoutError
+from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
 from kestrel.server.common import ServerState
 from kestrel.server.completions import create_completion
@@ -43,24 +43,270 @@ def default_model_name(config: EngineConfig) -> str:
     return "SmolLM2-135M-Instruct"
 
 
-def build_app(config: EngineConfig, model_name: str | None = None, api_key: str | None = None,
-              log_requests: bool = False, client: str = "mp", tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+def _state(request: Request) -> ServerState:
+    return request.app.state.kestrel
+
+
+# ------------------------------------------------------------------------------ errors: the OpenAI error body
+async def _on_validation(request: Request, exc: RequestValidationError):
+    errs = exc.errors()
+    e = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequest):  # raised by our own validators
+        return _error(400, cause.message, cause.error_type, cause.param)
+    if e.get("type") == "json_invalid":
+        return _error(400, f"malformed JSON body: {(e.get('ctx') or {}).get('error', e.get('msg'))}",
+                      "invalid_request_error")
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if not loc:  # the body as a whole: say so when it is not JSON at all (e.g. no JSON content type)
+        try:
+            json.loads(await request.body() or b"null")
+        except ValueError as je:
+            return _error(400, f"malformed JSON body: {je}", "invalid_request_error")
+    where = ".".join(loc) or "body"
+    return _error(400, f"{where}: {e.get('msg')}", "invalid_request_error", loc[0] if loc else None)
+
+
+async def _on_kestrel(request: Request, exc: KestrelError):
+    if exc.status_code >= 500:
+        logger.error("%s %s failed: %s", request.method, request.url.path, exc)
+    return _error(exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None), getattr(exc, "code", None))
+
+
+async def _on_utility(request: Request, exc: UtilityError):
+    logger.error("%s %s failed: %s", request.method, request.url.path, exc)
+    failed = exc.failed_engines if isinstance(exc, UtilityFanoutError) else [exc.engine_index]
+    return _error(500, f"{exc.method} failed on engine(s) {failed}; see the server log", "utility_error")
+
+
+async def _on_http(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error(exc.status_code, str(exc.detail), kind)
+
+
+async def _on_internal(request: Request, exc: Exception):
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return _error(500, "internal server error; see the server log", "internal_error")
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+async def _on_unauthorized(request: Request, exc: _Unauthorized):
+    return _error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error",
+                  None, "invalid_api_key")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    for exc_type, handler in ((RequestValidationError, _on_validation), (KestrelError, _on_kestrel),
+                              (UtilityError, _on_utility), (StarletteHTTPException, _on_http),
+                              (_Unauthorized, _on_unauthorized), (Exception, _on_internal)):
+        app.add_exception_handler(exc_type, handler)
+
+
+# ------------------------------------------------------------------------------ access
+async def check_key(request: Request):
+    key = _state(request).api_key
+    if key and not secrets.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
+        raise _Unauthorized()
+
+
+async def check_admin(request: Request):
+    if not _state(request).server.enable_admin_api:
+        raise NotFound("admin endpoints are off; start the server with --enable-admin-api")
+
+
+def _alive(state: ServerState) -> None:
+    if state.engine.is_dead:
+        raise state.engine.unavailable()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 (by Content-Length, or while it streams)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await _error(413, f"request body is larger than {self.limit} bytes (--max-request-body-bytes)",
+                                "invalid_request_error")(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI passes an HTTPException from the body read through unchanged
+                raise StarletteHTTPException(413, f"request body is larger than {self.limit} bytes "
+                                                  f"(--max-request-body-bytes)")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# ------------------------------------------------------------------------------ routes
+open_routes = APIRouter()
+api = APIRouter(dependencies=[Depends(check_key)])
+admin = APIRouter(dependencies=[Depends(check_key), Depends(check_admin)])
+
+
+@open_routes.get("/health")
+async def health(request: Request):
+    """200 while some engine core can serve; each engine's state (ready, restarting, dead)."""
+    client = _state(request).engine.client
+    engines = [{"index": i, "state": client.engine_state(i),
+                **({"error": str(client.dead[i])} if i in client.dead else {})} for i in range(client.num_engines)]
+    if client.is_dead:
+        body = error_body("no engine core can serve: " + "; ".join(str(e) for e in client.dead.values()),
+                          "engine_dead", None, 503)
+        return JSONResponse({**body, "engines": engines}, status_code=503)
+    return {"status": "ok", "engines": engines}
+
+
+@api.get("/version")
+async def version():
+    return {"version": kestrel.__version__}
+
+
+@api.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "kestrel", "root": state.engine.config.model.model,
+                                        "max_model_len": state.engine.max_model_len}] + lora_model_cards(state)}
+
+
+@api.post("/v1/completions")
+async def completions(req: CompletionRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_completion(_state(raw), req, raw)
+
+
+@api.post("/v1/chat/completions")
+async def chat(req: ChatCompletionRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_chat_completion(_state(raw), req, raw)
+
+
+@api.post("/tokenize")
+async def tokenize(req: TokenizeRequest, raw: Request):
+    state = _state(raw)
+    engine = state.engine
+    state.check_model(req.model)
+    if req.messages:
+        ids = await render_prompt(state, req)
+    elif req.prompt is not None:
+        ids = await engine.run_tokenizer(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise InvalidRequest("give a prompt or messages", param="prompt")
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+
+@api.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, raw: Request):
+    state = _state(raw)
+    state.check_model(req.model)
+    vocab = state.engine.input_processor.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise InvalidRequest(f"tokens must be ids in [0, {vocab})", param="tokens")
+    return {"prompt": await state.engine.run_tokenizer(state.engine.tokenizer.decode, req.tokens)}
+
+
+@api.get("/metrics")
+async def metrics_endpoint(request: Request):
+    return Response(_state(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---- admin: fan-outs to every live engine core
+@admin.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    return {"ok": await _state(request).engine.reset_prefix_cache()}
+
+
+@admin.post("/sleep")
+async def sleep(request: Request, level: int = 1):
+    return {"ok": await _state(request).engine.sleep(level)}
+
+
+@admin.post("/wake_up")
+async def wake_up(request: Request):
+    return {"ok": await _state(request).engine.wake_up()}
+
+
+@admin.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    return {"is_sleeping": await _state(request).engine.is_sleeping()}
+
+
+# ------------------------------------------------------------------------------ the app
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file, or the template text itself (as vLLM accepts)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{%"):
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def load_sampling_defaults(source: str, model_path: str | None) -> dict:
+    """Sampling defaults from generation_config.json, as vLLM applies them (--generation-config)."""
+    if source == "vllm":
+        return {}
+    folder = model_path if source == "auto" else source
+    if folder is None or not Path(folder).is_dir():
+        if source != "auto":
+            raise ConfigError(f"--generation-config {source!r} is not a folder")
+        return {}
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except OSError:
+        return {}
+    defaults = {k: diff[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in diff}
+    if "max_new_tokens" in diff:
+        defaults["max_tokens"] = diff["max_new_tokens"]
+    return defaults
+
+
+def build_app(config: EngineConfig, server: ServerConfig | None = None, model_name: str | None = None,
+              api_key: str | None = None, log_requests: bool = False, client: str = "mp") -> FastAPI:
+    server = server or ServerConfig()
     model_name = model_name or default_model_name(config)
-    if enable_auto_tool_choice and not tool_call_parser:
+    chat_template = load_chat_template(server.chat_template)
+    if server.enable_auto_tool_choice and not server.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
     try:
-        tool_parser, reasoning = get_tool_parser(tool_call_parser), get_reasoning_parser(reasoning_parser)
+        tool_parser = get_tool_parser(server.tool_call_parser)
+        reasoning = get_reasoning_parser(server.reasoning_parser)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     metrics = ServerMetrics(model_name)
     engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests)
-    state = ServerState(engine, model_name, metrics, api_key, tool_parser=tool_parser,
-                        enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning)
+    metrics.bind(engine)
+    state = ServerState(engine, model_name, metrics, api_key, server, tool_parser=tool_parser,
+                        enable_auto_tool_choice=server.enable_auto_tool_choice, reasoning_parser=reasoning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        from kestrel.loader import default_model_path
+
+        state.sampling_defaults = load_sampling_defaults(server.generation_config,
+                                                         config.model.model or default_model_path())
+        if state.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json: %s", state.sampling_defaults)
+        ip = engine.input_processor
+        ip.default_max_tokens = min(server.default_max_tokens, state.sampling_defaults.pop("max_tokens", 1 << 62))
+        ip.chat_template = chat_template or ip.chat_template
         logger.info("serving %s (max_model_len %d, %d engine core(s))", model_name, engine.max_model_len,
                     engine.client.num_engines)
         try:
@@ -70,162 +316,26 @@ def build_app(config: EngineConfig, model_name: str | None = None, api_key: str 
 
     app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-
-    # ---- errors: always the OpenAI error body
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        e = errs[0] if errs else {"loc": (), "msg": "invalid request", "type": ""}
-        if e.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}",
-                          "invalid_request_error")
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if not loc:  # the body as a whole: say so when it is not JSON at all (e.g. no JSON content type)
-            try:
-                json.loads(await request.body() or b"null")
-            except ValueError as je:
-                return _error(400, f"malformed JSON body: {je}", "invalid_request_error")
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        return _error(400, f"{where}: {e.get('msg')}", "invalid_request_error", param)
-
-    @app.exception_handler(KestrelError)
-    async def _kestrel(request: Request, exc: KestrelError):
-        if exc.status_code >= 500:
-            logger.error("%s %s failed: %s", request.method, request.url.path, exc)
-        return _error(exc.status_code, str(exc), exc.error_type, getattr(exc, "param", None),
-                      getattr(exc, "code", None))
-
-    @app.exception_handler(UtilityError)
-    async def _utility(request: Request, exc: UtilityError):
-        logger.error("%s %s failed: %s", request.method, request.url.path, exc)
-        return _error(500, str(exc), "utility_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-    # ---- auth: everything but /health needs the key when one is set
-    async def check_key(request: Request):
-        if not api_key:
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-            raise _Unauthorized()
-
-    @app.exception_handler(_Unauthorized)
-    async def _unauth(request: Request, exc):
-        return _error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error",
-                      None, "invalid_api_key")
-
-    @app.get("/health")
-    async def health():
-        info = engine.client.engine_info
-        dead = engine.dead_engines
-        engines = [{"index": i, "pid": info[i].get("pid") if i < len(info) else None, "alive": i not in dead,
-                    **({"error": str(dead[i])} if i in dead else {})} for i in range(engine.client.num_engines)]
-        if dead:
-            body = error_body("; ".join(str(e) for e in dead.values()), "engine_dead", None, 503)
-            body["engines"] = engines
-            return JSONResponse(body, status_code=503)
-        return {"status": "ok", "engines": engines}
-
-    api = APIRouter(dependencies=[Depends(check_key)])
-
-    @api.get("/version")
-    async def version():
-        return {"version": kestrel.__version__}
-
-    @api.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
-                                            "owned_by": "kestrel", "root": config.model.model,
-                                            "max_model_len": engine.max_model_len}] + lora_model_cards(state)}
-
-    @api.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        _alive(engine)
-        return await create_completion(state, req, raw)
-
-    @api.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request):
-        _alive(engine)
-        return await create_chat_completion(state, req, raw)
-
-    @api.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        state.check_model(req.model)
-        if req.messages:
-            ids = render_prompt(state, req)
-        elif req.prompt is not None:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise InvalidRequest("give a prompt or messages", param="prompt")
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-
-    @api.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        state.check_model(req.model)
-        vocab = engine.input_processor.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise InvalidRequest(f"tokens must be ids in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
-
-    @api.get("/metrics")
-    async def metrics_endpoint():
-        return Response(metrics.render(engine), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    # ---- fan-out to every engine core
-    @api.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        _alive(engine)
-        return {"ok": await engine.reset_prefix_cache()}
-
-    @api.post("/sleep")
-    async def sleep(level: int = 1):
-        _alive(engine)
-        return {"ok": await engine.sleep(level)}
-
-    @api.post("/wake_up")
-    async def wake_up():
-        _alive(engine)
-        return {"ok": await engine.wake_up()}
-
-    @api.get("/is_sleeping")
-    async def is_sleeping():
-        _alive(engine)
-        return {"is_sleeping": await engine.is_sleeping()}
-
-    app.include_router(api)
-    if config.lora.enable_lora:  # admin routes: behind the API key, like the other engine-wide mutations
-        app.include_router(lora_router(state, [Depends(check_key)]))
+    install_error_handlers(app)
+    for router in (open_routes, api, admin):
+        app.include_router(router)
+    if config.lora.enable_lora:  # loading and unloading adapters are admin operations
+        app.include_router(lora_router(state, [Depends(check_key), Depends(check_admin)]))
+    if server.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    app.add_middleware(BodyLimit, limit=server.max_request_body_bytes)
     return app
-
-
-class _Unauthorized(Exception):
-    pass
-
-
-def _alive(engine: AsyncEngine) -> None:
-    if engine.is_dead:
-        raise next(iter(engine.dead_engines.values()), EngineDead("the engine is dead"))
 
 
 def run_server(args) -> int:
     import uvicorn
 
+    from kestrel.config import from_cli_args, section_from_cli_args
+
     config = from_cli_args(args)
-    api_key = getattr(args, "api_key", None) or os.environ.get("KESTREL_API_KEY") or None
-    app = build_app(config, getattr(args, "served_model_name", None), api_key, getattr(args, "log_requests", False),
-                    tool_call_parser=getattr(args, "tool_call_parser", None),
-                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                    reasoning_parser=getattr(args, "reasoning_parser", None))
+    app = build_app(config, section_from_cli_args(ServerConfig, args), args.served_model_name, args.api_key or None,
+                    args.log_requests)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=5))
     server.run()

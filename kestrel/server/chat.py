@@ -8,9 +8,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob
-from kestrel.errors import KestrelError
-from kestrel.server.common import ServerState, final_outputs, new_id, sse, sse_chunk, unless_disconnected
-from kestrel.server.openai_protocol import ChatCompletionRequest, error_body
+from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
+                                   stream_error, unless_disconnected)
+from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
 
@@ -30,15 +30,21 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
     return {"content": content}
 
 
-def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int]:
-    """messages -> the chat template's text -> token ids (the template already holds the special tokens)."""
-    ip = state.engine.input_processor
-    kw = dict(getattr(req, "chat_template_kwargs", None) or {})
+async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int]:
+    """messages -> the chat template's text -> token ids (the template already holds the special tokens). Runs on
+    the tokenizer thread: a huge conversation never stalls the event loop."""
+    engine = state.engine
+    template = state.chat_template(req)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
     if tools:
-        kw["tools"] = tools
-    text = ip.apply_chat_template([m.as_dict() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
-                                  **kw)
-    return state.engine.tokenizer.encode(text, add_special_tokens=False)
+        kwargs["tools"] = tools
+    messages = [m.as_dict() for m in req.messages]
+
+    def render() -> list[int]:
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs)
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+
+    return await engine.run_tokenizer(render)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
@@ -46,13 +52,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     engine = state.engine
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
-    params = req.sampling_params(plan.structured)
-    prompt_ids = render_prompt(state, req, plan.tools)
-    rid = req.request_id or new_id("chatcmpl")
-    gen = engine.generate(prompt_ids, params, rid, req.priority, lora)
+    params = req.sampling_params(state.sampling_defaults, plan.structured)
+    rid, public_id = request_ids("chatcmpl", req.request_id, raw)
+    prompt_ids = await render_prompt(state, req, plan.tools)
+    gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora)
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, created, gen, plan), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
     for c in out.outputs:
@@ -62,9 +68,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                         "stop_reason": c.stop_reason})
     p = len(out.prompt_token_ids)
     comp = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                         "choices": choices,
-                         "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}})
+    body = {"id": public_id, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}}
+    if params.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out)
+    return JSONResponse(body)
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen,
@@ -106,5 +114,5 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
             comp = sum(len(c.token_ids) for c in last.outputs)
             yield chunk([], {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp})
         yield "data: [DONE]\n\n"
-    except KestrelError as e:
-        yield sse(error_body(str(e), e.error_type, getattr(e, "param", None), e.status_code))
+    except Exception as e:
+        yield stream_error(e)

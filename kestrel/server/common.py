@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -10,9 +11,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
+from kestrel.config import ServerConfig
 from kestrel.engine.async_engine import AsyncEngine
 from kestrel.engine.outputs import RequestOutput
-from kestrel.errors import ModelNotFound
+from kestrel.errors import InvalidRequest, KestrelError, ModelNotFound
+from kestrel.server.openai_protocol import MAX_CLIENT_REQUEST_ID, error_body
+
+logger = logging.getLogger("kestrel.server")
 
 
 @dataclass
@@ -21,6 +26,8 @@ class ServerState:
     model_name: str
     metrics: Any = None
     api_key: str | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
     tool_parser: Any = None  # kestrel.server.tool_parsers.ToolParser (--tool-call-parser)
     enable_auto_tool_choice: bool = False
@@ -37,9 +44,51 @@ class ServerState:
                                    if self.engine.loras.adapters else "."), param="model", code="model_not_found")
         return lora
 
+    def timeout(self, req) -> float | None:
+        return req.timeout if req.timeout is not None else self.server.request_timeout
+
+    def chat_template(self, req) -> str | None:
+        """The request's own template, if it brings one and the server trusts request templates."""
+        kwargs = req.chat_template_kwargs or {}
+        template = req.chat_template or kwargs.get("chat_template")
+        if template is not None and not self.server.trust_request_chat_template:
+            raise InvalidRequest("this server does not accept chat templates from requests "
+                                 "(start it with --trust-request-chat-template)", param="chat_template")
+        return template
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def request_ids(prefix: str, body_id: str | None, raw: Request) -> tuple[str, str]:
+    """(engine request id, id shown to the client). The engine's id is always generated here, so a client can
+    never address another request; the client's own id (body ``request_id`` or ``X-Request-Id``) is only
+    echoed and logged."""
+    client_id = body_id if body_id is not None else raw.headers.get("x-request-id")
+    internal = new_id(prefix)
+    if client_id is None:
+        return internal, internal
+    if len(client_id) > MAX_CLIENT_REQUEST_ID:
+        raise InvalidRequest(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} characters", param="request_id")
+    logger.info("request %s: client request id %r", internal, client_id)
+    return internal, f"{prefix}-{client_id}"
+
+
+def stream_error(e: BaseException) -> str:
+    """The SSE event that ends a stream which failed after it started."""
+    if isinstance(e, KestrelError):
+        return sse(error_body(str(e), e.error_type, getattr(e, "param", None), e.status_code))
+    logger.error("stream failed", exc_info=e)
+    return sse(error_body("internal server error", "internal_error", None, 500))
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in out.prompt_logprobs]
 
 
 def sse(obj: dict | str) -> str:

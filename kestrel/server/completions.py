@@ -8,9 +8,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob, RequestOutput
-from kestrel.errors import KestrelError
-from kestrel.server.common import ServerState, final_outputs, merge, new_id, sse, sse_chunk, unless_disconnected
-from kestrel.server.openai_protocol import CompletionRequest, error_body
+from kestrel.server.common import (ServerState, final_outputs, merge, prompt_logprobs_json, request_ids, sse_chunk,
+                                   stream_error, unless_disconnected)
+from kestrel.server.openai_protocol import CompletionRequest
 
 
 class LegacyLogprobs:
@@ -60,16 +60,22 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     lora = state.check_model(req.model)
     engine = state.engine
     tok = engine.tokenizer
-    params = req.sampling_params()
+    params = req.sampling_params(state.sampling_defaults)
     prompts = req.prompts()
-    rid = req.request_id or new_id("cmpl")
-    gens = [engine.generate(p, params, f"{rid}-{i}" if len(prompts) > 1 else rid, req.priority, lora)
-            for i, p in enumerate(prompts)]
-    prompt_texts = [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+    rid, public_id = request_ids("cmpl", req.request_id, raw)
+
+    def tokenize_all() -> tuple[list[list[int]], list[str]]:  # on the tokenizer thread, off the event loop
+        ids = [engine.input_processor.tokenize(p) if isinstance(p, str) else p for p in prompts]
+        return ids, [p if isinstance(p, str) else (tok.decode(p) if req.echo else "") for p in prompts]
+
+    prompt_ids, prompt_texts = await engine.run_tokenizer(tokenize_all)
+    gens = [engine.generate(ids, params, f"{rid}-{i}", req.priority, timeout=state.timeout(req), lora_request=lora)
+            for i, ids in enumerate(prompt_ids)]
     created = int(time.time())
     n = req.n
     if req.stream:
-        return StreamingResponse(_stream(state, req, rid, created, gens, prompt_texts), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, public_id, created, gens, prompt_texts),
+                                 media_type="text/event-stream")
     outs = await unless_disconnected(raw, final_outputs(gens))
     choices = []
     for i, out in enumerate(outs):
@@ -91,9 +97,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                 for t, entry in zip(c.token_ids, c.logprobs or []):
                     b.add(t, entry, tok)
                 lp = b.take()
-            choices.append({"index": i * n + k, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            choice = {"index": i * n + k, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out)
+            choices.append(choice)
+    return JSONResponse({"id": public_id, "object": "text_completion", "created": created, "model": state.model_name,
                          "choices": choices, "usage": _usage(outs)})
 
 
@@ -137,5 +146,5 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, created:
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], _usage(list(finals.values())))
         yield "data: [DONE]\n\n"
-    except KestrelError as e:
-        yield sse(error_body(str(e), e.error_type, getattr(e, "param", None), e.status_code))
+    except Exception as e:
+        yield stream_error(e)

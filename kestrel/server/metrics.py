@@ -1,76 +1,107 @@
-"""Prometheus metrics on the server's own CollectorRegistry. Engine gauges carry an `engine` label (data parallel);
-request latencies are measured in the frontend (AsyncEngine calls the on_* hooks)."""
+"""Prometheus metrics under the names vLLM's dashboards read (``vllm:...``), on the server's own registry.
+
+Every series carries ``model_name`` and ``engine`` (the engine-core index, data parallel). Engine gauges and the
+prefix-cache counters are read from each engine's latest scheduler stats at scrape time; an engine that is dead
+or restarting reports nothing but ``kestrel_engine_alive 0``. Request latencies are measured in the frontend
+(AsyncEngine calls the on_* hooks). docs/serving.md lists the metrics."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LAT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LABELS = ["model_name", "engine"]
+
+# name, help, SchedulerStats field (gauges; per live engine)
+_GAUGES = [
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+    ("kestrel_kv_blocks_free", "Free KV-cache blocks.", "num_free_kv_blocks"),
+    ("kestrel_kv_blocks_total", "KV-cache blocks in the pool.", "num_kv_blocks"),
+]
+# name (without _total), help, SchedulerStats field (cumulative since the engine started)
+_COUNTERS = [
+    ("vllm:prefix_cache_queries", "Prefix-cache queries, in blocks.", "prefix_queries"),
+    ("vllm:prefix_cache_hits", "Prefix-cache hits, in blocks.", "prefix_hits"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+]
+
+
+class _EngineCollector:
+    """Reads the engines' latest stats when Prometheus scrapes."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engine = None  # the AsyncEngine, set by ServerMetrics.bind
+
+    def collect(self):
+        if self.engine is None:
+            return
+        client = self.engine.client
+        alive = GaugeMetricFamily("kestrel_engine_alive", "1 while the engine core can serve.", labels=LABELS)
+        gauges = [GaugeMetricFamily(n, h, labels=LABELS) for n, h, _ in _GAUGES]
+        counters = [CounterMetricFamily(n, h, labels=LABELS) for n, h, _ in _COUNTERS]
+        for i in range(client.num_engines):
+            lv = [self.model_name, str(i)]
+            live = i not in client.dead
+            alive.add_metric(lv, 1.0 if live else 0.0)
+            s = client.stats[i] if i < len(client.stats) else None
+            if not live or s is None:
+                continue
+            for fam, (_, _, attr) in zip(gauges, _GAUGES):
+                fam.add_metric(lv, float(getattr(s, attr)))
+            for fam, (_, _, attr) in zip(counters, _COUNTERS):
+                fam.add_metric(lv, float(getattr(s, attr)))
+        yield alive
+        yield from gauges
+        yield from counters
 
 
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        lbl = ["model_name", "engine"]
         self.model_name = model_name
-        self.running = Gauge("kestrel_num_requests_running", "requests running in the engine", lbl, registry=r)
-        self.waiting = Gauge("kestrel_num_requests_waiting", "requests waiting in the engine", lbl, registry=r)
-        self.kv_usage = Gauge("kestrel_kv_cache_usage_perc", "fraction of KV blocks in use (0..1)", lbl, registry=r)
-        self.kv_free = Gauge("kestrel_kv_blocks_free", "free KV-cache blocks", lbl, registry=r)
-        self.kv_total = Gauge("kestrel_kv_blocks_total", "KV-cache blocks in the pool", lbl, registry=r)
-        self.prefix_hit_rate = Gauge("kestrel_prefix_cache_hit_rate", "prefix-cache hits / queries (blocks), "
-                                     "since start", lbl, registry=r)
-        self.prefix_queries = Gauge("kestrel_prefix_cache_queries", "prefix-cache block queries since start", lbl,
-                                    registry=r)
-        self.prefix_hits = Gauge("kestrel_prefix_cache_hits", "prefix-cache block hits since start", lbl, registry=r)
-        self.preemptions = Gauge("kestrel_num_preemptions", "preemptions since start", lbl, registry=r)
-        self.engine_alive = Gauge("kestrel_engine_alive", "1 while the engine core is alive", lbl, registry=r)
-        self.engine_requests = Counter("kestrel_engine_requests", "core requests routed to each engine", lbl,
+        self._engines = _EngineCollector(model_name)
+        r.register(self._engines)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              LABELS, buckets=_LAT, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             LABELS, buckets=_LAT, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in "
+                             "seconds.", LABELS, buckets=_LAT, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS,
+                                         registry=r)
+        self.finished = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                LABELS + ["finished_reason"], registry=r)
+        self.engine_requests = Counter("kestrel_engine_requests", "Core requests routed to each engine.", LABELS,
                                        registry=r)
-        m = ["model_name"]
-        self.ttft = Histogram("kestrel_time_to_first_token_seconds", "time to first token", m, buckets=_LAT,
-                              registry=r)
-        self.itl = Histogram("kestrel_inter_token_latency_seconds", "time between output tokens", m, buckets=_LAT,
-                             registry=r)
-        self.e2e = Histogram("kestrel_e2e_request_latency_seconds", "request latency, arrival to last token", m,
-                             buckets=_LAT, registry=r)
-        self.prompt_tokens = Counter("kestrel_prompt_tokens", "prompt tokens processed", m, registry=r)
-        self.generation_tokens = Counter("kestrel_generation_tokens", "tokens generated", m, registry=r)
-        self.finished = Counter("kestrel_request_success", "finished requests by finish reason",
-                                ["model_name", "finished_reason"], registry=r)
+
+    def bind(self, engine) -> None:
+        self._engines.engine = engine
+
+    def _lv(self, engine: int) -> tuple[str, str]:
+        return self.model_name, str(engine)
 
     # ---- AsyncEngine hooks
-    def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model_name).observe(ttft_s)
+    def on_routed(self, engine: int) -> None:
+        self.engine_requests.labels(*self._lv(engine)).inc()
 
-    def on_tokens(self, itl_s: float, count: int) -> None:
-        h = self.itl.labels(self.model_name)
+    def on_first_token(self, engine: int, ttft_s: float) -> None:
+        self.ttft.labels(*self._lv(engine)).observe(ttft_s)
+
+    def on_tokens(self, engine: int, itl_s: float, count: int) -> None:
+        h = self.itl.labels(*self._lv(engine))
         for _ in range(count):
             h.observe(itl_s)
 
-    def on_finished(self, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason) -> None:
-        self.e2e.labels(self.model_name).observe(e2e_s)
-        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
-        self.generation_tokens.labels(self.model_name).inc(generation_tokens)
-        self.finished.labels(self.model_name, str(finish_reason)).inc()
+    def on_finished(self, engine: int, e2e_s: float, prompt_tokens: int, generation_tokens: int, finish_reason) -> None:
+        lv = self._lv(engine)
+        self.e2e.labels(*lv).observe(e2e_s)
+        self.prompt_tokens.labels(*lv).inc(prompt_tokens)
+        self.generation_tokens.labels(*lv).inc(generation_tokens)
+        self.finished.labels(*lv, str(finish_reason)).inc()
 
-    def on_routed(self, engine: int) -> None:
-        self.engine_requests.labels(self.model_name, str(engine)).inc()
-
-    # ---- scrape
-    def render(self, engine) -> bytes:
-        dead = engine.dead_engines
-        for i, s in enumerate(engine.stats):
-            lv = (self.model_name, str(i))
-            self.engine_alive.labels(*lv).set(0 if i in dead else 1)
-            if s is None:
-                continue
-            self.running.labels(*lv).set(s.num_running)
-            self.waiting.labels(*lv).set(s.num_waiting)
-            self.kv_usage.labels(*lv).set(s.kv_usage)
-            self.kv_free.labels(*lv).set(s.num_free_kv_blocks)
-            self.kv_total.labels(*lv).set(s.num_kv_blocks)
-            self.prefix_queries.labels(*lv).set(s.prefix_queries)
-            self.prefix_hits.labels(*lv).set(s.prefix_hits)
-            self.prefix_hit_rate.labels(*lv).set(s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
-            self.preemptions.labels(*lv).set(s.num_preemptions)
+    def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,18 +1,64 @@
 """Request schemas of the OpenAI-compatible API (pydantic v2), with vLLM's sampling extras.
-Unknown fields are ignored; a field of the wrong type is a 400 naming that field."""
+
+Unknown fields are ignored, except the parameters in UNSUPPORTED_PARAMS, which are refused with a 400 naming
+them (ignoring them would silently change what the client asked for). A field of the wrong type, a NaN or
+infinite number, an integer beyond 64 bits or a lone surrogate in any string is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.errors import InvalidRequest
 
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenIds = list[StrictInt]  # a JSON true is not a token id
+MAX_CLIENT_REQUEST_ID = 256
+
+# Parameters Kestrel does not implement yet -> the values that mean "not used" (accepted and ignored).
+# Each entry is removed when its feature lands (structured outputs and tool calling: issue 18).
+UNSUPPORTED_PARAMS: dict[str, tuple] = {
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logit_bias": (None, {}),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,), "lora_request": (None,),
+    "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
+}
+
+
+def _find_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_find_lone_surrogate(k) or _find_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_find_lone_surrogate(v) for v in value)
+    return False
+
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unusable(cls, data: Any) -> Any:
+        """Raised as InvalidRequest (a ValueError): the app's validation handler reports its param."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if _find_lone_surrogate(value):
+                    raise InvalidRequest(f"{name} contains a lone UTF-16 surrogate; send valid Unicode",
+                                         param=str(name))
+                unused = UNSUPPORTED_PARAMS.get(name)
+                if unused is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
+                                                   for u in unused):
+                    raise InvalidRequest(f"{name} is not supported by this server", param=name)
+        return data
 
 
 class StreamOptions(_Base):
@@ -21,28 +67,32 @@ class StreamOptions(_Base):
 
 class _SamplingRequest(_Base):
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
-    request_id: str | None = None
+    priority: Int64 = 0
+    prompt_logprobs: Int64 | None = None
+    request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
+    timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
+                                                          "'timeout') and its KV cache freed")
+
     # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older guided_* fields)
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -87,27 +137,37 @@ class _SamplingRequest(_Base):
         return StructuredOutputsParams(**spec).validate(param)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                  structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                  defaults: dict | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """``defaults``: sampling defaults of the model's generation_config.json, used where the client is silent;
+        ``structured``: the request's output constraint."""
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+        d = {k: v for k, v in (defaults or {}).items() if getattr(self, k, None) is None}
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, fallback)
+
         return SamplingParams(
             structured_outputs=structured,
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0) or 0,
+            min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    best_of: int | None = None
-    logprobs: int | None = None
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: Int64 | None = 16
+    best_of: Int64 | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
-    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -119,9 +179,7 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported", param="suffix")
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {self.n}", param="n")
         best_of = self.best_of if self.best_of is not None else self.n
@@ -130,10 +188,9 @@ class CompletionRequest(_SamplingRequest):
         if best_of > self.n and self.stream:
             raise InvalidRequest("best_of > n is not supported with stream=true", param="best_of")
         p = self._sampling(self.max_tokens, self.logprobs, self.logprobs if self.echo and self.logprobs is not None
-                           else None, self.structured())
+                           else None, defaults, self.structured())
         if best_of > self.n:  # ranking by cumulative logprob needs the sampled tokens' logprobs
             p = p.clone(n=best_of, logprobs=p.logprobs if p.logprobs is not None else 0)
-        p.validate()
         return p
 
 
@@ -182,16 +239,19 @@ def _template_tool_call(call: dict) -> dict:
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
-    def sampling_params(self, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """`structured`: the constraint that a required or named tool_choice imposes (chat.py)."""
         if self.n < 1:
             raise InvalidRequest(f"n must be at least 1, got {self.n}", param="n")
@@ -202,7 +262,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequest("a required or named tool_choice cannot be combined with another output "
                                  "constraint", param="tool_choice")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, own or structured)
+        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, defaults, own or structured)
         p.validate()
         return p
 
@@ -213,22 +273,15 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Base):
     model: str | None = None
-    tokens: list[int]
-
-
-class ErrorBody(_Base):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
+    tokens: TokenIds
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: int | str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
-
-Role = Literal["system", "user", "assistant", "tool", "developer"]

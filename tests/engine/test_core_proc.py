@@ -17,7 +17,7 @@ from kestrel.engine.utility import UtilityCallError
 
 
 async def test_startup_error_is_reported(tmp_path):
-    client = MPClient(EngineConfig.create(model=str(tmp_path / "missing"), cpu_threads=1), startup_timeout=120)
+    client = MPClient(EngineConfig.create(model=str(tmp_path / "missing"), cpu_threads=1, engine_startup_timeout=120))
     with pytest.raises(EngineStartupError, match="engine core 0 failed to start: .*missing"):
         await client.start()
     assert all(not p.is_alive() for p in client.procs)

@@ -38,6 +38,6 @@ def test_dead_engines_are_skipped(dp):
     dp.dead = {0: EngineDead("engine core 0 died"), 1: EngineDead("engine core 1 died")}
     assert dp.add_request(req(0)) == 2
     dp.dead[2] = EngineDead("engine core 2 died")
-    with pytest.raises(EngineDead, match="every engine core is dead"):
+    with pytest.raises(EngineDead, match="no engine core can serve: engine core 0 died"):
         dp.add_request(req(1))
     assert dp.is_dead

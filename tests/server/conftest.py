@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -70,7 +71,12 @@ class Server:
         return http("GET", self.url + "/health")
 
     def engine_pids(self) -> list[int]:
-        return [e["pid"] for e in self.health()[1]["engines"]]
+        """The live engine-core pids, from their "engine core N ready (pid P)" log lines (/health shows none)."""
+        self.log.flush()
+        pids: dict[int, int] = {}
+        for m in re.finditer(r"engine core (\d+) ready \(pid (\d+)\)", self.log_path.read_text()):
+            pids[int(m.group(1))] = int(m.group(2))
+        return [pids[i] for i in sorted(pids)]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -45,6 +45,45 @@ CASES = [
      "context"),
     ("detokenize_bad_ids", "/detokenize", {"tokens": [-1]}, 400, "tokens", "ids"),
     ("unknown_route", "/v1/nothing", {}, 404, None, "Not Found"),
+    # issue 17: numbers that are not numbers, integers beyond 64 bits, invalid Unicode, booleans as tokens
+    ("temperature_nan", C, b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400, "temperature", "finite"),
+    ("top_p_inf", C, b'{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}', 400, "top_p", "finite"),
+    ("presence_penalty_neg_inf", C, b'{"prompt": "hi", "presence_penalty": -Infinity}', 400, "presence_penalty",
+     "finite"),
+    ("repetition_penalty_nan", CH, b'{"messages": [{"role": "user", "content": "x"}], "repetition_penalty": NaN}',
+     400, "repetition_penalty", "finite"),
+    ("seed_beyond_64_bits", C, {**OK, "seed": 2**70}, 400, "seed", "less than or equal"),
+    ("priority_beyond_64_bits", C, {**OK, "priority": -(2**64)}, 400, "priority", "greater than or equal"),
+    ("top_k_beyond_64_bits", C, {**OK, "top_k": 2**64}, 400, "top_k", "less than or equal"),
+    ("prompt_lone_surrogate", C, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt", "surrogate"),
+    ("chat_lone_surrogate", CH, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages",
+     "surrogate"),
+    ("stop_lone_surrogate", C, b'{"prompt": "hi", "stop": ["\\ud83d"]}', 400, "stop", "surrogate"),
+    ("prompt_of_booleans", C, {"prompt": [True, False], "max_tokens": 2}, 400, "prompt", "valid"),
+    ("stop_token_ids_booleans", C, {**OK, "stop_token_ids": [True]}, 400, "stop_token_ids", "integer"),
+    ("chat_template_kwargs_duplicate", CH, {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "chat_template_kwargs", "add_generation_prompt"),
+    ("chat_template_kwargs_tokenize", CH, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs", "tokenize"),
+    ("request_id_too_long", C, {**OK, "request_id": "x" * 257}, 400, "request_id", "256"),
+    ("timeout_zero", C, {**OK, "timeout": 0}, 400, "timeout", "greater than 0"),
+    ("prompt_logprobs_streaming", C, {**OK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
+    ("prompt_logprobs_too_many", C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs", "max-logprobs"),
+    # parameters Kestrel does not implement: refused by name, never silently ignored
+    ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400, "guided_json", "not supported"),
+    ("guided_choice_chat", CH, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice", "not supported"),
+    ("structured_outputs", CH, {"messages": MSG, "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs",
+     "not supported"),
+    ("response_format_completions", C, {**OK, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "not supported"),
+    ("response_format_json_chat", CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "not supported"),
+    ("tools", CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "not supported"),
+    ("tool_choice", CH, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice", "not supported"),
+    ("use_beam_search", C, {**OK, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix", "not supported"),
 ]
 
 
@@ -63,5 +102,9 @@ def test_bad_request(server, path, body, status, param, words):
 def test_still_serving_after_bad_requests(server):
     s, r = http("POST", server.url + C, {**OK, "unknown_extra_field": {"x": 1}})
     assert s == 200 and r["usage"]["completion_tokens"] >= 1
+    # the neutral values of unsupported parameters are accepted (clients send them by default)
+    s, r = http("POST", server.url + CH, {"messages": MSG, "max_tokens": 2, "response_format": {"type": "text"},
+                                          "tools": [], "tool_choice": "none", "use_beam_search": False})
+    assert s == 200, r
     s, r = http("POST", server.url + CH, {"messages": MSG, "max_tokens": 2})
     assert s == 200 and r["choices"][0]["message"]["role"] == "assistant"

@@ -23,4 +23,4 @@ def test_bench_serve_small(server):
     completed, disconnected, errors = (int(x) for x in line.split()[-5::2])
     assert completed + disconnected == 12 and disconnected >= 1 and errors == 0, line
     _, text = http("GET", server.url + "/metrics")
-    assert 'kestrel_num_requests_running{engine="0",model_name="llama"} 0.0' in text
+    assert 'vllm:num_requests_running{engine="0",model_name="llama"} 0.0' in text

@@ -1,6 +1,7 @@
-"""Acceptance 6: --data-parallel-size 2 (two engine-core processes over ZeroMQ) behind one server: both engines get
-work, greedy outputs equal the single-engine ones, fan-out endpoints, and killing one engine fails exactly its
-requests with EngineDead naming it while the other keeps serving."""
+"""--data-parallel-size 2 (two engine-core processes over ZeroMQ) behind one server: both engines get work, greedy
+outputs equal the single-engine ones, fan-out endpoints, and killing one engine fails exactly its requests with
+EngineDead naming it while the other serves every new request until the dead one is back; a fan-out meanwhile
+leaves the live engine's state alone."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,8 @@ PROMPTS = ["The quick brown fox", "Hello world", "Paris is the capital of", "def
 
 @pytest.fixture(scope="module")
 def dp_server(server_model, tmp_path_factory):
-    s = Server(server_model, tmp_path_factory.mktemp("dp") / "server.log", extra=["--data-parallel-size", "2"])
+    s = Server(server_model, tmp_path_factory.mktemp("dp") / "server.log",
+               extra=["--data-parallel-size", "2", "--enable-admin-api"])
     yield s.wait_ready()
     s.stop()
 
@@ -33,7 +35,7 @@ def engine_counts(url: str) -> dict[str, float]:
 
 
 async def test_dp_serves_on_both_engines_with_single_engine_outputs(dp_server, offline_llm):
-    assert [e["alive"] for e in dp_server.health()[1]["engines"]] == [True, True]
+    assert [e["state"] for e in dp_server.health()[1]["engines"]] == ["ready", "ready"]
     c = openai.AsyncOpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     rs = await asyncio.gather(*(c.completions.create(model="llama", prompt=p, max_tokens=10, temperature=0,
                                                      extra_body={"ignore_eos": True}) for p in PROMPTS))
@@ -80,11 +82,25 @@ async def test_dp_kill_one_engine(dp_server):
     assert errors and len(errors) < len(results), results  # the requests of engine 1 failed, engine 0's did not
     assert all("engine core 1" in e and "died" in e for e in errors), errors
     assert time.monotonic() - t0 < 30
+
+    # engine 0 serves every new request while engine 1 restarts; /health stays 200 and names each engine's state
     status, body = dp_server.health()
-    assert status == 503 and "engine core 1" in body["error"]["message"]
-    assert [(e["index"], e["alive"]) for e in body["engines"]] == [(0, True), (1, False)]
-    r = await c.completions.create(model="llama", prompt="still there?", max_tokens=3)  # routed to engine 0
-    assert r.usage.completion_tokens == 3
-    s, fan = http("POST", dp_server.url + "/reset_prefix_cache")  # a fan-out names the dead engine
-    assert s == 500 and "engine 1" in fan["error"]["message"]
+    assert status == 200 and [(e["index"], e["state"]) for e in body["engines"]] == [(0, "ready"), (1, "restarting")]
+    # a fan-out now targets the live engine only: its undo must not put engine 0 to sleep (the bug: it did)
+    assert http("POST", dp_server.url + "/wake_up") == (200, {"ok": True})
+    assert http("GET", dp_server.url + "/is_sleeping") == (200, {"is_sleeping": False})
+    served = 0
+    deadline = time.monotonic() + 120
+    while dp_server.health()[1]["engines"][1]["state"] != "ready":
+        assert time.monotonic() < deadline, "engine 1 did not come back"
+        r = await c.completions.create(model="llama", prompt="still there?", max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        served += 1
+    assert served >= 3
+    assert dp_server.health() == (200, {"status": "ok", "engines": [{"index": 0, "state": "ready"},
+                                                                    {"index": 1, "state": "ready"}]})
+    before = engine_counts(dp_server.url).get("1", 0)
+    await asyncio.gather(*(c.completions.create(model="llama", prompt=p, max_tokens=2) for p in PROMPTS))
+    assert engine_counts(dp_server.url).get("1", 0) > before  # the restarted engine gets traffic again
     await c.close()

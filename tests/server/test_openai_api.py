@@ -30,7 +30,7 @@ def test_models_version_health(server, client, model):
     assert model == "llama"
     assert http("GET", server.url + "/version")[1]["version"]
     status, body = server.health()
-    assert status == 200 and body["engines"][0]["alive"]
+    assert status == 200 and body["engines"] == [{"index": 0, "state": "ready"}]  # no process ids
 
 
 def test_completion_matches_offline_greedy(client, model, offline_llm, server):
@@ -175,13 +175,18 @@ def test_tokenize_detokenize(server):
     assert s == 200 and c["count"] > 3
 
 
-def test_metrics_exposed(server, client, model):
+def test_metrics_exposed_under_vllm_names(server, client, model):
+    """The names vLLM's Grafana dashboards query, each with model_name and engine labels."""
     client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
     s, text = http("GET", server.url + "/metrics")
     assert s == 200
-    for name in ("kestrel_num_requests_running", "kestrel_num_requests_waiting", "kestrel_kv_cache_usage_perc",
-                 "kestrel_prefix_cache_hit_rate", "kestrel_time_to_first_token_seconds_bucket",
-                 "kestrel_inter_token_latency_seconds_bucket", "kestrel_e2e_request_latency_seconds_bucket",
-                 "kestrel_prompt_tokens_total", "kestrel_generation_tokens_total", "kestrel_kv_blocks_free",
-                 "kestrel_kv_blocks_total"):
-        assert name in text, name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "kestrel_kv_blocks_free", "kestrel_kv_blocks_total"):
+        samples = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+        assert samples, name
+        assert all('model_name="llama"' in ln and 'engine="0"' in ln for ln in samples), samples
+    gen = float(next(ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")).split()[-1])
+    assert gen >= 3

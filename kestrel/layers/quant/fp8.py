@@ -21,7 +21,6 @@ max. Block-wise scale grids of shards are stacked in shard order (exact for any 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import ClassVar, Iterable, Mapping, Sequence
 
 # Fused module name -> the checkpoint names of its shards, in shard-id order.

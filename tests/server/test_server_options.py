@@ -1,0 +1,92 @@
+"""`kestrel serve` options of issue 17 on one server: --enable-admin-api with --api-key, --chat-template FILE,
+--trust-request-chat-template, --generation-config, --max-logprobs, --default-max-tokens, --allowed-origins."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import Server, http
+
+KEY = "opts-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def opts_server(server_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("opts")
+    (tmp / "template.jinja").write_text(TEMPLATE)
+    gen = tmp / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 3}))
+    s = Server(server_model, tmp / "server.log", extra=[
+        "--enable-admin-api", "--api-key", KEY, "--chat-template", str(tmp / "template.jinja"),
+        "--trust-request-chat-template", "--generation-config", str(gen), "--max-logprobs", "30",
+        "--default-max-tokens", "5", "--allowed-origins", "http://example.com"])
+    yield s.wait_ready()
+    s.stop()
+
+
+def test_admin_api_needs_the_key(opts_server):
+    u = opts_server.url
+    assert http("POST", u + "/sleep")[0] == 401
+    assert http("POST", u + "/sleep", headers=AUTH) == (200, {"ok": True})
+    assert http("GET", u + "/is_sleeping", headers=AUTH) == (200, {"is_sleeping": True})
+    assert http("POST", u + "/wake_up", headers=AUTH) == (200, {"ok": True})
+    assert http("POST", u + "/reset_prefix_cache", headers=AUTH) == (200, {"ok": True})
+    s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=AUTH)
+    assert s == 200 and r["usage"]["completion_tokens"] == 2
+
+
+def test_server_and_trusted_request_chat_templates(opts_server):
+    u = opts_server.url
+    msgs = [{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]
+    s, r = http("POST", u + "/tokenize", {"messages": msgs}, headers=AUTH)
+    assert s == 200
+    assert http("POST", u + "/detokenize", {"tokens": r["tokens"]}, headers=AUTH)[1]["prompt"] == "<<hi>><<there>>"
+    s, r = http("POST", u + "/tokenize", {"messages": msgs, "chat_template": "[{{ messages[1]['content'] }}]"},
+                headers=AUTH)
+    assert s == 200
+    assert http("POST", u + "/detokenize", {"tokens": r["tokens"]}, headers=AUTH)[1]["prompt"] == "[there]"
+
+
+def test_generation_config_and_default_max_tokens(opts_server):
+    u = opts_server.url
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "ignore_eos": True}
+    greedy = http("POST", u + "/v1/completions", {**body, "temperature": 0}, headers=AUTH)[1]["choices"][0]["text"]
+    # top_k=1 from generation_config.json applies where the request is silent: sampling becomes greedy
+    for seed in (1, 2):
+        r = http("POST", u + "/v1/completions", {**body, "seed": seed}, headers=AUTH)[1]
+        assert r["choices"][0]["text"] == greedy
+    r = http("POST", u + "/v1/completions", {**body, "seed": 1, "top_k": 0, "temperature": 5.0}, headers=AUTH)[1]
+    assert r["choices"][0]["text"] != greedy  # a request's own value wins
+    # chat without max_tokens: min(--default-max-tokens 5, max_new_tokens 3)
+    s, r = http("POST", u + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "ignore_eos": True}, headers=AUTH)
+    assert s == 200 and r["usage"]["completion_tokens"] == 3
+
+
+def test_max_logprobs(opts_server):
+    u = opts_server.url
+    s, r = http("POST", u + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                      "logprobs": True, "top_logprobs": 25}, headers=AUTH)
+    assert s == 200 and len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 31}, headers=AUTH)
+    assert s == 400 and r["error"]["param"] == "logprobs" and "30" in r["error"]["message"]
+
+
+def test_cors_only_when_allowed(opts_server, server):
+    pre = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
+    import urllib.request
+
+    def preflight(url):
+        req = urllib.request.Request(url + "/v1/completions", method="OPTIONS", headers=pre)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as e:
+            return e.headers.get("access-control-allow-origin")
+
+    assert preflight(opts_server.url) == "http://example.com"
+    assert preflight(server.url) is None  # off by default
