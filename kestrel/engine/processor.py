@@ -39,8 +39,10 @@ class InputProcessor:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
-        """``template_kwargs``: extra template variables (chat_template_kwargs); they may not repeat our arguments."""
+                            chat_template: str | None = None, template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None) -> str:
+        """``template_kwargs``: extra template variables (chat_template_kwargs); they may not repeat our arguments.
+        ``tools``: the request's tool definitions, handed to the template as ``tools``."""
         kw = template_kwargs or {}
         template = chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -52,7 +54,8 @@ class InputProcessor:
                                  param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **kw)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **({"tools": tools} if tools else {}), **kw)
         except Exception as e:  # template errors are the caller's input problem
             import jinja2  # the template's own errors (raise_exception) are for the client; nothing else is
 

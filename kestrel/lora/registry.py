@@ -29,7 +29,7 @@ class LoRAFanoutError(KestrelError):
         super().__init__(str(err))
         self.failed_engines = err.failed_engines
         # the adapter itself is bad when it failed everywhere (400); one engine failing is the server's (500)
-        self.status_code = 400 if not err.ok_engines else 500
+        self.status_code = 400 if not err.result.ok_engines() else 500
 
 
 def parse_lora_modules(cfg) -> list[tuple[str, str]]:

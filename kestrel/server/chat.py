@@ -36,12 +36,10 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
     engine = state.engine
     template = state.chat_template(req)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
-    if tools:
-        kwargs["tools"] = tools
     messages = [m.as_dict() for m in req.messages]
 
     def render() -> list[int]:
-        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs)
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs, tools)
         return engine.tokenizer.encode(text, add_special_tokens=False)
 
     return await engine.run_tokenizer(render)

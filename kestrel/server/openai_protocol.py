@@ -262,9 +262,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequest("a required or named tool_choice cannot be combined with another output "
                                  "constraint", param="tool_choice")
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        p = self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, defaults, own or structured)
-        p.validate()
-        return p
+        return self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, defaults, own or structured)
 
 
 class TokenizeRequest(_Base):

@@ -39,7 +39,7 @@ def inject_fault(client, engine: int, method: str, replace):
 
 async def loaded(engine: AsyncEngine) -> list[list]:
     """Every engine's adapters (one list per engine)."""
-    return (await engine.call_utility_all("list_loras")).values_or_raise()
+    return (await engine.client.utility.call_all("list_loras")).values_or_raise()
 
 
 async def test_dynamic_lora_across_two_engines(lora_files):
@@ -56,7 +56,7 @@ async def test_dynamic_lora_across_two_engines(lora_files):
         restore()
         msg = str(err.value)
         assert err.value.failed_engines == [1] and err.value.status_code == 500
-        assert "engine 1" in msg and "rank 32" in msg and "undone" in msg and "engine 0" in msg
+        assert "engine 1" in msg and "rank 32" in msg and "undo 'remove_lora': ok on [0]" in msg and "succeeded on engines [0]" in msg
         assert await loaded(engine) == [[], []]
         assert "ad" not in engine.loras.adapters
 

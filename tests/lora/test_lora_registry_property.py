@@ -29,6 +29,7 @@ class FakeEngines:
         self.forward = True
         self.failing: frozenset = frozenset()
         self.tasks: set[asyncio.Task] = set()
+        self.dead: dict[int, BaseException] = {}  # the transport's dead engines (none here)
 
     @property
     def num_engines(self) -> int:
@@ -60,14 +61,14 @@ class FakeEngines:
 class OneFaultPlanClient(UtilityClient):
     """Marks each operation's first fan-out (the forward call) as the one the fault plan applies to."""
 
-    async def call_utility_all_or_undo(self, *args, **kw):
+    async def call_utility_all_or_undo(self, method, args, undo_method, undo_args):  # as AsyncEngine offers it
         tr = self.transport
         tr.forward, tr.failing = True, tr.faults.pop(0) if tr.faults else frozenset()
-        return await super().call_utility_all_or_undo(*args, **kw)
+        return await self.call_all_or_undo(method, args, undo_method, undo_args)
 
-    async def call_utility_all(self, *args, **kw):
+    async def call_all(self, *args, **kw):
         try:
-            return await super().call_utility_all(*args, **kw)
+            return await super().call_all(*args, **kw)
         finally:
             self.transport.forward = False  # the next fan-out of this operation is its undo
 

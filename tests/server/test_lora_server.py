@@ -22,7 +22,7 @@ def adapters(server_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_server(server_model, adapters, tmp_path_factory):
     s = Server(server_model, tmp_path_factory.mktemp("lora") / "server.log",
-               extra=["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"ad1={adapters['ad1']}"])
+               extra=["--enable-lora", "--enable-admin-api", "--max-lora-rank", "16", "--lora-modules", f"ad1={adapters['ad1']}"])
     yield s.wait_ready()
     s.stop()
 
