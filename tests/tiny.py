@@ -40,6 +40,9 @@ BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hi
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,
             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
+_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, first_k_dense_replace=2,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
 CONFIGS = {
     "llama": ("llama", {}),
     "llama_gqa_llama3": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_scaling={
@@ -60,6 +63,17 @@ CONFIGS = {
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                           "rope_theta": 1000000.0}})),
+    # MLA (all layers dense: first_k_dense_replace covers both). V2: q compression, default rope; V2-Lite: no q
+    # compression, YaRN with V2's mscales; V3: q compression, YaRN with mscale_all_dim (the softmax-scale
+    # correction), interleaved rope. v_head_dim differs from the qk head dim, as in the real models.
+    "deepseek_v2": ("deepseek_v2", dict(**_MLA, q_lora_rank=32)),
+    "deepseek_v2_lite": ("deepseek_v2", dict(**_MLA, q_lora_rank=None, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})),
+    "deepseek_v3": ("deepseek_v3", dict(**_MLA, q_lora_rank=24, rope_interleave=True, n_group=1, topk_group=1,
+                                        rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                      "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
 }
 
 # MoE families (their own fixture in tests/models/test_moe_models.py, so the dense tests do not build them).

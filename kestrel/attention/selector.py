@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from kestrel.attention.backend import AttentionBackend
+from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchMLABackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
 from kestrel.core.kv_spec import KVCacheSpec
 from kestrel.errors import ConfigError
@@ -14,14 +15,20 @@ logger = logging.getLogger(__name__)
 
 
 def backend_candidates() -> list[type[AttentionBackend]]:
-    """Priority order: fast kernels first; the reference last (it runs everywhere)."""
+    """Priority order: fast kernels first; the references last (they run everywhere). Each backend reads its own
+    cache kinds (full attention / sliding window, or MLA latents)."""
     out: list[type[AttentionBackend]] = []
     try:
         from kestrel.attention.backends.triton import TritonBackend
         out.append(TritonBackend)
     except ImportError:  # triton not installed (the CPU CI)
         pass
-    out.append(TorchRefBackend)
+    try:
+        from kestrel.attention.backends.triton_mla import TritonMLABackend
+        out.append(TritonMLABackend)
+    except ImportError:
+        pass
+    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend]
     return out
 
 

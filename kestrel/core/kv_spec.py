@@ -26,6 +26,10 @@ class KVCacheSpec:
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def layer_view(self, cache: torch.Tensor):
+        """What a layer holds of its slot (viewed as `cache_shape`): a (k_cache, v_cache) pair by default."""
+        return cache[0], cache[1]
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -52,6 +56,31 @@ class SlidingWindowSpec(FullAttentionSpec):
 
     def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
         return min(cdiv(num_tokens, block_size), cdiv(self.sliding_window - 1 + max_chunk, block_size) + 1)
+
+
+@dataclass(frozen=True)
+class MLASpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one latent per token, the normalised kv_lora_rank part followed
+    by the rotated qk_rope_head_dim key part, shared by every head; one [num_blocks, block_size, latent_dim] tensor
+    per layer. Prefix caching as for full attention: every block is kept while the request runs."""
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.latent_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.latent_dim)
+
+    def layer_view(self, cache: torch.Tensor):
+        return cache
+
+    def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
+        return cdiv(num_tokens, block_size)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, SlidingWindowSpec, cdiv
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
 from kestrel.core.step import PLACEHOLDER
 from kestrel.engine.request import Request
 
@@ -210,7 +210,7 @@ class SlidingWindowManager(FullAttentionManager):
 def manager_class(spec: KVCacheSpec | None):
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager
-    if spec is None or isinstance(spec, FullAttentionSpec):
+    if spec is None or isinstance(spec, (FullAttentionSpec, MLASpec)):
         return FullAttentionManager
     raise NotImplementedError(f"no KV manager for {type(spec).__name__}")
 

@@ -41,12 +41,14 @@ def inv_freq_for(hf_config, head_dim: int, max_positions: int,
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding, the HF Llama/Qwen convention."""
+    """Neox-style (rotate-half) rotary embedding, the HF Llama/Qwen convention; `interleaved` rotates adjacent
+    pairs (x0, x1), (x2, x3), ... instead (GPT-J style, DeepSeek's MLA)."""
 
     def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype,
-                 layer_type: str | None = None):
+                 layer_type: str | None = None, interleaved: bool = False):
         super().__init__()
         self.head_dim = head_dim
+        self.interleaved = interleaved
         inv_freq, scaling = inv_freq_for(hf_config, head_dim, max_positions, layer_type)
         inv_freq = inv_freq.to(torch.get_default_device())  # rope-init functions build on the CPU
         self.rot_dim = inv_freq.numel() * 2
@@ -55,6 +57,12 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)  # [max_pos, rot_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.dtype = dtype
+
+    def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim:]
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2).to(x.dtype)
+        return torch.cat([out, rest], dim=-1) if rest.numel() else out
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim:]
@@ -67,10 +75,13 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
         ops = fused_ops_for(q)
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.rot_dim, True)
+            ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.rot_dim, not self.interleaved)
             return q, k
         cs = self.cos_sin_cache[positions]
         cos, sin = cs.chunk(2, dim=-1)
+        if self.interleaved:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
         cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(q.dtype)
         sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -14,6 +14,8 @@ _MODELS = {
     "Qwen3MoeForCausalLM": ("kestrel.models.qwen_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("kestrel.models.mixtral", "MixtralForCausalLM"),
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

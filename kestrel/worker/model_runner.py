@@ -156,8 +156,7 @@ class ModelRunner:
         for g in self.kv_cache_groups:
             shape = g.spec.cache_shape(num_blocks, self.block_size)
             for i, name in enumerate(g.layer_names):
-                kv = slots[i].view(g.spec.dtype).view(shape)
-                layers[name].kv_cache = (kv[0], kv[1])
+                layers[name].kv_cache = g.spec.layer_view(slots[i].view(g.spec.dtype).view(shape))
         self.kv_caches = slots
         self.num_blocks = num_blocks
 

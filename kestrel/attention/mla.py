@@ -1,0 +1,191 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, reusable by other families): the layer, its metadata and the
+routing between its two compute paths.
+
+The cache holds one latent per token: the normalised compressed KV (kv_lora_rank) followed by the rotated shared
+rope key (qk_rope_head_dim). Two ways to attend over it:
+- dense (MHA): expand the context's latents through kv_b_proj into per-head keys and values and run ordinary
+  attention; cheap when many query tokens share one expansion (prefill, chunked prefill);
+- absorbed (MQA): fold W_UK into the query (q_nope W_UK -> a query in latent space) and W_UV into the output, so
+  every head attends over the latent cache directly (one shared "head" of kv_lora_rank + rope dims); what decode
+  uses, since it never expands the context.
+Which requests take which path is decided once per step by the backend's metadata builder from its declared
+capability (`supports_dense_mha_prefill`): decodes always go absorbed; prefills go dense where the backend has a
+dense path, else absorbed. The batch lists decodes first, so the absorbed part is always a prefix of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kestrel.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
+                                       CommonAttentionMetadata)
+from kestrel.core.kv_spec import MLASpec, cdiv
+
+
+@dataclass
+class MLAMetadata(AttentionMetadata):
+    num_absorbed_reqs: int = 0  # leading requests that attend in latent space (decodes; all without dense prefill)
+    num_absorbed_tokens: int = 0
+    # the dense part's contexts, gathered from the paged cache: slot of each context token (dense requests in order)
+    # and, in a buffer where each request starts on a block boundary, its row; a block table over that buffer
+    dense_ctx_slots: torch.Tensor | None = None  # [sum of dense seq_lens] int64
+    dense_ctx_rows: torch.Tensor | None = None  # [same] int64
+    dense_block_table: torch.Tensor | None = None  # [num dense reqs, max blocks] int32
+    dense_num_blocks: int = 0
+    dense_ctx_start_cpu: list[int] | None = None  # [num dense reqs + 1] offsets into dense_ctx_slots
+
+
+class MLAMetadataBuilder(AttentionMetadataBuilder):
+    """Routes the step: the absorbed/dense split, and for the dense part where its contexts sit in the cache."""
+    dense_prefill: ClassVar[bool] = True  # set per backend (MLABackend.__init_subclass__)
+
+    def build(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
+              slot_mapping: torch.Tensor) -> MLAMetadata:
+        c = common
+        n_abs = c.num_decodes if self.dense_prefill else c.num_reqs
+        qsl = c.query_start_loc_cpu
+        n_abs_tok = c.num_tokens if n_abs == c.num_reqs else qsl[n_abs]
+        meta = MLAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
+                           c.query_start_loc, c.seq_lens, block_table, slot_mapping, qsl, c.seq_lens_cpu,
+                           num_absorbed_reqs=n_abs, num_absorbed_tokens=n_abs_tok)
+        if n_abs < c.num_reqs:
+            self._dense_contexts(meta, block_table[n_abs:c.num_reqs], c.seq_lens_cpu[n_abs:c.num_reqs])
+        return meta
+
+    def build_for_capture(self, common, block_table, slot_mapping) -> MLAMetadata:
+        """Captured graphs are pure decode: every request absorbed (no host lists needed)."""
+        c = common
+        return MLAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
+                           c.query_start_loc, c.seq_lens, block_table, slot_mapping, c.query_start_loc_cpu,
+                           c.seq_lens_cpu, num_absorbed_reqs=c.num_reqs, num_absorbed_tokens=c.num_tokens)
+
+    def _dense_contexts(self, meta: MLAMetadata, block_table: torch.Tensor, seq_lens: list[int]) -> None:
+        bs, dev = self.block_size, block_table.device
+        blocks = [cdiv(s, bs) for s in seq_lens]
+        starts, rows0 = [0], [0]
+        for s, nb in zip(seq_lens, blocks):
+            starts.append(starts[-1] + s)
+            rows0.append(rows0[-1] + nb * bs)
+        total = starts[-1]
+        lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        req = torch.repeat_interleave(torch.arange(len(seq_lens), device=dev), lens, output_size=total)
+        pos = torch.arange(total, device=dev) - torch.tensor(starts[:-1], device=dev)[req]
+        meta.dense_ctx_slots = block_table.long()[req, pos // bs] * bs + pos % bs
+        meta.dense_ctx_rows = torch.tensor(rows0[:-1], device=dev)[req] + pos
+        width = max(blocks)
+        first = torch.tensor([r // bs for r in rows0[:-1]], dtype=torch.int32, device=dev)
+        meta.dense_block_table = first[:, None] + torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+        meta.dense_num_blocks = rows0[-1] // bs
+        meta.dense_ctx_start_cpu = starts
+
+
+class MLAImpl(AttentionImpl):
+    """The two paths over the latent cache. Subclasses provide the kernels: `write_latent`, `attend_latent`
+    (absorbed MQA over the cache) and, where the backend declares dense prefill, `attend_dense` (per-head
+    attention over expanded contexts). Absorbing W_UK / W_UV and expanding contexts are the same everywhere."""
+
+    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, cache, meta: MLAMetadata, layer: "MLAAttention"):
+        """q_nope [T, H, nope], q_pe [T, H, R] (rotated), kv_c [T, L] (normalised), k_pe [T, R] (rotated)
+        -> [T, H, v_head_dim]; writes the new tokens' latents into the cache first."""
+        self.write_latent(kv_c, k_pe, cache, meta.slot_mapping)
+        t = q_nope.shape[0]
+        out = q_nope.new_zeros(t, layer.num_heads, layer.v_head_dim)
+        na, n = meta.num_absorbed_tokens, meta.num_tokens
+        if na:
+            q_lat = torch.bmm(q_nope[:na].transpose(0, 1), layer.w_uk).transpose(0, 1)  # [na, H, L]
+            o_lat = self.attend_latent(q_lat, q_pe[:na], cache, meta)  # [na, H, L]
+            out[:na] = torch.bmm(o_lat.transpose(0, 1), layer.w_uv).transpose(0, 1)
+        if n > na:
+            out[na:n] = self.attend_dense(q_nope[na:n], q_pe[na:n], cache, meta, layer)
+        return out
+
+    @staticmethod
+    def expand_contexts(cache: torch.Tensor, meta: MLAMetadata, layer: "MLAAttention"):
+        """The dense requests' contexts from the cache -> per-head (k_nope [S, H, nope], k_pe [S, R],
+        v [S, H, v]) over all their tokens, in request order."""
+        lat = cache.flatten(0, 1)[meta.dense_ctx_slots]
+        kv_c, k_pe = lat.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)
+        kv = layer.kv_b_proj(kv_c.to(layer.dtype)).view(-1, layer.num_heads, layer.qk_nope_head_dim +
+                                                              layer.v_head_dim)
+        k_nope, v = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
+        return k_nope, k_pe, v
+
+    def write_latent(self, kv_c, k_pe, cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def attend_latent(self, q_lat, q_pe, cache, meta: MLAMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MLABackend(AttentionBackend):
+    """Base of the backends that read an MLA latent cache. `supports_dense_mha_prefill`: the backend implements
+    the expanded (MHA) path for prefills; without it every token goes through the absorbed path."""
+    cache_specs = (MLASpec,)
+    supports_mla: ClassVar[bool] = True
+    supports_dense_mha_prefill: ClassVar[bool] = True
+    builder_cls = MLAMetadataBuilder
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        # the builder routes from this backend's own declaration
+        cls.builder_cls = type(f"{cls.__name__}Builder", (cls.builder_cls,),
+                               {"dense_prefill": cls.supports_dense_mha_prefill})
+
+
+class MLAAttention(nn.Module):
+    """The MLA layer a model calls with its projections' outputs. Owns kv_b_proj's split into W_UK / W_UV (taken
+    after loading, through the layer's own kernel, so quantized kv_b_proj weights work unchanged), rotary on the
+    rope parts, and the cache spec."""
+
+    def __init__(self, ctx, prefix: str, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, kv_lora_rank: int, kv_b_proj: nn.Module, rotary, scale: float):
+        super().__init__()
+        self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim = num_heads, qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = v_head_dim, kv_lora_rank
+        self.scale, self.dtype = scale, ctx.dtype
+        # what the runner gives every impl: one shared latent "head" of kv_lora_rank + rope dims
+        self.head_dim, self.num_kv_heads = kv_lora_rank + qk_rope_head_dim, 1
+        self.sliding_window, self.logits_soft_cap = 0, 0.0
+        self._kv_b_proj = (kv_b_proj,)  # registered (and loaded) by the model's attention module
+        self.rotary = rotary
+        self.kv_cache_spec = MLASpec(ctx.dtype, kv_lora_rank, qk_rope_head_dim)
+        ctx.register_attention(prefix, self, self.kv_cache_spec)
+        self.layer_name = prefix
+        self.w_uk: torch.Tensor | None = None  # [H, nope, L]
+        self.w_uv: torch.Tensor | None = None  # [H, L, v]
+        self.impl = None
+        self.kv_cache: torch.Tensor | None = None
+        self.group_id = 0
+
+    @property
+    def kv_b_proj(self) -> nn.Module:
+        return self._kv_b_proj[0]
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """W_UK and W_UV from kv_b_proj, by running its kernel on the identity (any quantization dequantizes).
+        The model registers kv_b_proj before this layer, so its own post-load step has run already."""
+        proj, dtype = self.kv_b_proj, self.dtype
+        dev = next(proj.parameters()).device
+        eye = torch.eye(self.kv_lora_rank, dtype=dtype, device=dev)
+        w = proj(eye).float().view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [L, H, nope], [L, H, v]
+        self.w_uk = w_uk.permute(1, 2, 0).contiguous().to(dtype)
+        self.w_uv = w_uv.permute(1, 0, 2).contiguous().to(dtype)
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
+                ctx) -> torch.Tensor:
+        """q [T, H, nope + rope], kv_c [T, L] (after kv_a_layernorm), k_pe [T, R] (not yet rotated)
+        -> [T, H * v_head_dim]."""
+        meta = ctx.attn_metadata[self.group_id]
+        t = q.shape[0]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.reshape(t, 1, self.qk_rope_head_dim).contiguous())
+        out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe.view(t, self.qk_rope_head_dim), self.kv_cache, meta,
+                                    self)
+        return out.reshape(t, self.num_heads * self.v_head_dim)
