@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kestrel.attention.ops import triton_attention
+from kestrel.attention.ops import triton_mla  # noqa: E402
 from kestrel.kernels.triton_ops import fused_ops  # noqa: E402
 from kestrel.kernels.triton_ops import skinny_gemm  # noqa: E402
 from kestrel.worker import triton_sampling  # noqa: E402
@@ -56,6 +57,24 @@ def test_decode_kernels_compile(split, fused_reduce, windowed, softcap):
     fn = triton_attention._decode_reduce_kernel
     sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64, WINDOWED=windowed))
+
+
+@pytest.mark.parametrize("split,num_warps", [(True, 4), (False, 8)])
+def test_mla_decode_kernel_compiles(split, num_warps):
+    """At DeepSeek's latent dims (512 + 64) with the default tile: the [16 x 512] accumulator and the latent tiles
+    must fit the registers and shared memory of sm_90."""
+    fn = triton_mla._mla_decode_kernel
+    ptrs = {"QL": "*bf16", "QP": "*bf16", "C": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+            "PLSE": "*fp32"}
+    sig = {n: ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(L=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=32, SPLIT=split, UPCAST=False),
+               num_warps=num_warps)
+    fn = triton_mla._mla_reduce_kernel
+    sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(MAX_SPLITS=64, L=512, BLOCK_N=32))
+    fn = triton_mla._write_latent_kernel
+    sig = {n: {"KVC": "*bf16", "KPE": "*bf16", "C": "*bf16", "SLOT": "*i64"}.get(n, "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(L=512, R=64, L_PAD=512, R_PAD=64))
 
 
 @pytest.mark.parametrize("windowed,softcap", OPTIONS)

@@ -1,0 +1,183 @@
+"""MLA kernels in Triton over the paged latent cache `[num_blocks, block_size, kv_lora_rank + rope]`: the latent
+write and the absorbed (latent-space MQA) split-K decode.
+
+Decode: one program per (sequence, block of BLOCK_H query heads, context split). Every head of the block reads
+the same latent tile once: scores = q_lat . c + q_pe . k_pe (the rope part kept separate: two dots, no concatenated
+query), the values are the tile's first kv_lora_rank dims. Splits write float32 partials + log-sum-exp and the
+reduce kernel merges them (a sequence held by one split is written directly).
+Grids depend on shapes and python ints only, so the launch can be captured in a CUDA graph."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, _LOG2E, _mm, _sms_for,
+                                                    _split_bounds, _token_offsets, _upcast, choose_num_splits)
+from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
+from kestrel.platform.triton_gates import interpreter_mode
+
+
+@triton.jit
+def _write_latent_kernel(KVC, KPE, C, SLOT, stride_kvc, stride_kpe, stride_ct,
+                         L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t)
+    if slot < 0:
+        return
+    dst = C + slot * stride_ct
+    offs_l = tl.arange(0, L_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    c = tl.load(KVC + t.to(tl.int64) * stride_kvc + offs_l, mask=offs_l < L)
+    tl.store(dst + offs_l, c.to(C.dtype.element_ty), mask=offs_l < L)
+    pe = tl.load(KPE + t.to(tl.int64) * stride_kpe + offs_r, mask=offs_r < R)
+    tl.store(dst + L + offs_r, pe.to(C.dtype.element_ty), mask=offs_r < R)
+
+
+def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_c [T, L], k_pe [T, R] -> cache rows at slot_mapping[:T] (slots < 0 skipped)."""
+    t, L = kv_c.shape
+    R = k_pe.shape[1]
+    if t == 0:
+        return
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or cache.stride(-1) != 1 or cache.stride(1) != L + R:
+        raise ValueError("write_latent needs contiguous rows and a [blocks, block_size, L + R] cache")
+    _write_latent_kernel[(t,)](kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), cache.stride(1),
+                               L=L, R=R, L_PAD=triton.next_power_of_2(L), R_PAD=triton.next_power_of_2(R))
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
+def _mla_decode_kernel(
+    QL, QP, C, BT, SL, O, PO, PLSE,
+    qk_scale, num_heads, num_splits, min_split,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph,
+    stride_cb, stride_ct, stride_btb, stride_ob, stride_oh,
+    L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(SL + b)
+    per_split, n_active = _split_bounds(seq_len, num_splits, min_split, BLOCK_N)
+    if split >= n_active:
+        return
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    q_lat = tl.load(QL + b64 * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :], mask=mask_h[:, None],
+                    other=0.0)
+    q_pe = tl.load(QP + b64 * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :], mask=mask_h[:, None],
+                   other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    bt_row = BT + b64 * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N)
+        c = tl.load(C + offs[:, None] + offs_l[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, L]
+        pe = tl.load(C + offs[:, None] + L + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, R]
+        s = _mm(q_lat, tl.trans(c), UPCAST) + _mm(q_pe, tl.trans(pe), UPCAST)
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if (not SPLIT) or n_active == 1:
+        tl.store(O + b64 * stride_ob + heads[:, None] * stride_oh + offs_l[None, :], o.to(O.dtype.element_ty),
+                 mask=mask_h[:, None])
+    else:
+        row = (b64 * num_heads + heads) * num_splits + split
+        tl.store(PLSE + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=mask_h)
+        tl.store(PO + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
+def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split,
+                       MAX_SPLITS: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Merge one (sequence, head)'s split partials by their log-sum-exp weights."""
+    pdl_prologue(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    _, n_active = _split_bounds(tl.load(SL + b), num_splits, min_split, BLOCK_N)
+    if n_active == 1:
+        return  # written by the decode kernel
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    mask_s = offs_s < n_active
+    offs_l = tl.arange(0, L)
+    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    po = tl.load(PO + (row + offs_s)[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], axis=0) / denom
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, o.to(O.dtype.element_ty))
+
+
+def _default_config(L: int, batch: int) -> dict:
+    # Not tuned on the GPU yet (benchmarks/mla_decode.py sweeps it): a [16 heads x 512] float32 accumulator and
+    # 32-token latent tiles (36 KiB of bf16 a stage).
+    return {"BLOCK_H": 16, "BLOCK_N": 32 if L > 256 else 64, "num_warps": 4 if batch > 8 else 8, "num_stages": 2,
+            "MIN_SPLIT": MIN_SPLIT_TOKENS}
+
+
+def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=None, num_splits=None, *,
+                         max_seq_len=None, _config=None):
+    """q_lat [B, H, L], q_pe [B, H, R] (one query token per sequence, at position seq_lens[b] - 1) over the paged
+    latent cache [blocks, block_size, L + R] -> out [B, H, L] (latent-space output, before W_UV). L and R must be
+    powers of two (512 and 64 for DeepSeek). Rows with seq_len 0 produce zeros."""
+    B, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    _, page, lr = cache.shape
+    if lr != L + R or L & (L - 1) or R & (R - 1) or R < 16:
+        raise ValueError(f"latent dims {L} + {R} (cache {lr}): both powers of two, the rope part >= 16")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("mla_decode_attention needs the last dims contiguous")
+    if out is None:
+        out = torch.empty_like(q_lat)
+    if B == 0:
+        return out
+    cfg = {**_default_config(L, B), **(_config or {})}
+    head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
+    max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(B, head_blocks, max_ctx, _sms_for(q_lat))
+    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
+    if num_splits > 1:
+        po = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q_lat.device)
+        plse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q_lat.device)
+    else:
+        po = plse = out  # unused
+    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _mla_decode_kernel[(B, head_blocks, num_splits)](
+        q_lat, q_pe, cache, block_tables, seq_lens, out, po, plse,
+        float(scale) * _LOG2E, H, num_splits, min_split,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        L=L, R=R, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1,
+        UPCAST=_upcast(q_lat.dtype), **launch, **pdl_launch(B),
+    )
+    if num_splits > 1:
+        _mla_reduce_kernel[(B, H)](
+            po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split,
+            MAX_SPLITS=MAX_SPLITS, L=L, BLOCK_N=cfg["BLOCK_N"],
+            **({} if interpreter_mode() else {"num_warps": 4}), **pdl_launch(B),
+        )
+    return out
