@@ -44,7 +44,26 @@ SHAPES = {
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
                           tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    # DeepSeek-V2-Lite: hidden 2048, 27 layers, 16 heads, MLA (latent 512 + rope 64 a token and layer; qk 128 + 64,
+    # v 128, no q compression), YaRN x40; layer 0 dense (MLP 10944), then MoE (64 routed experts of 1408, top-6,
+    # 2 shared); vocab 102400. The same config as /work/shared/peers/vllm/vllm_shapes.py's.
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+                             q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+                             num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, moe_layer_freq=1,
+                             routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+                             scoring_func="softmax", norm_topk_prob=False, vocab_size=102400,
+                             tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                             rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40,
+                                                             "original_max_position_embeddings": 4096,
+                                                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                                             "mscale_all_dim": 0.707},
+                             bos_token_id=100000, eos_token_id=100001),
 }
+# V2-Lite's attention with every layer dense (the 10944 MLP of its layer 0; its MoE layers touch 8 x 1408 = 11264
+# columns a token): MLA measured on its own until the DeepSeek MoE layers are wired
+SHAPES["deepseek-v2-lite-dense"] = {**SHAPES["deepseek-v2-lite"], "first_k_dense_replace": 27}
 
 
 def write_shape(name: str) -> Path:
@@ -76,6 +95,8 @@ class ShapeFacts:
 
 def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     s = SHAPES[name]
+    if "kv_lora_rank" in s:
+        return _mla_shape_facts(s, dtype_bytes)
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
                                    s["num_key_value_heads"], s["head_dim"], s["intermediate_size"], s["vocab_size"])
     attn = h * (nh + 2 * kvh) * hd + nh * hd * h
@@ -90,6 +111,29 @@ def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     matmul_params = L * active_layer + emb  # the lm_head is a matmul, the embedding lookup is not
     return ShapeFacts(params, (L * per_layer + emb) * dtype_bytes, 2 * L * kvh * hd * dtype_bytes, 2 * matmul_params,
                       L * expert * dtype_bytes, e, k)
+
+
+def _mla_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
+    """MLA (DeepSeek): the cache holds one latent (kv_lora_rank + rope) a token and layer; MoE layers count the
+    experts a token touches for FLOPs and all experts for weight bytes."""
+    h, L, nh, V = s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["vocab_size"]
+    rank, rope, nope, vd, ql = (s["kv_lora_rank"], s["qk_rope_head_dim"], s["qk_nope_head_dim"], s["v_head_dim"],
+                                s.get("q_lora_rank"))
+    q = h * ql + ql * nh * (nope + rope) if ql else h * nh * (nope + rope)
+    attn = q + h * (rank + rope) + rank * nh * (nope + vd) + nh * vd * h
+    dense = L if not s.get("n_routed_experts") else min(L, s.get("first_k_dense_replace", 0))
+    mlp_dense = 3 * h * s["intermediate_size"]
+    moe_all = 3 * h * s.get("moe_intermediate_size", 0) * (s.get("n_routed_experts", 0) + s.get("n_shared_experts", 0))
+    moe_active = 3 * h * s.get("moe_intermediate_size", 0) * (s.get("num_experts_per_tok", 0) +
+                                                               s.get("n_shared_experts", 0))
+    emb = V * h
+    all_params = L * attn + dense * mlp_dense + (L - dense) * moe_all
+    active = L * attn + dense * mlp_dense + (L - dense) * moe_active
+    params = all_params + emb * (1 if s["tie_word_embeddings"] else 2)
+    expert = (L - dense) * 3 * h * s.get("moe_intermediate_size", 0) * dtype_bytes
+    return ShapeFacts(params, (all_params + emb) * dtype_bytes, L * (rank + rope) * dtype_bytes, 2 * (active + emb),
+                      expert if s.get("n_routed_experts") else 0, s.get("n_routed_experts", 0),
+                      s.get("num_experts_per_tok", 0) or 0)
 
 
 def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):

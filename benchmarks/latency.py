@@ -12,13 +12,14 @@ import time
 from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
 
 
-def run_kestrel(model_dir, prompt, n_out, quantization=None, pdl=True):
+def run_kestrel(model_dir, prompt, n_out, quantization=None, pdl=True, max_model_len=None):
     import torch
 
     from kestrel import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, quantization=quantization, progress=False, pdl=pdl)
+              enable_prefix_caching=False, quantization=quantization, progress=False, pdl=pdl,
+              **({"max_model_len": max_model_len} if max_model_len else {}))
     p1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     pn = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
     llm.generate([prompt], pn, use_tqdm=False)  # warm-up
@@ -71,13 +72,14 @@ def main():
     ap.add_argument("--hf-output-len", type=int, default=64, help="tokens for transformers (0 = skip)")
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
     ap.add_argument("--no-pdl", action="store_true", help="turn programmatic dependent launch off")
+    ap.add_argument("--max-model-len", type=int, default=None, help="cap the context (vLLM's peer runs use 4096)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     model_dir = write_shape(args.shape)
     facts = shape_facts(args.shape)
     ceil = measure_ceilings()
     prompt = nano_workload(1, seed=2, in_range=(args.prompt_len, args.prompt_len))[0][0]
-    ttft, tpot = run_kestrel(model_dir, prompt, args.output_len, args.quantization, not args.no_pdl)
+    ttft, tpot = run_kestrel(model_dir, prompt, args.output_len, args.quantization, not args.no_pdl, args.max_model_len)
     roof = facts.active_weight_bytes(1) / ceil["copy_bytes_per_s"]  # active weights read once per token
     rows = [dict(engine="kestrel", ttft_ms=ttft * 1e3, ms_per_token=tpot * 1e3, roofline_ms=roof * 1e3,
                  x_roofline=f"{tpot / roof:.2f}")]

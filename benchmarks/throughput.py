@@ -33,7 +33,8 @@ def run_kestrel(model_dir, prompts, outs, args):
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
-              quantization=args.quantization, enable_prefix_caching=False, progress=False, pdl=not args.no_pdl)
+              quantization=args.quantization, enable_prefix_caching=False, progress=False, pdl=not args.no_pdl,
+              **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     startup = time.perf_counter() - T_PROCESS
     core = llm.engine.core
     # warm-up: a few short requests through prefill and decode (JIT, allocator)
@@ -117,6 +118,7 @@ def main():
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
     ap.add_argument("--sweep", action="store_true", help="also measure throughput vs concurrency 1..256 (PNG)")
     ap.add_argument("--no-pdl", action="store_true", help="turn programmatic dependent launch off")
+    ap.add_argument("--max-model-len", type=int, default=None, help="cap the context (vLLM's peer runs use 4096)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -149,6 +151,10 @@ def main():
           + f"; mean step {info['step_ms']:.2f} ms")
     result["cpu_ms_per_step"] = info["cpu_ms_per_step"]
     result["step_ms"] = info["step_ms"]
+    kv, llama_kv = facts.kv_bytes_per_token, shape_facts("llama-8b").kv_bytes_per_token
+    print(f"KV cache bytes per token (all layers, bf16): {args.shape} {kv:,}; llama-8b {llama_kv:,} "
+          f"({llama_kv / kv:.1f}x as many tokens of {args.shape} fit in the same memory)")
+    result["kv_bytes_per_token"] = kv
     print(f"ceilings: copy {result['copy_TBps']:.2f} TB/s, bf16 matmul {result['bf16_TFLOPs']:.0f} TFLOP/s")
     if "ratio" in result:
         print(f"Kestrel / transformers output tokens/s: {result['ratio']:.1f}x")
