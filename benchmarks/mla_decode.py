@@ -1,0 +1,75 @@
+"""The Triton MLA decode kernel alone (DeepSeek-V2-Lite / V3 dims: latent 512 + rope 64, bf16) on the H200: time and
+achieved bandwidth (latent bytes read / time) per batch x context, for the default tile and a small sweep, and
+the error against the float32 reference on the first case.
+
+    python benchmarks/mla_decode.py [--heads 16] [--sweep]"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kestrel.attention.backends.torch_mla import mla_latent_attention_ref
+from kestrel.attention.ops.triton_mla import _default_config, mla_decode_attention
+
+L, R, PAGE = 512, 64, 16
+
+
+def case(batch: int, ctx: int, heads: int):
+    nblk = -(-ctx // PAGE)
+    cache = torch.randn(batch * nblk + 1, PAGE, L + R, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(batch * nblk, device="cuda").view(batch, nblk).int()
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q_lat = torch.randn(batch, heads, L, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch, heads, R, device="cuda", dtype=torch.bfloat16)
+    return q_lat, q_pe, cache, bt, sl
+
+
+def time_us(fn, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=16, help="16: V2-Lite, 128: V3")
+    ap.add_argument("--sweep", action="store_true", help="also try BLOCK_N / warps / stages variants")
+    args = ap.parse_args()
+    scale = 192 ** -0.5
+    q_lat, q_pe, cache, bt, sl = case(4, 3000, args.heads)
+    out = mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale)
+    ref = mla_latent_attention_ref(q_lat.float(), q_pe.float(), cache.float(), bt, list(range(5)), [3000] * 4, scale)
+    print(f"rel err vs float32 reference (4 x 3000): {((out.float() - ref).norm() / ref.norm()).item():.2e}")
+    variants = [None]
+    if args.sweep:
+        variants += [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+                     for bn, w, s in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+    print(f"{'batch':>5} {'ctx':>6} {'config':<40} {'us':>8} {'GB/s':>7}")
+    for batch, ctx in [(1, 1024), (1, 32768), (16, 1024), (64, 1024), (256, 1024), (256, 4096)]:
+        q_lat, q_pe, cache, bt, sl = case(batch, ctx, args.heads)
+        nbytes = batch * ctx * (L + R) * 2
+        for v in variants:
+            try:
+                us = time_us(lambda: mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale, _config=v,
+                                                          max_seq_len=ctx))
+            except Exception as e:  # a tile that does not fit shared memory
+                print(f"{batch:>5} {ctx:>6} {str(v):<40} failed: {type(e).__name__}")
+                continue
+            label = str(v or {k: _default_config(L, batch)[k] for k in ("BLOCK_N", "num_warps", "num_stages")})
+            print(f"{batch:>5} {ctx:>6} {label:<40} {us:>8.1f} {nbytes / us / 1e3:>7.0f}")
+
+
+if __name__ == "__main__":
+    main()
