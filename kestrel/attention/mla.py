@@ -139,8 +139,7 @@ class MLABackend(AttentionBackend):
 
 class MLAAttention(nn.Module):
     """The MLA layer a model calls with its projections' outputs. Owns kv_b_proj's split into W_UK / W_UV (taken
-    after loading, through the layer's own kernel, so quantized kv_b_proj weights work unchanged), rotary on the
-    rope parts, and the cache spec."""
+    after loading; an FP8 kv_b_proj is dequantized for them), rotary on the rope parts, and the cache spec."""
 
     def __init__(self, ctx, prefix: str, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, kv_b_proj: nn.Module, rotary, scale: float):
@@ -168,15 +167,16 @@ class MLAAttention(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """W_UK and W_UV from kv_b_proj, by running its kernel on the identity (any quantization dequantizes).
-        The model registers kv_b_proj before this layer, so its own post-load step has run already."""
-        proj, dtype = self.kv_b_proj, self.dtype
-        dev = next(proj.parameters()).device
-        eye = torch.eye(self.kv_lora_rank, dtype=dtype, device=dev)
-        w = proj(eye).float().view(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # [L, H, nope], [L, H, v]
-        self.w_uk = w_uk.permute(1, 2, 0).contiguous().to(dtype)
-        self.w_uv = w_uv.permute(1, 0, 2).contiguous().to(dtype)
+        """W_UK and W_UV from kv_b_proj's weight as its kernel computes with it (FP8: dequantized). Runs before
+        kv_b_proj's own post-load step (the model registers this layer first), while the checkpoint tensors are
+        as loaded."""
+        proj = self.kv_b_proj
+        dequantized = getattr(proj.kernel, "dequantized_weight", None)
+        w = dequantized(proj, torch.float32) if dequantized is not None else proj.weight.float()
+        w = w.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [H, nope, L], [H, v, L]
+        self.w_uk = w_uk.contiguous().to(self.dtype)
+        self.w_uv = w_uv.transpose(1, 2).contiguous().to(self.dtype)
 
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
                 ctx) -> torch.Tensor:

@@ -58,14 +58,15 @@ class DeepseekV2Attention(nn.Module):
             self.q_proj = Linear.from_ctx(ctx, h, heads * (nope + rope), f"{prefix}.q_proj")
         self.kv_a_proj_with_mqa = Linear.from_ctx(ctx, h, rank + rope, f"{prefix}.kv_a_proj_with_mqa", bias)
         self.kv_a_layernorm = RMSNorm(rank, 1e-6, ctx.dtype)
-        # registered before the MLA layer: its post-load step reads kv_b_proj's processed weights
-        self.kv_b_proj = Linear.from_ctx(ctx, rank, heads * (nope + vdim), f"{prefix}.kv_b_proj")
-        self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
+        kv_b_proj = Linear.from_ctx(ctx, rank, heads * (nope + vdim), f"{prefix}.kv_b_proj")
         interleaved = getattr(cfg, "rope_interleave", True)  # V2 has no flag: always interleaved
         rotary = ctx.shared("rotary", lambda: RotaryEmbedding(cfg, rope, ctx.max_positions, ctx.dtype,
                                                               interleaved=interleaved))
-        self.mla_attn = MLAAttention(ctx, f"{prefix}.mla_attn", heads, nope, rope, vdim, rank, self.kv_b_proj,
-                                     rotary, mla_softmax_scale(cfg))
+        # registered before kv_b_proj: its post-load step reads kv_b_proj's weights as loaded
+        self.mla_attn = MLAAttention(ctx, f"{prefix}.mla_attn", heads, nope, rope, vdim, rank, kv_b_proj, rotary,
+                                     mla_softmax_scale(cfg))
+        self.kv_b_proj = kv_b_proj
+        self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
 
     def forward(self, positions, hidden, residual, ctx):
         norm = self._input_norm[0]
