@@ -62,7 +62,7 @@ SHAPES = {
                              bos_token_id=100000, eos_token_id=100001),
 }
 # V2-Lite's attention with every layer dense (the 10944 MLP of its layer 0; its MoE layers touch 8 x 1408 = 11264
-# columns a token): MLA measured on its own until the DeepSeek MoE layers are wired
+# columns a token): MLA measured without the MoE kernels
 SHAPES["deepseek-v2-lite-dense"] = {**SHAPES["deepseek-v2-lite"], "first_k_dense_replace": 27}
 
 

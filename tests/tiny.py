@@ -90,12 +90,23 @@ MOE_CONFIGS = {
                                   use_qk_norm=True)),
 }
 
+# DeepSeek MLA + MoE (their own fixture in tests/models/test_deepseek.py): layer 0 dense, then routed + shared
+# experts. V2: softmax, group-limited greedy; V3: sigmoid + correction bias, grouped top-k, renormalised, scaled
+MLA_MOE_CONFIGS = {
+    "deepseek_v2_moe": ("deepseek_v2", dict(_MLA, num_hidden_layers=3, q_lora_rank=None, first_k_dense_replace=1,
+                                            n_routed_experts=8, n_shared_experts=1, topk_method="group_limited_greedy",
+                                            n_group=2, topk_group=1, routed_scaling_factor=1.5)),
+    "deepseek_v3_moe": ("deepseek_v3", dict(_MLA, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1,
+                                            n_routed_experts=8, n_shared_experts=2, n_group=2, topk_group=1,
+                                            norm_topk_prob=True, routed_scaling_factor=2.5)),
+}
+
 
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
                     logit_scale: float = 1.0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = {**CONFIGS, **MOE_CONFIGS}[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -2,8 +2,9 @@
 (kestrel/attention/mla.py) with interleaved rotary on the rope dims (V2 always, V3 where `rope_interleave`), YaRN
 with the mscale correction of the softmax scale, and dense MLPs on the first `first_k_dense_replace` layers.
 
-MoE layers (the layers past first_k_dense_replace) come from the MoE issue and are not wired here yet: such a
-checkpoint raises NotImplementedError at construction."""
+Layers from first_k_dense_replace on are MoE blocks (kestrel/layers/moe through models/deepseek_moe.py): V2 routes
+with softmax scores (greedy or group-limited), V3 with sigmoid scores, the correction bias and grouped top-k; both
+add n_shared_experts ungated shared experts."""
 from __future__ import annotations
 
 import math
@@ -13,13 +14,12 @@ import torch
 from torch import nn
 
 from kestrel.attention.mla import MLAAttention
-from kestrel.layers.activation import gated_activation
 from kestrel.layers.linear import Linear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding, _rope_params
 from kestrel.models.context import ModelContext, layer_index
-from kestrel.models.llama import LlamaForCausalLM, LlamaMLP
-from kestrel.models.weights import load_named_weights
+from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router
+from kestrel.models.moe_base import MoEDecoderLayer, MoEForCausalLM
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
@@ -89,40 +89,35 @@ def _is_moe_layer(cfg, idx: int) -> bool:
     return bool(getattr(cfg, "n_routed_experts", None)) and idx >= getattr(cfg, "first_k_dense_replace", 0)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, prefix: str):
-        super().__init__()
-        cfg = ctx.text
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.self_attn = DeepseekV2Attention(ctx, f"{prefix}.self_attn", self.input_layernorm)
-        if _is_moe_layer(cfg, layer_index(prefix)):
-            # follow-up: DeepSeek's routed + shared experts from kestrel/layers/moe (the MoE issue)
-            raise NotImplementedError(f"{prefix}: DeepSeek MoE layers are not supported yet (layers from "
-                                      f"first_k_dense_replace={cfg.first_k_dense_replace} on are MoE)")
-        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp", self.post_attention_layernorm,
-                            gated_activation(getattr(cfg, "hidden_act", "silu")))
+class DeepseekV2DecoderLayer(MoEDecoderLayer):
+    attention_cls = DeepseekV2Attention
+    router = staticmethod(deepseek_v2_router)
 
-    def forward(self, positions, hidden, residual, ctx):
-        hidden, residual = self.self_attn(positions, hidden, residual, ctx)
-        return self.mlp(hidden, residual)
+    def moe_block(self, ctx: ModelContext, prefix: str):
+        if not _is_moe_layer(ctx.text, layer_index(prefix)):
+            return None
+        return deepseek_moe_block(ctx, prefix, self.router(ctx.text))
 
 
-class DeepseekV2ForCausalLM(LlamaForCausalLM):
+class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
+    router = staticmethod(deepseek_router)
+
+
+class DeepseekV2ForCausalLM(MoEForCausalLM):
     decoder_layer_cls = DeepseekV2DecoderLayer
     packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         n = self.config.num_hidden_layers
         # V3 checkpoints carry multi-token-prediction layers past the last decoder layer: not used for decoding
-        kept = ((name, t) for name, t in weights if not _beyond_last_layer(name, n))
-        return load_named_weights(self, kept, self.packed_modules,
-                                  skip_lm_head=getattr(self.config, "tie_word_embeddings", False))
+        return super().load_weights((name, t) for name, t in weights if not _beyond_last_layer(name, n))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    decoder_layer_cls = DeepseekV3DecoderLayer
 
 
 def _beyond_last_layer(name: str, num_layers: int) -> bool:
     parts = name.split(".")
     return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers
 
-
-DeepseekV3ForCausalLM = DeepseekV2ForCausalLM

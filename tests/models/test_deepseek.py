@@ -1,4 +1,4 @@
-"""DeepSeek-V2, V2-Lite-style and V3 (multi-head latent attention, all layers dense) against transformers on the
+"""DeepSeek-V2, V2-Lite-style and V3 (multi-head latent attention; all layers dense, and with MoE layers) against transformers on the
 same tiny weights (CPU, float32): greedy tokens identical for 32 tokens on mixed-length prompts, also with chunked
 prefill, preemption and a prefix-cache hit, each asserted to have happened; the path each part of a step took
 (absorbed for decodes, dense for prefills; absorbed for everything on a backend without dense prefill) is
@@ -93,9 +93,25 @@ def test_backend_without_dense_prefill_routes_prefill_through_absorbed_path(tiny
     assert sorted(q for q in paths["absorbed"] if q > 1) == [4, 4, 13, 13]  # both prompts, in both layers
 
 
-def test_moe_layers_not_wired_yet_raise(tmp_path, tiny_tokenizer):
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, tiny_tokenizer):
     from tests.tiny import make_checkpoint
 
-    path = make_checkpoint("deepseek_v2_lite", tmp_path, tokenizer=tiny_tokenizer, first_k_dense_replace=1)
-    with pytest.raises(NotImplementedError, match="MoE"):
-        LLM(str(path), progress=False)
+    root = tmp_path_factory.mktemp("tiny_deepseek_moe")
+    return {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer) for k in ("deepseek_v2_moe", "deepseek_v3_moe")}
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2_moe", "deepseek_v3_moe"])
+def test_moe_greedy_matches_transformers(moe_models, kind):
+    """MLA with DeepSeek's MoE layers (from first_k_dense_replace on; V2: softmax group-limited routing, V3:
+    sigmoid + correction bias), also with chunked prefill and preemption."""
+    from kestrel.layers.moe import SparseMoeBlock
+
+    ref = hf_greedy(moe_models[kind], PROMPTS, NUM_TOKENS)
+    tokens, llm = generate(moe_models[kind], PROMPTS)
+    model = llm.engine.core.runner.model
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
+    assert tokens == ref
+    tokens, llm = generate(moe_models[kind], PROMPTS, block_size=4, num_kv_blocks=40, max_num_batched_tokens=8)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert tokens == ref
