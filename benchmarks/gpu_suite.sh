@@ -2,6 +2,9 @@
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
 # MoE (issue 13): moe (GPU kernel tests + kernel table), moetune (tile search, writes fused_moe.json to $OUT),
 #   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
+# MLA (issue 14): mla (GPU MLA tests + the decode kernel alone), mlatune (decode tile sweep, V2-Lite and V3 heads),
+#   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
+#   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
@@ -50,6 +53,23 @@ for s in $stages; do
               tests/kernels/test_lora_kernels_interp.py 2>&1 | tail -8 ;;
     tputlora) timeout 400 python3 benchmarks/lora_throughput.py --shape qwen3-0.6b --json "$OUT/tput_lora.json" 2>&1 \
               | grep -v Warning | tail -10 ;;
+    mla)    timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_mla.py tests/attention/test_triton_mla.py \
+              tests/attention/test_mla.py 2>&1 | tail -6
+            timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -12 ;;
+    mlatune) timeout 400 python3 benchmarks/mla_decode.py --sweep 2>&1 | tee "$OUT/mla_tune16.txt" | tail -60
+            timeout 400 python3 benchmarks/mla_decode.py --sweep --heads 128 2>&1 | tee "$OUT/mla_tune128.txt" | tail -60 ;;
+    tputmla) timeout 480 python3 benchmarks/throughput.py --shape deepseek-v2-lite --hf-requests 0 --max-model-len 4096 \
+              --json "$OUT/tput_mla.json" 2>&1 | grep -v Warning | tail -14 ;;
+    latmla) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite --hf-output-len 0 --max-model-len 4096 \
+              --json "$OUT/lat_mla.json" 2>&1 | tail -8 ;;
+    tputmlad) timeout 480 python3 benchmarks/throughput.py --shape deepseek-v2-lite-dense --hf-requests 0 \
+              --max-model-len 4096 --json "$OUT/tput_mla_dense.json" 2>&1 | grep -v Warning | tail -14 ;;
+    latmlad) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite-dense --hf-output-len 0 --max-model-len 4096 \
+              --json "$OUT/lat_mla_dense.json" 2>&1 | tail -8 ;;
+    vllmmla) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \
+              --json "$OUT/vllm_mla.json" 2>&1 | grep -v Warning | tail -8 ;;
+    vllmmlad) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
+              --shape deepseek-v2-lite-dense --json "$OUT/vllm_mla_dense.json" 2>&1 | grep -v Warning | tail -8 ;;
     vllmmoe) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
