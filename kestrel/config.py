@@ -100,6 +100,17 @@ class LoRAConfig:
 
 
 @dataclass
+class MultiModalConfig:
+    limit_mm_per_prompt: int = _f(4, "most images in one request")
+    allowed_media_domains: list[str] | None = _f(None, "hosts that image_url http(s) URLs may name (default: remote "
+                                                       "URLs are refused)")
+    allowed_local_media_path: str | None = _f(None, "folder whose files image_url file:// URLs may read (default: "
+                                                    "local files are refused)")
+    max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
+    max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -108,8 +119,9 @@ class EngineConfig:
     kernel: KernelConfig = field(default_factory=KernelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
-    SECTIONS = ("model", "cache", "scheduler", "parallel", "kernel", "compilation", "lora")
+    SECTIONS = ("model", "cache", "scheduler", "parallel", "kernel", "compilation", "lora", "multimodal")
 
     @classmethod
     def create(cls, **kwargs) -> "EngineConfig":

@@ -21,6 +21,8 @@ def _prompt_of(p: PromptType) -> str | list[int]:
     """vLLM's TextPrompt / TokensPrompt dicts -> what the engine takes."""
     if not isinstance(p, dict):
         return p
+    if "multi_modal_data" in p:
+        return p  # the input processor takes the dict (kestrel/engine/processor.py split_prompt)
     unknown = set(p) - {"prompt", "prompt_token_ids"}
     if unknown or len(p) != 1:
         raise ValueError(f"a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids' (got keys {sorted(p)})")
@@ -52,9 +54,10 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | None = None,
                  priority: Sequence[int] | None = None, lora_request=None) -> list[RequestOutput]:
-        """Prompts in vLLM's forms: a string, a token-id list, {"prompt": str} or {"prompt_token_ids": [...]}, or a
-        list of those; returns one RequestOutput per prompt, in input order. lora_request: one adapter (a
-        LoRARequest from load_lora, or its name) for all prompts, or one per prompt (None: the base model)."""
+        """Prompts in vLLM's forms: a string, a token-id list, {"prompt": str} or {"prompt_token_ids": [...]}
+        (with images: {"prompt": str, "multi_modal_data": {"image": PIL image or list}}), or a list of those;
+        returns one RequestOutput per prompt, in input order. lora_request: one adapter (a LoRARequest from
+        load_lora, or its name) for all prompts, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_prompt_of(p) for p in prompts]

@@ -31,6 +31,7 @@ class CommonAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    bidirectional_lens_cpu: list[int] | None = None  # per request: its prefix attended both ways (None: causal)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    bidirectional_lens_cpu: list[int] | None = None
 
 
 class AttentionMetadataBuilder:
@@ -60,7 +62,7 @@ class AttentionMetadataBuilder:
         c = common
         return AttentionMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
                                  c.query_start_loc, c.seq_lens, block_table, slot_mapping, c.query_start_loc_cpu,
-                                 c.seq_lens_cpu)
+                                 c.seq_lens_cpu, c.bidirectional_lens_cpu)
 
     def build_for_capture(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
                           slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -103,6 +105,7 @@ class AttentionBackend:
     cache_specs: ClassVar[tuple[type, ...]] = (FullAttentionSpec,)  # spec classes it reads (subclasses included)
     supports_sliding_window: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    supports_bidirectional_prefix: ClassVar[bool] = False
 
     impl_cls: ClassVar[type[AttentionImpl]]
     builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
@@ -126,4 +129,6 @@ class AttentionBackend:
             return False, f"reads no {type(spec).__name__}"
         if getattr(spec, "sliding_window", 0) and not cls.supports_sliding_window:
             return False, "no sliding window"
+        if getattr(spec, "bidirectional_prefix", False) and not cls.supports_bidirectional_prefix:
+            return False, "no bidirectional prefix attention"
         return True, ""

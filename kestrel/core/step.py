@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kestrel.core.multimodal import MMFeature
 from kestrel.engine.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
@@ -46,6 +47,8 @@ class NewRequestData:
     min_tokens_stop_ids: list[int]  # eos (unless ignore_eos) + stop ids: masked until min_tokens outputs exist
     block_ids: list[list[int]]  # per KV-cache group
     lora_id: int = 0  # the request's LoRA adapter (0: none)
+    mm_features: list[MMFeature] = field(default_factory=list)  # images: the runner encodes them when scheduled
+    bidirectional_len: int = 0
 
 
 @dataclass

@@ -51,7 +51,8 @@ class EngineCore:
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_id
-                      if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time)
+                      if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time,
+                      mm_features=list(r.mm_features), bidirectional_len=r.bidirectional_len)
         if r.lora_id:
             if self.runner.lora is None or r.lora_id not in self.runner.lora.registered:
                 # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it

@@ -6,7 +6,7 @@ import itertools
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import InputProcessor, OutputProcessor
+from kestrel.engine.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.lora.registry import LoRARequest, parse_lora_modules
 
@@ -18,7 +18,8 @@ class LLMEngine:
         self.tokenizer = self.core.runner.loaded.tokenizer
         hf = self.core.runner.hf_config
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
-                                              self.core.eos_token_id, config.model.max_logprobs)
+                                              self.core.eos_token_id, config.model.max_logprobs,
+                                              mm=make_mm_processor(config, self.core.runner.model_config.hf))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
@@ -39,7 +40,7 @@ class LLMEngine:
         req = self.loras.pop(name, None)
         return req is not None and self.core.remove_lora(req.lora_id)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None) -> str:
         request_id = request_id or f"req-{next(self._ids)}"
         if isinstance(lora_request, str):
@@ -48,7 +49,7 @@ class LLMEngine:
             lora_request = self.loras[lora_request]
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0)
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream)
         for r in core_reqs:
             self.core.add_request(r)

@@ -266,11 +266,11 @@ class KVCacheManager:
     # ---- hashing
     def _block_hashes(self, req: Request) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
-        extra = req.cache_salt
         known = req.num_tokens - (1 if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER else 0)
         while (len(hashes) + 1) * bs <= known:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.tokens_slice(i * bs, (i + 1) * bs), extra))
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.tokens_slice(i * bs, (i + 1) * bs),
+                                     req.block_extra(i * bs, (i + 1) * bs)))
         return hashes
 
     # ---- allocation

@@ -21,12 +21,56 @@ def child_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{parent_id}#{index}"
 
 
+def split_prompt(prompt) -> tuple[str | list[int], list]:
+    """A prompt as LLM.generate and the server take it: a string, token ids, or vLLM's dict form
+    {"prompt": str | "prompt_token_ids": [...], "multi_modal_data": {"image": image | [images]}}."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequest("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", param="prompt")
+    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    mm = prompt.get("multi_modal_data") or {}
+    unknown = set(mm) - {"image"}
+    if unknown:
+        raise InvalidRequest(f"unsupported modalities {sorted(unknown)}; only 'image'", param="multi_modal_data")
+    images = mm.get("image")
+    if images is None:
+        return text, []
+    from kestrel.engine.mm_processor import as_image_list
+    return text, as_image_list(images)
+
+
+def display_prompt(prompt) -> str | None:
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def make_mm_processor(config, hf_config=None):
+    """The frontend's image processor for a multimodal checkpoint (None for text-only models)."""
+    from kestrel.engine.mm_processor import MultiModalProcessor, is_multimodal
+    from kestrel.loader import default_model_path, load_hf_config
+    from kestrel.models.registry import get_model_class
+
+    m = config.model
+    path = m.model or default_model_path()
+    if m.load_format != "auto" or path.endswith(".gguf"):
+        return None
+    hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
+    model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
+    if not is_multimodal(model_cls):
+        return None
+    return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt, m.trust_remote_code)
+
+
 class InputProcessor:
     """``default_max_tokens``: the cap for a request without max_tokens (None: the rest of the context);
-    ``chat_template``: used instead of the tokenizer's own when set."""
+    ``chat_template``: used instead of the tokenizer's own when set; ``mm``: the MultiModalProcessor of an
+    image-text model (None: text only)."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
-                 max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None):
+                 max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
+                 mm=None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -34,6 +78,7 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
+        self.mm = mm
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -65,10 +110,18 @@ class InputProcessor:
             raise InvalidRequest("the chat template did not render text", param="messages")
         return text
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+    def process(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, lora_id: int = 0) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
-        if isinstance(prompt, str):
+        prompt, images = split_prompt(prompt)
+        features, bidirectional_len = [], 0
+        if images:
+            if self.mm is None:
+                raise InvalidRequest("this model does not take images", param="multi_modal_data")
+            if not isinstance(prompt, str):
+                raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
+            ids, features, bidirectional_len = self.mm.process(prompt, images)
+        elif isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = list(prompt)
@@ -76,6 +129,9 @@ class InputProcessor:
                 raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if self.mm is not None and not features and self.mm.image_token_id in ids:
+            raise InvalidRequest(f"the prompt holds image placeholder tokens ({self.mm.image_token!r}) but no image",
+                                 param="prompt")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
@@ -91,7 +147,8 @@ class InputProcessor:
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_id, max_tokens,
-                                          arrival, priority, lora_id))
+                                          arrival, priority, lora_id, mm_features=features,
+                                          bidirectional_len=bidirectional_len))
         return ids, reqs
 
 

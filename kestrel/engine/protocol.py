@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from kestrel.core.multimodal import MMFeature
 from kestrel.engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     lora_id: int = 0  # the adapter registered under this id on every engine core (0: the base model)
+    mm_features: list[MMFeature] = []  # images: encoder inputs, placeholder ranges, content hashes
+    bidirectional_len: int = 0  # leading prompt tokens that attend to each other both ways (PaliGemma)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -5,6 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import hashlib
+
+from kestrel.core.multimodal import MMFeature, block_extra
 from kestrel.core.step import PLACEHOLDER, TokenSequence  # noqa: F401  (PLACEHOLDER re-exported)
 from kestrel.engine.sampling_params import SamplingParams
 
@@ -42,6 +45,24 @@ class Request(TokenSequence):
     cache_salt: bytes = b""  # mixed into every block hash (what else the KV depends on: adapter, images)
     num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
     lora_id: int = 0  # LoRA adapter (0: none)
+    mm_features: list[MMFeature] = field(default_factory=list)  # images, by placeholder offset
+    bidirectional_len: int = 0  # leading tokens attended both ways: scheduled in one chunk
+    _prefix_digest: bytes | None = None
+
+    def block_extra(self, start: int, end: int) -> bytes:
+        """What the KV of tokens [start, end) depends on beyond the tokens and the earlier blocks: the cache salt,
+        the images overlapping it, and for blocks inside a bidirectional prefix the whole prefix (its K/V saw
+        every prefix token)."""
+        extra = self.cache_salt
+        if self.mm_features:
+            extra += block_extra(self.mm_features, start, end)
+        if start < self.bidirectional_len:
+            if self._prefix_digest is None:
+                h = hashlib.blake2b(repr(self.prompt_token_ids[:self.bidirectional_len]).encode(), digest_size=16)
+                h.update(block_extra(self.mm_features, 0, self.bidirectional_len))
+                self._prefix_digest = h.digest()
+            extra += self._prefix_digest
+        return extra
 
     @property
     def num_tokens(self) -> int:

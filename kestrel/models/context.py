@@ -21,6 +21,8 @@ class ModelContext:
     fuse_shared_experts: str = "auto"  # MoE shared experts inside the routed-expert kernel: auto | on | off
     kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)  # attention layer prefix -> its spec
     attention_layers: dict[str, Any] = field(default_factory=dict)  # attention layer prefix -> the layer
+    # attention layers built from here on let a request's prefix (Request.bidirectional_len) attend both ways
+    bidirectional_prefix: bool = False
     _shared: dict[str, Any] = field(default_factory=dict)
 
     @property

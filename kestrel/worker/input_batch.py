@@ -7,11 +7,12 @@ per-step allocation; CUDA graphs replay from it). Each KV-cache group has its ow
 `GroupTable` owns that paged layout (slot = block * block_size + offset)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kestrel.core.multimodal import MMFeature
 from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
 from kestrel.engine.sampling_params import SamplingParams
 
@@ -25,11 +26,17 @@ class RequestState(TokenSequence):
     min_tokens_stop_ids: list[int]
     block_ids: list[list[int]]  # per KV-cache group
     lora_id: int = 0  # 0: no adapter
+    mm_features: list[MMFeature] = field(default_factory=list)
+    bidirectional_len: int = 0
+    # encoder cache: image index -> its embeddings, kept from the step that first needs them until the step that
+    # computes its last placeholder (chunked prefill across an image runs the encoder once)
+    encoder_outputs: dict = field(default_factory=dict)
 
     @classmethod
     def from_new(cls, r: NewRequestData) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids], r.lora_id)
+                   r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids], r.lora_id, list(r.mm_features),
+                   r.bidirectional_len)
 
 
 def _pair(shape, dtype, device, pin):

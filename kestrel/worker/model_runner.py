@@ -167,11 +167,13 @@ class ModelRunner:
 
     # ---- metadata
     def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
-                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False) -> ForwardContext:
+                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False,
+                 bidirectional_lens: list[int] | None = None) -> ForwardContext:
         """Every group's attention metadata over the buffers' first rows, from its backend's builder."""
         buf = self.buffers
         common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
-                                         buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu)
+                                         buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
+                                         bidirectional_lens)
         metas = []
         for builder, table in zip(self.builders, buf.groups):
             build = builder.build_for_capture if capture else builder.build
@@ -367,8 +369,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
+        # a chunk inside a request's bidirectional prefix attends both ways there
+        bidir = [st.bidirectional_len if c.num_computed_tokens < st.bidirectional_len else 0
+                 for c, st in zip(chunks, states)]
         return self.metadata(t, nr, num_decodes, max(c.num_new_tokens for c in chunks), int(sl[:nr].max()), width,
-                             qsl[:nr + 1].tolist(), sl[:nr].tolist())
+                             qsl[:nr + 1].tolist(), sl[:nr].tolist(), bidirectional_lens=bidir if any(bidir) else None)
 
     @torch.inference_mode()
     def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True) -> "InFlight":
@@ -386,12 +391,14 @@ class ModelRunner:
         qsl = meta.query_start_loc_cpu
         samplers = [c for c in chunks if c.samples]
         hidden = None
-        padded = self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs else None
+        inputs_embeds = self._merged_embeddings(chunks, meta.num_tokens)
+        padded = (self.graphs.padded_size(meta.num_reqs)
+                  if self.graphs and meta.num_decodes == meta.num_reqs and inputs_embeds is None else None)
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
-                                ctx)
+                                ctx, inputs_embeds=inputs_embeds)
             sample_idx = [qsl[b + 1] - 1 for b, c in enumerate(chunks) if c.samples]
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
@@ -431,6 +438,39 @@ class ModelRunner:
             inf.tokens_host = host
             inf.event = torch.cuda.Event()
             inf.event.record()
+
+    # ---- images
+    def _merged_embeddings(self, chunks: list[ScheduledChunk], num_tokens: int) -> torch.Tensor | None:
+        """The step's input embeddings with each scheduled image placeholder replaced by the image's embedding
+        row (None when no placeholder is in the step: the model embeds the ids itself). An image is encoded
+        whole the first time any of its placeholders is scheduled and kept in its request's encoder cache until
+        the step that computes its last placeholder."""
+        spans = []
+        t = 0
+        for c in chunks:
+            st = self.requests[c.request_id]
+            start, end = c.num_computed_tokens, c.num_computed_tokens + c.num_new_tokens
+            for i, f in enumerate(st.mm_features):
+                if f.offset >= end or f.end <= start:
+                    continue
+                emb = st.encoder_outputs.get(i)
+                if emb is None:
+                    emb = self.model.embed_image(f.tensors(self.device))
+                    if emb.shape[0] != f.length:
+                        raise RuntimeError(f"image {i} of {c.request_id}: {emb.shape[0]} embeddings for "
+                                           f"{f.length} placeholders")
+                    st.encoder_outputs[i] = emb
+                lo, hi = max(start, f.offset), min(end, f.end)
+                spans.append((t + lo - start, emb[lo - f.offset:hi - f.offset]))
+                if hi == f.end:
+                    del st.encoder_outputs[i]  # every placeholder is computed by this step
+            t += c.num_new_tokens
+        if not spans:
+            return None
+        embeds = self.model.embed_input_ids(self.buffers.input_ids[:num_tokens])
+        for row, emb in spans:
+            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
+        return embeds
 
     def collect(self, inf: "InFlight") -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""

@@ -17,7 +17,7 @@ class TorchRefImpl(AttentionImpl):
         paged_attention_ref(q[:n], k_cache, v_cache, meta.block_tables,
                             meta.query_start_loc_cpu or meta.query_start_loc, meta.seq_lens_cpu or meta.seq_lens,
                             self.scale, out=out[:n], sliding_window=self.sliding_window,
-                            softcap=self.logits_soft_cap)
+                            softcap=self.logits_soft_cap, bidirectional_lens=meta.bidirectional_lens_cpu)
         return out
 
 
@@ -26,4 +26,5 @@ class TorchRefBackend(AttentionBackend):
     devices = ("cpu", "cuda")
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     supports_sliding_window = True
+    supports_bidirectional_prefix = True
     impl_cls = TorchRefImpl

@@ -8,7 +8,9 @@ Masking follows transformers (masking_utils: causal, and `sliding_window_overlay
 position p sees the keys at positions max(0, p - W + 1) .. p for a sliding window W (W keys, itself included),
 all of 0 .. p without one. Only the blocks that hold a visible key are read: blocks that fell out of the window
 may already hold another request's data. Soft-capping (Gemma 2) replaces a scaled logit s by
-cap * tanh(s / cap) before the mask.
+cap * tanh(s / cap) before the mask. A bidirectional prefix of L tokens (PaliGemma's image + prompt) also lets
+queries at positions < L see keys at positions < L (transformers' `block_sequence_ids` over the prefix); the
+scheduler computes such a prefix in one chunk, so those keys are in the cache.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def window_start(first_query_pos: int, sliding_window: int | None) -> int:
     return max(0, first_query_pos - sliding_window + 1) if sliding_window else 0
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: int = 0):
     """q [M, Hq, D] at positions q_pos [M]; k/v [N, Hkv, D] at positions k_pos [N]. float32 out."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -52,13 +54,16 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap):
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    if prefix_len:
+        visible |= (k_pos[None, :] < prefix_len) & (q_pos[:, None] < prefix_len)
     s = s.masked_fill(~visible[None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, vf).transpose(0, 1)  # [M, Hq, D]
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
-                        sliding_window: int | None = None, softcap: float = 0.0, **_):
+                        sliding_window: int | None = None, softcap: float = 0.0,
+                        bidirectional_lens: list[int] | None = None, **_):
     """Causal varlen attention over a paged cache: q [T, Hq, D] -> [T, Hq, D] (out's dtype, default q's).
 
     Sequence b's queries q[query_start_loc[b]:query_start_loc[b+1]] sit at positions seq_lens[b] - q_len_b ..
@@ -80,7 +85,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         v = gather_kv(v_cache, block_tables[b], lo, seq_len)
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         k_pos = torch.arange(lo, seq_len, device=q.device)
-        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap).to(out.dtype)
+        prefix = bidirectional_lens[b] if bidirectional_lens else 0
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix).to(out.dtype)
     return out
 
 

@@ -1,0 +1,85 @@
+"""Image inputs in the frontend: the model's HF processor (image processor + prompt expansion) turns a prompt and
+its images into token ids with placeholder runs and pixel tensors; each image becomes an `MMFeature` (its encoder
+inputs, placeholder range and content hash) that travels to the engine core with the token ids.
+
+Placeholder ranges are assigned from counts the model computes forward from each image's processed inputs
+(`num_image_tokens`), in prompt order; the processor's placeholders must match them exactly."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
+from kestrel.errors import InvalidRequest
+from kestrel.models.multimodal import image_token_id
+
+logger = logging.getLogger(__name__)
+
+
+def is_multimodal(model_cls) -> bool:
+    return hasattr(model_cls, "embed_image")
+
+
+def as_image_list(images, param: str = "multi_modal_data") -> list:
+    from PIL import Image
+
+    imgs = list(images) if isinstance(images, (list, tuple)) else [images]
+    for i, im in enumerate(imgs):
+        if not isinstance(im, Image.Image):
+            raise InvalidRequest(f"image {i} is a {type(im).__name__}, not a PIL image", param=param)
+    return [im if im.mode == "RGB" else im.convert("RGB") for im in imgs]
+
+
+class MultiModalProcessor:
+    def __init__(self, model_path: str, hf_config, model_cls, limit_per_prompt: int, trust_remote_code: bool = False):
+        from transformers import AutoProcessor
+
+        self.hf_config = hf_config
+        self.model_cls = model_cls
+        self.limit_per_prompt = limit_per_prompt
+        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.image_token_id = image_token_id(hf_config)
+        self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def process(self, prompt: str, images: list) -> tuple[list[int], list[MMFeature], int]:
+        """(token ids, one feature per image in prompt order, bidirectional prefix length)."""
+        if len(images) > self.limit_per_prompt:
+            raise InvalidRequest(f"{len(images)} images in one prompt; at most {self.limit_per_prompt} are allowed "
+                                 f"(--limit-mm-per-prompt)", param="multi_modal_data")
+        try:
+            enc = self.processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
+        except Exception as e:  # the processor's checks (image count vs placeholders, bad pixels) are input errors
+            raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e
+        ids = enc["input_ids"][0].tolist()
+        features: list[MMFeature] = []
+        if images:
+            features = self._features(ids, enc, len(images))
+        bidir = 0
+        if getattr(self.model_cls, "bidirectional_prefix", False) and "token_type_ids" in enc:
+            types = enc["token_type_ids"][0]
+            nonzero = (types != 0).nonzero()
+            bidir = int(nonzero[0]) if len(nonzero) else len(ids)  # the prefix: token type 0 (image + prompt)
+        return ids, features, bidir
+
+    def _features(self, ids: list[int], enc, num_images: int) -> list[MMFeature]:
+        per_image = self.model_cls.split_images(self.hf_config, enc)
+        if len(per_image) != num_images:
+            raise InvalidRequest(f"{num_images} images given, the processor produced {len(per_image)}",
+                                 param="multi_modal_data")
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        features, used = [], 0
+        for k, data in enumerate(per_image):
+            n = self.model_cls.num_image_tokens(self.hf_config, data)
+            run = positions[used:used + n]
+            if len(run) != n or run[-1] - run[0] != n - 1:
+                raise InvalidRequest(f"image {k} needs {n} contiguous placeholder tokens in the prompt",
+                                     param="multi_modal_data")
+            tensors = {name: t for name, t in data.items() if torch.is_tensor(t)}
+            features.append(MMFeature(run[0], n, hash_tensors(tensors),
+                                      {name: TensorData.from_tensor(t) for name, t in tensors.items()}))
+            used += n
+        if used != len(positions):
+            raise InvalidRequest(f"the prompt has {len(positions)} image placeholder tokens, the images need {used}",
+                                 param="multi_modal_data")
+        return features

@@ -1,0 +1,114 @@
+"""LLaVA-NeXT: CLIP tower (up to `vision_feature_layer`) -> two-layer MLP projector -> anyres packing (tiles,
+unpadding, image-newline; kestrel/models/vision/anyres.py) -> a Llama, Mistral or Qwen2 decoder."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kestrel.models.context import ModelContext
+from kestrel.models.llama import LlamaForCausalLM
+from kestrel.models.multimodal import mm_weights, tie_output_embeddings
+from kestrel.models.qwen import Qwen2ForCausalLM
+from kestrel.models.vision import anyres
+from kestrel.models.vision.clip import CLIPVisionTransformer
+from kestrel.models.vision.encoder import activation, vision_linear
+from kestrel.models.weights import load_named_weights
+
+DECODERS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+
+
+class LlavaNextProjector(nn.Module):
+    def __init__(self, ctx, prefix: str, hf):
+        super().__init__()
+        bias = getattr(hf, "multimodal_projector_bias", True)
+        h = ctx.text.hidden_size
+        self.linear_1 = vision_linear(ctx, hf.vision_config.hidden_size, h, f"{prefix}.linear_1", bias)
+        self.linear_2 = vision_linear(ctx, h, h, f"{prefix}.linear_2", bias)
+        self.act = activation(hf.projector_hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+def _check_config(hf) -> None:
+    if not isinstance(hf.vision_feature_layer, int):
+        raise NotImplementedError("LLaVA-NeXT with several vision feature layers is not supported")
+    if hf.vision_feature_select_strategy != "default":
+        raise NotImplementedError(f"vision_feature_select_strategy {hf.vision_feature_select_strategy!r} "
+                                  "is not supported (only 'default': the class token is dropped)")
+    if hf.vision_config.model_type != "clip_vision_model":
+        raise NotImplementedError(f"LLaVA-NeXT vision tower {hf.vision_config.model_type!r} is not supported")
+
+
+class LlavaNextForConditionalGeneration(nn.Module):
+    bidirectional_prefix = False
+
+    def __init__(self, ctx: ModelContext, prefix: str = "model"):
+        super().__init__()
+        hf, text = ctx.config.hf, ctx.text
+        _check_config(hf)
+        if text.model_type not in DECODERS:
+            raise NotImplementedError(f"LLaVA-NeXT with a {text.model_type!r} decoder is not supported; "
+                                      f"supported: {', '.join(DECODERS)}")
+        decoder_cls = DECODERS[text.model_type]
+        self.config = text
+        self.hf = hf
+        self.packed_modules = decoder_cls.packed_modules
+        self.vision_tower = CLIPVisionTransformer(ctx, "vision_tower", hf.vision_config, hf.vision_feature_layer)
+        self.multi_modal_projector = LlavaNextProjector(ctx, "multi_modal_projector", hf)
+        self.image_newline = nn.Parameter(torch.empty(text.hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.language_model = decoder_cls(ctx, "language_model")
+        self.tied = tie_output_embeddings(self, hf)
+
+    # ---- frontend side
+    @staticmethod
+    def split_images(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        """The processor pads every image's tiles to the batch's most; each image keeps the tiles its size needs."""
+        tile = hf_config.vision_config.image_size
+        out = []
+        for pv, size in zip(processed["pixel_values"], processed["image_sizes"]):
+            n = anyres.num_tiles(tuple(size.tolist()), hf_config.image_grid_pinpoints, tile)
+            out.append({"pixel_values": pv[:n], "image_sizes": size})
+        return out
+
+    @staticmethod
+    def num_image_tokens(hf_config, image: dict[str, torch.Tensor]) -> int:
+        v = hf_config.vision_config
+        size = tuple(image["image_sizes"].tolist())
+        tiles = image["pixel_values"].shape[0]
+        expected = anyres.num_tiles(size, hf_config.image_grid_pinpoints, v.image_size)
+        if tiles != expected:
+            raise ValueError(f"{tiles} tiles for an image of size {size}; its anyres grid needs {expected}")
+        return anyres.num_image_tokens(size, hf_config.image_grid_pinpoints, v.image_size, v.image_size // v.patch_size)
+
+    # ---- runner side
+    def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
+        features = self.vision_tower(image["pixel_values"])[:, 1:]  # drop the class token
+        t, n, c = features.shape
+        projected = self.multi_modal_projector(features.reshape(t * n, c)).view(t, n, -1)
+        return anyres.pack_image_features(projected, tuple(image["image_sizes"].tolist()),
+                                          self.hf.image_grid_pinpoints, self.hf.vision_config.image_size,
+                                          self.image_newline)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vocab = self.config.vocab_size
+        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
+
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rest():
+            for name, tensor in mm_weights(self, weights, self.tied):
+                if name == "image_newline":  # a parameter of the model itself
+                    self.image_newline.data.copy_(tensor)
+                else:
+                    yield name, tensor
+        return load_named_weights(self, rest(), self.packed_modules, strip="")

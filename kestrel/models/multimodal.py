@@ -1,0 +1,71 @@
+"""What image-text models share: checkpoint names mapped onto our modules, the text token embedding with image
+tokens out of the vocabulary kept in range, and the interface the frontend and the runner call.
+
+A multimodal model class provides, besides the text model's interface:
+- `split_images(hf_config, processed) -> list[dict[str, Tensor]]`: the HF processor's batch output cut into each
+  image's encoder inputs (frontend);
+- `num_image_tokens(hf_config, image_inputs) -> int`: how many embeddings one image becomes, computed forward
+  from its processed inputs (frontend: checked against the processor's placeholders);
+- `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
+  `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
+- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md."""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+
+# checkpoint prefixes (legacy and transformers 5 layouts) -> our module names
+_RENAMES = [
+    (re.compile(r"^(model\.)?language_model\.model\."), "language_model."),
+    (re.compile(r"^(model\.)?language_model\.lm_head\."), "language_model.lm_head."),
+    (re.compile(r"^model\.language_model\."), "language_model."),
+    (re.compile(r"^lm_head\."), "language_model.lm_head."),
+    (re.compile(r"^(model\.)?vision_tower\.vision_model\.embeddings\."), "vision_tower."),
+    (re.compile(r"^(model\.)?vision_tower\.vision_model\."), "vision_tower."),
+    (re.compile(r"^(model\.)?vision_tower\.embeddings\."), "vision_tower."),
+    (re.compile(r"^model\.vision_tower\."), "vision_tower."),
+    (re.compile(r"^model\.(multi_modal_projector|image_newline)"), r"\1"),
+]
+
+
+def rename_checkpoint(name: str) -> str:
+    for pattern, repl in _RENAMES:
+        new = pattern.sub(repl, name, count=1)
+        if new != name:
+            return new
+    return name
+
+
+def mm_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied: bool):
+    """Checkpoint tensors under our names; tensors of modules the model does not build (CLIP layers past the
+    feature layer, its pooled-output norm, a tied lm_head) are dropped."""
+    for name, tensor in weights:
+        ours = rename_checkpoint(name)
+        if tied and ours == "language_model.lm_head.weight":
+            continue
+        owner = ours.rsplit(".", 1)[0]
+        m = re.match(r"vision_tower\.encoder\.layers\.(\d+)\.", ours)
+        if m and int(m.group(1)) >= len(model.vision_tower.encoder.layers):
+            continue
+        if owner == "vision_tower.post_layernorm" and not hasattr(model.vision_tower, "post_layernorm"):
+            continue
+        yield ours, tensor
+
+
+def tie_output_embeddings(model: torch.nn.Module, hf_config) -> bool:
+    """transformers 5 ties the decoder's lm_head to its embeddings by the top-level config's flag (PaliGemma sets it
+    there, not in text_config). Returns whether they are tied."""
+    lm = model.language_model
+    tied = getattr(hf_config, "tie_word_embeddings", None)
+    if tied is None:
+        tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", False)
+    if tied:
+        lm.lm_head.weight = lm.embed_tokens.weight
+    return bool(tied)
+
+
+def image_token_id(hf_config) -> int:
+    tid = getattr(hf_config, "image_token_id", None)
+    return getattr(hf_config, "image_token_index", None) if tid is None else tid

@@ -1,0 +1,74 @@
+"""PaliGemma: SigLIP tower -> one linear projector -> the Gemma decoder.
+
+As transformers 5 runs generation: the image and prompt tokens (the prefix) attend to each other bidirectionally
+and generated tokens causally (the attention layers declare it; the scheduler computes the prefix in one chunk);
+positions are 1-based. The projector's output goes into the placeholder rows as is: Gemma's sqrt(hidden) scaling
+belongs to the token embedding (`embed_input_ids`), so nothing rescales image embeddings either way (a legacy
+inverse scaling, dividing them by sqrt(hidden), gave wrong magnitudes; tests/models/test_multimodal.py guards it)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.context import ModelContext
+from kestrel.models.gemma import GemmaForCausalLM
+from kestrel.models.llama import head_dim_of
+from kestrel.models.multimodal import mm_weights, tie_output_embeddings
+from kestrel.models.vision.encoder import vision_linear
+from kestrel.models.vision.siglip import SiglipVisionTransformer
+from kestrel.models.weights import load_named_weights
+
+
+class PaliGemmaForConditionalGeneration(nn.Module):
+    bidirectional_prefix = True
+    packed_modules = GemmaForCausalLM.packed_modules
+
+    def __init__(self, ctx: ModelContext, prefix: str = "model"):
+        super().__init__()
+        hf, text = ctx.config.hf, ctx.text
+        self.config = text
+        ctx.bidirectional_prefix = True
+        # 1-based positions: the rotary table needs one row more than the context
+        ctx.shared("rotary", lambda: RotaryEmbedding(text, head_dim_of(text), ctx.max_positions + 1, ctx.dtype))
+        vcfg = hf.vision_config
+        self.vision_tower = SiglipVisionTransformer(ctx, "vision_tower", vcfg)
+        self.multi_modal_projector = nn.Module()
+        self.multi_modal_projector.linear = vision_linear(ctx, vcfg.hidden_size, hf.projection_dim,
+                                                          "multi_modal_projector.linear")
+        self.language_model = GemmaForCausalLM(ctx, "language_model")
+        self.tied = tie_output_embeddings(self, hf)
+
+    # ---- frontend side (class level: no weights needed)
+    @staticmethod
+    def split_images(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        return [{"pixel_values": pv} for pv in processed["pixel_values"]]
+
+    @staticmethod
+    def num_image_tokens(hf_config, image: dict[str, torch.Tensor]) -> int:
+        patch = hf_config.vision_config.patch_size
+        h, w = image["pixel_values"].shape[-2:]
+        return (h // patch) * (w // patch)
+
+    # ---- runner side
+    def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
+        features = self.vision_tower(image["pixel_values"][None])[0]
+        n, c = features.shape
+        return self.multi_modal_projector.linear(features).view(n, -1)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vocab = self.config.vocab_size
+        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
+
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        return self.language_model(input_ids, positions + 1, ctx, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_named_weights(self, mm_weights(self, weights, self.tied), self.packed_modules, strip="")

@@ -1,0 +1,1 @@
+"""Vision towers (SigLIP, CLIP) and the connectors that turn their patch features into decoder embeddings."""
