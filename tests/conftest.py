@@ -37,3 +37,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_mm_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random PaliGemma and LLaVA-NeXT checkpoints with their processors (tests/mm_tiny.py)."""
+    from tests.mm_tiny import make_llava_next, make_paligemma
+
+    root = tmp_path_factory.mktemp("tiny_mm_models")
+    return {"paligemma": make_paligemma(root), "llava_next": make_llava_next(root)}

@@ -109,5 +109,5 @@ def make_image(width: int, height: int, seed: int):
 IMAGE_SIZES = [(90, 40), (33, 70), (64, 60)]
 
 
-def test_images():
+def sample_images():
     return [make_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SIZES)]

@@ -1,0 +1,271 @@
+"""PaliGemma and LLaVA-NeXT against transformers on tiny random checkpoints with real processors (CPU float32):
+greedy tokens identical for 24 tokens on three images of different sizes and aspect ratios, one and two images
+per prompt, also with chunked prefill through an image; PaliGemma's image embeddings at transformers' magnitude;
+LLaVA-NeXT token counts equal to the processor's placeholders; prefix caching keyed by image content."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.errors import InvalidRequest
+from tests.mm_tiny import make_image, sample_images
+
+NUM_TOKENS = 24
+PROMPTS = {  # (text, image indices)
+    "paligemma": [("<image>caption en", [0]), ("<image>describe", [1]), ("<image>what is it", [2]),
+                  ("<image><image>compare", [0, 2]), ("<image><image>which", [1, 0])],
+    "llava_next": [("<image>\nwhat is this", [0]), ("describe <image>\nplease", [1]), ("<image>\nhello", [2]),
+                   ("<image>\n<image>\ncompare them", [0, 2]), ("first <image>\nthen <image>\nok", [1, 0])],
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def request(text, idx, images):
+    return {"prompt": text, "multi_modal_data": {"image": [images[i] for i in idx]}}
+
+
+@pytest.fixture(scope="module")
+def images():
+    return sample_images()
+
+
+def hf_model(path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    return (AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(),
+            AutoProcessor.from_pretrained(path))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mm_models, images):
+    out = {}
+    for kind, prompts in PROMPTS.items():
+        model, proc = hf_model(tiny_mm_models[kind])
+        out[kind] = []
+        for text, idx in prompts:
+            enc = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")
+            seq = model.generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)
+            out[kind].append(seq[0, enc["input_ids"].shape[1]:].tolist())
+    return out
+
+
+def count_encoder_runs(llm):
+    model = llm.engine.core.runner.model
+    calls = []
+    inner = model.embed_image
+
+    def counted(image):
+        calls.append(image["pixel_values"].shape)
+        return inner(image)
+    model.embed_image = counted
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
+def test_greedy_matches_transformers(tiny_mm_models, images, reference, kind):
+    llm = LLM(str(tiny_mm_models[kind]), progress=False)
+    runs = count_encoder_runs(llm)
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS[kind]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference[kind]
+    assert len(runs) == sum(len(i) for _, i in PROMPTS[kind])  # each image encoded once
+    assert len({tuple(r) for r in reference[kind]}) == len(reference[kind])  # the images change the outputs
+
+
+def test_llava_chunked_prefill_through_images(tiny_mm_models, images, reference):
+    """A 16-token budget cuts every image's placeholders (36..96 of them) over several steps: the encoder runs
+    once per image and its cached embeddings are dropped after the last placeholder."""
+    llm = LLM(str(tiny_mm_models["llava_next"]), progress=False, max_num_batched_tokens=16, block_size=4,
+              enable_prefix_caching=False)
+    runs = count_encoder_runs(llm)
+    runner = llm.engine.core.runner
+    steps_inside_image = 0
+    orig = runner._merged_embeddings
+
+    def watch(chunks, n):
+        nonlocal steps_inside_image
+        out = orig(chunks, n)
+        for c in chunks:
+            st = runner.requests[c.request_id]
+            end = c.num_computed_tokens + c.num_new_tokens
+            if any(f.offset < end < f.end for f in st.mm_features):
+                steps_inside_image += 1
+                assert st.encoder_outputs  # kept for the image's next chunk
+        return out
+    runner._merged_embeddings = watch
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS["llava_next"]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference["llava_next"]
+    assert steps_inside_image >= 5
+    assert len(runs) == 7
+    assert all(not st.encoder_outputs for st in runner.requests.values())  # every image's cache was released
+
+
+def test_paligemma_prefix_is_one_chunk(tiny_mm_models, images, reference):
+    """PaliGemma's image + prompt attend to each other both ways, so the scheduler never cuts that prefix: with a
+    budget just above the longest prefix, other requests wait instead, and the outputs still match."""
+    llm = LLM(str(tiny_mm_models["paligemma"]), progress=False, max_num_batched_tokens=40, block_size=4)
+    sched = llm.engine.core.scheduler
+    orig = sched.schedule
+
+    def checked():
+        out = orig()
+        for s in out.scheduled:
+            r = s.request
+            if s.num_computed_tokens < r.bidirectional_len:
+                assert s.num_computed_tokens + s.num_new_tokens >= r.bidirectional_len
+        return out
+    sched.schedule = checked
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference["paligemma"]
+    small = LLM(str(tiny_mm_models["paligemma"]), progress=False, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="bidirectional prefix"):
+        small.generate([request(*PROMPTS["paligemma"][0], images)], GREEDY)
+
+
+def test_paligemma_prefix_attention_is_bidirectional(tiny_mm_models, images, reference):
+    """The same engine with a causal prefix gives other tokens: the bidirectional mask is what matches."""
+    llm = LLM(str(tiny_mm_models["paligemma"]), progress=False)
+    llm.engine.input_processor.mm.model_cls = type("Causal", (llm.engine.input_processor.mm.model_cls,),
+                                                   {"bidirectional_prefix": False})
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"][:3]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] != reference["paligemma"][:3]
+
+
+# ---- PaliGemma's embedding magnitude
+def hf_decoder_inputs(model, proc, text, imgs):
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.setdefault("embeds", kwargs["inputs_embeds"][0].detach().clone())
+    h = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    enc = proc(text=[text], images=[imgs], return_tensors="pt")
+    with torch.no_grad():
+        model(**enc)
+    h.remove()
+    return enc["input_ids"][0], seen["embeds"]
+
+
+def kestrel_decoder_inputs(llm, text, imgs):
+    lm = llm.engine.core.runner.model.language_model
+    seen = {}
+    inner = lm.forward
+
+    def spy(input_ids, positions, ctx, inputs_embeds=None):
+        seen.setdefault("embeds", inputs_embeds.detach().clone())
+        return inner(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+    lm.forward = spy
+    llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, SamplingParams(temperature=0, max_tokens=1))
+    lm.forward = inner
+    return seen["embeds"]
+
+
+def assert_image_embedding_norms_match(llm, model, proc, images):
+    ids, ref = hf_decoder_inputs(model, proc, "<image>caption en", images[:1])
+    ours = kestrel_decoder_inputs(llm, "<image>caption en", images[:1])
+    rows = ids == model.config.image_token_id
+    assert rows.sum() == 16
+    ref_norm, our_norm = ref[rows].norm(), ours[rows].norm()
+    assert torch.allclose(our_norm, ref_norm, rtol=1e-5, atol=0), (float(our_norm), float(ref_norm))
+    assert torch.allclose(ours[~rows].norm(), ref[~rows].norm(), rtol=1e-5, atol=0)
+
+
+def test_paligemma_image_embedding_scale(tiny_mm_models, images, monkeypatch):
+    """The merged image rows have transformers' norm (rel 1e-5); a legacy inverse scaling (image embeddings divided
+    by sqrt(hidden) to cancel Gemma's normalizer) is caught by the same check."""
+    llm = LLM(str(tiny_mm_models["paligemma"]), progress=False, enable_prefix_caching=False)
+    model, proc = hf_model(tiny_mm_models["paligemma"])
+    assert_image_embedding_norms_match(llm, model, proc, images)
+
+    pg = llm.engine.core.runner.model
+    inner = pg.embed_image
+    monkeypatch.setattr(pg, "embed_image", lambda image: inner(image) / pg.config.hidden_size ** 0.5)
+    with pytest.raises(AssertionError):
+        assert_image_embedding_norms_match(llm, model, proc, images)
+
+
+# ---- LLaVA-NeXT token counts
+SIZES = [(28, 28), (90, 40), (33, 70), (64, 60), (1, 1), (200, 13), (13, 200), (55, 111), (300, 299), (84, 28)]
+REAL_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def llava_processor(pinpoints, tile, patch):
+    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from tests.mm_tiny import _tokenizer_with_image_token
+    ip = LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
+                                    image_grid_pinpoints=pinpoints)
+    proc = LlavaNextProcessor(image_processor=ip, tokenizer=_tokenizer_with_image_token(), patch_size=patch,
+                              vision_feature_select_strategy="default", image_token="<image>",
+                              num_additional_image_tokens=1)
+    cfg = LlavaNextConfig(vision_config=CLIPVisionConfig(image_size=tile, patch_size=patch).to_dict(),
+                          text_config={"model_type": "llama"}, image_grid_pinpoints=pinpoints)
+    return proc, cfg
+
+
+@pytest.mark.parametrize("pinpoints,tile,patch,scale", [
+    ([[28, 56], [56, 28], [56, 56], [28, 84]], 28, 7, 1),  # the tiny model's
+    (REAL_PINPOINTS, 336, 14, 4),  # llava-v1.6's, images 4x larger
+])
+def test_llava_next_token_counts(pinpoints, tile, patch, scale):
+    from kestrel.models.llava_next import LlavaNextForConditionalGeneration as Llava
+
+    proc, cfg = llava_processor(pinpoints, tile, patch)
+    image_id = proc.tokenizer.convert_tokens_to_ids("<image>")
+    table = []
+    for i, (w, h) in enumerate(SIZES):
+        enc = proc(text=["<image>"], images=[[make_image(w * scale, h * scale, i)]], return_tensors="pt")
+        (image,) = Llava.split_images(cfg, enc)
+        table.append(((w * scale, h * scale), Llava.num_image_tokens(cfg, image),
+                      int((enc["input_ids"][0] == image_id).sum())))
+    assert all(ours == theirs for _, ours, theirs in table), table
+    assert len({ours for _, ours, _ in table}) >= 4  # the sizes exercise different grids and unpadding
+
+
+# ---- prefix caching by image content
+def test_prefix_cache_keyed_by_image(tiny_mm_models, images):
+    llm = LLM(str(tiny_mm_models["llava_next"]), progress=False, block_size=4)
+    kv = llm.engine.core.kv
+    text = "describe this picture for me please <image>\nnow"
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": images[0]}}, GREEDY)[0]
+    offset = first.prompt_token_ids.index(llm.engine.input_processor.mm.image_token_id)
+    assert offset >= 8
+    hits = kv.prefix_hits
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": images[1]}}, GREEDY)[0]
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+    # only whole blocks before the image can be shared
+    assert 0 < other.num_cached_tokens <= offset // 4 * 4
+    assert kv.prefix_hits - hits == other.num_cached_tokens
+    hits = kv.prefix_hits
+    again = llm.generate({"prompt": text, "multi_modal_data": {"image": images[0]}}, GREEDY)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens > offset + 36 and kv.prefix_hits - hits == again.num_cached_tokens
+
+
+def test_paligemma_prefix_cache_needs_the_whole_prefix(tiny_mm_models, images, reference):
+    """Blocks of a bidirectional prefix saw every prefix token: another prompt after the same image shares none."""
+    llm = LLM(str(tiny_mm_models["paligemma"]), progress=False, block_size=4)
+    a = llm.generate(request(*PROMPTS["paligemma"][0], images), GREEDY)[0]
+    b = llm.generate({"prompt": "<image>caption de", "multi_modal_data": {"image": images[0]}}, GREEDY)[0]
+    assert b.num_cached_tokens == 0
+    again = llm.generate(request(*PROMPTS["paligemma"][0], images), GREEDY)[0]
+    assert again.num_cached_tokens > 16 and again.outputs[0].token_ids == a.outputs[0].token_ids == \
+        reference["paligemma"][0]
+
+
+# ---- inputs the engine refuses
+def test_bad_multimodal_inputs(tiny_mm_models, tiny_llama, images):
+    llm = LLM(str(tiny_mm_models["llava_next"]), progress=False, limit_mm_per_prompt=2)
+    with pytest.raises(InvalidRequest, match="at most 2"):
+        llm.generate({"prompt": "<image><image><image>", "multi_modal_data": {"image": images}}, GREEDY)
+    with pytest.raises(InvalidRequest, match="not a PIL image"):
+        llm.generate({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, GREEDY)
+    with pytest.raises(InvalidRequest, match="placeholder"):
+        llm.generate("<image>\nwhat", GREEDY)
+    with pytest.raises(InvalidRequest, match="modalities"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"audio": b""}}, GREEDY)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    text_llm = LLM(str(tiny_llama), progress=False)
+    with pytest.raises(InvalidRequest, match="does not take images"):
+        text_llm.generate({"prompt": "hi", "multi_modal_data": {"image": images[0]}}, GREEDY)
