@@ -81,8 +81,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
+        """Messages with string content, or OpenAI content parts: text, {"type": "image", "image": PIL image} and
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (local files and remote URLs as
+        the engine's media options allow)."""
+        from kestrel.engine.media import resolve_image_parts
+
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.apply_chat_template(c, template_kwargs=template_kwargs) for c in convs]
+        prompts = [self.engine.input_processor.render_chat(resolve_image_parts(c, self.config.multimodal),
+                                                           template_kwargs=template_kwargs) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from kestrel.config import EngineConfig
 from kestrel.engine.core_client import EngineCoreClient, make_client
 from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import InputProcessor, OutputProcessor
+from kestrel.engine.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
@@ -81,15 +81,16 @@ class AsyncEngine:
         path = m.model or default_model_path()
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
-        _, self.tokenizer = await asyncio.gather(
+        _, self.tokenizer, mm = await asyncio.gather(
             self.client.start(),
-            asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code, m.gguf_cache_dir))
+            asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code, m.gguf_cache_dir),
+            asyncio.to_thread(make_mm_processor, self.config))
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.block_size = info["block_size"]
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              info["eos_token_id"], self.config.model.max_logprobs)
+                                              info["eos_token_id"], self.config.model.max_logprobs, mm=mm)
         self.output_processor = OutputProcessor(self.tokenizer)
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
@@ -151,7 +152,7 @@ class AsyncEngine:
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
         timing = self._timing[request_id] = _Timing()
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream=True)
         if self.log_requests:
             logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)

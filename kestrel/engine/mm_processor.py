@@ -42,13 +42,15 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id(hf_config)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
-    def process(self, prompt: str, images: list) -> tuple[list[int], list[MMFeature], int]:
+    def process(self, prompt: str, images: list, add_special_tokens: bool = True
+                ) -> tuple[list[int], list[MMFeature], int]:
         """(token ids, one feature per image in prompt order, bidirectional prefix length)."""
         if len(images) > self.limit_per_prompt:
             raise InvalidRequest(f"{len(images)} images in one prompt; at most {self.limit_per_prompt} are allowed "
                                  f"(--limit-mm-per-prompt)", param="multi_modal_data")
         try:
-            enc = self.processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
+            enc = self.processor(text=[prompt], images=[images] if images else None, return_tensors="pt",
+                                 add_special_tokens=add_special_tokens)
         except Exception as e:  # the processor's checks (image count vs placeholders, bad pixels) are input errors
             raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e
         ids = enc["input_ids"][0].tolist()

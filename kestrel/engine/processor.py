@@ -54,7 +54,7 @@ def make_mm_processor(config, hf_config=None):
 
     m = config.model
     path = m.model or default_model_path()
-    if m.load_format != "auto" or path.endswith(".gguf"):
+    if path.endswith(".gguf"):
         return None
     hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
     model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
@@ -110,9 +110,36 @@ class InputProcessor:
             raise InvalidRequest("the chat template did not render text", param="messages")
         return text
 
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str | dict:
+        """Messages (content a string or parts: {"type": "text", "text"} / {"type": "image", "image": PIL image})
+        -> the chat template's text, or with images a prompt dict whose text places one image token per image
+        (the processor expands them)."""
+        images, conv = [], []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                imgs = [p["image"] for p in content if p.get("type") == "image"]
+                images += imgs
+                text = [{"type": "text", "text": p.get("text") or ""} for p in content if p.get("type") == "text"]
+                content = ([{"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p["text"]}
+                            for p in content] if imgs else "".join(t["text"] for t in text))
+            conv.append({**m, "content": content if content is not None else ""})
+        if images and self.mm is None:
+            raise InvalidRequest("this model does not take images", param="messages")
+        text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools)
+        if not images:
+            return text
+        if text.count(self.mm.image_token) != len(images):
+            raise InvalidRequest(f"the chat template placed {text.count(self.mm.image_token)} image tokens for "
+                                 f"{len(images)} images", param="messages")
+        # the template already holds the special tokens
+        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
+
     def process(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, lora_id: int = 0) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
+        add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
         prompt, images = split_prompt(prompt)
         features, bidirectional_len = [], 0
         if images:
@@ -120,9 +147,9 @@ class InputProcessor:
                 raise InvalidRequest("this model does not take images", param="multi_modal_data")
             if not isinstance(prompt, str):
                 raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-            ids, features, bidirectional_len = self.mm.process(prompt, images)
+            ids, features, bidirectional_len = self.mm.process(prompt, images, add_special_tokens)
         elif isinstance(prompt, str):
-            ids = self.tokenize(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):

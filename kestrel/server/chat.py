@@ -30,12 +30,23 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
     return {"content": content}
 
 
-async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int]:
-    """messages -> the chat template's text -> token ids (the template already holds the special tokens). Runs on
-    the tokenizer thread: a huge conversation never stalls the event loop."""
+async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int] | dict:
+    """messages -> the chat template's text -> token ids (the template already holds the special tokens); with
+    image parts, a prompt dict for the image processor (kestrel/engine/media.py loads the images). Runs on the
+    tokenizer thread: a huge conversation or a large image never stalls the event loop."""
     engine = state.engine
     template = state.chat_template(req)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
+    if any(m.has_non_text_parts() for m in req.messages):
+        from kestrel.engine.media import resolve_image_parts
+
+        parts = [m.as_parts() for m in req.messages]
+
+        def render_with_images() -> dict | str:
+            messages = resolve_image_parts(parts, engine.config.multimodal)
+            return engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools)
+
+        return await engine.run_tokenizer(render_with_images)
     messages = [m.as_dict() for m in req.messages]
 
     def render() -> list[int]:

@@ -194,9 +194,15 @@ class CompletionRequest(_SamplingRequest):
         return p
 
 
+class ImageURL(_Base):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Base):
     type: str = "text"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Base):
@@ -222,6 +228,15 @@ class ChatMessage(_Base):
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+        return d
+
+    def has_non_text_parts(self) -> bool:
+        return isinstance(self.content, list) and any(p.type != "text" for p in self.content)
+
+    def as_parts(self) -> dict:
+        """The message with its content parts as dicts (image parts included)."""
+        d = self.model_dump(exclude_none=True)
+        d.setdefault("content", "")
         return d
 
 

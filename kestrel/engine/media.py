@@ -1,0 +1,114 @@
+"""Images named by URL in chat messages: `data:` URLs always; http(s) URLs only for hosts in
+--allowed-media-domains; file:// URLs only under --allowed-local-media-path. Every refusal is an InvalidRequest
+(HTTP 400) naming the content part."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+import urllib.request
+
+from kestrel.errors import InvalidRequest
+
+
+def decode_image(raw: bytes, cfg, param: str):
+    from PIL import Image
+
+    if len(raw) > cfg.max_image_bytes:
+        raise InvalidRequest(f"image of {len(raw)} bytes exceeds the limit of {cfg.max_image_bytes}", param=param)
+    try:
+        img = Image.open(io.BytesIO(raw))
+        w, h = img.size
+        if w * h > cfg.max_image_pixels:
+            raise InvalidRequest(f"image of {w}x{h} pixels exceeds the limit of {cfg.max_image_pixels}", param=param)
+        img.load()
+        return img.convert("RGB")
+    except InvalidRequest:
+        raise
+    except Exception as e:  # PIL raises many types (UnidentifiedImageError, DecompressionBombError, OSError...)
+        raise InvalidRequest(f"cannot decode the image: {e}", param=param) from e
+
+
+def _data_url(url: str, param: str) -> bytes:
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:image/") or ";base64" not in head:
+        raise InvalidRequest("a data URL must be data:image/<type>;base64,<data>", param=param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidRequest(f"invalid base64 image data: {e}", param=param) from e
+
+
+def _local_file(url: str, cfg, param: str) -> bytes:
+    if not cfg.allowed_local_media_path:
+        raise InvalidRequest("local files are not allowed (start the server with --allowed-local-media-path)",
+                             param=param)
+    root = os.path.realpath(cfg.allowed_local_media_path)
+    path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    if os.path.commonpath([root, path]) != root:
+        raise InvalidRequest(f"{path} is outside the allowed media folder", param=param)
+    try:
+        with open(path, "rb") as f:
+            return f.read(cfg.max_image_bytes + 1)
+    except OSError as e:
+        raise InvalidRequest(f"cannot read {path}: {e.strerror}", param=param) from e
+
+
+def _remote(url: str, cfg, param: str) -> bytes:
+    host = urllib.parse.urlparse(url).hostname or ""
+    if host not in (cfg.allowed_media_domains or []):
+        raise InvalidRequest(f"image URLs on {host!r} are not allowed (--allowed-media-domains)", param=param)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.read(cfg.max_image_bytes + 1)
+    except Exception as e:  # unreachable host, HTTP error, timeout: the caller's URL
+        raise InvalidRequest(f"cannot fetch the image: {e}", param=param) from e
+
+
+def load_image_url(url: str, cfg, param: str):
+    """The PIL image (RGB) behind an image_url, under the server's media policy (kestrel.config.MultiModalConfig)."""
+    scheme = urllib.parse.urlparse(url).scheme.lower()
+    if scheme == "data":
+        raw = _data_url(url, param)
+    elif scheme == "file":
+        raw = _local_file(url, cfg, param)
+    elif scheme in ("http", "https"):
+        raw = _remote(url, cfg, param)
+    else:
+        raise InvalidRequest(f"unsupported image URL scheme {scheme!r}", param=param)
+    return decode_image(raw, cfg, param)
+
+
+def resolve_image_parts(messages: list[dict], cfg) -> list[dict]:
+    """OpenAI content parts -> the parts the chat renderer takes: image_url parts become {"type": "image",
+    "image": PIL image}; at most cfg.limit_mm_per_prompt of them."""
+    out, count = [], 0
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            param = f"messages[{i}].content[{j}]"
+            if kind == "image_url":
+                count += 1
+                if count > cfg.limit_mm_per_prompt:
+                    raise InvalidRequest(f"too many images: at most {cfg.limit_mm_per_prompt} are allowed in one "
+                                         f"request (--limit-mm-per-prompt)", param=param)
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                if not url:
+                    raise InvalidRequest("an image_url part needs image_url.url", param=param)
+                parts.append({"type": "image", "image": load_image_url(url, cfg, f"{param}.image_url")})
+            elif kind == "text":
+                parts.append({"type": "text", "text": part.get("text") or ""})
+            elif kind == "image":
+                count += 1
+                parts.append(part)
+            else:
+                raise InvalidRequest(f"content part type {kind!r} is not supported", param=param)
+        out.append({**m, "content": parts})
+    return out

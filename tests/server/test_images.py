@@ -1,0 +1,111 @@
+"""Images through the OpenAI chat API on a real server (tiny LLaVA-NeXT): the `openai` client's base64 image gets
+the offline API's text; bad images, disallowed URLs and too many images get a 400 naming the content part, and
+the engine serves a normal request right after."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+
+from conftest import Server, http
+from tests.mm_tiny import sample_images
+
+CH = "/v1/chat/completions"
+
+
+def png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+def image_message(url: str, text: str = "what is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "cat.png").write_bytes(png_bytes(sample_images()[1]))
+    return d
+
+
+@pytest.fixture(scope="module")
+def mm_server(tiny_mm_models, media_dir, tmp_path_factory):
+    s = Server(tiny_mm_models["llava_next"], tmp_path_factory.mktemp("mm_logs") / "server.log",
+               extra=["--limit-mm-per-prompt", "2", "--allowed-local-media-path", str(media_dir),
+                      "--allowed-media-domains", "images.example.org"]).wait_ready()
+    yield s
+    s.stop()
+
+
+def test_openai_client_image_matches_offline(mm_server, tiny_mm_models, media_dir):
+    import openai
+
+    from kestrel import LLM, SamplingParams
+
+    img = sample_images()[0]
+    client = openai.OpenAI(base_url=mm_server.url + "/v1", api_key="x")
+    got = client.chat.completions.create(model=None or client.models.list().data[0].id,
+                                         messages=image_message(data_url(img)), max_tokens=12, temperature=0)
+    local = client.chat.completions.create(model=client.models.list().data[0].id,
+                                           messages=image_message(f"file://{media_dir / 'cat.png'}"), max_tokens=12,
+                                           temperature=0)
+    llm = LLM(str(tiny_mm_models["llava_next"]), progress=False, num_kv_blocks=96, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    offline = llm.chat(image_message(data_url(img)), params)[0]
+    offline_pil = llm.chat([{"role": "user", "content": [{"type": "image", "image": sample_images()[1]},
+                                                         {"type": "text", "text": "what is this?"}]}], params)[0]
+    assert got.choices[0].message.content == offline.outputs[0].text
+    assert local.choices[0].message.content == offline_pil.outputs[0].text
+    assert got.usage.prompt_tokens == len(offline.prompt_token_ids) > 40  # the image's placeholders
+    assert offline.outputs[0].text != offline_pil.outputs[0].text
+
+
+BAD = [
+    # (id, content parts, status, param, words in the message)
+    ("undecodable", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+     "messages[0].content[0].image_url", "decode"),
+    ("bad_base64", [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}],
+     "messages[0].content[1].image_url", "base64"),
+    ("remote_not_allowed", [{"type": "image_url", "image_url": {"url": "https://evil.example.com/a.png"}}],
+     "messages[0].content[0].image_url", "not allowed"),
+    ("local_outside_folder", [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+     "messages[0].content[0].image_url", "outside"),
+    ("too_many", [{"type": "image_url", "image_url": {"url": "file:///x"}}] * 3, "messages[0].content[2]", "at most"),
+    ("unknown_part", [{"type": "input_audio", "input_audio": {}}], "messages[0].content[0]", "not supported"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_images_get_400(mm_server, media_dir, case):
+    _, parts, param, words = case
+    parts = [p if p.get("image_url", {}).get("url") != "file:///x" else
+             {"type": "image_url", "image_url": {"url": f"file://{media_dir / 'cat.png'}"}} for p in parts]
+    status, body = http("POST", mm_server.url + CH, {"messages": [{"role": "user", "content": parts}],
+                                                     "max_tokens": 2})
+    assert status == 400, body
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and words in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_oversized_image_and_then_a_normal_request(mm_server):
+    from tests.mm_tiny import make_image
+
+    big = make_image(5000, 4000, 0)  # 20 M pixels > the 16 M default
+    status, body = http("POST", mm_server.url + CH, {"messages": image_message(data_url(big)), "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
+    assert "exceeds" in body["error"]["message"]
+    status, body = http("POST", mm_server.url + CH, {"messages": [{"role": "user", "content": "hello"}],
+                                                     "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    status, body = http("POST", mm_server.url + CH, {"messages": image_message(data_url(sample_images()[2])),
+                                                     "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
