@@ -1,0 +1,185 @@
+"""Image chat benchmark: N streaming chat clients, one image per request (base64 PNG in an image_url part), against
+an OpenAI-compatible server. Prints requests/s, TTFT and ITL percentiles.
+
+By default it writes a LLaVA-NeXT-7B-shaped checkpoint folder (llava-v1.6-vicuna-7b: CLIP ViT-L/14-336 tower, the
+anyres pinpoints up to 672x672, a 32-layer 4096-wide Llama decoder; config + processor + a small tokenizer with
+the image token, no weights) and starts `kestrel serve --load-format dummy` on it. The same folder serves vLLM
+for the side-by-side (`vllm serve FOLDER --load-format dummy`, then `--url`).
+
+  python benchmarks/mm_serve.py --num-requests 128 --concurrency 32            # starts kestrel on the 7B shape
+  python benchmarks/mm_serve.py --write-model /tmp/llava7b                      # only write the folder
+  python benchmarks/mm_serve.py --url http://127.0.0.1:8000 --model-dir /tmp/llava7b
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import shlex
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve import pct, start_server  # noqa: E402
+
+PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+IMAGE_SIZES = [(640, 480), (800, 600), (336, 336), (1024, 768), (480, 640)]  # (width, height)
+
+
+def write_llava_next_7b(out: Path) -> Path:
+    """config.json + processor files of the LLaVA-NeXT-7B shape (weights: --load-format dummy)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from tests.mm_tiny import LLAVA_CHAT_TEMPLATE, _tokenizer_with_image_token
+
+    tok = _tokenizer_with_image_token()
+    tok.chat_template = LLAVA_CHAT_TEMPLATE
+    image_proc = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                            image_grid_pinpoints=PINPOINTS)
+    proc = LlavaNextProcessor(image_processor=image_proc, tokenizer=tok, patch_size=14,
+                              vision_feature_select_strategy="default", image_token="<image>",
+                              num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE)
+    text = LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                       rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+    vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    cfg = LlavaNextConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_grid_pinpoints=PINPOINTS,
+                          vision_feature_layer=-2, vision_feature_select_strategy="default",
+                          image_token_index=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    cfg.architectures = ["LlavaNextForConditionalGeneration"]
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    proc.save_pretrained(out)
+    return out
+
+
+def image_urls(n: int, seed: int) -> list[str]:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    urls = []
+    for i in range(n):
+        w, h = IMAGE_SIZES[i % len(IMAGE_SIZES)]
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return urls
+
+
+async def one_request(client, url: str, model: str, image: str, text: str, max_tokens: int, res: dict) -> None:
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                                      {"type": "text", "text": text}]}]}
+    t0 = time.perf_counter()
+    last = None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            res["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line[6:] == "[DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                res["errors"].append(obj["error"]["message"])
+                return
+            if not obj["choices"] or "content" not in obj["choices"][0].get("delta", {}) and \
+                    not obj["choices"][0].get("finish_reason"):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res["ttft"].append(now - t0)
+            else:
+                res["itl"].append(now - last)
+            last = now
+    res["latency"].append(time.perf_counter() - t0)
+
+
+async def run(args, url: str) -> int:
+    import httpx2
+
+    rng = random.Random(args.seed)
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    images = image_urls(min(args.num_requests, args.distinct_images), args.seed)
+    jobs = [(images[i % len(images)], " ".join(rng.choice(["describe", "the", "image", "in", "detail", "what",
+                                                            "is", "shown"]) for _ in range(12)), args.output_len)
+            for i in range(args.num_requests)]
+    res = {"ttft": [], "itl": [], "latency": [], "errors": []}
+    sem = asyncio.Semaphore(args.concurrency)
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(args.request_timeout),
+                                  limits=httpx2.Limits(max_connections=args.concurrency + 4)) as client:
+        async def guarded(job):
+            async with sem:
+                try:
+                    await one_request(client, url, model, *job, res)
+                except Exception as e:  # noqa: BLE001 - counted as an error
+                    res["errors"].append(f"{type(e).__name__}: {e}")
+        t0 = time.perf_counter()
+        await asyncio.gather(*(guarded(j) for j in jobs))
+        elapsed = time.perf_counter() - t0
+    print(f"\nimage chat benchmark: {args.num_requests} requests, concurrency {args.concurrency}, one image each "
+          f"({len(images)} distinct, sizes {IMAGE_SIZES}), {args.output_len} output tokens")
+    rows = [("requests/s", f"{args.num_requests / elapsed:.2f}"),
+            ("errors", str(len(res["errors"]))),
+            ("output tokens/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")]
+    for name, xs in (("TTFT", res["ttft"]), ("ITL", res["itl"]), ("E2E", res["latency"])):
+        rows.append((f"{name} p50 / p90 / p99 (ms)",
+                     f"{pct(xs, 50) * 1e3:.1f} / {pct(xs, 90) * 1e3:.1f} / {pct(xs, 99) * 1e3:.1f}"))
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    for e in res["errors"][:5]:
+        print("error:", e)
+    return 1 if res["errors"] else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="server to load (default: start kestrel on --model-dir)")
+    p.add_argument("--model-dir", default="/tmp/kestrel-llava-next-7b", help="the 7B-shaped folder (written if absent)")
+    p.add_argument("--write-model", default=None, help="write the 7B-shaped folder here and exit")
+    p.add_argument("--server-args", default="--load-format dummy --max-model-len 4096",
+                   help="extra `kestrel serve` flags")
+    p.add_argument("--server-log", default=None)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--distinct-images", type=int, default=1000, help="fewer than requests: repeats hit the cache")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if args.write_model:
+        print(write_llava_next_7b(Path(args.write_model)))
+        return 0
+    proc = None
+    url = args.url
+    if url is None:
+        folder = Path(args.model_dir)
+        if not (folder / "config.json").exists():
+            write_llava_next_7b(folder)
+        args.model = str(folder)
+        proc, url = start_server(args)
+        print(f"started kestrel serve {folder} {shlex.join(shlex.split(args.server_args))} at {url}")
+    try:
+        return asyncio.run(run(args, url))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Image inputs without a model: tensors over the wire (raw bytes + dtype + shape, msgspec), block hashes keyed by
+image content and by a bidirectional prefix, the bidirectional mask of the reference attention, and backend
+selection for layers that need it."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from kestrel.attention.backend import AttentionBackend
+from kestrel.attention.backends.torch_ref import TorchRefBackend, paged_attention_ref
+from kestrel.attention.selector import select_attention_backend
+from kestrel.core.kv_spec import FullAttentionSpec
+from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
+from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.protocol import EngineCoreRequest, add_decoder, encoder
+from kestrel.engine.request import Request
+from kestrel.engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_tensor_roundtrip_over_msgspec(dtype):
+    t = (torch.randn(2, 3, 5) * 100).to(dtype)
+    feat = MMFeature(4, 7, hash_tensors({"pixel_values": t}), {"pixel_values": TensorData.from_tensor(t)})
+    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 4, 0.0, mm_features=[feat], bidirectional_len=3)
+    back = add_decoder.decode(encoder.encode(req))
+    got = back.mm_features[0].data["pixel_values"].to_tensor()
+    assert got.dtype == dtype and torch.equal(got, t)
+    assert (back.mm_features[0].offset, back.mm_features[0].length, back.bidirectional_len) == (4, 7, 3)
+    assert b"pickle" not in encoder.encode(req)  # plain msgpack
+    assert isinstance(msgspec.msgpack.decode(encoder.encode(req)), dict)
+
+
+def _request(rid, tokens, features=(), bidir=0):
+    return Request(rid, list(tokens), SamplingParams(), max_tokens=4, mm_features=list(features),
+                   bidirectional_len=bidir)
+
+
+def test_block_hashes_follow_image_content():
+    kv = KVCacheManager(64, 4)
+    img = lambda h: MMFeature(4, 6, h)  # noqa: E731  placeholders 4..9: blocks 1 and 2
+    toks = list(range(16))
+    a, b, c = (kv._block_hashes(_request(r, toks, [img(h)])) for r, h in (("a", "x"), ("b", "y"), ("c", "x")))
+    assert a[0] == b[0]  # the block before the image is shared
+    assert a[1] != b[1] and a[2] != b[2] and a[3] != b[3]  # the image's blocks (and every later one) are not
+    assert a == c  # the same image: the same hashes
+    plain = kv._block_hashes(_request("d", toks))
+    assert plain[0] == a[0] and plain[1] != a[1]
+
+
+def test_bidirectional_prefix_blocks_depend_on_the_whole_prefix():
+    kv = KVCacheManager(64, 4)
+    a = kv._block_hashes(_request("a", list(range(12)), bidir=10))
+    b = kv._block_hashes(_request("b", list(range(9)) + [99, 10, 11], bidir=10))  # differs at token 9 only
+    assert a[0] != b[0] and a[1] != b[1]  # token 9 reached every prefix token's K/V
+
+
+def test_reference_attention_bidirectional_prefix():
+    torch.manual_seed(0)
+    bs, heads, d, n, L = 4, 2, 8, 10, 6
+    k_cache, v_cache = torch.randn(4, bs, heads, d), torch.randn(4, bs, heads, d)
+    q = torch.randn(n, heads, d)
+    table = torch.tensor([[2, 0, 3, 1]])
+    out = paged_attention_ref(q, k_cache, v_cache, table, [0, n], [n], 0.5, bidirectional_lens=[L])
+    k = k_cache[table[0].long()].flatten(0, 1)[:n]
+    v = v_cache[table[0].long()].flatten(0, 1)[:n]
+    pos = torch.arange(n)
+    mask = (pos[None] <= pos[:, None]) | ((pos[None] < L) & (pos[:, None] < L))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.5
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    assert torch.allclose(out, ref, atol=1e-5)
+    causal = paged_attention_ref(q, k_cache, v_cache, table, [0, n], [n], 0.5)
+    assert not torch.allclose(out[:L - 1], causal[:L - 1], atol=1e-3) and torch.allclose(out[L:], causal[L:])
+
+
+def test_selection_needs_bidirectional_support():
+    spec = FullAttentionSpec(torch.float32, 2, 16, bidirectional_prefix=True)
+
+    class CausalOnly(TorchRefBackend):
+        name = "causal_only"
+        supports_bidirectional_prefix = False
+
+    assert select_attention_backend(spec, 16) is TorchRefBackend
+    ok, why = CausalOnly.validate_spec(spec)
+    assert not ok and "bidirectional" in why
+    assert not AttentionBackend.supports_bidirectional_prefix  # backends opt in (Triton does not)
