@@ -69,8 +69,10 @@ def make_paligemma(root: Path, seed: int = 0) -> Path:
     return out
 
 
-def make_llava_next(root: Path, seed: int = 0) -> Path:
+def make_llava_next(root: Path, seed: int = 0, name: str = "llava_next", decoder: str = "llama",
+                    **text_overrides) -> Path:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import Qwen2Config
     from transformers import LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
@@ -82,9 +84,11 @@ def make_llava_next(root: Path, seed: int = 0) -> Path:
                                    num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE)
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     vocab = len(tok)
-    text = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = {"llama": LlamaConfig, "qwen2": Qwen2Config}[decoder](vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for k, v in text_overrides.items():
+        setattr(text, k, v)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=28, patch_size=7, projection_dim=32)
     cfg = LlavaNextConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_grid_pinpoints=PINPOINTS,
@@ -92,7 +96,7 @@ def make_llava_next(root: Path, seed: int = 0) -> Path:
                           image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), tie_word_embeddings=False)
     model = LlavaNextForConditionalGeneration(cfg)
     _randomize(model, seed, norm_offset=1.0)
-    out = root / "llava_next"
+    out = root / name
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out

@@ -72,6 +72,18 @@ def test_greedy_matches_transformers(tiny_mm_models, images, reference, kind):
     assert len({tuple(r) for r in reference[kind]}) == len(reference[kind])  # the images change the outputs
 
 
+def test_llava_next_qwen2_decoder(tmp_path, images):
+    from tests.mm_tiny import make_llava_next
+
+    path = make_llava_next(tmp_path, name="llava_qwen2", decoder="qwen2")
+    model, proc = hf_model(path)
+    text, idx = PROMPTS["llava_next"][3]
+    enc = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")
+    ref = model.generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    llm = LLM(str(path), progress=False, max_num_batched_tokens=32)
+    assert llm.generate(request(text, idx, images), GREEDY)[0].outputs[0].token_ids == ref
+
+
 def test_llava_chunked_prefill_through_images(tiny_mm_models, images, reference):
     """A 16-token budget cuts every image's placeholders (36..96 of them) over several steps: the encoder runs
     once per image and its cached embeddings are dropped after the last placeholder."""
