@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kestrel.attention.backend import AttentionBackend
-from kestrel.attention.backends.torch_ref import TorchRefBackend, paged_attention_ref
+from kestrel.attention.backends.torch_ref import TorchRefBackend
+from kestrel.attention.ops.reference import paged_attention_ref
 from kestrel.attention.selector import select_attention_backend
 from kestrel.core.kv_spec import FullAttentionSpec
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
