@@ -90,7 +90,8 @@ class AsyncEngine:
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.block_size = info["block_size"]
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              info["eos_token_id"], self.config.model.max_logprobs, mm=mm)
+                                              info["eos_token_id"], self.config.model.max_logprobs, mm=mm,
+                                              max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)

@@ -66,12 +66,14 @@ def make_mm_processor(config, hf_config=None):
 class InputProcessor:
     """``default_max_tokens``: the cap for a request without max_tokens (None: the rest of the context);
     ``chat_template``: used instead of the tokenizer's own when set; ``mm``: the MultiModalProcessor of an
-    image-text model (None: text only)."""
+    image-text model (None: text only); ``max_num_batched_tokens``: the step budget a bidirectional prefix must
+    fit."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
                  max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
-                 mm=None):
+                 mm=None, max_num_batched_tokens: int | None = None):
         self.tokenizer = tokenizer
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -148,6 +150,10 @@ class InputProcessor:
             if not isinstance(prompt, str):
                 raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
             ids, features, bidirectional_len = self.mm.process(prompt, images, add_special_tokens)
+            if self.max_num_batched_tokens and bidirectional_len > self.max_num_batched_tokens:
+                raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {bidirectional_len} tokens) "
+                                     f"is computed in one step and exceeds --max-num-batched-tokens "
+                                     f"{self.max_num_batched_tokens}", param="prompt")
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:

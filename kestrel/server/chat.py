@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages through the model's chat template."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 

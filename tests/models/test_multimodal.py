@@ -130,7 +130,7 @@ def test_paligemma_prefix_is_one_chunk(tiny_mm_models, images, reference):
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["paligemma"]
     small = LLM(str(tiny_mm_models["paligemma"]), progress=False, max_num_batched_tokens=16)
-    with pytest.raises(ValueError, match="bidirectional prefix"):
+    with pytest.raises(InvalidRequest, match="bidirectional prefix"):
         small.generate([request(*PROMPTS["paligemma"][0], images)], GREEDY)
 
 
@@ -141,6 +141,23 @@ def test_paligemma_prefix_attention_is_bidirectional(tiny_mm_models, images, ref
                                                    {"bidirectional_prefix": False})
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"][:3]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] != reference["paligemma"][:3]
+
+
+@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
+def test_embedding_contract(tiny_mm_models, kind):
+    """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)), as for every text model."""
+    from kestrel.config import EngineConfig
+    from kestrel.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8), progress=False)
+    model, runner = core.runner.model, core.runner
+    ids = torch.tensor([3, 9, 27, 81])
+
+    def run(**kw):
+        _, positions, ctx = runner.dummy_prefill_batch(4)
+        with torch.inference_mode():
+            return model(ids, positions, ctx, **kw)
+    torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
 
 
 # ---- PaliGemma's embedding magnitude

@@ -76,6 +76,8 @@ BAD = [
      "messages[0].content[1].image_url", "base64"),
     ("remote_not_allowed", [{"type": "image_url", "image_url": {"url": "https://evil.example.com/a.png"}}],
      "messages[0].content[0].image_url", "not allowed"),
+    ("remote_allowed_but_unreachable", [{"type": "image_url", "image_url": {"url": "http://images.example.org/a.png"}}],
+     "messages[0].content[0].image_url", "cannot fetch"),
     ("local_outside_folder", [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
      "messages[0].content[0].image_url", "outside"),
     ("too_many", [{"type": "image_url", "image_url": {"url": "file:///x"}}] * 3, "messages[0].content[2]", "at most"),
