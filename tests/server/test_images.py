@@ -72,7 +72,8 @@ BAD = [
     # (id, content parts, status, param, words in the message)
     ("undecodable", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
      "messages[0].content[0].image_url", "decode"),
-    ("bad_base64", [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}],
+    ("bad_base64", [{"type": "text", "text": "x"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}],
      "messages[0].content[1].image_url", "base64"),
     ("remote_not_allowed", [{"type": "image_url", "image_url": {"url": "https://evil.example.com/a.png"}}],
      "messages[0].content[0].image_url", "not allowed"),
