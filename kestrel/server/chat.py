@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages through the model's chat template."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import AsyncIterator
 

@@ -100,9 +100,9 @@ def test_bad_images_get_400(mm_server, media_dir, case):
 
 
 def test_oversized_image_and_then_a_normal_request(mm_server):
-    from tests.mm_tiny import make_image
+    from PIL import Image
 
-    big = make_image(5000, 4000, 0)  # 20 M pixels > the 16 M default
+    big = Image.new("RGB", (5000, 4000), (200, 10, 10))  # 20 M pixels > the 16 M default, a small PNG
     status, body = http("POST", mm_server.url + CH, {"messages": image_message(data_url(big)), "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "messages[0].content[0].image_url"
     assert "exceeds" in body["error"]["message"]
