@@ -54,6 +54,11 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache")
+    tensor_parallel_size: int = _f(1, "GPUs (CPU: worker processes) one model is split over, one worker each")
+    distributed_executor_backend: str | None = _f(
+        None, "how the model runs: uni (in the engine process), mp (one local process per tensor-parallel rank) "
+              "or ray (Ray actors on an existing cluster: ray start --head / --address); default uni at "
+              "--tensor-parallel-size 1, else mp", choices=[None, "uni", "mp", "ray"])
     cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
                                        "(default: CPU cores / (data-parallel size + 1), at least 1)")
     engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "

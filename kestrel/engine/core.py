@@ -1,4 +1,5 @@
-"""EngineCore: owns the scheduler, the KV manager and the model runner; step() = schedule -> execute -> update.
+"""EngineCore: owns the scheduler, the KV manager and the executor (the model runner in-process, or tensor-parallel
+workers); step() = schedule -> execute -> update.
 Runs in-process (LLM.generate) or in its own process driven over ZeroMQ (engine/core_proc.py)."""
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.scheduler import Scheduler
+from kestrel.executor import make_executor
 from kestrel.structured_output.manager import StructuredOutputManager
-from kestrel.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -22,31 +23,37 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.engine_index = engine_index
-        self.runner = ModelRunner(config, progress)
-        self.runner.precompile_kernels()
-        self.model_config = self.runner.model_config
+        self.executor = ex = make_executor(config, progress)
+        self.runner = ex.runner  # the in-process ModelRunner (None with tensor-parallel workers)
+        self.model_config = ex.model_config
+        self.tokenizer = ex.tokenizer
+        self.device = ex.device
         self.max_model_len = self.model_config.max_model_len
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.setup_after_kv()
+        try:
+            ex.precompile_kernels()
+            num_blocks = ex.determine_num_blocks()
+            ex.initialize_cache(num_blocks)
+        except BaseException:
+            ex.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 self.runner.kv_cache_groups)
+                                 ex.kv_cache_groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    config.lora.max_loras if config.lora.enable_lora else 0)
         self.eos_token_id = self.model_config.eos_token_id
         self._sleeping = False
         self._paused = False
         mode = config.scheduler.async_scheduling
-        self.pipelined = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
+        self.pipelined = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self._inflight = None
         self.structured = StructuredOutputManager(
-            self.runner.loaded.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
-            config.scheduler.max_num_seqs, pin=self.runner.device.type == "cuda")
+            self.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
+            config.scheduler.max_num_seqs, pin=self.device.type == "cuda")
         self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
-                    num_blocks * self.runner.bytes_per_block / 2**20, time.perf_counter() - t0)
+                    num_blocks * ex.bytes_per_block / 2**20, time.perf_counter() - t0)
 
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -118,7 +125,7 @@ class EngineCore:
                 if not sched.is_empty:
                     self._inflight = (sched, inf)
                     self.scheduler.on_launch(sched)
-            result = self.runner.collect(prev)
+            result = self.executor.collect(prev)
             out = self._outputs(prev_sched, result)
             if self._inflight is not None:
                 self._sample(*self._inflight)  # the grammars have seen prev's tokens now
@@ -129,16 +136,16 @@ class EngineCore:
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
         self._sample(sched, inf)
-        if self._pipeline_ok() and inf.tokens is not None:
+        if self._pipeline_ok() and inf.samples:
             self._inflight = (sched, inf)
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
-        return self._outputs(sched, self.runner.collect(inf))
+        return self._outputs(sched, self.executor.collect(inf))
 
     def _launch(self, sched, prev=None):
         """Queue the forward; a step with grammar-constrained rows samples later (_sample), once the host has
         filled the bitmask, which it does while the device runs the forward."""
         constrained = any(s.samples and s.request.grammar is not None for s in sched.scheduled)
-        return self.runner.launch(sched.step, prev, sample=not constrained)
+        return self.executor.launch(sched.step, prev, sample=not constrained)
 
     def _sample(self, sched, inf) -> None:
         if not inf.sample_pending:
@@ -148,7 +155,7 @@ class EngineCore:
             row = inf.rows.get(s.request.request_id)
             if row is not None and not s.request.is_finished:
                 grammars[row] = s.request.grammar
-        self.runner.sample(inf, self.structured.fill_bitmask(grammars))
+        self.executor.sample(inf, self.structured.fill_bitmask(grammars))
 
     def _take_rejected(self) -> list[EngineCoreOutput]:
         out, self._rejected = self._rejected, []
@@ -221,11 +228,12 @@ class EngineCore:
         return self._paused
 
     def ping(self) -> str:
+        self.executor.check_health()
         return "pong"
 
     # ---- LoRA adapters (utility calls; the frontend fans them out to every engine core)
     def _lora_manager(self):
-        if self.runner.lora is None:
+        if self.runner is None or self.runner.lora is None:
             raise ValueError("LoRA is not enabled on this engine (start it with --enable-lora)")
         return self.runner.lora
 
@@ -241,7 +249,12 @@ class EngineCore:
 
     def list_loras(self) -> list[list]:
         """[[lora id, name], ...] of the adapters loaded on this engine."""
-        return sorted([i, n] for i, n in self.runner.lora.list().items()) if self.runner.lora is not None else []
+        lora = self.runner.lora if self.runner is not None else None
+        return sorted([i, n] for i, n in lora.list().items()) if lora is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the workers (tensor parallelism); the in-process runner needs nothing."""
+        self.executor.shutdown()
 
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",
                                  "resume", "is_paused", "ping", "finish_requests", "add_lora", "remove_lora",

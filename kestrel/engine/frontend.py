@@ -15,8 +15,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.core = EngineCore(config, progress=progress)
-        self.tokenizer = self.core.runner.loaded.tokenizer
-        hf = self.core.runner.hf_config
+        self.tokenizer = self.core.tokenizer
+        hf = self.core.model_config.text
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
                                               self.core.eos_token_id, config.model.max_logprobs,
                                               mm=make_mm_processor(config, self.core.runner.model_config.hf),

@@ -47,6 +47,7 @@ class LoadedModel:
     tokenizer: object
     path: str
     dtype: torch.dtype
+    bytes_read: int = 0  # checkpoint bytes this process read (safetensors; about 1/N of them per rank under TP)
 
     @property
     def hf_config(self):
@@ -85,15 +86,44 @@ def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
             m.process_weights_after_loading()
 
 
+def load_model_info(cfg: ModelConfig, progress: bool = False):
+    """(HFConfig, tokenizer or None) without the weights: what an engine whose workers hold the model needs."""
+    from kestrel.models.hf_config import HFConfig
+
+    path = Path(cfg.model or default_model_path())
+    if path.suffix == ".gguf" and cfg.load_format != "dummy":
+        from kestrel.loader.gguf import gguf_config, open_gguf
+
+        hf_config = gguf_config(open_gguf(path))
+    else:
+        hf_config = load_hf_config(path, cfg.trust_remote_code)
+    return HFConfig.from_hf(hf_config, cfg.max_model_len), _tokenizer_or_none(cfg, path)
+
+
+def _tokenizer_or_none(cfg: ModelConfig, path: Path):
+    try:
+        return load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code, cfg.gguf_cache_dir)
+    except (OSError, ValueError) as e:
+        if cfg.load_format != "dummy":
+            raise
+        logger.info("no tokenizer for %s (%s): token-id prompts only", path, type(e).__name__)
+        return None
+
+
 def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | None = None,
-               progress: bool = True) -> LoadedModel:
-    from kestrel.layers.quant import get_quant_config
+               progress: bool = True, parallel=None) -> LoadedModel:
+    """Build the model and read its weights; `parallel` (a ParallelInfo) makes this rank's shard of it."""
+    from kestrel.distributed import ParallelInfo
+    from kestrel.errors import ConfigError
+    from kestrel.layers.quant import checkpoint_quant_config, get_quant_config
     from kestrel.models.context import ModelContext
     from kestrel.models.hf_config import HFConfig
     from kestrel.models.registry import get_model_class
 
     t0 = time.perf_counter()
+    parallel = parallel or ParallelInfo()
     path = Path(cfg.model or default_model_path())
+    read = [0]
     if cfg.load_format == "dummy":
         hf_config = load_hf_config(path, cfg.trust_remote_code)
         dtype = resolve_dtype(cfg.dtype, device)
@@ -108,7 +138,10 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
 
         hf_config = load_hf_config(path, cfg.trust_remote_code)
         dtype = resolve_dtype(cfg.dtype, device)
-        weights = iter_safetensors(path, progress)
+        weights = iter_safetensors(path, progress, lazy=True, counter=read, device=device)
+    if parallel.size > 1 and checkpoint_quant_config(hf_config) is not None:
+        raise ConfigError("tensor parallelism serves unquantized checkpoints (and --quantization fp8, which "
+                          "quantizes each rank's shard on load), not pre-quantized ones yet")
     config = HFConfig.from_hf(hf_config, cfg.max_model_len)
     kernel = kernel or KernelConfig()
     hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
@@ -117,21 +150,15 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
     quant_config = get_quant_config(hf_dict, cfg.quantization, dtype,
                                     packed_modules=getattr(model_cls, "packed_modules", None))
     ctx = ModelContext(config, dtype, quant_config, kernel.linear_backend, kernel.moe_backend,
-                       kernel.fuse_shared_experts)
+                       kernel.fuse_shared_experts, parallel=parallel)
     with torch.device(device):
         model = model_cls(ctx)
     if cfg.load_format == "dummy":
         init_dummy_weights(model)
     else:
-        model.load_weights((n, w.to(device)) for n, w in weights)
+        model.load_weights((n, w.to(device) if isinstance(w, torch.Tensor) else w) for n, w in weights)
     model.eval()
-    try:
-        tokenizer = load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code, cfg.gguf_cache_dir)
-    except (OSError, ValueError) as e:
-        if cfg.load_format != "dummy":
-            raise
-        logger.info("no tokenizer for %s (%s): token-id prompts only", path, type(e).__name__)
-        tokenizer = None
+    tokenizer = _tokenizer_or_none(cfg, path)
     logger.info("Loaded %s (%s, %.1fM params, %s) in %.1f s", path.name, arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, time.perf_counter() - t0)
-    return LoadedModel(model, config, ctx, tokenizer, str(path), dtype)
+    return LoadedModel(model, config, ctx, tokenizer, str(path), dtype, read[0])

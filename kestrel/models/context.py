@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from kestrel.core.kv_spec import KVCacheSpec
+from kestrel.distributed import ParallelInfo
 from kestrel.models.hf_config import HFConfig
 
 
@@ -19,6 +20,7 @@ class ModelContext:
     linear_backend: str = "auto"
     moe_backend: str = "auto"
     fuse_shared_experts: str = "auto"  # MoE shared experts inside the routed-expert kernel: auto | on | off
+    parallel: ParallelInfo = field(default_factory=ParallelInfo)  # tensor-parallel rank and group
     kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)  # attention layer prefix -> its spec
     attention_layers: dict[str, Any] = field(default_factory=dict)  # attention layer prefix -> the layer
     # attention layers built from here on let a request's prefix (Request.bidirectional_len) attend both ways

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.layer import Attention, ForwardContext
+from kestrel.errors import ConfigError
 from kestrel.layers.activation import SiluAndMul, gated_activation
 from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import Linear
@@ -19,6 +20,18 @@ from kestrel.models.weights import load_named_weights
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rank_heads(tp, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(first, count) of this rank's query heads and KV heads. With fewer KV heads than ranks, each KV head is
+    replicated over the ranks whose query heads read it."""
+    q = tp.shard(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        return q, tp.shard(num_kv_heads, "num_key_value_heads")
+    if tp.size % num_kv_heads:
+        raise ConfigError(f"--tensor-parallel-size {tp.size} is neither a divisor nor a multiple of "
+                          f"num_key_value_heads = {num_kv_heads}")
+    return q, (tp.rank * num_kv_heads // tp.size, 1)
 
 
 class LlamaAttention(nn.Module):
@@ -34,10 +47,14 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         head_dim = head_dim_of(cfg)
         bias = getattr(cfg, "attention_bias", False) or self.qkv_bias_default
+        (q0, nq), (kv0, nkv) = rank_heads(ctx.parallel, num_heads, num_kv_heads)
+        kv_rows = (kv0 * head_dim, nkv * head_dim)
         self.qkv_proj = Linear.from_ctx(ctx, cfg.hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                                               num_kv_heads * head_dim], f"{prefix}.qkv_proj", bias)
+                                                               num_kv_heads * head_dim], f"{prefix}.qkv_proj", bias,
+                                        "column", [(q0 * head_dim, nq * head_dim), kv_rows, kv_rows])
         self.o_proj = Linear.from_ctx(ctx, num_heads * head_dim, cfg.hidden_size, f"{prefix}.o_proj",
-                                      getattr(cfg, "attention_bias", False))
+                                      getattr(cfg, "attention_bias", False), "row")
+        num_heads, num_kv_heads = nq, nkv  # this rank's
         self.q_norm = self.k_norm = None
         if self.use_qk_norm:
             self.q_norm = self.norm_cls(head_dim, cfg.rms_norm_eps, ctx.dtype)
@@ -62,8 +79,9 @@ class LlamaMLP(nn.Module):
         cfg = ctx.text
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = Linear.from_ctx(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                            f"{prefix}.gate_up_proj", bias)
-        self.down_proj = Linear.from_ctx(ctx, cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj", bias)
+                                            f"{prefix}.gate_up_proj", bias, "column")
+        self.down_proj = Linear.from_ctx(ctx, cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj", bias,
+                                         "row")
         self.act = act or SiluAndMul()
         self.gate_up = NormLinear(input_norm, self.gate_up_proj, self.act)
 
@@ -101,12 +119,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = ctx.text
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.parallel)
         self.layers = nn.ModuleList(self.decoder_layer_cls(ctx, f"{prefix}.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         tied = getattr(cfg, "tie_word_embeddings", False)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, tied_to=self.embed_tokens if tied else None)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, tied_to=self.embed_tokens if tied else None,
+                              tp=ctx.parallel)
 
     # The embedding contract: forward(inputs_embeds=embed_input_ids(ids)) == forward(input_ids=ids).
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

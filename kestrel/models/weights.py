@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from kestrel.layers.linear import Linear
+from kestrel.layers.linear import Linear, materialize
 
 
 def stacked_names(packed_modules: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, int]]:
@@ -16,7 +16,8 @@ def stacked_names(packed_modules: Mapping[str, Sequence[str]]) -> dict[str, tupl
 
 
 def resolve(model: nn.Module, name: str, stacked: dict[str, tuple[str, int]], strip: str = "model."):
-    """Checkpoint tensor name -> (module, param name, shard id)."""
+    """Checkpoint tensor name -> (module, param name, shard id). Tensors may be lazy safetensors slices (tensor
+    parallelism: each layer reads only its rank's part); anything else reads the whole tensor."""
     if name.startswith(strip):
         name = name[len(strip):]
     path, param = name.rsplit(".", 1)
@@ -39,7 +40,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if isinstance(module, Linear):
             module.load_weight(param, tensor, shard)
             loaded.add(f"{id(module)}.{param}.{shard}")
+        elif hasattr(module, "load_weight"):  # vocab-parallel embedding / LM head: reads its own rows
+            module.load_weight(name, tensor)
+            loaded.add(f"{id(module)}.{param}")
         else:
+            tensor = materialize(tensor)
             p = getattr(module, param)
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")

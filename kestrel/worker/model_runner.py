@@ -37,6 +37,10 @@ class InFlight:
     logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
     sample_pending: bool = False
 
+    @property
+    def samples(self) -> bool:
+        return self.tokens is not None
+
 
 @dataclass
 class RunnerOutput:
@@ -52,7 +56,8 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, parallel=None):
+        """`parallel` (kestrel.distributed.ParallelInfo): this tensor-parallel rank's place; None: one process."""
         self.config = config
         self.device = pick_device(config.model.device)
         if self.device.type == "cuda":
@@ -62,7 +67,7 @@ class ModelRunner:
             except ImportError:  # no triton: no Triton kernels to launch
                 pass
         torch.manual_seed(config.model.seed)
-        self.loaded: LoadedModel = load_model(config.model, self.device, config.kernel, progress)
+        self.loaded: LoadedModel = load_model(config.model, self.device, config.kernel, progress, parallel)
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.hf_config = self.model_config.text  # the decoder's HF config

@@ -1,0 +1,59 @@
+"""Tensor-parallel state handed to the layers through the model context: this process's rank, the group size and
+the torch.distributed group, with the two collectives the parallel layers need. The default (rank 0 of 1) makes
+every collective a no-op, so single-process code paths never touch torch.distributed."""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kestrel.errors import ConfigError
+
+
+@dataclass
+class ParallelInfo:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed group (None: the default group)
+
+    def shard(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of `total` rows; `what` names the dimension in errors."""
+        if total % self.size:
+            raise ConfigError(f"{what} = {total} is not divisible by --tensor-parallel-size {self.size}")
+        n = total // self.size
+        return self.rank * n, n
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim` (in rank order)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> ParallelInfo:
+    """Join the tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kw)
+    return ParallelInfo(rank, size, None)

@@ -1,0 +1,48 @@
+"""The engine <-> worker wire format: ZeroMQ multipart frames with msgspec msgpack payloads (never pickle).
+
+engine -> every worker: [method, payload(, grammar bitmask: int32 rows for a step)]   (method: b"step", b"describe", b"num_blocks", b"init_cache",
+                                              b"precompile", b"shutdown")
+worker -> engine:       [rank, status, payload]   (status b"ok" or b"err"; a step is answered by rank 0 only)
+
+KV-cache specs carry torch dtypes: they travel as the spec's class name, its fields and the dtype's name."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import torch
+
+from kestrel.core import kv_spec
+from kestrel.core.kv_spec import KVCacheGroup
+from kestrel.core.step import StepInput
+from kestrel.worker.model_runner import RunnerOutput
+
+STEP, DESCRIBE, NUM_BLOCKS, INIT_CACHE, PRECOMPILE, SHUTDOWN = (
+    b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"shutdown")
+OK, ERR = b"ok", b"err"
+
+encoder = msgspec.msgpack.Encoder()
+step_decoder = msgspec.msgpack.Decoder(StepInput)
+output_decoder = msgspec.msgpack.Decoder(RunnerOutput)
+any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_groups(groups: list[KVCacheGroup]) -> list[dict]:
+    out = []
+    for g in groups:
+        fields = {f.name: getattr(g.spec, f.name) for f in dataclasses.fields(g.spec)}
+        fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
+        out.append({"group_id": g.group_id, "spec": type(g.spec).__name__, "fields": fields,
+                    "layer_names": list(g.layer_names)})
+    return out
+
+
+def decode_groups(data: list[dict]) -> list[KVCacheGroup]:
+    groups = []
+    for d in data:
+        spec_cls = getattr(kv_spec, d["spec"])
+        if not (isinstance(spec_cls, type) and issubclass(spec_cls, kv_spec.KVCacheSpec)):
+            raise ValueError(f"unknown KV cache spec {d['spec']!r}")
+        fields = dict(d["fields"], dtype=getattr(torch, d["fields"]["dtype"]))
+        groups.append(KVCacheGroup(d["group_id"], spec_cls(**fields), list(d["layer_names"])))
+    return groups

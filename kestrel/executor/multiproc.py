@@ -1,0 +1,263 @@
+"""Executors with one worker per tensor-parallel rank. Every message goes to all workers at once (one ZeroMQ
+PUSH socket per worker, the payload encoded once); replies come back on one PULL socket. While waiting for a
+reply the executor also watches the workers themselves: a worker that dies or fails raises WorkerError naming
+its rank within a poll interval, and every other worker is stopped (nothing is left waiting in a collective)."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from kestrel.core.step import StepInput
+from kestrel.executor import messages as M
+from kestrel.executor.base import Executor, WorkerError
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+@dataclass
+class StepHandle:
+    seq: int
+    samples: bool
+    rows: dict[str, int] = field(default_factory=dict)  # request id -> sampling row (the runner's order)
+    pending: bytes | None = None  # the encoded step, held back until sample() brings its bitmask
+
+    @property
+    def sample_pending(self) -> bool:
+        return self.pending is not None
+
+
+def sampling_order(step: StepInput) -> list[str]:
+    """The request ids that sample, in the runner's row order (decodes first, then the rest, each in step order)."""
+    return [c.request_id for c in sorted(step.chunks, key=lambda c: c.num_new_tokens != 1) if c.samples]
+
+
+class MultiWorkerExecutor(Executor):
+    """Sockets, broadcast and replies; subclasses start the workers and say which one is dead."""
+
+    def __init__(self, config, progress: bool = True):
+        from kestrel.loader import load_model_info
+
+        self.config = config
+        self.size = config.parallel.tensor_parallel_size
+        self.model_config, self.tokenizer = load_model_info(config.model)
+        self._zmq = zmq.Context()
+        self._outs: list[zmq.Socket] = []
+        self._reply = self._zmq.socket(zmq.PULL)
+        self._sent = self._received = 0  # step messages sent / answered
+        self.dead: str | None = None
+        self._closed = False
+        try:
+            self._start(config)
+            info = self._call_all(M.DESCRIBE)
+            self.kv_cache_groups = M.decode_groups(info[0]["kv_cache_groups"])
+            self.bytes_per_block = info[0]["bytes_per_block"]
+            self.device = torch.device(info[0]["device"])
+            self.worker_pids = [i["pid"] for i in info]
+            self.bytes_read = [i["bytes_read"] for i in info]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- to implement
+    def _start(self, config) -> None:
+        """Bind the sockets (self._bind) and start the workers."""
+        raise NotImplementedError
+
+    def _dead_worker(self) -> str | None:
+        """A sentence naming a worker that is gone, or None."""
+        raise NotImplementedError
+
+    def _stop_workers(self) -> None:
+        raise NotImplementedError
+
+    # ---- sockets
+    def _bind(self, addr_of) -> tuple[list[str], str]:
+        """Bind one PUSH socket per rank and the reply PULL socket; `addr_of(name)` gives a bind address."""
+        inputs = []
+        for rank in range(self.size):
+            s = self._zmq.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            inputs.append(self._bind_one(s, addr_of(f"in{rank}")))
+            self._outs.append(s)
+        self._reply.setsockopt(zmq.LINGER, 0)
+        return inputs, self._bind_one(self._reply, addr_of("out"))
+
+    @staticmethod
+    def _bind_one(sock: zmq.Socket, addr: str) -> str:
+        if addr.startswith("tcp://") and addr.endswith(":0"):
+            port = sock.bind_to_random_port(addr.rsplit(":", 1)[0])
+            return f"{addr.rsplit(':', 1)[0]}:{port}"
+        sock.bind(addr)
+        return addr
+
+    def _broadcast(self, method: bytes, payload: bytes = b"") -> None:
+        if self.dead:
+            raise WorkerError(self.dead)
+        for s in self._outs:
+            s.send_multipart([method, payload], copy=False)
+
+    def _recv(self) -> tuple[int, object]:
+        """The next reply (rank, decoded payload); raises WorkerError when a worker failed or died."""
+        while True:
+            if self._reply.poll(POLL_MS):
+                rank_b, status, payload = self._reply.recv_multipart()
+                rank = int(rank_b)
+                if status == M.ERR:
+                    self._fail(f"tensor-parallel worker rank {rank} failed: {M.any_decoder.decode(payload)}")
+                return rank, payload
+            dead = self._dead_worker()
+            if dead:
+                self._fail(dead)
+
+    def _fail(self, why: str):
+        logger.error("%s; stopping the other workers", why)
+        self.dead = why
+        self.shutdown()
+        raise WorkerError(why)
+
+    def _call_all(self, method: bytes, arg=None) -> list:
+        """Send a control message to every worker and return each rank's decoded reply (in rank order)."""
+        if self._sent != self._received:
+            raise RuntimeError("control message while steps are in flight")
+        self._broadcast(method, M.encoder.encode(arg))
+        replies: dict[int, object] = {}
+        while len(replies) < self.size:
+            rank, payload = self._recv()
+            replies[rank] = M.any_decoder.decode(payload)
+        return [replies[r] for r in range(self.size)]
+
+    # ---- the Executor interface
+    def precompile_kernels(self) -> None:
+        self._call_all(M.PRECOMPILE)
+
+    def determine_num_blocks(self) -> int:
+        per_rank = self._call_all(M.NUM_BLOCKS)
+        if len(set(per_rank)) > 1:
+            logger.info("KV blocks per rank %s: using the minimum", per_rank)
+        return min(per_rank)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call_all(M.INIT_CACHE, num_blocks)
+
+    def launch(self, step: StepInput, prev=None, sample: bool = True) -> StepHandle:
+        """Steps reach the workers in launch order; one whose sampling waits for a grammar bitmask is sent by
+        `sample`, with the mask (the workers run it whole: forward, mask, sample)."""
+        rows = {rid: i for i, rid in enumerate(sampling_order(step))}
+        self._sent += 1
+        handle = StepHandle(self._sent, bool(rows), rows)
+        payload = M.encoder.encode(step)
+        if sample or not rows:
+            self._broadcast(M.STEP, payload)
+        else:
+            handle.pending = payload
+        return handle
+
+    def sample(self, handle: StepHandle, bitmask=None) -> None:
+        payload, handle.pending = handle.pending, None
+        if payload is None:
+            return
+        frames = [M.STEP, payload] + ([bitmask.numpy().astype("int32").tobytes()] if bitmask is not None else [])
+        if self.dead:
+            raise WorkerError(self.dead)
+        for s in self._outs:
+            s.send_multipart(frames, copy=False)
+
+    def collect(self, handle: StepHandle):
+        """Replies arrive in launch order (rank 0 answers every step)."""
+        while self._received < handle.seq:
+            rank, payload = self._recv()
+            if rank != 0:
+                raise RuntimeError(f"unexpected reply from tensor-parallel rank {rank} to a step")
+            self._received += 1
+            out = M.output_decoder.decode(payload)
+        return out
+
+    def check_health(self) -> None:
+        if self.dead:
+            raise WorkerError(self.dead)
+        dead = self._dead_worker()
+        if dead:
+            self._fail(dead)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.dead:
+            try:
+                for s in self._outs:
+                    s.send_multipart([M.SHUTDOWN, b""], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._stop_workers()
+        for s in self._outs:
+            s.close(linger=0)
+        self._reply.close(linger=0)
+        self._zmq.term()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+class MPExecutor(MultiWorkerExecutor):
+    """One local worker process per rank (a fresh interpreter: `python -m kestrel.executor.worker`, the config as
+    JSON on stdin), sockets over ipc, the process group over tcp on 127.0.0.1."""
+
+    STOP_GRACE_S = 3.0
+
+    def _start(self, config) -> None:
+        from kestrel.distributed import free_port
+
+        self._procs: list[subprocess.Popen] = []
+        self._dir = tempfile.mkdtemp(prefix="kestrel-tp-")
+        inputs, output = self._bind(lambda name: f"ipc://{self._dir}/{name}")
+        init = f"tcp://127.0.0.1:{free_port()}"
+        cfg = msgspec.json.encode(config.to_dict())
+        for rank in range(self.size):
+            p = subprocess.Popen([sys.executable, "-m", "kestrel.executor.worker", "--rank", str(rank),
+                                  "--size", str(self.size), "--init-method", init, "--input", inputs[rank],
+                                  "--output", output, "--parent-pid", str(os.getpid()),
+                                  "--log-level", str(logging.getLogger("kestrel").getEffectiveLevel() or 20)],
+                                 stdin=subprocess.PIPE)
+            p.stdin.write(cfg)
+            p.stdin.close()
+            self._procs.append(p)
+
+    def _dead_worker(self) -> str | None:
+        for rank, p in enumerate(self._procs):
+            code = p.poll()
+            if code is not None:
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {code}"
+        return None
+
+    def _stop_workers(self) -> None:
+        import shutil
+        import time
+
+        procs = getattr(self, "_procs", [])
+        deadline = time.monotonic() + (0 if self.dead else self.STOP_GRACE_S)
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,151 @@
+"""One tensor-parallel rank: joins the torch.distributed group, builds its ModelRunner (its shard of the model,
+its own KV cache) and serves the engine's messages in order. A step runs `collect(launch(step))` at once, so the
+runner's state never holds in-flight placeholders; rank 0 answers with the RunnerOutput.
+
+Started as `python -m kestrel.executor.worker` by the mp executor, or inside a Ray actor (ray_executor.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from kestrel.executor import messages as M
+
+logger = logging.getLogger("kestrel.worker")
+
+POLL_MS = 1000  # how often an idle worker checks that its engine is still alive
+
+
+def worker_device(config, local_index: int):
+    import torch
+
+    from kestrel.worker.model_runner import pick_device
+
+    device = pick_device(config.model.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_index)
+        torch.cuda.set_device(device)
+    return device
+
+
+def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_addr: str, output_addr: str,
+               local_index: int | None = None, parent_pid: int | None = None) -> None:
+    """Serve the engine until it sends shutdown or goes away; any error is reported (naming this rank), then the
+    worker exits."""
+    import torch
+
+    from kestrel.config import EngineConfig
+    from kestrel.distributed import init_distributed
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(output_addr)
+    me = str(rank).encode()
+    try:
+        config = EngineConfig.from_dict(config_dict)
+        device = worker_device(config, rank if local_index is None else local_index)
+        if device.type == "cpu":
+            torch.set_num_threads(config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // size))
+        parallel = init_distributed(rank, size, init_method, device)
+        from kestrel.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(config, progress=False, parallel=parallel)
+        _serve(runner, rank, inp, out, me, parent_pid)
+    except BaseException as e:
+        logger.error("tensor-parallel worker rank %d failed: %s\n%s", rank, e, traceback.format_exc())
+        out.send_multipart([me, M.ERR, M.encoder.encode(f"{type(e).__name__}: {e}")])
+        raise SystemExit(1)
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, parent_pid: int | None) -> None:
+    import torch
+
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    while True:
+        if not poller.poll(POLL_MS):
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.warning("engine process %d is gone; worker rank %d exits", parent_pid, rank)
+                return
+            continue
+        frames = inp.recv_multipart()
+        method, payload = frames[0], frames[1]
+        if method == M.STEP:
+            if len(frames) > 2:  # a grammar bitmask: forward, mask the logits, sample
+                inf = runner.launch(M.step_decoder.decode(payload), sample=False)
+                mask = torch.frombuffer(bytearray(frames[2]), dtype=torch.int32).view(len(inf.rows), -1)
+                runner.sample(inf, mask)
+            else:
+                inf = runner.launch(M.step_decoder.decode(payload))
+            result = runner.collect(inf)
+            if rank == 0:
+                out.send_multipart([me, M.OK, M.encoder.encode(result)], copy=False)
+            continue
+        if method == M.SHUTDOWN:
+            out.send_multipart([me, M.OK, M.encoder.encode(None)])
+            return
+        if method == M.DESCRIBE:
+            reply = {"kv_cache_groups": M.encode_groups(runner.kv_cache_groups),
+                     "bytes_per_block": runner.bytes_per_block, "device": str(runner.device),
+                     "bytes_read": runner.loaded.bytes_read, "pid": os.getpid()}
+        elif method == M.NUM_BLOCKS:
+            reply = runner.determine_num_blocks()
+        elif method == M.INIT_CACHE:
+            runner.allocate_kv_cache(msgspec.msgpack.decode(payload, type=int))
+            runner.setup_after_kv()
+            reply = None
+        elif method == M.PRECOMPILE:
+            runner.precompile_kernels()
+            reply = None
+        else:
+            raise ValueError(f"unknown worker method {method[:32]!r}")
+        out.send_multipart([me, M.OK, M.encoder.encode(reply)])
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the engine process dies, even while it waits in a collective."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Kestrel tensor-parallel worker (started by the mp executor)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--log-level", type=int, default=logging.INFO)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent_pid:
+        return
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s tp{args.rank}: %(message)s",
+                        datefmt="%H:%M:%S")
+    config_dict = json.loads(sys.stdin.read())  # the engine config, as JSON on stdin
+    run_worker(config_dict, args.rank, args.size, args.init_method, args.input, args.output,
+               parent_pid=args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()
