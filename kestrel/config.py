@@ -59,6 +59,8 @@ class ParallelConfig:
         None, "how the model runs: uni (in the engine process), mp (one local process per tensor-parallel rank) "
               "or ray (Ray actors on an existing cluster: ray start --head / --address); default uni at "
               "--tensor-parallel-size 1, else mp", choices=[None, "uni", "mp", "ray"])
+    ray_address: str | None = _f(None, "Ray cluster to join with --distributed-executor-backend ray "
+                                       "(default: the local node's cluster, as `ray start` left it)")
     cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
                                        "(default: CPU cores / (data-parallel size + 1), at least 1)")
     engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 
 import msgspec

@@ -1,0 +1,117 @@
+"""Tensor parallelism on the CPU (gloo): TP = 2 through the mp executor gives the greedy tokens of TP = 1 (the
+in-process runner); each rank reads about half of the checkpoint; a worker killed mid-generation fails the step
+within 5 s naming its rank, and every worker process is gone afterwards. One TP = 2 engine per model (process
+start-up dominates); the kill test reuses the Qwen3 engine last."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.distributed import ParallelInfo
+from kestrel.engine.frontend import LLMEngine
+from kestrel.engine.sampling_params import SamplingParams
+from kestrel.executor import WorkerError
+from kestrel.loader import load_model
+from kestrel.loader.safetensors import iter_safetensors
+from tests.tiny import make_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_TOKENS = 32
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64)]
+
+
+def engine(path, tp: int, **kw) -> LLMEngine:
+    cfg = EngineConfig.create(model=str(path), dtype="float32", tensor_parallel_size=tp, max_num_seqs=8,
+                              kv_cache_memory=4 * 2**20, **kw)
+    return LLMEngine(cfg, progress=False)
+
+
+def greedy(eng: LLMEngine, prompt_ids: list[list[int]], n: int = NUM_TOKENS) -> list[list[int]]:
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompt_ids]
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return [list(out[i]) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory, tiny_tokenizer):
+    # vocab 387: not a multiple of 2, so the vocab-parallel embedding and LM head pad their slices
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tp"), tokenizer=tiny_tokenizer, name="qwen3_v387",
+                           vocab_size=387)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp2(qwen3_path):
+    eng = engine(qwen3_path, 2)
+    yield eng
+    eng.core.shutdown()
+
+
+def test_llama_tp2_matches_tp1(tiny_models):
+    # one KV head for 2 ranks: the head is replicated; untied LM head
+    path = tiny_models["llama_linear_rope"]
+    ref = greedy(engine(path, 1), prompts())
+    eng = engine(path, 2)
+    try:
+        assert eng.core.runner is None and type(eng.core.executor).__name__ == "MPExecutor"
+        assert greedy(eng, prompts()) == ref
+    finally:
+        eng.core.shutdown()
+
+
+def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2):
+    ref = greedy(engine(qwen3_path, 1), prompts())
+    assert greedy(qwen3_tp2, prompts()) == ref
+    total = sum(t.numel() * t.element_size() for _, t in iter_safetensors(qwen3_path, progress=False))
+    for rank, n in enumerate(qwen3_tp2.core.executor.bytes_read):
+        assert 0.45 * total < n < 0.55 * total, (rank, n, total)
+
+
+def test_each_rank_reads_its_shard(tiny_models):
+    """Loading rank r of N materialises only its rows/columns of each tensor (norms are replicated)."""
+    path = tiny_models["llama"]
+    cfg = EngineConfig.create(model=str(path), dtype="float32")
+    total = sum(t.numel() * t.element_size() for _, t in iter_safetensors(path, progress=False))
+    full = load_model(cfg.model, torch.device("cpu"), progress=False)
+    assert full.bytes_read == total
+    for size in (2, 4):
+        per_rank = [load_model(cfg.model, torch.device("cpu"), progress=False, parallel=ParallelInfo(r, size))
+                    for r in range(size)]
+        for r, m in enumerate(per_rank):
+            assert m.bytes_read < 1.1 * total / size, (size, r, m.bytes_read, total)
+        # the ranks' shards tile the full weights: o_proj columns of rank 1 are the full o_proj's second half
+        o_full = full.model.layers[0].self_attn.o_proj.weight
+        cols = o_full.shape[1] // size
+        for r, m in enumerate(per_rank):
+            assert torch.equal(m.model.layers[0].self_attn.o_proj.weight, o_full[:, r * cols:(r + 1) * cols])
+
+
+def test_worker_death_fails_the_step_naming_the_rank(qwen3_tp2):
+    eng, ex = qwen3_tp2, qwen3_tp2.core.executor
+    for p in prompts():
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    eng.step()
+    os.kill(ex.worker_pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1"):
+        for _ in range(100):
+            eng.step()
+    assert time.monotonic() - t0 < 5
+    for p in ex._procs:  # the surviving rank was stopped too
+        assert p.poll() is not None
+    with pytest.raises(WorkerError, match="rank 1"):  # the engine stays dead
+        eng.core.executor.check_health()
