@@ -56,4 +56,9 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kw)
+    # one collective now: a broken group fails at start-up, not at the first step (and NCCL runs even at size 1)
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != size:
+        raise RuntimeError(f"tensor-parallel group check: all-reduce gave {probe.item()}, expected {size}")
     return ParallelInfo(rank, size, None)
