@@ -207,7 +207,8 @@ class MPClient(EngineCoreClient):
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = [d.strip() for d in visible.split(",")] if visible else [str(d) for d in range(n)]
-        return devices[i % len(devices)]
+        tp = self.config.parallel.tensor_parallel_size  # engine i's workers take GPUs i*tp .. i*tp+tp-1
+        return ",".join(devices[(i * tp + k) % len(devices)] for k in range(tp))
 
     def _spawn(self, i: int) -> None:
         p = multiprocessing.get_context("spawn").Process(
