@@ -43,6 +43,21 @@ class ParallelInfo:
         return torch.cat(parts, dim=dim)
 
 
+def check_divisible(text_config, size: int) -> None:
+    """Fail before any worker starts when the model cannot be split `size` ways (heads, MLP width)."""
+    if size == 1:
+        return
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv = getattr(text_config, "num_key_value_heads", None) or heads
+    checks = [("num_attention_heads", heads), ("intermediate_size", getattr(text_config, "intermediate_size", None))]
+    for what, n in checks:
+        if n is not None and n % size:
+            raise ConfigError(f"{what} = {n} is not divisible by --tensor-parallel-size {size}")
+    if kv is not None and kv % size and size % kv:
+        raise ConfigError(f"--tensor-parallel-size {size} is neither a divisor nor a multiple of "
+                          f"num_key_value_heads = {kv}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

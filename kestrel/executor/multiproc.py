@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -22,6 +23,7 @@ from kestrel.executor.base import Executor, WorkerError
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+ERR_GRACE_S = 1.0  # after a worker's error, how long to look for a dead peer that caused it
 
 
 @dataclass
@@ -49,7 +51,10 @@ class MultiWorkerExecutor(Executor):
 
         self.config = config
         self.size = config.parallel.tensor_parallel_size
+        from kestrel.distributed import check_divisible
+
         self.model_config, self.tokenizer = load_model_info(config.model)
+        check_divisible(self.model_config.text, self.size)
         self._zmq = zmq.Context()
         self._outs: list[zmq.Socket] = []
         self._reply = self._zmq.socket(zmq.PULL)
@@ -73,8 +78,16 @@ class MultiWorkerExecutor(Executor):
         """Bind the sockets (self._bind) and start the workers."""
         raise NotImplementedError
 
-    def _dead_worker(self) -> str | None:
-        """A sentence naming a worker that is gone, or None."""
+    def _dead_worker(self, wait_s: float = 0.0, exclude: int | None = None) -> str | None:
+        """A sentence naming a worker that is gone (waiting up to `wait_s` for one; not rank `exclude`), or None."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = self._find_dead(exclude)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _find_dead(self, exclude: int | None = None) -> str | None:
         raise NotImplementedError
 
     def _stop_workers(self) -> None:
@@ -113,7 +126,9 @@ class MultiWorkerExecutor(Executor):
                 rank_b, status, payload = self._reply.recv_multipart()
                 rank = int(rank_b)
                 if status == M.ERR:
-                    self._fail(f"tensor-parallel worker rank {rank} failed: {M.any_decoder.decode(payload)}")
+                    # a peer's death shows up first as a broken collective on the survivors: name the dead one
+                    self._fail(self._dead_worker(wait_s=ERR_GRACE_S, exclude=rank) or
+                               f"tensor-parallel worker rank {rank} failed: {M.any_decoder.decode(payload)}")
                 return rank, payload
             dead = self._dead_worker()
             if dead:
@@ -236,16 +251,15 @@ class MPExecutor(MultiWorkerExecutor):
             p.stdin.close()
             self._procs.append(p)
 
-    def _dead_worker(self) -> str | None:
+    def _find_dead(self, exclude: int | None = None) -> str | None:
         for rank, p in enumerate(self._procs):
             code = p.poll()
-            if code is not None:
+            if code is not None and rank != exclude:
                 return f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {code}"
         return None
 
     def _stop_workers(self) -> None:
         import shutil
-        import time
 
         procs = getattr(self, "_procs", [])
         deadline = time.monotonic() + (0 if self.dead else self.STOP_GRACE_S)

@@ -72,11 +72,13 @@ class RayExecutor(MultiWorkerExecutor):
         self._runs = [a.run.remote(cfg, rank, self.size, init, inputs[rank], output)
                       for rank, a in enumerate(self._actors)]
 
-    def _dead_worker(self) -> str | None:
+    def _find_dead(self, exclude: int | None = None) -> str | None:
         ray = self._ray
         done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         for ref in done:
             rank = self._runs.index(ref)
+            if rank == exclude:
+                continue
             try:
                 ray.get(ref)
                 why = "exited"

@@ -15,6 +15,7 @@ from kestrel.config import EngineConfig
 from kestrel.distributed import ParallelInfo
 from kestrel.engine.frontend import LLMEngine
 from kestrel.engine.sampling_params import SamplingParams
+from kestrel.errors import ConfigError
 from kestrel.executor import WorkerError
 from kestrel.loader import load_model
 from kestrel.loader.safetensors import iter_safetensors
@@ -55,7 +56,7 @@ def qwen3_path(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def qwen3_tp2(qwen3_path):
-    eng = engine(qwen3_path, 2)
+    eng = engine(qwen3_path, 2, async_scheduling="on")  # pipelined: step N+1 is sent before N's reply is read
     yield eng
     eng.core.shutdown()
 
@@ -73,6 +74,7 @@ def test_llama_tp2_matches_tp1(tiny_models):
 
 
 def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2):
+    assert qwen3_tp2.core.pipelined
     ref = greedy(engine(qwen3_path, 1), prompts())
     assert greedy(qwen3_tp2, prompts()) == ref
     total = sum(t.numel() * t.element_size() for _, t in iter_safetensors(qwen3_path, progress=False))
@@ -115,3 +117,10 @@ def test_worker_death_fails_the_step_naming_the_rank(qwen3_tp2):
         assert p.poll() is not None
     with pytest.raises(WorkerError, match="rank 1"):  # the engine stays dead
         eng.core.executor.check_health()
+
+
+def test_unsplittable_model_is_refused_before_workers_start(tiny_models):
+    with pytest.raises(ConfigError, match="num_attention_heads = 4 is not divisible by --tensor-parallel-size 3"):
+        engine(tiny_models["llama"], 3)
+    with pytest.raises(ConfigError, match="uni runs one process"):
+        engine(tiny_models["llama"], 2, distributed_executor_backend="uni")
