@@ -157,6 +157,8 @@ class InprocClient(EngineCoreClient):
             self._wake.set()
         if self._task is not None:
             self._task.cancel()
+        if self.core is not None:
+            self._pool.submit(self.core.shutdown)  # stops tensor-parallel workers
         self._pool.shutdown(wait=False)
 
 
