@@ -49,7 +49,8 @@ def check_divisible(text_config, size: int) -> None:
         return
     heads = getattr(text_config, "num_attention_heads", None)
     kv = getattr(text_config, "num_key_value_heads", None) or heads
-    checks = [("num_attention_heads", heads), ("intermediate_size", getattr(text_config, "intermediate_size", None))]
+    checks = [("num_attention_heads", heads)] + [(k, getattr(text_config, k, None)) for k in (
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
     for what, n in checks:
         if n is not None and n % size:
             raise ConfigError(f"{what} = {n} is not divisible by --tensor-parallel-size {size}")

@@ -35,7 +35,7 @@ def moe_block_from_ctx(ctx: ModelContext, prefix: str, router: RouterConfig, moe
                           router=router, dtype=ctx.dtype, shared_intermediate_size=shared_intermediate_size,
                           shared_gated=shared_gated, shared_name=shared_name, quant_config=ctx.quant_config,
                           moe_backend=ctx.moe_backend, linear_backend=ctx.linear_backend,
-                          fuse_shared_experts=ctx.fuse_shared_experts)
+                          fuse_shared_experts=ctx.fuse_shared_experts, tp=ctx.parallel)
 
 
 class MoEDecoderLayer(nn.Module):

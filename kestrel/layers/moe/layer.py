@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from kestrel import kernels
+from kestrel.distributed import ParallelInfo
 from kestrel.kernels.moe import MoESpec
 from kestrel.layers.activation import SiluAndMul
-from kestrel.layers.linear import Linear
+from kestrel.layers.linear import Linear, materialize
 from kestrel.layers.moe.fse import FseDecision, SharedExperts, resolve_fused_shared_experts
 from kestrel.layers.moe.router import Router, RouterConfig
 
@@ -46,11 +47,13 @@ class FusedExperts(nn.Module):
 
 
 class SharedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype, prefix: str, quant_config, linear_backend):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, prefix: str, quant_config, linear_backend,
+                 tp: ParallelInfo | None = None):
         super().__init__()
-        lin = dict(params_dtype=dtype, quant_config=quant_config, backend=linear_backend)
-        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, prefix=f"{prefix}.gate_up_proj", **lin)
-        self.down_proj = Linear(intermediate_size, hidden_size, prefix=f"{prefix}.down_proj", **lin)
+        lin = dict(params_dtype=dtype, quant_config=quant_config, backend=linear_backend, tp=tp)
+        self.gate_up_proj = Linear(hidden_size, [intermediate_size] * 2, prefix=f"{prefix}.gate_up_proj",
+                                   parallel="column", **lin)
+        self.down_proj = Linear(intermediate_size, hidden_size, prefix=f"{prefix}.down_proj", parallel="row", **lin)
         self.act = SiluAndMul()
 
     def forward(self, x):
@@ -61,12 +64,20 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, *, prefix: str, hidden_size: int, moe_intermediate_size: int, router: RouterConfig,
                  dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
-                 linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None):
+                 linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None,
+                 tp: ParallelInfo | None = None):
+        """With tensor parallelism (`tp`) every rank routes alike and holds its slice of every expert's
+        intermediate dim (gate/up rows, down columns); the expert outputs are all-reduced. Shared experts run as a
+        separate column/row-parallel MLP then (not fused into the expert kernel)."""
         super().__init__()
         self.prefix = prefix
+        self.tp = tp or ParallelInfo()
         self.gate = Router(hidden_size, router, dtype)
         quant = quant_config.for_layer(f"{prefix}.experts") if quant_config is not None else None
-        spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, moe_intermediate_size,
+        self.inter_range = self.tp.shard(moe_intermediate_size, f"{prefix} moe_intermediate_size")
+        if self.tp.size > 1:
+            fuse_shared_experts = "off"
+        spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, self.inter_range[1],
                        dtype, "silu", quant)
         shared = None
         if shared_intermediate_size:
@@ -78,7 +89,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_name = shared_name
         if shared is not None and not self.fse.fused:
             setattr(self, shared_name, SharedMLP(hidden_size, shared_intermediate_size, dtype,
-                                                 f"{prefix}.{shared_name}", quant_config, linear_backend))
+                                                 f"{prefix}.{shared_name}", quant_config, linear_backend, self.tp))
         self.shared_expert_gate = (Linear(hidden_size, 1, params_dtype=dtype, prefix=f"{prefix}.shared_expert_gate",
                                           backend=linear_backend) if shared_gated else None)
         if self.fse.fused:
@@ -97,7 +108,7 @@ class SparseMoeBlock(nn.Module):
             extra_w = shared_scale.expand(t, n) if shared_scale is not None else weights.new_ones(t, n)
             weights = torch.cat([weights, extra_w], dim=1)
             ids = torch.cat([ids, self.shared_ids.expand(t, n)], dim=1)
-        out = self.experts(x, weights, ids)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         mlp = self.shared_mlp
         if mlp is not None:
             s = mlp(x)
@@ -109,6 +120,10 @@ class SparseMoeBlock(nn.Module):
         """`name` relative to this block. `fse` is the decision the model recorded at construction: the loader's
         only source for where shared-expert weights go."""
         parts = name.split(".")
+        if parts[0] == "experts" and parts[2] in EXPERT_PROJ:
+            tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], tensor)
+        elif parts[0] not in SHARED_NAMES + ("shared_expert_gate",):  # Linear layers read their own part
+            tensor = materialize(tensor)
         if parts[0] == "gate":
             param = getattr(self.gate, parts[1])
             if param is None or param.shape != tensor.shape:
@@ -122,7 +137,7 @@ class SparseMoeBlock(nn.Module):
         elif parts[0] in SHARED_NAMES:
             proj, pname = parts[1], parts[2]
             if fse.fused:
-                self._load_shared_into_experts(proj, pname, tensor, fse.slots)
+                self._load_shared_into_experts(proj, pname, materialize(tensor), fse.slots)
             else:
                 mlp = self.shared_mlp
                 if mlp is None:
@@ -133,6 +148,12 @@ class SparseMoeBlock(nn.Module):
                 getattr(mlp, target).load_weight(pname, tensor, shard)
         else:
             raise KeyError(f"{self.prefix}.{name}: not an MoE block tensor")
+
+    def _rank_part(self, param: str, tensor):
+        """This rank's slice of an expert tensor along the intermediate dim: rows of gate/up, columns of down."""
+        if self.tp.size == 1:
+            return materialize(tensor)
+        return tensor.narrow(1 if param == "w2" else 0, *self.inter_range)
 
     def _param_name(self, param: str, ckpt_param: str) -> str:
         if ckpt_param == "weight":
