@@ -13,6 +13,7 @@ import pytest
 
 from kestrel.distributed import free_port
 from tests.engine.test_tensor_parallel import engine, greedy, prompts
+from tests.tiny import make_checkpoint
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)
@@ -38,8 +39,10 @@ def ray_head(tmp_path_factory):
         subprocess.run([ray_cli(), "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-def test_ray_tp2_matches_tp1(ray_head, tiny_models):
-    path = tiny_models["llama_gqa_llama3"]  # tied embeddings: the vocab-parallel LM head shares the embedding
+def test_ray_tp2_matches_tp1(ray_head, tmp_path, tiny_tokenizer):
+    # Qwen2-MoE: shared experts (a column/row-parallel MLP under TP) with their sigmoid gate, a dense layer, and
+    # tied embeddings (the vocab-parallel LM head shares the embedding's slice)
+    path = make_checkpoint("qwen2_moe", tmp_path, tokenizer=tiny_tokenizer, tie_word_embeddings=True)
     ref = greedy(engine(path, 1), prompts())
     eng = engine(path, 2, distributed_executor_backend="ray", ray_address=ray_head)
     try:

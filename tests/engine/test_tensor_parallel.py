@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo): TP = 2 through the mp executor gives the greedy tokens of TP = 1 (the
-in-process runner); each rank reads about half of the checkpoint; a worker killed mid-generation fails the step
+in-process runner) for Llama, Qwen3 and Qwen3-MoE; each rank reads about half of the checkpoint; a worker killed mid-generation fails the step
 within 5 s naming its rank, and every worker process is gone afterwards. One TP = 2 engine per model (process
 start-up dominates); the kill test reuses the Qwen3 engine last."""
 from __future__ import annotations
@@ -61,9 +61,16 @@ def qwen3_tp2(qwen3_path):
     eng.core.shutdown()
 
 
-def test_llama_tp2_matches_tp1(tiny_models):
-    # one KV head for 2 ranks: the head is replicated; untied LM head
-    path = tiny_models["llama_linear_rope"]
+@pytest.fixture(scope="module")
+def qwen3_moe_path(tmp_path_factory, tiny_tokenizer):
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tp_moe"), tokenizer=tiny_tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["llama_linear_rope", "qwen3_moe"])
+def test_tp2_matches_tp1(kind, tiny_models, qwen3_moe_path):
+    # llama_linear_rope: one KV head for 2 ranks (replicated), untied LM head;
+    # qwen3_moe: every expert split along its intermediate dim
+    path = qwen3_moe_path if kind == "qwen3_moe" else tiny_models[kind]
     ref = greedy(engine(path, 1), prompts())
     eng = engine(path, 2)
     try:
