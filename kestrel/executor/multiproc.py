@@ -47,12 +47,11 @@ class MultiWorkerExecutor(Executor):
     """Sockets, broadcast and replies; subclasses start the workers and say which one is dead."""
 
     def __init__(self, config, progress: bool = True):
+        from kestrel.distributed import check_divisible
         from kestrel.loader import load_model_info
 
         self.config = config
         self.size = config.parallel.tensor_parallel_size
-        from kestrel.distributed import check_divisible
-
         self.model_config, self.tokenizer = load_model_info(config.model)
         check_divisible(self.model_config.text, self.size)
         self._zmq = zmq.Context()
