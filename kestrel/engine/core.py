@@ -61,7 +61,8 @@ class EngineCore:
                       if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time,
                       mm_features=list(r.mm_features), bidirectional_len=r.bidirectional_len)
         if r.lora_id:
-            if self.runner.lora is None or r.lora_id not in self.runner.lora.registered:
+            lora = self.runner.lora if self.runner is not None else None
+            if lora is None or r.lora_id not in lora.registered:
                 # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it
                 logger.warning("request %s: LoRA id %d is not loaded; aborted", r.request_id, r.lora_id)
                 self._rejected.append(EngineCoreOutput(r.request_id, [], finish_reason="abort"))
