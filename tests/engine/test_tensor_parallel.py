@@ -89,6 +89,27 @@ def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2):
         assert 0.45 * total < n < 0.55 * total, (rank, n, total)
 
 
+def test_grammar_bitmask_reaches_every_rank(qwen3_path, qwen3_tp2):
+    """Constrained sampling: the step waits for the host's bitmask and goes to the workers with it."""
+    import re
+
+    from kestrel.engine.sampling_params import StructuredOutputsParams
+
+    regex = r"[0-9]{2}-(fox|dog)"
+
+    def run(eng):
+        rid = eng.add_request("The quick brown fox", SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=regex)))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished and o.request_id == rid:
+                    return o.outputs[0].text
+
+    text = run(qwen3_tp2)
+    assert re.fullmatch(regex, text), text
+    assert text == run(engine(qwen3_path, 1))
+
+
 def test_each_rank_reads_its_shard(tiny_models):
     """Loading rank r of N materialises only its rows/columns of each tensor (norms are replicated)."""
     path = tiny_models["llama"]
