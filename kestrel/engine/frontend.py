@@ -19,7 +19,7 @@ class LLMEngine:
         hf = self.core.model_config.text
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
                                               self.core.eos_token_id, config.model.max_logprobs,
-                                              mm=make_mm_processor(config, self.core.runner.model_config.hf),
+                                              mm=make_mm_processor(config, self.core.model_config.hf),
                                               max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
