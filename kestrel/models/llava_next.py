@@ -14,7 +14,7 @@ from kestrel.models.qwen import Qwen2ForCausalLM
 from kestrel.models.vision import anyres
 from kestrel.models.vision.clip import CLIPVisionTransformer
 from kestrel.models.vision.encoder import activation, vision_linear
-from kestrel.models.weights import load_named_weights
+from kestrel.models.weights import load_named_weights, materialize
 
 DECODERS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
 
@@ -108,7 +108,7 @@ class LlavaNextForConditionalGeneration(nn.Module):
         def rest():
             for name, tensor in mm_weights(self, weights, self.tied):
                 if name == "image_newline":  # a parameter of the model itself
-                    self.image_newline.data.copy_(tensor)
+                    self.image_newline.data.copy_(materialize(tensor))
                 else:
                     yield name, tensor
         return load_named_weights(self, rest(), self.packed_modules, strip="")

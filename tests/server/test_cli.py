@@ -117,4 +117,4 @@ def test_llm_generate_takes_vllm_prompt_dicts(offline_llm):
     single = offline_llm.generate({"prompt_token_ids": ids}, p)
     assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
-        offline_llm.generate({"prompt": "x", "multi_modal_data": {}}, p)
+        offline_llm.generate({"prompt": "x", "prompt_embeds": []}, p)
