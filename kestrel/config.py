@@ -49,6 +49,8 @@ class SchedulerConfig:
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
     async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
                                        "(auto: on for CUDA)", choices=["auto", "on", "off"])
+    structured_output_threads: int = _f(0, "host threads that fill a step's grammar bitmasks (structured outputs) "
+                                           "while the device runs; 0: the usable CPUs less two, at most 16")
 
 
 @dataclass

@@ -48,7 +48,9 @@ class EngineCore:
         self._inflight = None
         self.structured = StructuredOutputManager(
             self.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
-            config.scheduler.max_num_seqs, pin=self.device.type == "cuda")
+            config.scheduler.max_num_seqs, pin=self.device.type == "cuda",
+            fill_threads=config.scheduler.structured_output_threads)
+        self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
         self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
@@ -116,6 +118,10 @@ class EngineCore:
         return self.pipelined and self.scheduler.num_sync_requests == 0
 
     def step(self) -> EngineCoreOutputs:
+        """Pipelined, a constrained step N+1 is launched without sampling: once step N's tokens are on the host
+        its grammars take them and the pool fills N+1's bitmask, while the engine loop returns N's outputs and
+        prepares N+2; N+1 samples when N+2 needs its tokens (ModelRunner.launch's before_forward), after N+2's
+        inputs are staged, so the device waits for the fill only if the fill outlasts N+1's forward."""
         self._admit_compiled()
         if self._inflight is not None:
             prev_sched, prev = self._inflight
@@ -126,47 +132,69 @@ class EngineCore:
                 if not sched.is_empty:
                     self._inflight = (sched, inf)
                     self.scheduler.on_launch(sched)
+            self._sample(prev)
             result = self.executor.collect(prev)
-            out = self._outputs(prev_sched, result)
+            self._accept(prev_sched, result)
             if self._inflight is not None:
-                self._sample(*self._inflight)  # the grammars have seen prev's tokens now
-            return out
+                self._start_fill(*self._inflight)  # the grammars have seen prev's tokens now
+            return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         sched = self.scheduler.schedule()
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
-        self._sample(sched, inf)
+        self._start_fill(sched, inf)
+        self._sample(inf)
         if self._pipeline_ok() and inf.samples:
             self._inflight = (sched, inf)
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
-        return self._outputs(sched, self.executor.collect(inf))
+        result = self.executor.collect(inf)
+        self._accept(sched, result)
+        return self._outputs(sched, result)
 
     def _launch(self, sched, prev=None):
         """Queue the forward; a step with grammar-constrained rows samples later (_sample), once the host has
-        filled the bitmask, which it does while the device runs the forward."""
+        filled the bitmask. `prev` samples before this step's forward, which reads its tokens."""
         constrained = any(s.samples and s.request.grammar is not None for s in sched.scheduled)
-        return self.executor.launch(sched.step, prev, sample=not constrained)
+        return self.executor.launch(sched.step, prev, sample=not constrained,
+                                    before_forward=(lambda: self._sample(prev)) if prev is not None else None)
 
-    def _sample(self, sched, inf) -> None:
+    def _start_fill(self, sched, inf) -> None:
         if not inf.sample_pending:
-            return  # sampled at launch, or nothing samples
-        grammars = [None] * len(inf.rows)
+            return
+        rows = [(inf.rows[s.request.request_id], s.request.grammar) for s in sched.scheduled
+                if s.request.grammar is not None and not s.request.is_finished and s.request.request_id in inf.rows]
+        job = self.structured.start_fill(rows)
+        if job is not None:
+            self._fill = (inf, job)
+
+    def _sample(self, inf) -> None:
+        """Queue the sampling of a launched step whose sampling waits for its bitmask (no-op otherwise)."""
+        if not inf.sample_pending:
+            return
+        bitmask = None
+        if self._fill is not None and self._fill[0] is inf:
+            bitmask = self._fill[1].result()
+            self._fill = None
+        self.executor.sample(inf, bitmask)
+
+    def _accept(self, sched, result) -> None:
+        """Advance the grammars by the step's tokens (requests finished or aborted meanwhile excepted)."""
+        pairs = []
         for s in sched.scheduled:
-            row = inf.rows.get(s.request.request_id)
-            if row is not None and not s.request.is_finished:
-                grammars[row] = s.request.grammar
-        self.executor.sample(inf, self.structured.fill_bitmask(grammars))
+            req = s.request
+            if req.grammar is not None and not req.is_finished:
+                tok = result.sampled.get(req.request_id)
+                if tok is not None:
+                    pairs.append((req.grammar, tok))
+        if pairs:
+            self.structured.accept_tokens(pairs)
 
     def _take_rejected(self) -> list[EngineCoreOutput]:
         out, self._rejected = self._rejected, []
         return out
 
     def _outputs(self, sched, result) -> EngineCoreOutputs:
-        for s in sched.scheduled:  # advance the grammars before the stop checks free their requests
-            tok = result.sampled.get(s.request.request_id)
-            if tok is not None and s.request.grammar is not None and not s.request.is_finished:
-                s.request.grammar.accept(tok)
         finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
         outputs = self._take_rejected()
         for s in sched.scheduled:

@@ -32,9 +32,11 @@ class Executor:
         """Allocate the KV cache and set up what needs it (buffers, CUDA graphs) on every rank."""
         raise NotImplementedError
 
-    def launch(self, step: StepInput, prev=None, sample: bool = True):
+    def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None):
         """Start a step and return a handle for `collect` (its `samples` says whether it samples tokens). With
-        sample=False the caller passes a token bitmask to `sample` first (handle.rows: request id -> its row)."""
+        sample=False the caller passes a token bitmask to `sample` first (handle.rows: request id -> its row).
+        `before_forward()` is called once the step's inputs are staged, before its forward is queued: where
+        `prev` has not sampled yet (its bitmask was filling), the caller samples it there."""
         raise NotImplementedError
 
     def sample(self, handle, bitmask=None) -> None:
@@ -77,8 +79,8 @@ class UniExecutor(Executor):
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_after_kv()
 
-    def launch(self, step: StepInput, prev=None, sample: bool = True):
-        return self.runner.launch(step, prev, sample)
+    def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None):
+        return self.runner.launch(step, prev, sample, before_forward)
 
     def sample(self, handle, bitmask=None) -> None:
         self.runner.sample(handle, bitmask)

@@ -1,6 +1,6 @@
 """The engine <-> worker wire format: ZeroMQ multipart frames with msgspec msgpack payloads (never pickle).
 
-engine -> every worker: [method, payload(, grammar bitmask: int32 rows for a step)]   (method: b"step", b"describe", b"num_blocks", b"init_cache",
+engine -> every worker: [method, payload(, grammar bitmask: int32 masks, int32 rows they constrain)]   (method: b"step", b"describe", b"num_blocks", b"init_cache",
                                               b"precompile", b"shutdown")
 worker -> engine:       [rank, status, payload]   (status b"ok" or b"err"; a step is answered by rank 0 only)
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -163,9 +164,11 @@ class MultiWorkerExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._call_all(M.INIT_CACHE, num_blocks)
 
-    def launch(self, step: StepInput, prev=None, sample: bool = True) -> StepHandle:
+    def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None) -> StepHandle:
         """Steps reach the workers in launch order; one whose sampling waits for a grammar bitmask is sent by
         `sample`, with the mask (the workers run it whole: forward, mask, sample)."""
+        if before_forward is not None:
+            before_forward()  # sends `prev` if it was held back for its bitmask
         rows = {rid: i for i, rid in enumerate(sampling_order(step))}
         self._sent += 1
         handle = StepHandle(self._sent, bool(rows), rows)
@@ -180,7 +183,10 @@ class MultiWorkerExecutor(Executor):
         payload, handle.pending = handle.pending, None
         if payload is None:
             return
-        frames = [M.STEP, payload] + ([bitmask.numpy().astype("int32").tobytes()] if bitmask is not None else [])
+        frames = [M.STEP, payload]
+        if bitmask is not None:  # a StepBitmask: the masks, then the sampling rows they constrain
+            frames += [bitmask.mask.numpy().astype("int32").tobytes(),
+                       np.asarray(bitmask.rows, dtype=np.int32).tobytes()]
         if self.dead:
             raise WorkerError(self.dead)
         for s in self._outs:

@@ -71,7 +71,10 @@ def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_
 
 
 def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, parent_pid: int | None) -> None:
+    import numpy as np
     import torch
+
+    from kestrel.structured_output.bitmask import StepBitmask
 
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
@@ -84,10 +87,11 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
         frames = inp.recv_multipart()
         method, payload = frames[0], frames[1]
         if method == M.STEP:
-            if len(frames) > 2:  # a grammar bitmask: forward, mask the logits, sample
+            if len(frames) > 2:  # a grammar bitmask (masks, their rows): forward, mask the logits, sample
                 inf = runner.launch(M.step_decoder.decode(payload), sample=False)
-                mask = torch.frombuffer(bytearray(frames[2]), dtype=torch.int32).view(len(inf.rows), -1)
-                runner.sample(inf, mask)
+                rows = np.frombuffer(frames[3], dtype=np.int32).tolist()
+                mask = torch.frombuffer(bytearray(frames[2]), dtype=torch.int32).view(len(rows), -1)
+                runner.sample(inf, StepBitmask(mask, rows))
             else:
                 inf = runner.launch(M.step_decoder.decode(payload))
             result = runner.collect(inf)

@@ -1,6 +1,13 @@
 """StructuredOutputManager: owned by the engine core. Compiles grammars on worker threads, off the engine loop
 (a request waits for its compile without holding up others; one compile per distinct constraint, cached), gives
-each request its own matcher, and fills the token bitmask of a step's sampling rows on the host."""
+each request its own matcher, advances the matchers by a step's sampled tokens, and fills the token bitmask of a
+step's constrained rows on the host.
+
+The fill is the expensive part (xgrammar checks every token whose fate depends on the parser's stack: inside a
+JSON string, thousands a row). start_fill() hands it to a pool of threads, each filling a slice of the rows in
+one call into xgrammar (which releases the GIL), and returns once every slice has started, so the engine loop goes
+on with its own work (outputs, scheduling, the next step's inputs) while the rows fill; it waits for the job only
+where the step samples."""
 from __future__ import annotations
 
 import logging
@@ -12,14 +19,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kestrel.engine.sampling_params import StructuredOutputsParams
-from kestrel.structured_output.bitmask import bitmask_width
+from kestrel.structured_output.bitmask import StepBitmask, bitmask_width
 from kestrel.structured_output.grammar import build_grammar
 
 logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used out)
-FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar batch fill: a step's rows in parallel
+MIN_SLICE_ROWS = 4  # a fill thread's share of a step's rows is at least this (a row costs ~20-100 us)
+
+
+def default_fill_threads() -> int:
+    """The CPUs this process may use, less two (the engine loop and the device driver's own threads), 1..16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus - 2))
 
 
 class RequestGrammar:
@@ -38,13 +54,33 @@ class RequestGrammar:
             return True  # finished (stop token accepted): later tokens of a step in flight are not constrained
         ok = self.matcher.accept_token(token)
         if not ok:
-            self.num_rejected += 1
-            logger.warning("structured output: token %d rejected by the grammar", token)
+            self.rejected(token)
         return ok
+
+    def rejected(self, token: int) -> None:
+        self.num_rejected += 1
+        logger.warning("structured output: token %d rejected by the grammar", token)
+
+
+class FillJob:
+    """A step's bitmask being filled by the pool; result() waits for it."""
+
+    def __init__(self, bitmask: StepBitmask, futures: list[Future]):
+        self._bitmask = bitmask
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> StepBitmask:
+        for f in self._futures:
+            f.result()
+        return self._bitmask
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int, pin: bool = False):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int, pin: bool = False,
+                 fill_threads: int = 0):
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         # The grammar's vocabulary: the tokenizer's ids, not the model's padding beyond them (xgrammar would treat
@@ -52,6 +88,7 @@ class StructuredOutputManager:
         real = len(tokenizer) if tokenizer is not None else vocab_size
         self.vocab_size = min(vocab_size, max(real, (eos_token_id or 0) + 1))
         self.width = bitmask_width(self.vocab_size)
+        self.fill_threads = fill_threads or default_fill_threads()
         self._max_rows = max_rows
         self._pin = pin
         self._executor: ThreadPoolExecutor | None = None
@@ -60,7 +97,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._buffers: list[torch.Tensor] = []
         self._flip = 0
-        self._batch = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
         self.num_compiles = 0
 
     # ---- compile (worker threads)
@@ -74,7 +112,8 @@ class StructuredOutputManager:
                 stop = [self.eos_token_id] if self.eos_token_id is not None else None
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=stop)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=FILL_THREADS, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                                                     cache_enabled=False)
             return self._compiler
 
     def _compile(self, kind: str, spec: str):
@@ -101,31 +140,62 @@ class StructuredOutputManager:
         stop = [eos_token_id] if eos_token_id is not None and eos_token_id != self.eos_token_id else None
         return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
 
-    # ---- the step's bitmask (engine loop)
-    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> torch.Tensor | None:
-        """One bitmask row per sampling row (all ones where unconstrained); None when nothing is constrained.
-        Two host buffers alternate, so a step's mask is not overwritten while its copy to the device is queued."""
-        rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
-        if not rows:
-            return None
-        if not self._buffers:
+    # ---- a step's tokens and bitmask (engine loop)
+    def accept_tokens(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
+        """Advance each grammar by its request's sampled token (one call into xgrammar for the lot). A grammar
+        that already accepted its stop token takes nothing more: later tokens of a step in flight are free."""
+        live = [(g, t) for g, t in pairs if not g.terminated]
+        if len(live) == 1:
+            live[0][0].accept(live[0][1])
+        elif live:
             import xgrammar as xgr
 
+            ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in live], [t for _, t in live])
+            for (g, t), accepted in zip(live, ok):
+                if not accepted:
+                    g.rejected(t)
+
+    def start_fill(self, rows: list[tuple[int, RequestGrammar]]) -> FillJob | None:
+        """Start filling the bitmask of a step's constrained rows ((sampling row, grammar) pairs, the grammars
+        already advanced by every earlier token); None when no grammar is live. The grammars must not be touched
+        until the job is done. The host buffer stays valid until the next start_fill but one."""
+        live = [(r, g) for r, g in rows if not g.terminated]
+        if not live:
+            return None
+        if len(live) > self._max_rows:
+            raise RuntimeError(f"{len(live)} constrained rows exceed the bitmask's {self._max_rows}")
+        if not self._buffers:
             self._buffers = [torch.empty((self._max_rows, self.width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
-            self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
-        if len(grammars) > self._max_rows:
-            raise RuntimeError(f"{len(grammars)} sampling rows exceed the bitmask's {self._max_rows}")
-        buf = self._buffers[self._flip][:len(grammars)]
+            self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="kestrel-bitmask")
+        buf = self._buffers[self._flip]
         self._flip ^= 1
-        buf.fill_(-1)
-        matchers = [grammars[i].matcher for i in rows]
-        if len(rows) == 1:
-            matchers[0].fill_next_token_bitmask(buf, rows[0])
-        else:
-            self._batch.batch_fill_next_token_bitmask(matchers, buf, rows)
-        return buf
+        k = len(live)
+        slices = min(self.fill_threads, max(1, k // MIN_SLICE_ROWS))
+        bounds = [k * i // slices for i in range(slices + 1)]
+        started = threading.Semaphore(0)
+        futures = [self._pool.submit(self._fill_slice, started, [g.matcher for _, g in live[a:b]], buf,
+                                     list(range(a, b)))
+                   for a, b in zip(bounds, bounds[1:])]
+        for _ in futures:  # each slice is inside xgrammar (the GIL free) before the engine loop goes on
+            started.acquire()
+        return FillJob(StepBitmask(buf[:k], [r for r, _ in live]), futures)
+
+    def _fill_slice(self, started: threading.Semaphore, matchers: list, buf: torch.Tensor, index: list[int]) -> None:
+        started.release()
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            import xgrammar as xgr
+
+            batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
+        batch.batch_fill_next_token_bitmask(matchers, buf, index)
+
+    def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> StepBitmask | None:
+        """The bitmask of sampling rows 0..len-1 (None: an unconstrained row), filled now."""
+        job = self.start_fill([(i, g) for i, g in enumerate(grammars) if g is not None])
+        return job.result() if job is not None else None
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._executor, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -17,7 +17,7 @@ from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.step import PLACEHOLDER, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
-from kestrel.structured_output.bitmask import apply_token_bitmask
+from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import InputBuffers, RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
@@ -36,6 +36,7 @@ class InFlight:
     event: object = None
     logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
     sample_pending: bool = False
+    states: list = field(default_factory=list)  # the sampling rows' RequestStates (sample() may come after a pop)
 
     @property
     def samples(self) -> bool:
@@ -82,6 +83,7 @@ class ModelRunner:
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
+        self._num_fills = 0
         self.buffers = None
 
     def _bind_attention(self) -> None:
@@ -340,8 +342,10 @@ class ModelRunner:
         for b, (c, st) in enumerate(zip(chunks, states)):
             start, n = c.num_computed_tokens, c.num_new_tokens
             if n == 1:
-                tok = st.token_at(start)
-                if tok == PLACEHOLDER:  # sampled by the step in flight: copied on the device below
+                # the token at `start` is sampled by the step in flight (a placeholder, or not there yet where
+                # that step samples after this one's inputs are staged): copied on the device before the forward
+                tok = st.token_at(start) if start < st.num_prompt_tokens + len(st.output_token_ids) else PLACEHOLDER
+                if tok == PLACEHOLDER:
                     fills_dst.append(t)
                     fills_src.append(prev.rows[c.request_id])
                     tok = 0
@@ -365,12 +369,11 @@ class ModelRunner:
         nr = len(chunks)
         self._prepare_lora(chunks, states)
         buf.copy_to_device(t, nr, width)
-        if fills_dst:
-            k = len(fills_dst)
+        self._num_fills = k = len(fills_dst)
+        if k:
             buf.fill_dst_np[:k] = fills_dst
             buf.fill_src_np[:k] = fills_src
             buf.copy_fills(k)
-            buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
@@ -381,17 +384,24 @@ class ModelRunner:
                              qsl[:nr + 1].tolist(), sl[:nr].tolist(), bidirectional_lens=bidir if any(bidir) else None)
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True) -> "InFlight":
+    def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True,
+               before_forward=None) -> "InFlight":
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
         placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode). With sample=False
         only the forward (to the logits) is queued: the caller fills a token bitmask on the host meanwhile, then
-        calls sample() (structured outputs)."""
+        calls sample() (structured outputs). `before_forward()` runs once the inputs are staged, before anything
+        reads `prev`'s tokens: where `prev` still waits for its bitmask, the caller samples it there."""
         inf = InFlight(RunnerOutput())
         self._update_states(step)
         if step.is_empty:
             return inf
         chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
         ctx = self._prepare(chunks, prev)
+        if before_forward is not None:
+            before_forward()
+        if self._num_fills:
+            k, buf = self._num_fills, self.buffers
+            buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
         samplers = [c for c in chunks if c.samples]
@@ -409,6 +419,7 @@ class ModelRunner:
                       if samplers else None)
         if samplers:
             inf.rows = {c.request_id: i for i, c in enumerate(samplers)}
+            inf.states = [self.requests[c.request_id] for c in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
             for b, c in enumerate(chunks):
@@ -420,13 +431,13 @@ class ModelRunner:
         return inf
 
     @torch.inference_mode()
-    def sample(self, inf: "InFlight", bitmask: torch.Tensor | None = None) -> None:
-        """Queue the sampling of a launched step. `bitmask` (host int32 [rows, ceil(vocab / 32)], rows in
-        inf.rows order) masks the logits on the device first (kestrel/structured_output)."""
+    def sample(self, inf: "InFlight", bitmask: StepBitmask | None = None) -> None:
+        """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
+        row in inf.rows order) masks the logits on the device first (kestrel/structured_output)."""
         logits, inf.logits, inf.sample_pending = inf.logits, None, False
         if bitmask is not None:
-            apply_token_bitmask(logits, bitmask)
-        states = [self.requests[rid] for rid in inf.rows]
+            apply_token_bitmask(logits, bitmask.mask, bitmask.rows)
+        states = inf.states
         rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
                 for st in states]
         res = self.sampler(logits, rows)

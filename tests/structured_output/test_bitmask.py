@@ -36,11 +36,25 @@ def test_apply_matches_a_plain_loop():
 
 
 def test_padding_ids_beyond_the_bitmask():
-    """A model vocabulary wider than the bitmask: constrained rows lose the padding ids, all-ones rows keep them."""
-    bitmask = torch.tensor([[-1, -1], [5, 0]], dtype=torch.int32)  # row 1 allows tokens 0 and 2
-    out = apply_token_bitmask(torch.zeros(2, 70), bitmask)
-    assert torch.isfinite(out[0]).all()
-    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 2]
+    """A model vocabulary wider than the bitmask: a constrained row loses the padding ids."""
+    bitmask = torch.tensor([[5, 0]], dtype=torch.int32)  # allows tokens 0 and 2
+    out = apply_token_bitmask(torch.zeros(2, 70), bitmask, rows=[0])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2]
+
+
+def test_only_the_listed_rows_are_constrained():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 100, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, bitmask_width(90)), generator=g, dtype=torch.int64).to(torch.int32)
+    out = apply_token_bitmask(logits.clone(), bitmask, rows=[4, 1])
+    for i in (0, 2, 3, 5):
+        assert torch.equal(out[i], logits[i])
+    for row, m in ((4, bitmask[0]), (1, bitmask[1])):
+        allowed = allowed_tokens(m, 96)  # the mask covers 3 words: tokens 96.. are padding
+        assert torch.isfinite(out[row]).nonzero().flatten().tolist() == allowed
+        assert torch.equal(out[row, allowed], logits[row, allowed])
+    with pytest.raises(ValueError, match="for 3 rows"):
+        apply_token_bitmask(logits, bitmask, rows=[0, 1, 2])
 
 
 def test_compile_cache_is_keyed_by_the_constraint(manager):
@@ -55,10 +69,10 @@ def test_compile_cache_is_keyed_by_the_constraint(manager):
 def test_fill_allows_exactly_the_grammar_tokens(manager, tiny_tokenizer):
     grammar = manager.new_request_grammar(manager.submit(SO(choice=["stop", "end"])).result(30),
                                           tiny_tokenizer.eos_token_id)
-    mask = manager.fill_bitmask([None, grammar])
-    assert mask.shape == (2, bitmask_width(REAL))  # the grammar sees the tokenizer's ids, not the padding
-    assert allowed_tokens(mask[0], REAL) == list(range(REAL))  # an unconstrained row allows everything
-    allowed = allowed_tokens(mask[1], REAL)
+    mask, rows = manager.fill_bitmask([None, grammar])
+    assert rows == [1]  # the unconstrained row 0 has no mask
+    assert mask.shape == (1, bitmask_width(REAL))  # the grammar sees the tokenizer's ids, not the padding
+    allowed = allowed_tokens(mask[0], REAL)
     vocab = {i: tiny_tokenizer.decode([i]) for i in range(len(tiny_tokenizer))}
     expect = sorted(i for i, s in vocab.items() if s and ("stop".startswith(s) or "end".startswith(s))
                     and i not in tiny_tokenizer.all_special_ids)
@@ -66,7 +80,7 @@ def test_fill_allows_exactly_the_grammar_tokens(manager, tiny_tokenizer):
     # walk "end" token by token: at the end only the stop token (eos) is allowed, then the grammar terminates
     for t in tiny_tokenizer.encode("end", add_special_tokens=False):
         assert grammar.accept(t)
-    assert allowed_tokens(manager.fill_bitmask([grammar])[0], REAL) == [tiny_tokenizer.eos_token_id]
+    assert allowed_tokens(manager.fill_bitmask([grammar]).mask[0], REAL) == [tiny_tokenizer.eos_token_id]
     assert grammar.accept(tiny_tokenizer.eos_token_id) and grammar.terminated
     assert manager.fill_bitmask([grammar, None]) is None  # nothing left to constrain
 
