@@ -18,7 +18,8 @@ kernels-check: setup
 	.venv/bin/python -m pip install -q "triton==3.6.0"
 	.venv/bin/python -m pip install -q --target .kernels-np "numpy==2.3.5"
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests/attention/test_triton_compile.py tests/kernels/test_moe_triton_compile.py \
-		tests/kernels/test_lora_compile.py
+		tests/kernels/test_lora_compile.py tests/structured_output/test_bitmask_triton.py
 	PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
 		tests/attention/test_triton_ops.py tests/attention/test_triton_mla.py tests/attention/test_triton_sampling.py tests/kernels/test_skinny_gemm_interp.py \
-		tests/kernels/test_moe_triton_interp.py tests/kernels/test_lora_kernels_interp.py
+		tests/kernels/test_moe_triton_interp.py tests/kernels/test_lora_kernels_interp.py \
+		tests/structured_output/test_bitmask_triton.py

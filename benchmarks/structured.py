@@ -63,6 +63,54 @@ def model_dir(shape: str, vocab_size: int) -> Path:
     return d
 
 
+class instrument:
+    """Times the manager's host work per constrained step: accept_tokens, start_fill (until every slice runs),
+    the fill itself (start to the last slice's end) and how long the engine loop then waits for it."""
+
+    def __init__(self, manager):
+        self.manager, self.steps = manager, 0
+        self.total = dict(accept=0.0, start=0.0, fill=0.0, wait=0.0)
+        self._accept, self._start, self._slice = manager.accept_tokens, manager.start_fill, manager._fill_slice
+        manager.accept_tokens, manager.start_fill, manager._fill_slice = self.accept_tokens, self.start_fill, self.slice
+        self._ends: list[float] = []
+
+    def ms(self, key: str) -> float:
+        return self.total[key] / max(self.steps, 1) * 1e3
+
+    def stop(self) -> None:
+        self.manager.accept_tokens, self.manager.start_fill, self.manager._fill_slice = (self._accept, self._start,
+                                                                                          self._slice)
+
+    def slice(self, *args):
+        self._slice(*args)
+        self._ends.append(time.perf_counter())
+
+    def accept_tokens(self, pairs):
+        t = time.perf_counter()
+        self._accept(pairs)
+        self.total["accept"] += time.perf_counter() - t
+
+    def start_fill(self, rows):
+        t0 = time.perf_counter()
+        ends = self._ends = []
+        job = self._start(rows)
+        self.total["start"] += time.perf_counter() - t0
+        if job is None:
+            return None
+        self.steps += 1
+        result = job.result
+
+        def timed_result():
+            t = time.perf_counter()
+            out = result()
+            self.total["wait"] += time.perf_counter() - t
+            self.total["fill"] += max(ends) - t0
+            return out
+
+        job.result = timed_result
+        return job
+
+
 def timed_generate(llm, prompts, params):
     import torch
 
@@ -102,22 +150,11 @@ def main():
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
     llm.generate(warm, SamplingParams(max_tokens=16, structured_outputs=so, detokenize=False), use_tqdm=False)
 
-    fill = {"s": 0.0, "calls": 0}
-    orig_fill = core.structured.fill_bitmask
-
-    def timed_fill(grammars):
-        t0 = time.perf_counter()
-        try:
-            return orig_fill(grammars)
-        finally:
-            fill["s"] += time.perf_counter() - t0
-            fill["calls"] += 1
-
-    core.structured.fill_bitmask = timed_fill
+    host = instrument(core.structured)
     dt_c, res = timed_generate(llm, prompts, [SamplingParams(temperature=0.6, max_tokens=o, structured_outputs=so,
                                                              detokenize=False) for o in outs])
     lengths = [len(r.outputs[0].token_ids) for r in res]
-    core.structured.fill_bitmask = orig_fill
+    host.stop()
     valid = 0
     for r in res:
         try:
@@ -135,15 +172,18 @@ def main():
     print_table(f"Structured outputs, {args.shape}, {len(prompts)} requests, {n_out} output tokens, "
                 f"commit {git_commit()}", rows)
     print(f"\nconstrained / unconstrained throughput: {ratio:.1%} (acceptance: >= 85%)")
-    print(f"bitmask fill on the host: {fill['s'] / max(fill['calls'], 1) * 1e3:.2f} ms per step over {fill['calls']} "
-          f"steps; grammar compile (first, with tokenizer tables) {compile_s:.2f} s; "
+    print(f"host, per constrained step ({host.steps} steps, {core.structured.fill_threads} fill threads): "
+          f"accept {host.ms('accept'):.2f} ms, start_fill {host.ms('start'):.2f} ms, bitmask fill "
+          f"{host.ms('fill'):.2f} ms (start to last row), engine loop waiting for it {host.ms('wait'):.2f} ms")
+    print(f"grammar compile (first, with tokenizer tables) {compile_s:.2f} s; "
           f"{sum(1 for n, o in zip(lengths, outs) if n < o)} requests completed their JSON before max_tokens, "
           f"{valid} outputs parse as JSON")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             shape=args.shape, commit=git_commit(), requests=len(prompts), output_tokens=n_out,
-            unconstrained_s=dt_u, constrained_s=dt_c, ratio=ratio, fill_ms_per_step=fill["s"] / max(fill["calls"], 1) * 1e3,
-            fill_steps=fill["calls"], compile_s=compile_s, pipelined=core.pipelined), indent=1))
+            unconstrained_s=dt_u, constrained_s=dt_c, ratio=ratio, fill_threads=core.structured.fill_threads,
+            host_ms_per_step={k: host.ms(k) for k in ("accept", "start", "fill", "wait")}, fill_steps=host.steps,
+            compile_s=compile_s, pipelined=core.pipelined), indent=1))
 
 
 if __name__ == "__main__":

@@ -65,9 +65,10 @@ class RequestGrammar:
 class FillJob:
     """A step's bitmask being filled by the pool; result() waits for it."""
 
-    def __init__(self, bitmask: StepBitmask, futures: list[Future]):
+    def __init__(self, bitmask: StepBitmask, futures: list[Future], tail: int):
         self._bitmask = bitmask
         self._futures = futures
+        self._tail = tail
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -75,6 +76,9 @@ class FillJob:
     def result(self) -> StepBitmask:
         for f in self._futures:
             f.result()
+        if self._tail:  # xgrammar may leave the bits past the vocabulary's end set: those ids are no tokens
+            self._bitmask.mask[:, -1] &= self._tail
+            self._tail = 0
         return self._bitmask
 
 
@@ -179,7 +183,7 @@ class StructuredOutputManager:
                    for a, b in zip(bounds, bounds[1:])]
         for _ in futures:  # each slice is inside xgrammar (the GIL free) before the engine loop goes on
             started.acquire()
-        return FillJob(StepBitmask(buf[:k], [r for r, _ in live]), futures)
+        return FillJob(StepBitmask(buf[:k], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
 
     def _fill_slice(self, started: threading.Semaphore, matchers: list, buf: torch.Tensor, index: list[int]) -> None:
         started.release()

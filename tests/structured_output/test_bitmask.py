@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kestrel.engine.sampling_params import StructuredOutputsParams as SO
-from kestrel.structured_output.bitmask import allowed_tokens, apply_token_bitmask, bitmask_width
-from kestrel.structured_output.manager import StructuredOutputManager
+from kestrel.structured_output.bitmask import StepBitmask, allowed_tokens, apply_token_bitmask, bitmask_width
+from kestrel.structured_output.manager import FillJob, StructuredOutputManager
 
 VOCAB = 400  # wider than the tokenizer (384), as a model's padded embedding can be
 REAL = 384
@@ -102,3 +102,37 @@ def test_bad_grammar_fails_its_future_only(manager):
     with pytest.raises(Exception):
         bad.result(30)
     assert good.result(30) is not None
+
+
+def test_the_bits_past_the_vocabulary_are_cleared():
+    """xgrammar may set the bits of the ids past the vocabulary's end in the last word (it does inside a JSON
+    string): with a vocabulary of 72 ids (2 words + 8 bits) those are ids 72..95 and no token may take them."""
+    job = FillJob(StepBitmask(torch.full((2, 3), -1, dtype=torch.int32), [0, 3]), [], tail=(1 << 8) - 1)
+    mask, rows = job.result()
+    assert rows == [0, 3]
+    assert allowed_tokens(mask[0], 96) == allowed_tokens(mask[1], 96) == list(range(72))
+
+
+def test_a_step_split_over_fill_threads_equals_one_fill(tiny_tokenizer):
+    """Rows filled in slices by several threads, each slice after its grammars advanced in one batch call, give
+    the masks a row-by-row fill gives."""
+    m = StructuredOutputManager(tiny_tokenizer, VOCAB, tiny_tokenizer.eos_token_id, max_rows=16, fill_threads=3)
+    try:
+        compiled = m.submit(SO(regex="[a-z]{2,6}( [0-9]+)?")).result(30)
+        grammars = [m.new_request_grammar(compiled, tiny_tokenizer.eos_token_id) for _ in range(13)]
+        texts = ["ab", "abcdef", "a", "qq 1", "xy 12", "", "zz", "abc 9", "k", "mm", "nop", "rr 3", "st"]
+        for g, text in zip(grammars, texts):
+            for t in tiny_tokenizer.encode(text, add_special_tokens=False)[:-1]:
+                assert g.accept(t)
+        last = [tiny_tokenizer.encode(t, add_special_tokens=False)[-1] if t else None for t in texts]
+        m.accept_tokens([(g, t) for g, t in zip(grammars, last) if t is not None])  # one batch call
+        rows = [(2 * i + 1, g) for i, g in enumerate(grammars)]
+        mask, where = m.start_fill(rows).result()
+        assert where == [r for r, _ in rows]
+        for i, g in enumerate(grammars):
+            one = torch.full((1, m.width), -1, dtype=torch.int32)
+            g.matcher.fill_next_token_bitmask(one, 0)
+            assert torch.equal(mask[i], one[0]), texts[i]
+        assert len({id(f) for f in m.start_fill(rows)._futures}) == 3  # three slices
+    finally:
+        m.shutdown()

@@ -103,3 +103,38 @@ def test_a_grammar_that_fails_in_the_core_aborts_only_its_request(llm):
             break
     assert finished["bad"].finish_reason == "abort" and "structured output failed" in finished["bad"].stop_reason
     assert finished["good"].finish_reason == "length"
+
+
+def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
+    """Pipelined, a step's bitmask fills on the pool while the engine loop returns the previous step's outputs and
+    stages the next step's inputs: each fill slice here waits until the next step's inputs are staged, which
+    would never happen (within the timeout) if the loop waited for the fill first."""
+    llm = LLM(str(tiny_llama), progress=False, num_kv_blocks=128, max_model_len=256, async_scheduling="on")
+    core = llm.engine.core
+    staged = threading.Condition()
+    count = {"prepared": 0, "fills": 0, "overlapped": 0}
+    real_prepare, real_slice = core.runner._prepare, core.structured._fill_slice
+
+    def prepare(chunks, prev):
+        out = real_prepare(chunks, prev)
+        with staged:
+            count["prepared"] += 1
+            staged.notify_all()
+        return out
+
+    def fill_slice(started, *args):
+        with staged:
+            before = count["prepared"]
+            count["fills"] += 1
+        started.release()  # the slice runs: start_fill returns
+        with staged:
+            if staged.wait_for(lambda: count["prepared"] > before, timeout=0.5):
+                count["overlapped"] += 1
+        real_slice(threading.Semaphore(0), *args)
+
+    core.runner._prepare, core.structured._fill_slice = prepare, fill_slice
+    p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(regex="[a-z]{20}"))
+    out = llm.generate(["Hello"], p)[0].outputs[0]
+    assert re.fullmatch("[a-z]{20}", out.text) and out.finish_reason == "stop"
+    # one fill a token; the first step samples at once (nothing in flight to overlap with), every later one overlaps
+    assert count["fills"] == len(out.token_ids) > 3 and count["overlapped"] == count["fills"] - 1
