@@ -6,6 +6,8 @@
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
+# Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
+#   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -31,7 +33,10 @@ for s in $stages; do
     lat8b)  timeout 200 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 32 --json "$OUT/lat8b.json" 2>&1 | tail -12 ;;
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;
-    structured) timeout 400 python3 benchmarks/structured.py --shape qwen3-0.6b --json "$OUT/structured.json" 2>&1 | grep -v Warning | tail -12 ;;
+    structured) timeout 400 python3 benchmarks/structured.py --shape qwen3-0.6b --json "$OUT/structured.json" 2>&1 | grep -v Warning | tail -13 ;;
+    structfill) timeout 300 python3 benchmarks/structured_fill.py --threads 1,4,8,14 --json "$OUT/structured_fill.json" 2>&1 | tail -10 ;;
+    structgpu) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_structured.py \
+              tests/structured_output/test_bitmask_triton.py tests/structured_output/test_engine.py 2>&1 | tail -8 ;;
     tputfp8) timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --quantization fp8 --json "$OUT/tputfp8.json" 2>&1 | tail -12 ;;
     trace)  timeout 200 python3 benchmarks/step_trace.py --shape qwen3-0.6b --json "$OUT/trace.json" 2>&1 | tail -14 ;;
     tracelat) timeout 150 python3 benchmarks/step_trace.py --shape qwen3-0.6b --latency --json "$OUT/trace_lat.json" 2>&1 | tail -8 ;;
