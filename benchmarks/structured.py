@@ -64,37 +64,32 @@ def model_dir(shape: str, vocab_size: int) -> Path:
 
 
 class instrument:
-    """Times the manager's host work per constrained step: accept_tokens, start_fill (until every slice runs),
-    the fill itself (start to the last slice's end) and how long the engine loop then waits for it."""
+    """Times the manager's host work per constrained step: start_step (the engine loop waits there until every
+    grammar has taken its token), the fill (start to the last slice's end) and how long the engine loop then
+    waits for it where the step samples."""
 
     def __init__(self, manager):
         self.manager, self.steps = manager, 0
-        self.total = dict(accept=0.0, start=0.0, fill=0.0, wait=0.0)
-        self._accept, self._start, self._slice = manager.accept_tokens, manager.start_fill, manager._fill_slice
-        manager.accept_tokens, manager.start_fill, manager._fill_slice = self.accept_tokens, self.start_fill, self.slice
+        self.total = dict(advance=0.0, fill=0.0, wait=0.0)
+        self._start, self._slice = manager.start_step, manager._run_slice
+        manager.start_step, manager._run_slice = self.start_step, self.run_slice
         self._ends: list[float] = []
 
     def ms(self, key: str) -> float:
         return self.total[key] / max(self.steps, 1) * 1e3
 
     def stop(self) -> None:
-        self.manager.accept_tokens, self.manager.start_fill, self.manager._fill_slice = (self._accept, self._start,
-                                                                                          self._slice)
+        self.manager.start_step, self.manager._run_slice = self._start, self._slice
 
-    def slice(self, *args):
+    def run_slice(self, *args):
         self._slice(*args)
         self._ends.append(time.perf_counter())
 
-    def accept_tokens(self, pairs):
-        t = time.perf_counter()
-        self._accept(pairs)
-        self.total["accept"] += time.perf_counter() - t
-
-    def start_fill(self, rows):
+    def start_step(self, accepts, rows):
         t0 = time.perf_counter()
         ends = self._ends = []
-        job = self._start(rows)
-        self.total["start"] += time.perf_counter() - t0
+        job = self._start(accepts, rows)
+        self.total["advance"] += time.perf_counter() - t0
         if job is None:
             return None
         self.steps += 1
@@ -173,8 +168,8 @@ def main():
                 f"commit {git_commit()}", rows)
     print(f"\nconstrained / unconstrained throughput: {ratio:.1%} (acceptance: >= 85%)")
     print(f"host, per constrained step ({host.steps} steps, {core.structured.fill_threads} fill threads): "
-          f"accept {host.ms('accept'):.2f} ms, start_fill {host.ms('start'):.2f} ms, bitmask fill "
-          f"{host.ms('fill'):.2f} ms (start to last row), engine loop waiting for it {host.ms('wait'):.2f} ms")
+          f"engine loop in start_step (tokens into the grammars) {host.ms('advance'):.2f} ms, tokens + bitmask "
+          f"fill {host.ms('fill'):.2f} ms (start to last row), engine loop waiting for it {host.ms('wait'):.2f} ms")
     print(f"grammar compile (first, with tokenizer tables) {compile_s:.2f} s; "
           f"{sum(1 for n, o in zip(lengths, outs) if n < o)} requests completed their JSON before max_tokens, "
           f"{valid} outputs parse as JSON")
@@ -182,7 +177,7 @@ def main():
         Path(args.json).write_text(json.dumps(dict(
             shape=args.shape, commit=git_commit(), requests=len(prompts), output_tokens=n_out,
             unconstrained_s=dt_u, constrained_s=dt_c, ratio=ratio, fill_threads=core.structured.fill_threads,
-            host_ms_per_step={k: host.ms(k) for k in ("accept", "start", "fill", "wait")}, fill_steps=host.steps,
+            host_ms_per_step={k: host.ms(k) for k in ("advance", "fill", "wait")}, fill_steps=host.steps,
             compile_s=compile_s, pipelined=core.pipelined), indent=1))
 
 

@@ -134,22 +134,20 @@ class EngineCore:
                     self.scheduler.on_launch(sched)
             self._sample(prev)
             result = self.executor.collect(prev)
-            self._accept(prev_sched, result)
-            if self._inflight is not None:
-                self._start_fill(*self._inflight)  # the grammars have seen prev's tokens now
+            self._advance(prev_sched, result, self._inflight)
             return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         sched = self.scheduler.schedule()
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
-        self._start_fill(sched, inf)
+        self._advance(None, None, (sched, inf))
         self._sample(inf)
         if self._pipeline_ok() and inf.samples:
             self._inflight = (sched, inf)
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         result = self.executor.collect(inf)
-        self._accept(sched, result)
+        self._advance(sched, result, None)
         return self._outputs(sched, result)
 
     def _launch(self, sched, prev=None):
@@ -159,14 +157,27 @@ class EngineCore:
         return self.executor.launch(sched.step, prev, sample=not constrained,
                                     before_forward=(lambda: self._sample(prev)) if prev is not None else None)
 
-    def _start_fill(self, sched, inf) -> None:
-        if not inf.sample_pending:
-            return
-        rows = [(inf.rows[s.request.request_id], s.request.grammar) for s in sched.scheduled
-                if s.request.grammar is not None and not s.request.is_finished and s.request.request_id in inf.rows]
-        job = self.structured.start_fill(rows)
-        if job is not None:
-            self._fill = (inf, job)
+    def _advance(self, done, result, pending) -> None:
+        """The grammars take the tokens of a collected step (`done`, its `result`), then the bitmask of `pending`
+        (sched, handle: a launched step whose sampling waits for it) starts filling (kept in self._fill)."""
+        accepts = []
+        if done is not None:
+            for s in done.scheduled:
+                req = s.request
+                if req.grammar is not None and not req.is_finished:  # not finished or aborted meanwhile
+                    tok = result.sampled.get(req.request_id)
+                    if tok is not None:
+                        accepts.append((req.grammar, tok))
+        rows = []
+        if pending is not None and pending[1].sample_pending:
+            sched, inf = pending
+            rows = [(inf.rows[s.request.request_id], s.request.grammar) for s in sched.scheduled
+                    if s.request.grammar is not None and not s.request.is_finished
+                    and s.request.request_id in inf.rows]
+        if accepts or rows:
+            job = self.structured.start_step(accepts, rows)
+            if job is not None:
+                self._fill = (pending[1], job)
 
     def _sample(self, inf) -> None:
         """Queue the sampling of a launched step whose sampling waits for its bitmask (no-op otherwise)."""
@@ -177,18 +188,6 @@ class EngineCore:
             bitmask = self._fill[1].result()
             self._fill = None
         self.executor.sample(inf, bitmask)
-
-    def _accept(self, sched, result) -> None:
-        """Advance the grammars by the step's tokens (requests finished or aborted meanwhile excepted)."""
-        pairs = []
-        for s in sched.scheduled:
-            req = s.request
-            if req.grammar is not None and not req.is_finished:
-                tok = result.sampled.get(req.request_id)
-                if tok is not None:
-                    pairs.append((req.grammar, tok))
-        if pairs:
-            self.structured.accept_tokens(pairs)
 
     def _take_rejected(self) -> list[EngineCoreOutput]:
         out, self._rejected = self._rejected, []

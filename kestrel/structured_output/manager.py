@@ -4,10 +4,10 @@ each request its own matcher, advances the matchers by a step's sampled tokens, 
 step's constrained rows on the host.
 
 The fill is the expensive part (xgrammar checks every token whose fate depends on the parser's stack: inside a
-JSON string, thousands a row). start_fill() hands it to a pool of threads, each filling a slice of the rows in
-one call into xgrammar (which releases the GIL), and returns once every slice has started, so the engine loop goes
-on with its own work (outputs, scheduling, the next step's inputs) while the rows fill; it waits for the job only
-where the step samples."""
+JSON string, thousands a row). start_step() hands a step to a pool of threads, each advancing a slice of the
+grammars by their tokens and filling their rows, one call into xgrammar (which releases the GIL) for each; it
+returns once the tokens are in, so the engine loop goes on with its own work (outputs, scheduling, the next
+step's inputs) while the rows fill, and waits for the job only where the step samples."""
 from __future__ import annotations
 
 import logging
@@ -39,27 +39,28 @@ def default_fill_threads() -> int:
 
 
 class RequestGrammar:
-    """One request's matcher: accepts its sampled tokens, and reports when the grammar is complete."""
+    """One request's matcher: accepts its sampled tokens, and knows when the grammar is complete (its stop token
+    accepted; nothing else ends a matcher)."""
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.stop_ids = frozenset(matcher.stop_token_ids)
+        self.terminated = False
         self.num_rejected = 0
 
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
     def accept(self, token: int) -> bool:
-        if self.matcher.is_terminated():
+        if self.terminated:
             return True  # finished (stop token accepted): later tokens of a step in flight are not constrained
         ok = self.matcher.accept_token(token)
-        if not ok:
-            self.rejected(token)
+        self.accepted(token, ok)
         return ok
 
-    def rejected(self, token: int) -> None:
-        self.num_rejected += 1
-        logger.warning("structured output: token %d rejected by the grammar", token)
+    def accepted(self, token: int, ok: bool) -> None:
+        if not ok:
+            self.num_rejected += 1
+            logger.warning("structured output: token %d rejected by the grammar", token)
+        elif token in self.stop_ids:
+            self.terminated = self.matcher.is_terminated()
 
 
 class FillJob:
@@ -145,58 +146,75 @@ class StructuredOutputManager:
         return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop))
 
     # ---- a step's tokens and bitmask (engine loop)
-    def accept_tokens(self, pairs: list[tuple[RequestGrammar, int]]) -> None:
-        """Advance each grammar by its request's sampled token (one call into xgrammar for the lot). A grammar
-        that already accepted its stop token takes nothing more: later tokens of a step in flight are free."""
-        live = [(g, t) for g, t in pairs if not g.terminated]
-        if len(live) == 1:
-            live[0][0].accept(live[0][1])
-        elif live:
-            import xgrammar as xgr
-
-            ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in live], [t for _, t in live])
-            for (g, t), accepted in zip(live, ok):
-                if not accepted:
-                    g.rejected(t)
-
-    def start_fill(self, rows: list[tuple[int, RequestGrammar]]) -> FillJob | None:
-        """Start filling the bitmask of a step's constrained rows ((sampling row, grammar) pairs, the grammars
-        already advanced by every earlier token); None when no grammar is live. The grammars must not be touched
-        until the job is done. The host buffer stays valid until the next start_fill but one."""
-        live = [(r, g) for r, g in rows if not g.terminated]
-        if not live:
+    def start_step(self, accepts: list[tuple[RequestGrammar, int]],
+                   rows: list[tuple[int, RequestGrammar]]) -> FillJob | None:
+        """Advance each grammar by its request's sampled token (`accepts`), then fill the bitmask of a step's
+        constrained rows ((sampling row, grammar) pairs), on the pool: each thread takes a slice of the grammars,
+        advances them in one call into xgrammar and fills their rows in another, the GIL free in both. Returns
+        once every grammar has taken its token, the fill still running (None when no row is to be filled); the
+        grammars must not be touched until the job is done. A grammar that takes its stop token is complete: it
+        fills no row, and takes no more tokens (later tokens of a step in flight are free). The host buffer
+        stays valid until the next start_step but one."""
+        accepts = [(g, t) for g, t in accepts if not g.terminated]
+        ending = {id(g) for g, t in accepts if t in g.stop_ids}
+        live = [(r, g) for r, g in rows if not g.terminated and id(g) not in ending]
+        if not accepts and not live:
             return None
         if len(live) > self._max_rows:
             raise RuntimeError(f"{len(live)} constrained rows exceed the bitmask's {self._max_rows}")
-        if not self._buffers:
+        if self._pool is None:
             self._buffers = [torch.empty((self._max_rows, self.width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
             self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="kestrel-bitmask")
         buf = self._buffers[self._flip]
         self._flip ^= 1
-        k = len(live)
-        slices = min(self.fill_threads, max(1, k // MIN_SLICE_ROWS))
-        bounds = [k * i // slices for i in range(slices + 1)]
-        started = threading.Semaphore(0)
-        futures = [self._pool.submit(self._fill_slice, started, [g.matcher for _, g in live[a:b]], buf,
-                                     list(range(a, b)))
-                   for a, b in zip(bounds, bounds[1:])]
-        for _ in futures:  # each slice is inside xgrammar (the GIL free) before the engine loop goes on
-            started.acquire()
-        return FillJob(StepBitmask(buf[:k], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
+        # one item a grammar: (grammar, its token or None, its bitmask row or None); a grammar's accept and fill
+        # share a slice, so the fill sees the token
+        token = {id(g): t for g, t in accepts}
+        filled = {id(g) for _, g in live}
+        items = [(g, token.get(id(g)), i) for i, (_, g) in enumerate(live)]
+        items += [(g, t, None) for g, t in accepts if id(g) not in filled]
+        n = len(items)
+        slices = min(self.fill_threads, max(1, n // MIN_SLICE_ROWS))
+        bounds = [n * i // slices for i in range(slices + 1)]
+        advanced = threading.Semaphore(0)
+        futures = []
+        for a, b in zip(bounds, bounds[1:]):
+            part = items[a:b]
+            futures.append(self._pool.submit(
+                self._run_slice, advanced, [(g, t) for g, t, _ in part if t is not None],
+                [g.matcher for g, _, i in part if i is not None], buf, [i for _, _, i in part if i is not None]))
+        for _ in futures:  # every grammar has its token (each slice is filling, the GIL free) before we go on
+            advanced.acquire()
+        job = FillJob(StepBitmask(buf[:len(live)], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
+        if live:
+            return job
+        job.result()  # raise what an accept raised
+        return None
 
-    def _fill_slice(self, started: threading.Semaphore, matchers: list, buf: torch.Tensor, index: list[int]) -> None:
-        started.release()
-        batch = getattr(self._local, "batch", None)
-        if batch is None:
-            import xgrammar as xgr
+    def _run_slice(self, advanced: threading.Semaphore, accepts: list[tuple[RequestGrammar, int]], matchers: list,
+                   buf: torch.Tensor, index: list[int]) -> None:
+        import xgrammar as xgr
 
-            batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
-        batch.batch_fill_next_token_bitmask(matchers, buf, index)
+        try:
+            if len(accepts) == 1:
+                accepts[0][0].accept(accepts[0][1])
+            elif accepts:
+                ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in accepts],
+                                                               [t for _, t in accepts])
+                for (g, t), accepted in zip(accepts, ok):
+                    g.accepted(t, accepted)
+        finally:
+            advanced.release()
+        if matchers:
+            batch = getattr(self._local, "batch", None)
+            if batch is None:
+                batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
+            batch.batch_fill_next_token_bitmask(matchers, buf, index)
 
     def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> StepBitmask | None:
         """The bitmask of sampling rows 0..len-1 (None: an unconstrained row), filled now."""
-        job = self.start_fill([(i, g) for i, g in enumerate(grammars) if g is not None])
+        job = self.start_step([], [(i, g) for i, g in enumerate(grammars) if g is not None])
         return job.result() if job is not None else None
 
     def shutdown(self) -> None:

@@ -125,14 +125,19 @@ def test_a_step_split_over_fill_threads_equals_one_fill(tiny_tokenizer):
             for t in tiny_tokenizer.encode(text, add_special_tokens=False)[:-1]:
                 assert g.accept(t)
         last = [tiny_tokenizer.encode(t, add_special_tokens=False)[-1] if t else None for t in texts]
-        m.accept_tokens([(g, t) for g, t in zip(grammars, last) if t is not None])  # one batch call
         rows = [(2 * i + 1, g) for i, g in enumerate(grammars)]
-        mask, where = m.start_fill(rows).result()
+        job = m.start_step([(g, t) for g, t in zip(grammars, last) if t is not None], rows)  # tokens, then fill
+        assert len(job._futures) == 3  # three slices
+        mask, where = job.result()
         assert where == [r for r, _ in rows]
         for i, g in enumerate(grammars):
             one = torch.full((1, m.width), -1, dtype=torch.int32)
             g.matcher.fill_next_token_bitmask(one, 0)
             assert torch.equal(mask[i], one[0]), texts[i]
-        assert len({id(f) for f in m.start_fill(rows)._futures}) == 3  # three slices
+        # a grammar that takes its stop token is complete: no row, no more tokens
+        eos = tiny_tokenizer.eos_token_id
+        job = m.start_step([(grammars[1], eos)], rows[:2])
+        assert grammars[1].terminated and job.result().rows == [rows[0][0]]
+        assert m.start_step([(grammars[1], 5)], rows[1:2]) is None and grammars[1].num_rejected == 0
     finally:
         m.shutdown()
