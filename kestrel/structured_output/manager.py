@@ -194,9 +194,9 @@ class StructuredOutputManager:
 
     def _run_slice(self, advanced: threading.Semaphore, accepts: list[tuple[RequestGrammar, int]], matchers: list,
                    buf: torch.Tensor, index: list[int]) -> None:
-        import xgrammar as xgr
-
         try:
+            import xgrammar as xgr
+
             if len(accepts) == 1:
                 accepts[0][0].accept(accepts[0][1])
             elif accepts:
