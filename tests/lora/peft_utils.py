@@ -9,14 +9,16 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base_path: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS, alpha: int | None = None,
-                 scale: float = 0.15, **extra) -> Path:
-    """A PEFT adapter with random A and B (PEFT initialises B to zero: such an adapter would change nothing)."""
+                 scale: float = 0.15, model_cls=None, **extra) -> Path:
+    """A PEFT adapter with random A and B (PEFT initialises B to zero: such an adapter would change nothing).
+    `targets`: module name suffixes, or one regular expression over the full module paths (PEFT's two forms)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM", **extra)
+    model = (model_cls or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets if isinstance(targets, str)
+                     else list(targets), lora_dropout=0.0, bias="none",
+                     task_type=None if model_cls else "CAUSAL_LM", **extra)
     peft_model = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
