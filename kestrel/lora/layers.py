@@ -87,14 +87,19 @@ def lora_delta_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: tor
                      shard_sizes: tuple[int, ...], groups: list[tuple[int, torch.Tensor]]) -> None:
     """The PyTorch reference: for each slot, its tokens' x @ A^T, then each shard's @ B^T, added into out."""
     for slot, rows in groups:
-        xs = x.index_select(0, rows)
+        whole = rows.numel() == x.shape[0]  # one adapter on every row (an image's encoder rows): no gather/scatter
+        xs = x if whole else x.index_select(0, rows)
         y = xs @ a[slot].T  # [n, shards * rank]
         col = 0
         parts = []
         for i, n in enumerate(shard_sizes):
             parts.append(y[:, i * rank:(i + 1) * rank] @ b[slot, col:col + n].T)
             col += n
-        out.index_add_(0, rows, torch.cat(parts, dim=1).to(out.dtype))
+        delta = torch.cat(parts, dim=1).to(out.dtype)
+        if whole:
+            out.add_(delta)
+        else:
+            out.index_add_(0, rows, delta)
 
 
 class LoRAKernel:

@@ -32,17 +32,24 @@ def setup(tiny_mm_models):
     return base, adapters, sample_images()
 
 
-def hf_reference(base, adapter, text, imgs):
+def hf_references(base, adapters, images) -> list[list[int]]:
+    """transformers (+ PEFT with each request's adapter): greedy tokens of every request, one model per adapter."""
     from peft import PeftModel
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
-    model = LlavaNextForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    enc = AutoProcessor.from_pretrained(base)(text=[text], images=[imgs], return_tensors="pt")
-    with torch.no_grad():
-        seq = model.eval().generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)
-    return seq[0, enc["input_ids"].shape[1]:].tolist()
+    proc = AutoProcessor.from_pretrained(base)
+    refs = {}
+    for name in {a for _, _, a in REQUESTS}:
+        model = LlavaNextForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        for i, (text, idx, a) in enumerate(REQUESTS):
+            if a == name:
+                enc = proc(text=[text], images=[[images[j] for j in idx]], return_tensors="pt")
+                with torch.no_grad():
+                    seq = model.eval().generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)
+                refs[i] = seq[0, enc["input_ids"].shape[1]:].tolist()
+    return [refs[i] for i in range(len(REQUESTS))]
 
 
 def lora_llm(base, adapters):
@@ -63,7 +70,7 @@ def test_tower_and_connector_lora_match_transformers_peft(setup):
     reqs = [{"prompt": t, "multi_modal_data": {"image": [images[i] for i in idx]}} for t, idx, _ in REQUESTS]
     outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True),
                         lora_request=[a for _, _, a in REQUESTS])
-    refs = [hf_reference(base, adapters.get(a), t, [images[i] for i in idx]) for t, idx, a in REQUESTS]
+    refs = hf_references(base, adapters, images)
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert refs[0] != refs[3]  # the vision-only adapter changes what the decoder sees
 
