@@ -85,21 +85,23 @@ class LoRAMapping:
 
 def lora_delta_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int,
                      shard_sizes: tuple[int, ...], groups: list[tuple[int, torch.Tensor]]) -> None:
-    """The PyTorch reference: for each slot, its tokens' x @ A^T, then each shard's @ B^T, added into out."""
+    """The PyTorch reference: for each slot, its tokens' x @ A^T, then each shard's @ B^T, added into out. It rounds
+    where the Triton kernels do: x A^T in the model dtype, the delta in float32, one rounding of out + delta (in
+    bf16 the two paths then differ only by float32 summation order)."""
     for slot, rows in groups:
         whole = rows.numel() == x.shape[0]  # one adapter on every row (an image's encoder rows): no gather/scatter
         xs = x if whole else x.index_select(0, rows)
-        y = xs @ a[slot].T  # [n, shards * rank]
+        y = (xs @ a[slot].T).float()  # [n, shards * rank]
         col = 0
         parts = []
         for i, n in enumerate(shard_sizes):
-            parts.append(y[:, i * rank:(i + 1) * rank] @ b[slot, col:col + n].T)
+            parts.append(y[:, i * rank:(i + 1) * rank] @ b[slot, col:col + n].float().T)
             col += n
-        delta = torch.cat(parts, dim=1).to(out.dtype)
+        delta = torch.cat(parts, dim=1)
         if whole:
-            out.add_(delta)
+            out.copy_(out.float() + delta)
         else:
-            out.index_add_(0, rows, delta)
+            out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
 
 
 class LoRAKernel:
