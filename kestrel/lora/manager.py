@@ -56,7 +56,7 @@ class LoRAManager:
         self.stages = tuple(getattr(model, "lora_stages", (("", "decoder"),)))
         self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)  # the decoder's
         # the vision parts' mappings: one image's rows at a time, grown for larger images
-        self.encoder_mappings = {stage: LoRAMapping(1024, self.num_slots, device, self.backend, exact_rows=True)
+        self.encoder_mappings = {stage: LoRAMapping(64, self.num_slots, device, self.backend, exact_rows=True)
                                  for _, stage in self.stages if stage != "decoder"}
         self.rename = getattr(model, "lora_module_name", None)  # adapter module paths -> ours (multimodal models)
         self.packed = dict(getattr(model, "packed_modules", {}))

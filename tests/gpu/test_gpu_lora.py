@@ -1,7 +1,7 @@
 """GPU checks of multi-LoRA (skipped without CUDA): the Triton shrink/expand path in bf16 agrees with the PyTorch
 reference path in bf16 (teacher-forced, >= 30 of 32 tokens, logprobs within bf16 tolerance) for each adapter of a
 batch that also holds base-model requests, and CUDA-graph replay gives the same tokens as eager on a batch mixing 3
-adapters and the base.
+adapters and the base; LLaVA-NeXT's tower + projector adapter gives the reference path's image embeddings.
 
 Why the reference is our PyTorch path and not transformers in bf16: both engines then share every base GEMM,
 attention, norm and the logits, and the reference rounds where the kernels do (x A^T in bf16, the delta in float32,
@@ -15,7 +15,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from tests.agreement import bf16_logprob_tolerance
-from tests.lora.peft_utils import hf_with_merged_adapter, write_random_adapter
+from tests.lora.peft_utils import hf_with_merged_adapter, write_random_adapter, write_random_adapter_matching
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
@@ -84,3 +84,34 @@ def test_lora_cuda_graphs_equal_eager(model_and_adapters):
         torch.cuda.empty_cache()
     assert results[0] == results[1]
     assert results[0][3] != results[0][7]  # prompt 3: the base model vs adapter r8
+
+
+def test_llava_tower_lora_triton_equals_reference_path(tmp_path_factory):
+    """The vision tower's and projector's per-image mappings on CUDA (one image's rows at a time, several row
+    counts, the mapping grown past its first capacity): the Triton path's image embeddings in bf16 equal the
+    reference path's to bf16 rounding, and differ from the base model's."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    from tests.mm_tiny import make_llava_next, sample_images
+
+    root = tmp_path_factory.mktemp("gpu_llava_lora")
+    base = make_llava_next(root, name="llava_wide", hidden_size=256, intermediate_size=512)
+    adapter = write_random_adapter_matching(
+        base, root / "vision", 8, seed=1, model_cls=LlavaNextForConditionalGeneration, scale=0.2,
+        pattern=r".*vision_tower\..*\.(q_proj|k_proj|v_proj|out_proj|fc1|fc2)|.*multi_modal_projector\.linear_[12]")
+    images = sample_images()
+    embeds = {}
+    for backend, use_adapter in (("triton", True), ("torch", True), ("triton", False)):
+        llm = LLM(str(base), dtype="bfloat16", progress=False, num_kv_blocks=512, enable_lora=True,
+                  max_lora_rank=8, max_loras=1, lora_backend=backend)
+        lora = llm.load_lora("vision", str(adapter)) if use_adapter else None
+        model, seen = llm.engine.core.runner.model, []
+        inner = model.embed_image
+        model.embed_image = lambda image: seen.append(inner(image).float()) or seen[-1]
+        llm.generate([{"prompt": "<image>\nx", "multi_modal_data": {"image": im}} for im in images],
+                     SamplingParams(max_tokens=1), lora_request=lora)
+        assert len(seen) == len(images)
+        embeds[backend, use_adapter] = seen
+    for ours, ref, plain in zip(embeds["triton", True], embeds["torch", True], embeds["triton", False]):
+        assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
+        assert ((plain - ref).norm() / ref.norm()).item() > 0.05
