@@ -6,7 +6,7 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.engine.frontend import LLMEngine
-from tests.engine.test_tensor_parallel import greedy, prompts
+from tests.tp import greedy, prompts
 
 pytestmark = pytest.mark.gpu
 
