@@ -59,6 +59,7 @@ def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_
         from kestrel.worker.model_runner import ModelRunner
 
         runner = ModelRunner(config, progress=False, parallel=parallel)
+        logger.info("tensor-parallel worker rank %d ready (pid %d)", rank, os.getpid())
         _serve(runner, rank, inp, out, me, parent_pid)
     except BaseException as e:
         logger.error("tensor-parallel worker rank %d failed: %s\n%s", rank, e, traceback.format_exc())
