@@ -47,6 +47,7 @@ def test_tp2_matches_tp1(name, tp_checkpoint, tp1_tokens):
 
 def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2, tp1_tokens):
     assert qwen3_tp2.core.pipelined
+    assert qwen3_tp2.core.executor.dist_backend == "gloo" and qwen3_tp2.core.executor.cuda_graph_sizes == [[], []]
     assert greedy(qwen3_tp2, prompts()) == tp1_tokens("qwen3")
     total = sum(t.numel() * t.element_size() for _, t in iter_safetensors(qwen3_path, progress=False))
     for rank, n in enumerate(qwen3_tp2.core.executor.bytes_read):
