@@ -104,3 +104,28 @@ def test_fused_moe_fp8_block_matches_dequantized_reference(t, k, monkeypatch):
                     s13.to(DEVICE), s2.to(DEVICE), (128, 128))
     ref = reference_moe(x.to(dt).float(), d13, d2, topk_w, ids, act_quant_group=128, act_dtype=dt)
     assert rel_err(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("t,e,k,renorm,shared,gated", [(1, 128, 8, True, 0, False), (33, 60, 4, False, 0, False),
+                                                        (7, 64, 6, False, 2, False), (5, 8, 2, True, 1, True)])
+def test_topk_softmax_router_matches_select_experts(t, e, k, renorm, shared, gated):
+    """The one-launch softmax router (weights, ids, fused shared-expert slots) equals select_experts + the torch
+    shared-slot concatenation that the router runs off CUDA."""
+    from kestrel.kernels.triton_ops.fused_ops import moe_topk_softmax
+    from kestrel.layers.moe.router import RouterConfig, select_experts
+
+    gen = torch.Generator().manual_seed(t * e)
+    logits = torch.randn(t, e, generator=gen).to(DEVICE)
+    gate = torch.randn(t, 1, generator=gen).to(DEVICE) if gated else None
+    cfg = RouterConfig(num_experts=e, top_k=k, renormalize=renorm, routed_scaling_factor=1.5)
+    w_ref, ids_ref = select_experts(logits, cfg)
+    w, ids = moe_topk_softmax(logits, k, renorm, 1.5, shared, gate)
+    assert w.shape == ids.shape == (t, k + shared)
+    assert torch.equal(ids[:, :k].long().sort(dim=1).values, ids_ref.sort(dim=1).values)
+    order = ids_ref.argsort(dim=1)  # compare weights expert by expert
+    w_k = w[:, :k].gather(1, ids[:, :k].long().argsort(dim=1))
+    torch.testing.assert_close(w_k, w_ref.gather(1, order), rtol=1e-5, atol=1e-6)
+    if shared:
+        assert (ids[:, k:] == torch.arange(e, e + shared, device=DEVICE)).all()
+        want = torch.sigmoid(gate).expand(t, shared) if gated else torch.ones(t, shared, device=DEVICE)
+        torch.testing.assert_close(w[:, k:], want.float())
