@@ -1,5 +1,6 @@
 """MoE families on the GPU (skipped without CUDA): bf16 engine with the Triton fused MoE (fused shared experts
-where the family has them) against transformers, teacher-forced; CUDA-graph replay equals eager."""
+where the family has them) against transformers in float32, teacher-forced (>= 30/32 tokens, logprobs within the
+bf16 tolerance); CUDA-graph replay equals eager."""
 import pytest
 import torch
 
@@ -35,7 +36,9 @@ def test_moe_bf16_matches_transformers(moe_models, kind):
     blocks = llm.engine.core.runner.model.moe_blocks()
     assert {b.experts.kernel_name for b in blocks.values()} == {"triton_fused_moe"}
     assert all(b.fse.fused == FUSES[kind] for b in blocks.values())
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    # the reference is the exact (float32) model: a bf16 transformers run adds its own rounding, and a router
+    # near-tie that either bf16 run flips changes a whole expert's contribution
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for p in PROMPTS:
         agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cuda")
         assert agree >= 30, (kind, p, agree)

@@ -44,14 +44,18 @@ def test_triton_layout_matches_torch_reference(t, e, k, bm):
     assert int(got_np) == int(ref_np) and got_sorted.shape == ref_sorted.shape
     used = int(ref_np) // bm
     assert torch.equal(got_blocks[:used], ref_blocks[:used])
-    for b in range(used):
-        run = slice(b * bm, (b + 1) * bm)
-        assert sorted(got_sorted[run].tolist()) == sorted(ref_sorted[run].tolist())
+    for ex in range(e):  # an expert's slots may sit in any of its blocks (atomic cursors on the GPU)
+        rows = (ref_blocks[:used] == ex).repeat_interleave(bm)
+        rows = torch.cat([rows, torch.zeros(ref_sorted.numel() - rows.numel(), dtype=torch.bool)])
+        assert sorted(got_sorted[rows].tolist()) == sorted(ref_sorted[rows].tolist()), ex
     assert (got_sorted[int(ref_np):] == t * k).all()
 
 
+FP32_TOL = 3e-3 if DEVICE == "cuda" else 1e-5  # tl.dot takes float32 operands as TF32 on the GPU
+
+
 @pytest.mark.parametrize("t,e,k", [(1, 8, 1), (5, 8, 2), (37, 16, 3), (70, 8, 8)])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.float16, 5e-3)])
 def test_fused_moe_matches_reference(t, e, k, dtype, tol):
     from kestrel.kernels.triton_ops.fused_moe import fused_moe
 
@@ -81,7 +85,7 @@ def test_fused_moe_shared_expert_slots_equal_a_separate_mlp():
         (x.double() @ torch.cat(list(w13[e:].double()), 0).T).split([i, i] * slots, dim=-1)[1::2]
     shared = sum((torch.nn.functional.silu(g) * u) @ w2[e + c].double().T for c, (g, u) in enumerate(zip(gate, up)))
     ref = reference_moe(x, w13, w2, topk_w, ids) + shared
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("t,k", [(3, 2), (20, 4)])

@@ -130,11 +130,18 @@ def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_sp
 
 
 def _default_config(L: int, batch: int) -> dict:
-    # Not tuned on the GPU yet (benchmarks/mla_decode.py sweeps it): a [16 heads x 512] float32 accumulator and
-    # 32-token latent tiles (36 KiB of bf16 a stage). A latent token is 4.5x the bytes of a 128-dim K+V head, so
-    # splits may be shorter than the per-head kernel's.
-    return {"BLOCK_H": 16, "BLOCK_N": 32 if L > 256 else 64, "num_warps": 4 if batch > 8 else 8, "num_stages": 2,
-            "MIN_SPLIT": 64}
+    # H200 sweep (benchmarks/mla_decode.py --sweep, 16 heads, 512 + 64; docs/benchmarks.md): small batches want
+    # wide tiles and short splits (1 x 32k: 38 us vs 52 with 32-token tiles; 1 x 1k: 10.9 vs 12.0), large batches
+    # 32-token tiles on 4 warps (256 x 1k: 120 us, 2.5 TB/s). A [16 heads x 512] float32 accumulator.
+    if batch <= 8:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 32}
+    elif batch <= 16:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 128}
+    else:
+        tile = {"BLOCK_N": 32, "num_warps": 4, "MIN_SPLIT": 64}
+    if L <= 256:
+        tile["BLOCK_N"] = 64
+    return {"BLOCK_H": 16, "num_stages": 2, **tile}
 
 
 def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=None, num_splits=None, *,
