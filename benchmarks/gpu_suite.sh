@@ -72,9 +72,9 @@ for s in $stages; do
               --max-model-len 4096 --json "$OUT/tput_mla_dense.json" 2>&1 | grep -v Warning | tail -14 ;;
     latmlad) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite-dense --hf-output-len 0 --max-model-len 4096 \
               --json "$OUT/lat_mla_dense.json" 2>&1 | tail -8 ;;
-    vllmmla) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \
+    vllmmla) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \
               --json "$OUT/vllm_mla.json" 2>&1 | grep -v Warning | tail -8 ;;
-    vllmmlad) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
+    vllmmlad) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
               --shape deepseek-v2-lite-dense --json "$OUT/vllm_mla_dense.json" 2>&1 | grep -v Warning | tail -8 ;;
     moemodels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe_models.py > "$OUT/moemodels.txt" 2>&1; tail -3 "$OUT/moemodels.txt" ;;
     tp1)    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -40 ;;
@@ -82,7 +82,7 @@ for s in $stages; do
     prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
     prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
-    vllmmoe) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
+    vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
 echo "=== done $(date +%T)"
