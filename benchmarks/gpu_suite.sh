@@ -6,6 +6,7 @@
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
+# Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -55,6 +56,7 @@ for s in $stages; do
     mlatune16) timeout 400 python3 benchmarks/mla_decode.py --sweep 2>&1 | tee "$OUT/mla_tune16.txt" | tail -5 ;;
     tputmoe) timeout 480 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --json "$OUT/tput_moe.json" 2>&1 | grep -v Warning | tail -12 ;;
     latmoe) timeout 300 python3 benchmarks/latency.py --shape qwen3-30b-a3b --hf-output-len 0 --json "$OUT/lat_moe.json" 2>&1 | tail -8 ;;
+    tp)     timeout 300 python3 -m pytest -q -x -rs -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -8 ;;
     lora)   timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_lora.py \
               tests/kernels/test_lora_kernels_interp.py 2>&1 | tail -8 ;;
     tputlora) timeout 400 python3 benchmarks/lora_throughput.py --shape qwen3-0.6b --json "$OUT/tput_lora.json" 2>&1 \
