@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): TP = 2 through the mp executor gives the greedy tokens of TP = 1 (the
-in-process runner) for Llama, Qwen3 and Qwen3-MoE; each rank reads about half of the checkpoint; a worker killed mid-generation fails the step
-within 5 s naming its rank, and every worker process is gone afterwards. One TP = 2 engine per model (process
-start-up dominates); the kill test reuses the Qwen3 engine last."""
+in-process runner; the references are shared with the Ray test, tests/conftest.py) for Llama, Qwen3 and Qwen3-MoE;
+each rank reads about half of the checkpoint; a worker killed mid-generation fails the step within 5 s naming its
+rank, and every worker process is gone afterwards. One TP = 2 engine per model (process start-up dominates); the
+kill test reuses the Qwen3 engine last."""
 from __future__ import annotations
 
 import os
