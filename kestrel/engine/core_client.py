@@ -35,6 +35,7 @@ from kestrel.errors import EngineDead, KestrelError
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
+EXIT_GRACE_S = 5.0  # an engine core that reported its failure is killed if it has not exited by then
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles per restart of the same engine
 
 
@@ -128,12 +129,28 @@ class InprocClient(EngineCoreClient):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            outs = await loop.run_in_executor(self._pool, self._run_cmds_and_step)
+            try:
+                outs = await loop.run_in_executor(self._pool, self._run_cmds_and_step)
+            except Exception as e:  # a failed step (a tensor-parallel worker died): the engine is dead
+                self._failed(e)
+                return
             self.stats = [outs.stats]
             try:
                 self.on_outputs(outs)
             except Exception:
                 logger.exception("output handler failed")
+
+    def _failed(self, e: Exception) -> None:
+        exc = EngineDead(f"engine core 0 failed: {type(e).__name__}: {e}")
+        exc.engine_index = 0
+        logger.error("%s; failing its requests", exc)
+        self.dead[0] = exc
+        self.utility.fail_engine(0, exc)
+        try:
+            self.on_engine_dead(exc, None)
+        except Exception:
+            logger.exception("engine-dead handler failed")
+        self._pool.submit(self.core.shutdown)
 
     def _queue(self, fn) -> None:
         self._cmds.append(fn)
@@ -190,6 +207,7 @@ class MPClient(EngineCoreClient):
         self.restarts = [0] * num_engines
         self._restart_at: dict[int, float] = {}  # dead engine -> when to spawn it again
         self._starting: dict[int, float] = {}  # spawned after a death, not ready yet -> start-up deadline
+        self._exiting: dict[int, float] = {}  # reported its failure, process not gone yet -> when to kill it
         self._tasks: list[asyncio.Task] = []
         self._restores: set[asyncio.Task] = set()
         self._closing = False
@@ -199,6 +217,8 @@ class MPClient(EngineCoreClient):
         if i not in self.dead:
             return "ready"
         if i in self._starting or i in self._restart_at:
+            return "restarting"
+        if i in self._exiting and self.restarts[i] < self.restart_limit:
             return "restarting"
         return "dead"
 
@@ -341,6 +361,10 @@ class MPClient(EngineCoreClient):
             idx = outs.engine_index
             if not 0 <= idx < self.num_engines or (idx in self.dead and idx not in self.restoring):
                 continue  # a dead engine's last words: its requests have already failed
+            if outs.engine_error is not None:  # it failed a step and exits: fail its requests now
+                self._engine_died(idx, f"failed: {outs.engine_error}")
+                self._exiting[idx] = time.monotonic() + EXIT_GRACE_S
+                continue
             if outs.utility_output is not None:
                 self._deliver_utility(idx, outs.utility_output)
             if outs.stats is not None:
@@ -397,8 +421,17 @@ class MPClient(EngineCoreClient):
                     logger.info("restarting engine core %d (%d of %d)", i, self.restarts[i], self.restart_limit)
                     self._spawn(i)
                     self._starting[i] = now + self.startup_timeout
+            elif i in self._exiting:
+                if not p.is_alive() or now > self._exiting[i]:
+                    del self._exiting[i]
+                    if p.is_alive():
+                        logger.warning("engine core %d did not exit %.0f s after its failure; killed", i,
+                                       EXIT_GRACE_S)
+                        p.kill()
+                    p.join(1)
+                    self._schedule_restart(i, now)
             elif i not in self.dead and not p.is_alive():
-                self._engine_died(i, p)
+                self._engine_died(i, f"died with exit code {p.exitcode}")
                 self._schedule_restart(i, now)
 
     async def _restore(self, i: int, proc) -> None:
@@ -432,8 +465,8 @@ class MPClient(EngineCoreClient):
         first, cap = RESTART_BACKOFF_S
         self._restart_at[i] = now + min(cap, first * 2 ** self.restarts[i])
 
-    def _engine_died(self, i: int, p) -> None:
-        exc = EngineDead(f"engine core {i} died with exit code {p.exitcode}")
+    def _engine_died(self, i: int, why: str) -> None:
+        exc = EngineDead(f"engine core {i} {why}")
         exc.engine_index = i
         self.dead[i] = exc
         self.stats[i] = None
