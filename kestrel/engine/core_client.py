@@ -359,7 +359,11 @@ class MPClient(EngineCoreClient):
                 logger.warning("dropping an undecodable engine output: %s", e)
                 continue
             idx = outs.engine_index
-            if not 0 <= idx < self.num_engines or (idx in self.dead and idx not in self.restoring):
+            if not 0 <= idx < self.num_engines:
+                continue
+            if idx in self.dead:
+                if idx in self.restoring and outs.utility_output is not None:  # its state restore's replies
+                    self._deliver_utility(idx, outs.utility_output)
                 continue  # a dead engine's last words: its requests have already failed
             if outs.engine_error is not None:  # it failed a step and exits: fail its requests now
                 self._engine_died(idx, f"failed: {outs.engine_error}")
