@@ -141,3 +141,35 @@ def test_paligemma_refuses_tower_lora(tiny_mm_models, tmp_path):
     adapter = llm.engine.core.runner.lora.cpu[llm.engine.loras["decoder"].lora_id]
     assert sorted(adapter.layers) == [f"language_model.layers.{i}.{m}" for i in range(2)
                                       for m in ("mlp.down_proj", "self_attn.qkv_proj")]
+
+
+def test_legacy_adapter_names_load_the_same(setup, tmp_path):
+    """An adapter saved with transformers 4's LLaVA layout (language_model.model.*, vision_tower.vision_model.*)
+    reads into the same layers as transformers 5's (model.language_model.*, model.vision_tower.*)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, adapters, _ = setup
+    legacy = tmp_path / "legacy"
+    shutil.copytree(adapters["all"], legacy)
+    renames = [("base_model.model.model.language_model.", "base_model.model.language_model.model."),
+               ("base_model.model.model.vision_tower.", "base_model.model.vision_tower.vision_model."),
+               ("base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector.")]
+    tensors = {}
+    for key, t in load_file(str(adapters["all"] / "adapter_model.safetensors")).items():
+        for old, new in renames:
+            key = key.replace(old, new)
+        tensors[key] = t
+    assert not any(k.startswith("base_model.model.model.") for k in tensors)
+    save_file(tensors, str(legacy / "adapter_model.safetensors"))
+    llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=16, max_loras=2)
+    manager = llm.engine.core.runner.lora
+    new_layers, old_layers = (manager.cpu[llm.load_lora(n, str(p)).lora_id].layers
+                              for n, p in (("new", adapters["all"]), ("old", legacy)))
+    assert sorted(new_layers) == sorted(old_layers) and any(n.startswith("vision_tower.") for n in new_layers)
+    for name, shards in new_layers.items():
+        for mine, theirs in zip(shards, old_layers[name]):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
