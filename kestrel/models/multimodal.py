@@ -8,7 +8,10 @@ A multimodal model class provides, besides the text model's interface:
   from its processed inputs (frontend: checked against the processor's placeholders);
 - `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
   `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
-- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md."""
+- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
+For LoRA (kestrel/lora/manager.py): `lora_module_name(path)` maps an adapter's module paths like checkpoint names,
+`lora_stages` says which parts take adapters, and a model whose vision tower and connector take them gives
+`lora_encoder_tokens(image_inputs) -> {"tower": rows, "connector": rows}`, counted from the processed inputs."""
 from __future__ import annotations
 
 import re
@@ -52,6 +55,13 @@ def mm_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor
         if owner == "vision_tower.post_layernorm" and not hasattr(model.vision_tower, "post_layernorm"):
             continue
         yield ours, tensor
+
+
+def checkpoint_module_name(model: torch.nn.Module, path: str, tied: bool) -> str | None:
+    """A checkpoint's module path (an adapter's target) under our names, as mm_weights maps its weights; None for a
+    module the model does not build."""
+    kept = [ours for ours, _ in mm_weights(model, [(f"{path}.weight", None)], tied)]
+    return kept[0].removesuffix(".weight") if kept else None
 
 
 def tie_output_embeddings(model: torch.nn.Module, hf_config) -> bool:

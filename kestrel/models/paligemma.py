@@ -16,7 +16,7 @@ from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.context import ModelContext
 from kestrel.models.gemma import GemmaForCausalLM
 from kestrel.models.llama import head_dim_of
-from kestrel.models.multimodal import mm_weights, tie_output_embeddings
+from kestrel.models.multimodal import checkpoint_module_name, mm_weights, tie_output_embeddings
 from kestrel.models.vision.encoder import vision_linear
 from kestrel.models.vision.siglip import SiglipVisionTransformer
 from kestrel.models.weights import load_named_weights
@@ -25,6 +25,7 @@ from kestrel.models.weights import load_named_weights
 class PaliGemmaForConditionalGeneration(nn.Module):
     bidirectional_prefix = True
     packed_modules = GemmaForCausalLM.packed_modules
+    lora_stages = (("language_model.", "decoder"),)  # LoRA on the decoder only (not on the SigLIP tower)
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
         super().__init__()
@@ -57,6 +58,9 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         features = self.vision_tower(image["pixel_values"][None])[0]
         n, c = features.shape
         return self.multi_modal_projector.linear(features).view(n, -1)
+
+    def lora_module_name(self, path: str) -> str | None:
+        return checkpoint_module_name(self, path, self.tied)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         vocab = self.config.vocab_size

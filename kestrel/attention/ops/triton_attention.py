@@ -362,7 +362,8 @@ def _default_decode_config(head_dim: int, group: int, page: int, batch: int = 25
     return cfg
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      min_split: int = MIN_SPLIT_TOKENS) -> int:
     """Splits of the context per (sequence, kv head), a power of two in [1, 64], from shapes only.
 
     No split once batch * kv heads alone fills the chip twice (H200, 1k contexts: B=64 -> 512 programs ran
@@ -373,7 +374,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     if work >= 2 * num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, work)
-    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    cap = max(1, max_context // min_split)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
         splits *= 2

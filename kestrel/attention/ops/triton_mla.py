@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, _LOG2E, _mm, _sms_for,
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for,
                                                     _split_bounds, _token_offsets, _upcast, choose_num_splits)
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 from kestrel.platform.triton_gates import interpreter_mode
@@ -116,24 +116,32 @@ def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_sp
         return  # written by the decode kernel
     row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     offs_s = tl.arange(0, MAX_SPLITS)
-    mask_s = offs_s < n_active
     offs_l = tl.arange(0, L)
-    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
+    lse = tl.load(PLSE + row + offs_s, mask=offs_s < n_active, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
+    denom = tl.sum(tl.exp2(lse - m), axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    po = tl.load(PO + (row + offs_s)[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.sum(po * w[:, None], axis=0) / denom
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, o.to(O.dtype.element_ty))
+    # one split's [L] partial at a time: a [MAX_SPLITS, L] float32 tile would spill (25 us a launch at batch 1)
+    acc = tl.zeros([L], tl.float32)
+    for sp in range(0, n_active):
+        acc += tl.exp2(tl.load(PLSE + row + sp) - m) * tl.load(PO + (row + sp) * L + offs_l)
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, (acc / denom).to(O.dtype.element_ty))
 
 
 def _default_config(L: int, batch: int) -> dict:
-    # Not tuned on the GPU yet (benchmarks/mla_decode.py sweeps it): a [16 heads x 512] float32 accumulator and
-    # 32-token latent tiles (36 KiB of bf16 a stage).
-    return {"BLOCK_H": 16, "BLOCK_N": 32 if L > 256 else 64, "num_warps": 4 if batch > 8 else 8, "num_stages": 2,
-            "MIN_SPLIT": MIN_SPLIT_TOKENS}
+    # H200 sweep (benchmarks/mla_decode.py --sweep, 16 heads, 512 + 64; docs/benchmarks.md): small batches want
+    # wide tiles and short splits (1 x 32k: 38 us vs 52 with 32-token tiles; 1 x 1k: 10.9 vs 12.0), large batches
+    # 32-token tiles on 4 warps (256 x 1k: 120 us, 2.5 TB/s). A [16 heads x 512] float32 accumulator.
+    if batch <= 8:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 32}
+    elif batch <= 16:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 128}
+    else:
+        tile = {"BLOCK_N": 32, "num_warps": 4, "MIN_SPLIT": 64}
+    if L <= 256:
+        tile["BLOCK_N"] = 64
+    return {"BLOCK_H": 16, "num_stages": 2, **tile}
 
 
 def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=None, num_splits=None, *,
@@ -156,7 +164,7 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = choose_num_splits(B, head_blocks, max_ctx, _sms_for(q_lat))
+        num_splits = choose_num_splits(B, head_blocks, max_ctx, _sms_for(q_lat), min_split=cfg["MIN_SPLIT"])
     if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
     if num_splits > 1:
