@@ -9,7 +9,7 @@ from torch import nn
 
 from kestrel.models.context import ModelContext
 from kestrel.models.llama import LlamaForCausalLM
-from kestrel.models.multimodal import mm_weights, tie_output_embeddings
+from kestrel.models.multimodal import ImageTextModel, mm_weights, tie_output_embeddings
 from kestrel.models.qwen import Qwen2ForCausalLM
 from kestrel.models.vision import anyres
 from kestrel.models.vision.clip import CLIPVisionTransformer
@@ -42,7 +42,7 @@ def _check_config(hf) -> None:
         raise NotImplementedError(f"LLaVA-NeXT vision tower {hf.vision_config.model_type!r} is not supported")
 
 
-class LlavaNextForConditionalGeneration(nn.Module):
+class LlavaNextForConditionalGeneration(ImageTextModel):
     bidirectional_prefix = False
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
@@ -91,18 +91,6 @@ class LlavaNextForConditionalGeneration(nn.Module):
         return anyres.pack_image_features(projected, tuple(image["image_sizes"].tolist()),
                                           self.hf.image_grid_pinpoints, self.hf.vision_config.image_size,
                                           self.image_newline)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.config.vocab_size
-        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
-
-    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rest():

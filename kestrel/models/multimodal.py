@@ -8,13 +8,15 @@ A multimodal model class provides, besides the text model's interface:
   from its processed inputs (frontend: checked against the processor's placeholders);
 - `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
   `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
-- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md."""
+- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
+`ImageTextModel` is their common base: the text-side interface over the decoder in `self.language_model`."""
 from __future__ import annotations
 
 import re
 from typing import Iterable
 
 import torch
+from torch import nn
 
 # checkpoint prefixes (legacy and transformers 5 layouts) -> our module names
 _RENAMES = [
@@ -69,3 +71,26 @@ def tie_output_embeddings(model: torch.nn.Module, hf_config) -> bool:
 def image_token_id(hf_config) -> int:
     tid = getattr(hf_config, "image_token_id", None)
     return getattr(hf_config, "image_token_index", None) if tid is None else tid
+
+
+class ImageTextModel(nn.Module):
+    """The text side of an image-text model: token embeddings, forward and logits go to `self.language_model`;
+    `self.config` is the decoder's config. `position_offset` is added to the positions the decoder sees
+    (PaliGemma counts them from 1)."""
+    position_offset = 0
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Image placeholder ids lie past the decoder's vocabulary: they embed as token 0 (their rows are replaced
+        by image embeddings)."""
+        vocab = self.config.vocab_size
+        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
+
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        if self.position_offset:
+            positions = positions + self.position_offset
+        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
