@@ -2,32 +2,22 @@
 tokens identical for 32 tokens, also with chunked prefill, a prefix-cache hit and preemption, each asserted to have
 happened; a sliding-window group frees the blocks that left its window while the request runs."""
 import pytest
-import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from kestrel.engine.kv_cache import NULL_BLOCK_ID
+from tests.agreement import hf_greedy
 
 NUM_TOKENS = 32
 # window 8: every prompt but the first is longer than the window, and 32 outputs run past it anyway
 PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206, 300, 301]]
 
 
-def hf_greedy(path, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    # eager attention: the one transformers path that applies attention soft-capping
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(seq[0, len(p):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    return {kind: hf_greedy(tiny_models[kind], PROMPTS, NUM_TOKENS) for kind in ("gemma", "gemma3")}
+    # eager attention: the one transformers path that applies attention soft-capping
+    return {kind: hf_greedy(tiny_models[kind], PROMPTS, NUM_TOKENS, attn_implementation="eager")
+            for kind in ("gemma", "gemma3")}
 
 
 def generate(path, prompts, **kw):
