@@ -310,6 +310,26 @@ def _decode_kernel(
                 tl.atomic_xchg(cnt, 0)
 
 
+@triton.jit
+def merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS: tl.constexpr,
+                 D: tl.constexpr):
+    """O[b, h] = the n_active split partials PO[b, h, :, :D] of (sequence b, head h), weighted by their
+    log-sum-exps PLSE[b, h, :] (the second kernel of a split-K decode; grid (B, H))."""
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    mask_s = offs_s < n_active
+    offs_d = tl.arange(0, D)
+    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    po = tl.load(PO + (row + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], axis=0) / denom
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_reduce_kernel(
     PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split, window,
@@ -324,19 +344,7 @@ def _decode_reduce_kernel(
     _, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # the decode kernel wrote the output itself
-    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    offs_s = tl.arange(0, MAX_SPLITS)
-    mask_s = offs_s < n_active
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    po = tl.load(PO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.sum(po * w[:, None], axis=0) / denom
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+    merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS, HEAD_DIM)
 
 
 def _default_decode_config(head_dim: int, group: int, page: int, batch: int = 256) -> dict:
@@ -380,6 +388,28 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return splits
 
 
+def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: int, max_ctx: int,
+                       num_splits: int | None):
+    """What a split-K decode launch of q [B, H, D] needs besides its kernels' arguments: the split count
+    (choose_num_splits over `programs` (sequence, head-block) programs a sequence unless given), the float32
+    partial outputs [B, H, splits, D] and log-sum-exps [B, H, splits] of split launches (unsplit: `out`, unused),
+    the shortest split in whole BLOCK_N tiles, and the compiler's launch options.
+    Returns (num_splits, po, plse, min_split, launch)."""
+    B, H, D = q.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(B, programs, max_ctx, _sms_for(q))
+    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
+    if num_splits > 1:
+        po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        plse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return num_splits, po, plse, min_split, launch
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
     sliding_window=None, softcap=0.0, _config=None
@@ -408,23 +438,13 @@ def decode_attention(
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if window:
         max_ctx = min(max_ctx, window + cfg["BLOCK_N"])
-    if num_splits is None:
-        num_splits = choose_num_splits(B, hkv, max_ctx, _sms_for(q))
-    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
+    num_splits, po, plse, min_split, launch = split_decode_setup(q, out, cfg, hkv, max_ctx, num_splits)
     g_pad = max(16, triton.next_power_of_2(group)) if cfg["USE_DOT"] else triton.next_power_of_2(group)
-    if num_splits > 1:
-        po = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused
-    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     # The split count is a run-time argument (one compiled variant for split and one for unsplit launches,
     # not one per power of two): each variant costs ~1 s of Triton compilation at start-up. Split launches merge
     # in the same launch (the last split reduces, counted per (sequence, kv head)) unless `_config` turns that off
     # or the batch outgrows the counters; then a second kernel merges.
     fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
-    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     cnt = tile_counters(q.device) if fused_reduce else out
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[(B, hkv, num_splits)](

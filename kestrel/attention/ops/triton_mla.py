@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, _LOG2E, _mm, _sms_for,
-                                                    _split_bounds, _token_offsets, _upcast, choose_num_splits)
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, _LOG2E, _mm, _split_bounds,
+                                                    _token_offsets, _upcast, merge_splits, split_decode_setup)
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 from kestrel.platform.triton_gates import interpreter_mode
 
@@ -114,19 +114,7 @@ def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_sp
     _, n_active = _split_bounds(tl.load(SL + b), num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # written by the decode kernel
-    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    offs_s = tl.arange(0, MAX_SPLITS)
-    mask_s = offs_s < n_active
-    offs_l = tl.arange(0, L)
-    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    po = tl.load(PO + (row + offs_s)[:, None] * L + offs_l[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.sum(po * w[:, None], axis=0) / denom
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, o.to(O.dtype.element_ty))
+    merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS, L)
 
 
 def _default_config(L: int, batch: int) -> dict:
@@ -155,17 +143,7 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
     cfg = {**_default_config(L, B), **(_config or {})}
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-    if num_splits is None:
-        num_splits = choose_num_splits(B, head_blocks, max_ctx, _sms_for(q_lat))
-    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
-    if num_splits > 1:
-        po = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q_lat.device)
-        plse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q_lat.device)
-    else:
-        po = plse = out  # unused
-    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, head_blocks, max_ctx, num_splits)
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_lat, q_pe, cache, block_tables, seq_lens, out, po, plse,
         float(scale) * _LOG2E, H, num_splits, min_split,
