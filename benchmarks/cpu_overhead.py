@@ -1,7 +1,9 @@
 """Engine CPU time per decode step at batch 256 with the model replaced by a stub (no device work), so what
-is left is scheduling, input preparation, sampling bookkeeping and output processing.
+is left is scheduling, input preparation, sampling bookkeeping and output processing. Also prints the part of
+it spent in the runner's input preparation and in the scheduler's step deltas. --shape gemma3-1b: 26 layers
+in 7 KV-cache groups (1 full-attention, 6 sliding-window).
 
-    python benchmarks/cpu_overhead.py [--batch 256]"""
+    python benchmarks/cpu_overhead.py [--batch 256] [--shape gemma3-1b]"""
 from __future__ import annotations
 
 import argparse
@@ -31,18 +33,40 @@ class StubModel(torch.nn.Module):
         return torch.zeros(hidden.shape[0], self.vocab)
 
 
+TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=512, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, bos_token_id=1, eos_token_id=2)
+# shape -> (layers: the shape's KV-cache groups with tiny layers, KV blocks that hold the batch)
+SHAPE_RUNS = {"qwen3-0.6b": (1, 40000), "gemma3-1b": (26, 160000)}
+
+
+def timed(obj, name: str, totals: dict) -> None:
+    """Wrap obj.name so that its wall time adds up in totals[name]."""
+    fn = getattr(obj, name)
+    totals[name] = 0.0
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPE_RUNS))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--detokenize", action="store_true", help="also stream text (off: token ids, as the "
                     "throughput benchmark)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
-    cfg = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=1, hidden_size=64, intermediate_size=64, vocab_size=512,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=16, bos_token_id=1, eos_token_id=2)
+    layers, blocks = SHAPE_RUNS[args.shape]
+    cfg = dict(SHAPES[args.shape], num_hidden_layers=layers, **TINY)
     (d / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=40000,
+    llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=blocks,
               enable_prefix_caching=False, async_scheduling="on")
     eng = llm.engine
     runner = eng.core.runner
@@ -57,11 +81,17 @@ def main():
     for _ in range(5):
         eng.step()
     n = 50
+    totals = {}
+    timed(runner, "_prepare", totals)
+    timed(eng.core.scheduler, "_step_input", totals)
     t = time.perf_counter()
     for _ in range(n):
         eng.step()
     dt = (time.perf_counter() - t) / n
-    print(f"CPU time per decode step at batch {args.batch}: {dt * 1e3:.2f} ms ({dt / args.batch * 1e6:.1f} us/request)")
+    groups = len(runner.kv_cache_groups)
+    print(f"CPU time per decode step at batch {args.batch}, {args.shape} ({groups} KV groups): {dt * 1e3:.2f} ms "
+          f"({dt / args.batch * 1e6:.1f} us/request); runner prepare {totals['_prepare'] / n * 1e3:.3f} ms, "
+          f"scheduler step deltas {totals['_step_input'] / n * 1e3:.3f} ms")
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()
