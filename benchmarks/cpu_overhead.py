@@ -1,7 +1,7 @@
 """Engine CPU time per decode step at batch 256 with the model replaced by a stub (no device work), so what
-is left is scheduling, input preparation, sampling bookkeeping and output processing. Also prints the part of
-it spent in the runner's input preparation and in the scheduler's step deltas. --shape gemma3-1b: 26 layers
-in 7 KV-cache groups (1 full-attention, 6 sliding-window).
+is left is scheduling, input preparation, sampling bookkeeping and output processing. Also prints the parts
+spent in the runner's input preparation and in scheduling (of that, building the runner's step deltas).
+--shape gemma3-1b: 26 layers in 7 KV-cache groups (1 full-attention, 6 sliding-window).
 
     python benchmarks/cpu_overhead.py [--batch 256] [--shape gemma3-1b]"""
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main():
     calls = {}
     timed(runner, "_prepare", calls)
     timed(eng.core.scheduler, "_step_input", calls)
+    timed(eng.core.scheduler, "schedule", calls)
     t = time.perf_counter()
     for _ in range(n):
         eng.step()
@@ -97,7 +98,8 @@ def main():
     groups = len(runner.kv_cache_groups)
     print(f"CPU time per decode step at batch {args.batch}, {args.shape} ({groups} KV groups): {dt * 1e3:.2f} ms "
           f"({dt / args.batch * 1e6:.1f} us/request)")
-    print(f"  of it runner prepare {ms(calls['_prepare'])}, scheduler step deltas {ms(calls['_step_input'])}")
+    print(f"  of it runner prepare {ms(calls['_prepare'])}, scheduling {ms(calls['schedule'])}, "
+          f"of that step deltas {ms(calls['_step_input'])}")
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()
