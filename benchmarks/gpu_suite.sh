@@ -6,6 +6,7 @@
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
+# Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -45,10 +46,17 @@ for s in $stages; do
     profile8b) (cd benchmarks && timeout 200 python3 profile_step.py --batch 1 --greedy --shape llama-8b > "$OUT/profile8b.txt" 2>&1; head -3 "$OUT/profile8b.txt") ;;
     moe)    timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_moe_models.py 2>&1 | tail -6
             timeout 230 python3 benchmarks/moe_kernel.py --json "$OUT/moe_kernel.json" 2>&1 | tail -20 ;;
-    moetune) timeout 560 python3 benchmarks/moe_kernel.py --tune --write --json "$OUT/moe_tuned.json" 2>&1 | tail -20
+    moetune) timeout 300 python3 benchmarks/moe_kernel.py --tune --write --json "$OUT/moe_tuned.json" 2>&1 | tail -20
             cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
+    moetunemla) timeout 300 python3 benchmarks/moe_kernel.py --shape deepseek-v2-lite --tune --write \
+              --json "$OUT/moe_tuned_mla.json" 2>&1 | tail -20
+            cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
+    kern)   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton_interp.py \
+              tests/attention/test_triton_mla.py tests/gpu/test_gpu_mla.py tests/gpu/test_gpu_moe.py 2>&1 | tail -8 ;;
+    mlatune16) timeout 400 python3 benchmarks/mla_decode.py --sweep 2>&1 | tee "$OUT/mla_tune16.txt" | tail -5 ;;
     tputmoe) timeout 480 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --json "$OUT/tput_moe.json" 2>&1 | grep -v Warning | tail -12 ;;
     latmoe) timeout 300 python3 benchmarks/latency.py --shape qwen3-30b-a3b --hf-output-len 0 --json "$OUT/lat_moe.json" 2>&1 | tail -8 ;;
+    tp)     timeout 300 python3 -m pytest -q -x -rs -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -8 ;;
     lora)   timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_lora.py \
               tests/kernels/test_lora_kernels_interp.py 2>&1 | tail -8 ;;
     tputlora) timeout 400 python3 benchmarks/lora_throughput.py --shape qwen3-0.6b --json "$OUT/tput_lora.json" 2>&1 \
@@ -66,11 +74,17 @@ for s in $stages; do
               --max-model-len 4096 --json "$OUT/tput_mla_dense.json" 2>&1 | grep -v Warning | tail -14 ;;
     latmlad) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite-dense --hf-output-len 0 --max-model-len 4096 \
               --json "$OUT/lat_mla_dense.json" 2>&1 | tail -8 ;;
-    vllmmla) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \
+    vllmmla) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \
               --json "$OUT/vllm_mla.json" 2>&1 | grep -v Warning | tail -8 ;;
-    vllmmlad) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
+    vllmmlad) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
               --shape deepseek-v2-lite-dense --json "$OUT/vllm_mla_dense.json" 2>&1 | grep -v Warning | tail -8 ;;
-    vllmmoe) PYTHONPATH=/tmp/site:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
+    moemodels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe_models.py > "$OUT/moemodels.txt" 2>&1; tail -3 "$OUT/moemodels.txt" ;;
+    tp1)    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -40 ;;
+    profmla) (cd benchmarks && timeout 300 python3 profile_step.py --shape deepseek-v2-lite > "$OUT/profile_mla.txt" 2>&1; head -45 "$OUT/profile_mla.txt") ;;
+    prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
+    prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
+    mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
+    vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -52,23 +52,25 @@ def main():
     out = mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale)
     ref = mla_latent_attention_ref(q_lat.float(), q_pe.float(), cache.float(), bt, list(range(5)), [3000] * 4, scale)
     print(f"rel err vs float32 reference (4 x 3000): {((out.float() - ref).norm() / ref.norm()).item():.2e}")
-    variants = [None]
-    if args.sweep:
-        variants += [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-                     for bn, w, s in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
-    print(f"{'batch':>5} {'ctx':>6} {'config':<40} {'us':>8} {'GB/s':>7}")
-    for batch, ctx in [(1, 1024), (1, 32768), (16, 1024), (64, 1024), (256, 1024), (256, 4096)]:
+    tiles = [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn, w, s in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+    print(f"{'batch':>5} {'ctx':>6} {'config':<58} {'us':>8} {'GB/s':>7}")
+    for batch, ctx in [(1, 256), (1, 1024), (1, 32768), (16, 1024), (64, 1024), (256, 1024), (256, 4096)]:
         q_lat, q_pe, cache, bt, sl = case(batch, ctx, args.heads)
         nbytes = batch * ctx * (L + R) * 2
+        variants = [None]
+        if args.sweep:  # the split length matters only where the batch leaves SMs idle
+            splits = (32, 64, 128, 256) if batch <= 16 else (64,)
+            variants += [dict(t, MIN_SPLIT=ms) for t in tiles for ms in splits]
         for v in variants:
             try:
                 us = time_us(lambda: mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale, _config=v,
                                                           max_seq_len=ctx))
             except Exception as e:  # a tile that does not fit shared memory
-                print(f"{batch:>5} {ctx:>6} {str(v):<40} failed: {type(e).__name__}")
+                print(f"{batch:>5} {ctx:>6} {str(v):<58} failed: {type(e).__name__}")
                 continue
-            label = str(v or {k: _default_config(L, batch)[k] for k in ("BLOCK_N", "num_warps", "num_stages")})
-            print(f"{batch:>5} {ctx:>6} {label:<40} {us:>8.1f} {nbytes / us / 1e3:>7.0f}")
+            label = str(v or {k: _default_config(L, batch)[k] for k in ("BLOCK_N", "num_warps", "num_stages",
+                                                                         "MIN_SPLIT")})
+            print(f"{batch:>5} {ctx:>6} {label:<58} {us:>8.1f} {nbytes / us / 1e3:>7.0f}")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,13 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def bench_us(fn, iters: int = 20) -> float:
+    """Microseconds per call; inf for a tile that does not fit the chip (shared memory)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=5, rep=iters) * 1e3
+    try:
+        return triton.testing.do_bench(fn, warmup=5, rep=iters) * 1e3
+    except triton.runtime.errors.OutOfResources:
+        return float("inf")
 
 
 def grouped_mm_moe(x, w13, w2, topk_w, topk_ids):
@@ -45,11 +49,19 @@ def grouped_mm_moe(x, w13, w2, topk_w, topk_ids):
 _WEIGHTS: dict = {}
 
 
+def moe_dims(shape: str) -> tuple[int, int, int, int, int]:
+    """(experts, slots per token, hidden, intermediate, shared slots) as the kernel sees one layer: DeepSeek's
+    shared experts run fused (FSE) as always-selected extra experts of the routed size."""
+    s = SHAPES[shape]
+    e = s.get("num_experts", s.get("n_routed_experts", 0))
+    shared = s.get("n_shared_experts", 0) or 0
+    return e + shared, s["num_experts_per_tok"] + shared, s["hidden_size"], s["moe_intermediate_size"], shared
+
+
 def experts(shape: str, fp8: bool, gen):
     """One layer's experts (made once per shape and format)."""
     if (shape, fp8) not in _WEIGHTS:
-        s = SHAPES[shape]
-        e, h, i = s["num_experts"], s["hidden_size"], s["moe_intermediate_size"]
+        e, _, h, i, _ = moe_dims(shape)
         w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h ** -0.5
         w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i ** -0.5
         scales = {}
@@ -65,11 +77,13 @@ def experts(shape: str, fp8: bool, gen):
 
 
 def problem(shape: str, t: int, fp8: bool, gen):
-    s = SHAPES[shape]
-    e, k, h = s["num_experts"], s["num_experts_per_tok"], s["hidden_size"]
+    e, k, h, _, shared = moe_dims(shape)
     w13, w2, scales = experts(shape, fp8, gen)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    topk_w, ids = torch.randn(t, e, device="cuda", generator=gen).softmax(-1).topk(k, dim=-1)
+    topk_w, ids = torch.randn(t, e - shared, device="cuda", generator=gen).softmax(-1).topk(k - shared, dim=-1)
+    if shared:  # the fused shared experts: always selected, weight 1
+        topk_w = torch.cat([topk_w, torch.ones(t, shared, device="cuda")], dim=1)
+        ids = torch.cat([ids, torch.arange(e - shared, e, device="cuda").expand(t, shared)], dim=1)
     return x, w13, w2, topk_w, ids.to(torch.int32), scales
 
 
@@ -77,8 +91,7 @@ def table(args):
     from kestrel.kernels.moe import MoESpec, TorchMoE
     from kestrel.kernels.triton_ops.fused_moe import fused_moe
 
-    s = SHAPES[args.shape]
-    e, k, h, i = s["num_experts"], s["num_experts_per_tok"], s["hidden_size"], s["moe_intermediate_size"]
+    e, k, h, i, _ = moe_dims(args.shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ref_kernel = TorchMoE(MoESpec("bench", e, k, h, i, torch.bfloat16))
     rows = []
@@ -115,13 +128,12 @@ def tune(args):
     from kestrel.kernels.triton_ops import fused_moe as fm
     from kestrel.kernels.triton_ops.precompile import compile_only
 
-    s = SHAPES[args.shape]
-    e, k, h, i = s["num_experts"], s["num_experts_per_tok"], s["hidden_size"], s["moe_intermediate_size"]
+    e, k, h, i, _ = moe_dims(args.shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bks = (128,) if args.fp8 else (64, 128)
     tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
              for bn, bk, w, st in itertools.product((32, 64, 128), bks, (4, 8), (3, 4))]
-    buckets = [b for b in fm.BUCKETS if b <= 8192]
+    buckets = [b for b in fm.BUCKETS if b <= 8192 and (not args.buckets or b in args.buckets)]
     problems = {b: problem(args.shape, b, args.fp8, gen) for b in buckets}
 
     def candidates(bm):
@@ -160,12 +172,13 @@ def tune(args):
         rows.append(dict(bucket=b, tuned_us=us, default_us=default_us, BLOCK_M=cfg["up"]["BLOCK_M"],
                          up=f"{cfg['up']['BLOCK_N']}/{cfg['up']['BLOCK_K']}/w{cfg['up']['num_warps']}/s{cfg['up']['num_stages']}",
                          down=f"{cfg['down']['BLOCK_N']}/{cfg['down']['BLOCK_K']}/w{cfg['down']['num_warps']}/s{cfg['down']['num_stages']}"))
-    best[str(fm.BUCKETS[-1])] = best[str(buckets[-1])]
+    if buckets[-1] == 8192:
+        best[str(fm.BUCKETS[-1])] = best["8192"]
     print_table(f"Tuned fused MoE configs, {args.shape} ({'fp8' if args.fp8 else 'bf16'})", rows)
     key = fm.config_key(e, h, i, args.fp8)
     if args.write:
         stored = json.loads(fm.CONFIG_FILE.read_text()) if fm.CONFIG_FILE.exists() else {}
-        stored[key] = best
+        stored[key] = {**stored.get(key, {}), **best}
         fm.CONFIG_FILE.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
         print(f"wrote {key} to {fm.CONFIG_FILE}")
     return {key: best}
@@ -173,10 +186,12 @@ def tune(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=[n for n, s in SHAPES.items() if "num_experts" in s])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=[n for n, s in SHAPES.items() if "moe_intermediate_size" in s])
     ap.add_argument("--fp8", action="store_true", help="block-quantized FP8 experts (128x128)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--write", action="store_true", help="with --tune: store the configs in the config file")
+    ap.add_argument("--buckets", type=lambda v: [int(b) for b in v.split(",")], default=None,
+                    help="with --tune: only these batch buckets (comma-separated; others keep their configs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = tune(args) if args.tune else table(args)

@@ -91,15 +91,22 @@ class MLAImpl(AttentionImpl):
         -> [T, H, v_head_dim]; writes the new tokens' latents into the cache first."""
         self.write_latent(kv_c, k_pe, cache, meta.slot_mapping)
         t = q_nope.shape[0]
-        out = q_nope.new_zeros(t, layer.num_heads, layer.v_head_dim)
         na, n = meta.num_absorbed_tokens, meta.num_tokens
+        if na == t:  # every token absorbed (decode steps, captured graphs): no output buffer to fill
+            return self._absorbed(q_nope, q_pe, cache, meta, layer)
+        out = q_nope.new_zeros(t, layer.num_heads, layer.v_head_dim)
         if na:
-            q_lat = torch.bmm(q_nope[:na].transpose(0, 1), layer.w_uk).transpose(0, 1)  # [na, H, L]
-            o_lat = self.attend_latent(q_lat, q_pe[:na], cache, meta)  # [na, H, L]
-            out[:na] = torch.bmm(o_lat.transpose(0, 1), layer.w_uv).transpose(0, 1)
+            out[:na] = self._absorbed(q_nope[:na], q_pe[:na], cache, meta, layer)
         if n > na:
             out[na:n] = self.attend_dense(q_nope[na:n], q_pe[na:n], cache, meta, layer)
         return out
+
+    def _absorbed(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
+        """W_UK folded into the query, attention over the latent cache, W_UV on the way out -> [na, H, v]
+        (a transposed view: the caller's reshape makes the one copy)."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), layer.w_uk).transpose(0, 1)  # [na, H, L]
+        o_lat = self.attend_latent(q_lat, q_pe, cache, meta)  # [na, H, L]
+        return torch.bmm(o_lat.transpose(0, 1), layer.w_uv).transpose(0, 1)
 
     @staticmethod
     def expand_contexts(cache: torch.Tensor, meta: MLAMetadata, layer: "MLAAttention"):
@@ -185,7 +192,8 @@ class MLAAttention(nn.Module):
         meta = ctx.attn_metadata[self.group_id]
         t = q.shape[0]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.reshape(t, 1, self.qk_rope_head_dim).contiguous())
-        out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe.view(t, self.qk_rope_head_dim), self.kv_cache, meta,
-                                    self)
+        # strided views of the projections' outputs: the CUDA rotary rotates them in place, no copies
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.qk_rope_head_dim))
+        out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe.reshape(t, self.qk_rope_head_dim), self.kv_cache,
+                                    meta, self)
         return out.reshape(t, self.num_heads * self.v_head_dim)

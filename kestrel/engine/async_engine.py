@@ -81,6 +81,7 @@ class AsyncEngine:
         path = m.model or default_model_path()
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
+        self.client.on_engine_restarted = self.loras.restore  # a restarted engine core gets the adapters back
         _, self.tokenizer, mm = await asyncio.gather(
             self.client.start(),
             asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code, m.gguf_cache_dir),

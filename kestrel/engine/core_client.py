@@ -5,7 +5,10 @@
 - DPClient: MPClient over N engines that routes each new request to the least-loaded engine.
 
 Every client delivers EngineCoreOutputs to `on_outputs` (on the event loop) and reports a dead engine through
-`on_engine_dead(exc, child_request_ids)`, where exc is kestrel.errors.EngineDead naming the engine."""
+`on_engine_dead(exc, child_request_ids)`, where exc is kestrel.errors.EngineDead naming the engine. An engine
+the client restarts gets the server's run-time state back (`on_engine_restarted(index, serve)`: the LoRA adapters
+loaded so far) before it serves: until that hook calls `serve()`, the engine stays out of `live_engines` and gets
+no requests, but utility calls reach it (`restoring`)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +20,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -32,6 +35,7 @@ from kestrel.errors import EngineDead, KestrelError
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
+EXIT_GRACE_S = 5.0  # an engine core that reported its failure is killed if it has not exited by then
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles per restart of the same engine
 
 
@@ -41,6 +45,7 @@ class EngineStartupError(KestrelError, RuntimeError):
 
 OutputHandler = Callable[[P.EngineCoreOutputs], None]
 DeadHandler = Callable[[EngineDead, list[str] | None], None]
+RestartHandler = Callable[[int, Callable[[], None]], Awaitable[None]]
 
 
 class EngineCoreClient:
@@ -55,6 +60,8 @@ class EngineCoreClient:
         self.engine_info: list[dict] = []
         self.stats: list[P.SchedulerStats | None] = []
         self.dead: dict[int, EngineDead] = {}
+        self.restoring: set[int] = set()  # restarted engines (still in `dead`) getting their state back
+        self.on_engine_restarted: RestartHandler | None = None
         self.utility = UtilityClient(self)
 
     @property
@@ -122,12 +129,28 @@ class InprocClient(EngineCoreClient):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            outs = await loop.run_in_executor(self._pool, self._run_cmds_and_step)
+            try:
+                outs = await loop.run_in_executor(self._pool, self._run_cmds_and_step)
+            except Exception as e:  # a failed step (a tensor-parallel worker died): the engine is dead
+                self._failed(e)
+                return
             self.stats = [outs.stats]
             try:
                 self.on_outputs(outs)
             except Exception:
                 logger.exception("output handler failed")
+
+    def _failed(self, e: Exception) -> None:
+        exc = EngineDead(f"engine core 0 failed: {type(e).__name__}: {e}")
+        exc.engine_index = 0
+        logger.error("%s; failing its requests", exc)
+        self.dead[0] = exc
+        self.utility.fail_engine(0, exc)
+        try:
+            self.on_engine_dead(exc, None)
+        except Exception:
+            logger.exception("engine-dead handler failed")
+        self._pool.submit(self.core.shutdown)
 
     def _queue(self, fn) -> None:
         self._cmds.append(fn)
@@ -184,7 +207,9 @@ class MPClient(EngineCoreClient):
         self.restarts = [0] * num_engines
         self._restart_at: dict[int, float] = {}  # dead engine -> when to spawn it again
         self._starting: dict[int, float] = {}  # spawned after a death, not ready yet -> start-up deadline
+        self._exiting: dict[int, float] = {}  # reported its failure, process not gone yet -> when to kill it
         self._tasks: list[asyncio.Task] = []
+        self._restores: set[asyncio.Task] = set()
         self._closing = False
         self._dir: str | None = None
 
@@ -192,6 +217,8 @@ class MPClient(EngineCoreClient):
         if i not in self.dead:
             return "ready"
         if i in self._starting or i in self._restart_at:
+            return "restarting"
+        if i in self._exiting and self.restarts[i] < self.restart_limit:
             return "restarting"
         return "dead"
 
@@ -275,7 +302,7 @@ class MPClient(EngineCoreClient):
 
     # ---- sending
     def _send(self, engine: int, rtype: P.RequestType, payload: bytes) -> None:
-        if engine in self.dead:
+        if engine in self.dead and not (engine in self.restoring and rtype == P.RequestType.UTILITY):
             raise self.dead[engine]
         try:
             self._input.send_multipart([engine_identity(engine), rtype.value, payload], flags=zmq.NOBLOCK)
@@ -332,8 +359,16 @@ class MPClient(EngineCoreClient):
                 logger.warning("dropping an undecodable engine output: %s", e)
                 continue
             idx = outs.engine_index
-            if not 0 <= idx < self.num_engines or idx in self.dead:
+            if not 0 <= idx < self.num_engines:
+                continue
+            if idx in self.dead:
+                if idx in self.restoring and outs.utility_output is not None:  # its state restore's replies
+                    self._deliver_utility(idx, outs.utility_output)
                 continue  # a dead engine's last words: its requests have already failed
+            if outs.engine_error is not None:  # it failed a step and exits: fail its requests now
+                self._engine_died(idx, f"failed: {outs.engine_error}")
+                self._exiting[idx] = time.monotonic() + EXIT_GRACE_S
+                continue
             if outs.utility_output is not None:
                 self._deliver_utility(idx, outs.utility_output)
             if outs.stats is not None:
@@ -362,12 +397,14 @@ class MPClient(EngineCoreClient):
             if idx not in self._starting:
                 continue
             if msg.get("status") == "ready":
-                del self._starting[idx]
                 self.engine_info[idx] = msg
-                self.stats[idx] = None
-                self.routed_since_stats[idx] = 0
-                del self.dead[idx]
-                logger.info("engine core %d is back (restart %d of %d)", idx, self.restarts[idx], self.restart_limit)
+                if self.on_engine_restarted is None:
+                    self._serve_again(idx, self.procs[idx])
+                else:
+                    self.restoring.add(idx)
+                    task = asyncio.create_task(self._restore(idx, self.procs[idx]), name=f"kestrel-restore-{idx}")
+                    self._restores.add(task)
+                    task.add_done_callback(self._restores.discard)
             else:
                 logger.error("engine core %d failed to restart: %s", idx, msg.get("message"))
         for i, p in enumerate(self.procs):
@@ -376,6 +413,9 @@ class MPClient(EngineCoreClient):
                     del self._starting[i]
                     if p.is_alive():
                         p.kill()
+                    if i in self.restoring:  # its state restore's calls fail now
+                        self.restoring.discard(i)
+                        self.utility.fail_engine(i, self.dead[i])
                     logger.error("engine core %d did not come back (exit code %s)", i, p.exitcode)
                     self._schedule_restart(i, now)
             elif i in self._restart_at:
@@ -385,9 +425,41 @@ class MPClient(EngineCoreClient):
                     logger.info("restarting engine core %d (%d of %d)", i, self.restarts[i], self.restart_limit)
                     self._spawn(i)
                     self._starting[i] = now + self.startup_timeout
+            elif i in self._exiting:
+                if not p.is_alive() or now > self._exiting[i]:
+                    del self._exiting[i]
+                    if p.is_alive():
+                        logger.warning("engine core %d did not exit %.0f s after its failure; killed", i,
+                                       EXIT_GRACE_S)
+                        p.kill()
+                    p.join(1)
+                    self._schedule_restart(i, now)
             elif i not in self.dead and not p.is_alive():
-                self._engine_died(i, p)
+                self._engine_died(i, f"died with exit code {p.exitcode}")
                 self._schedule_restart(i, now)
+
+    async def _restore(self, i: int, proc) -> None:
+        """Give a restarted engine the server's state (on_engine_restarted), which calls serve() when done; a
+        failure kills the engine, and the watcher restarts it again (within --engine-restart-limit)."""
+        try:
+            await self.on_engine_restarted(i, lambda: self._serve_again(i, proc))
+            problem = "the state restore did not call serve()"
+        except Exception as e:
+            problem = f"it could not get the server's state back: {e}"
+        if self.procs[i] is proc and i in self.restoring:
+            logger.error("engine core %d: %s; restarting it", i, problem)
+            proc.kill()  # the watcher reaps it and schedules the next restart
+
+    def _serve_again(self, i: int, proc) -> None:
+        """A restarted engine (with its state back) joins the live engines."""
+        if self.procs[i] is not proc or i not in self._starting:
+            raise self.dead.get(i) or EngineDead(f"engine core {i} is not the one that was restarted")
+        del self._starting[i]
+        self.restoring.discard(i)
+        self.stats[i] = None
+        self.routed_since_stats[i] = 0
+        del self.dead[i]
+        logger.info("engine core %d is back (restart %d of %d)", i, self.restarts[i], self.restart_limit)
 
     def _schedule_restart(self, i: int, now: float) -> None:
         if self.restarts[i] >= self.restart_limit:
@@ -397,8 +469,8 @@ class MPClient(EngineCoreClient):
         first, cap = RESTART_BACKOFF_S
         self._restart_at[i] = now + min(cap, first * 2 ** self.restarts[i])
 
-    def _engine_died(self, i: int, p) -> None:
-        exc = EngineDead(f"engine core {i} died with exit code {p.exitcode}")
+    def _engine_died(self, i: int, why: str) -> None:
+        exc = EngineDead(f"engine core {i} {why}")
         exc.engine_index = i
         self.dead[i] = exc
         self.stats[i] = None
@@ -417,7 +489,7 @@ class MPClient(EngineCoreClient):
         if self._closing:
             return
         self._closing = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._restores]:
             t.cancel()
         self.utility.fail_engine(None, EngineDead("the engine client was shut down"))
         procs = [p for p in self.procs if p is not None]

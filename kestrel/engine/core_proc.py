@@ -9,8 +9,11 @@ Hand-shake: after the model is loaded the engine sends one frame on its DEALER s
 msgpack {"status": "ready", ...engine facts} or {"status": "error", "message": ...} when start-up failed.
 
 Loop: while requests are unfinished, drain the input without blocking, step, send the outputs (each carries the
-scheduler stats); when idle, block on the input. A bad message is logged and dropped (a utility call gets a failure
-reply); only SHUTDOWN, a dead parent or a crash in step() ends the process."""
+scheduler stats); when idle, block on the input (and check the tensor-parallel workers each second). A bad message
+is logged and dropped (a utility call gets a failure reply); only SHUTDOWN, a dead parent or a failed step ends the
+process. A step that raises (a worker died: WorkerError names its rank) or a worker found dead while idle is
+reported at once in a last EngineCoreOutputs with `engine_error` set; the workers are stopped and the process exits,
+so the client fails the in-flight requests without waiting for the exit."""
 from __future__ import annotations
 
 import logging
@@ -63,11 +66,17 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
             inp.send(P.encoder.encode({"status": "error", "message": msg}))
             raise SystemExit(1)
         inp.send(P.encoder.encode({"status": "ready", **engine_facts(core, engine_index)}))
-        EngineCoreLoop(core, inp, out, engine_index, parent_pid).run()
+        loop = EngineCoreLoop(core, inp, out, engine_index, parent_pid)
+        loop.run()
     finally:
         inp.close()
         out.close()
         ctx.term()
+    if loop.failed:
+        # reported, workers stopped, sockets flushed: skip the interpreter's teardown (seconds with torch loaded),
+        # which would only delay the restart
+        logging.shutdown()
+        os._exit(1)
 
 
 class EngineCoreLoop:
@@ -81,6 +90,7 @@ class EngineCoreLoop:
         self.poller.register(inp, zmq.POLLIN)
         self.running = True
         self.stats_dirty = False
+        self.failed: str | None = None
 
     def send(self, outputs: P.EngineCoreOutputs) -> None:
         self.out.send(P.encoder.encode(outputs), copy=False)
@@ -99,11 +109,41 @@ class EngineCoreLoop:
                 logger.warning("parent process %d is gone; engine core %d exits", self.parent_pid, self.engine_index)
                 break
             if self.core.has_unfinished_requests():
-                self.send(self.core.step())
+                try:
+                    outputs = self.core.step()
+                except Exception as e:
+                    self.fail(e)
+                    break
+                self.send(outputs)
                 self.stats_dirty = False
             elif self.stats_dirty:  # e.g. the last request was aborted: tell the client the engine is idle
                 self.send(P.EngineCoreOutputs(self.engine_index, [], self.core.stats()))
                 self.stats_dirty = False
+            elif not events and not self.healthy():  # idle: a worker that died is reported now, not at the next step
+                break
+
+    def healthy(self) -> bool:
+        from kestrel.executor import WorkerError
+
+        try:
+            self.core.executor.check_health()
+            return True
+        except WorkerError as e:
+            self.fail(e)
+            return False
+
+    def fail(self, e: Exception) -> None:
+        """The last words: why this engine core cannot go on; then the workers are stopped and the loop ends."""
+        from kestrel.executor import WorkerError
+
+        self.failed = msg = f"{type(e).__name__}: {e}"
+        trace = "" if isinstance(e, WorkerError) else "\n" + traceback.format_exc()  # the worker logged its own
+        logger.error("engine core %d failed: %s%s", self.engine_index, msg, trace)
+        try:
+            self.send(P.EngineCoreOutputs(self.engine_index, engine_error=msg))
+        finally:
+            self.running = False
+            self.core.shutdown()
 
     def handle(self, frames) -> None:
         if len(frames) != 2:

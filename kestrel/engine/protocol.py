@@ -62,6 +62,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
+    # the engine core's last message before it exits on a failed step (a tensor-parallel worker died): why
+    engine_error: str | None = None
 
 
 class RequestType(enum.Enum):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -234,6 +234,7 @@ class UtilityTransport(Protocol):
 
     num_engines: int
     dead: Mapping[int, BaseException]  # the one record of dead engines: calls to them settle at once, unsent
+    restoring: Container[int]  # restarted engines, still in `dead`, that utility calls reach (their state restore)
 
     def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes: ...
     async def send(self, engine_index: int, payload: bytes) -> None: ...
@@ -275,7 +276,7 @@ class UtilityClient:
         with WaiterGuard(self.pending) as guard:
             calls: list[tuple[int, int, _Waiter, bytes]] = []
             for i in targets:
-                if i in self.transport.dead:
+                if i in self.transport.dead and i not in self.transport.restoring:
                     exc = UtilitySendError(f"could not send utility {method!r} to engine {i}: "
                                            f"{_reason(self.transport.dead[i])}", method, i)
                     exc.__cause__ = self.transport.dead[i]

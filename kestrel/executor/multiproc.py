@@ -68,6 +68,8 @@ class MultiWorkerExecutor(Executor):
             self.device = torch.device(info[0]["device"])
             self.worker_pids = [i["pid"] for i in info]
             self.bytes_read = [i["bytes_read"] for i in info]
+            self.dist_backend = info[0]["dist_backend"]  # nccl on CUDA, gloo on the CPU
+            self.cuda_graph_sizes: list[list[int]] = [[] for _ in info]  # per rank, once the cache is set up
         except BaseException:
             self.shutdown()
             raise
@@ -161,7 +163,7 @@ class MultiWorkerExecutor(Executor):
         return min(per_rank)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self._call_all(M.INIT_CACHE, num_blocks)
+        self.cuda_graph_sizes = self._call_all(M.INIT_CACHE, num_blocks)
 
     def launch(self, step: StepInput, prev=None, sample: bool = True) -> StepHandle:
         """Steps reach the workers in launch order; one whose sampling waits for a grammar bitmask is sent by

@@ -25,10 +25,11 @@ class RayWorker:
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
-    def run(self, config_dict: dict, rank: int, size: int, init_method: str, input_addr: str, output_addr: str):
+    def run(self, config_dict: dict, rank: int, size: int, init_method: str, input_addr: str, output_addr: str,
+            log_level: int = logging.INFO):
         from kestrel.executor.worker import run_worker
 
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank}: %(message)s")
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{rank}: %(message)s")
         run_worker(config_dict, rank, size, init_method, input_addr, output_addr, local_index=0)
 
 
@@ -69,7 +70,8 @@ class RayExecutor(MultiWorkerExecutor):
         host, port = ray.get(self._actors[0].address.remote())
         init = f"tcp://{host}:{port}"
         cfg = config.to_dict()
-        self._runs = [a.run.remote(cfg, rank, self.size, init, inputs[rank], output)
+        level = logging.getLogger("kestrel").getEffectiveLevel() or logging.INFO  # the engine's, as mp passes it
+        self._runs = [a.run.remote(cfg, rank, self.size, init, inputs[rank], output, level)
                       for rank, a in enumerate(self._actors)]
 
     def _find_dead(self, exclude: int | None = None) -> str | None:

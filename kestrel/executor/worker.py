@@ -59,7 +59,9 @@ def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_
         from kestrel.worker.model_runner import ModelRunner
 
         runner = ModelRunner(config, progress=False, parallel=parallel)
+        logger.info("tensor-parallel worker rank %d ready (pid %d)", rank, os.getpid())
         _serve(runner, rank, inp, out, me, parent_pid)
+        torch.distributed.destroy_process_group()  # a clean exit (after a peer's failure the engine kills us)
     except BaseException as e:
         logger.error("tensor-parallel worker rank %d failed: %s\n%s", rank, e, traceback.format_exc())
         out.send_multipart([me, M.ERR, M.encoder.encode(f"{type(e).__name__}: {e}")])
@@ -100,13 +102,14 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
         if method == M.DESCRIBE:
             reply = {"kv_cache_groups": M.encode_groups(runner.kv_cache_groups),
                      "bytes_per_block": runner.bytes_per_block, "device": str(runner.device),
-                     "bytes_read": runner.loaded.bytes_read, "pid": os.getpid()}
+                     "bytes_read": runner.loaded.bytes_read, "pid": os.getpid(),
+                     "dist_backend": torch.distributed.get_backend()}
         elif method == M.NUM_BLOCKS:
             reply = runner.determine_num_blocks()
         elif method == M.INIT_CACHE:
             runner.allocate_kv_cache(msgspec.msgpack.decode(payload, type=int))
             runner.setup_after_kv()
-            reply = None
+            reply = runner.graphs.sizes if runner.graphs is not None else []  # the decode sizes captured
         elif method == M.PRECOMPILE:
             runner.precompile_kernels()
             reply = None

@@ -1,9 +1,11 @@
 """A PEFT LoRA adapter read from disk (`adapter_config.json` + `adapter_model.safetensors`) and checked against
-the model it will serve: targets resolved to our layers (merged qkv / gate_up take one shard each), rank within
---max-lora-rank, the scaling folded into B. Anything we cannot apply is refused with an error naming it."""
+the model it will serve: targets resolved to our layers (checkpoint names through the model's own renaming, merged
+qkv / gate_up take one shard each), rank within --max-lora-rank, the scaling folded into B. Anything we cannot
+apply is refused with an error naming it."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,8 +13,14 @@ import torch
 
 from kestrel.errors import InvalidRequest
 
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                     "gate_up_proj")
+# LoRA-capable layers by the part of the model they sit in (a model declares its parts: `lora_stages`)
+STAGE_TARGETS = {
+    "decoder": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj"),
+    "tower": ("q_proj", "k_proj", "v_proj", "qkv_proj", "out_proj", "fc1", "fc2"),  # CLIP / SigLIP encoder layers
+    "connector": ("linear_1", "linear_2"),  # LLaVA's projector
+}
+SUPPORTED_TARGETS = STAGE_TARGETS["decoder"]
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 
 
@@ -61,8 +69,18 @@ def _check_config(cfg: dict, where: str, max_rank: int) -> None:
     targets = [targets] if isinstance(targets, str) else list(targets)
     bad = [t for t in targets if any(t.endswith(u) for u in _UNSUPPORTED_TARGETS)]
     if bad:
-        raise LoRAAdapterError(f"{where}: LoRA on {bad} (embedding / lm_head, extra vocabulary) is not supported; "
-                               f"supported targets: {', '.join(SUPPORTED_TARGETS)}")
+        raise LoRAAdapterError(f"{where}: LoRA on {bad} (embedding / lm_head, extra vocabulary) is not supported")
+
+
+def describe_targets(linears: dict, packed: dict[str, tuple[str, ...]]) -> str:
+    """The LoRA-capable modules by pattern, as adapters name them: 'model.layers.N.self_attn.(q_proj|k_proj|...)'."""
+    leaves: dict[str, list[str]] = {}
+    for name in linears:
+        parent, leaf = re.sub(r"\.\d+\.", ".N.", name).rsplit(".", 1)
+        for m in packed.get(leaf, (leaf,)):
+            if m not in leaves.setdefault(parent, []):
+                leaves[parent].append(m)
+    return ", ".join(f"{p}.({'|'.join(ms)})" if len(ms) > 1 else f"{p}.{ms[0]}" for p, ms in leaves.items())
 
 
 def _module_name(key: str) -> tuple[str, str]:
@@ -76,8 +94,10 @@ def _module_name(key: str) -> tuple[str, str]:
 
 
 def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[str, ...]], max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
-    """`linears`: our LoRA-capable Linear layers by name; `packed`: merged module -> the modules it stacks."""
+                 dtype: torch.dtype, rename=None) -> LoRAAdapter:
+    """`linears`: our LoRA-capable Linear layers by name; `packed`: merged module -> the modules it stacks;
+    `rename(module)`: the model's name for a checkpoint module path (None: a module the model does not build,
+    such as a vision layer past the one the connector reads, whose LoRA cannot change the outputs)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -104,19 +124,22 @@ def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[st
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAAdapterError(f"{where}: {module} lacks lora_{''.join(sorted({'A', 'B'} - set(ab)))}")
-        parent, leaf = module.rsplit(".", 1)
-        if leaf in _UNSUPPORTED_TARGETS:
-            raise LoRAAdapterError(f"{where}: LoRA on {leaf} is not supported")
+        if module.rsplit(".", 1)[-1] in _UNSUPPORTED_TARGETS:
+            raise LoRAAdapterError(f"{where}: LoRA on {module.rsplit('.', 1)[-1]} is not supported")
+        ours = rename(module) if rename is not None else module
+        if ours is None:
+            continue
+        parent, leaf = ours.rsplit(".", 1)
         a, b = ab["A"].to(dtype), (ab["B"].float() * scaling).to(dtype)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise LoRAAdapterError(f"{where}: {module} has rank {a.shape[0]}, the config says {rank}")
-        if module in linears:
-            target, shard = module, None
+        if ours in linears:
+            target, shard = ours, None
         elif leaf in member_of and f"{parent}.{member_of[leaf][0]}" in linears:
             target, shard = f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
         else:
-            raise LoRAAdapterError(f"{where}: module {module} is not a LoRA target of this model (supported: "
-                                   f"{', '.join(SUPPORTED_TARGETS)})")
+            raise LoRAAdapterError(f"{where}: module {module} is not a LoRA target of this model (LoRA-capable "
+                                   f"modules: {describe_targets(linears, packed)})")
         spec = linears[target].spec
         sizes = spec.output_sizes
         if a.shape[1] != spec.input_size:

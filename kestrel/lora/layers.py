@@ -2,9 +2,11 @@
 token's adapter delta, read from per-slot stacked weights. The wrapped layer's `fusable` is set False so NormLinear
 never folds the norm into the GEMM (the adapter must see the normed input).
 
-`LoRAMapping` holds one step's token -> slot assignment, shared by every wrapped layer: device buffers for the
-Triton kernels (graph inputs: CUDA graphs replay any mix of adapters) and, for the PyTorch reference, the token
-rows of each slot."""
+`LoRAMapping` holds one step's token -> slot assignment, shared by every wrapped layer of one part of the model:
+device buffers for the Triton kernels (graph inputs: CUDA graphs replay any mix of adapters) and, for the PyTorch
+reference, the token rows of each slot. The decoder's mapping covers the step's tokens; a vision tower's or
+connector's covers the rows of the one image being encoded (`exact_rows`: a layer that sees another number of rows
+raises instead of leaving rows without their adapter)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,10 +16,20 @@ BLOCK_M = 16  # token rows per program of the Triton kernels (kestrel/kernels/tr
 
 
 class LoRAMapping:
-    def __init__(self, max_tokens: int, num_slots: int, device: torch.device, backend: str):
+    def __init__(self, max_tokens: int, num_slots: int, device: torch.device, backend: str,
+                 exact_rows: bool = False):
         self.backend = backend
         self.num_slots = num_slots
+        self.exact_rows = exact_rows
+        self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, token rows): the reference path's view
+        self.num_tokens = 0
+        self.num_lora_tokens = 0
+        self._copied = None  # the last host -> device copy (its pinned staging buffers are reused)
+        self._alloc(max_tokens, device)
+
+    def _alloc(self, max_tokens: int, device: torch.device) -> None:
         pin = device.type == "cuda"
+        num_slots = self.num_slots
         self.sorted_h = torch.zeros(max_tokens, dtype=torch.int32, pin_memory=pin)
         self.seg_h = torch.zeros(num_slots + 1, dtype=torch.int32, pin_memory=pin)
         self.sorted_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
@@ -27,12 +39,16 @@ class LoRAMapping:
         self.blk_h = torch.full((2, blocks), -1, dtype=torch.int32, pin_memory=pin)
         self.blk = torch.full((2, blocks), -1, dtype=torch.int32, device=device)
         self.blk_slot, self.blk_row0 = self.blk[0], self.blk[1]
-        self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, token rows): the reference path's view
-        self.num_lora_tokens = 0
 
     def set(self, token_slots: np.ndarray) -> None:
         """token_slots[t]: the slot of token t's adapter, -1 for none."""
         n = len(token_slots)
+        if self._copied is not None:
+            self._copied.synchronize()  # an encoder mapping is set again within the step: its last copy is done
+        if n > self.sorted_h.shape[0]:
+            if not self.exact_rows:  # the decoder's buffers are CUDA-graph inputs: sized once for the token budget
+                raise ValueError(f"{n} tokens exceed the LoRA mapping's capacity ({self.sorted_h.shape[0]})")
+            self._alloc(n, self.sorted_ids.device)  # a larger image than any before (the encoder runs eagerly)
         order = np.argsort(token_slots, kind="stable")
         counts = np.bincount(token_slots[token_slots >= 0], minlength=self.num_slots)
         seg = self.seg_h.numpy()
@@ -53,7 +69,11 @@ class LoRAMapping:
         self.sorted_ids[:len(lora_rows)].copy_(self.sorted_h[:len(lora_rows)], non_blocking=nb)
         self.seg_start.copy_(self.seg_h, non_blocking=nb)
         self.blk.copy_(self.blk_h, non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.num_lora_tokens = len(lora_rows)
+        self.num_tokens = n
         if self.backend == "torch":
             rows = torch.from_numpy(lora_rows.astype(np.int64))
             self.groups = [(s, rows[seg[s]:seg[s + 1]].to(self.sorted_ids.device))
@@ -65,16 +85,23 @@ class LoRAMapping:
 
 def lora_delta_torch(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rank: int,
                      shard_sizes: tuple[int, ...], groups: list[tuple[int, torch.Tensor]]) -> None:
-    """The PyTorch reference: for each slot, its tokens' x @ A^T, then each shard's @ B^T, added into out."""
+    """The PyTorch reference: for each slot, its tokens' x @ A^T, then each shard's @ B^T, added into out. It rounds
+    where the Triton kernels do: x A^T in the model dtype, the delta in float32, one rounding of out + delta (in
+    bf16 the two paths then differ only by float32 summation order)."""
     for slot, rows in groups:
-        xs = x.index_select(0, rows)
-        y = xs @ a[slot].T  # [n, shards * rank]
+        whole = rows.numel() == x.shape[0]  # one adapter on every row (an image's encoder rows): no gather/scatter
+        xs = x if whole else x.index_select(0, rows)
+        y = (xs @ a[slot].T).float()  # [n, shards * rank]
         col = 0
         parts = []
         for i, n in enumerate(shard_sizes):
-            parts.append(y[:, i * rank:(i + 1) * rank] @ b[slot, col:col + n].T)
+            parts.append(y[:, i * rank:(i + 1) * rank] @ b[slot, col:col + n].float().T)
             col += n
-        out.index_add_(0, rows, torch.cat(parts, dim=1).to(out.dtype))
+        delta = torch.cat(parts, dim=1)
+        if whole:
+            out.copy_(out.float() + delta)
+        else:
+            out.index_copy_(0, rows, (out.index_select(0, rows).float() + delta).to(out.dtype))
 
 
 class LoRAKernel:
@@ -117,6 +144,9 @@ class LoRAKernel:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         out = self.base.apply(layer, x)
         m = self.mapping
+        if m.exact_rows and x.shape[0] != m.num_tokens:
+            raise RuntimeError(f"LoRA on {self.name}: {x.shape[0]} input rows, the adapter mapping has "
+                               f"{m.num_tokens}")
         if m.backend == "triton":
             from kestrel.kernels.triton_ops.lora import lora_expand, lora_shrink
             y = lora_shrink(x, self.lora_a, m)

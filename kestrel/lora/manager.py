@@ -1,8 +1,14 @@
 """The runner's side of LoRA: which adapters exist (registered by id), which are in host memory (an LRU of
 --max-cpu-loras; dropped ones are read from disk again), which sit in the --max-loras device slots (LRU among the
-slots no live request uses), and the per-step token -> slot mapping. Every LoRA-capable Linear of the model gets
-a LoRAKernel and `fusable = False` for the model's whole life: a CUDA graph is captured once for any mix of
-adapters, so the unfused path must be the one captured whether or not a step has adapters."""
+slots no live request uses), and the token -> slot mappings. Every LoRA-capable Linear of the model gets a
+LoRAKernel and `fusable = False` for the model's whole life: a CUDA graph is captured once for any mix of
+adapters, so the unfused path must be the one captured whether or not a step has adapters.
+
+A model declares its parts (`lora_stages`: module prefix -> "decoder", "tower" or "connector"; a text model is all
+decoder) and each part has its own mapping: the decoder's covers the step's tokens, a vision tower's and a
+connector's the rows of the image being encoded, counted from its processed inputs (the model's
+`lora_encoder_tokens(image)`: tiles x patches, never the decoder's placeholders). Linears outside every declared
+part (a vision tower the model does not declare) get no LoRA, and adapters targeting them are refused."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +20,7 @@ import torch
 from kestrel.config import LoRAConfig
 from kestrel.errors import ConfigError
 from kestrel.layers.linear import Linear
-from kestrel.lora.adapter import SUPPORTED_TARGETS, LoRAAdapter, LoRAAdapterError, load_adapter
+from kestrel.lora.adapter import STAGE_TARGETS, LoRAAdapter, LoRAAdapterError, load_adapter
 from kestrel.lora.layers import LoRAKernel, LoRAMapping
 
 logger = logging.getLogger(__name__)
@@ -47,26 +53,37 @@ class LoRAManager:
             raise LoRAAdapterError(f"--max-loras ({cfg.max_loras}) must be >= 1 and --max-cpu-loras "
                                    f"({cfg.max_cpu_loras}) >= --max-loras")
         self.backend = pick_backend(device, backend)
-        self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)
+        self.stages = tuple(getattr(model, "lora_stages", (("", "decoder"),)))
+        self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)  # the decoder's
+        # the vision parts' mappings: one image's rows at a time, grown for larger images
+        self.encoder_mappings = {stage: LoRAMapping(64, self.num_slots, device, self.backend, exact_rows=True)
+                                 for _, stage in self.stages if stage != "decoder"}
+        self.rename = getattr(model, "lora_module_name", None)  # adapter module paths -> ours (multimodal models)
         self.packed = dict(getattr(model, "packed_modules", {}))
         self.linears: dict[str, Linear] = {}
         self.kernels: dict[str, LoRAKernel] = {}
         for module in model.modules():
-            if isinstance(module, Linear) and module.spec.layer_name.rsplit(".", 1)[-1] in SUPPORTED_TARGETS:
+            stage = self._stage_of(module.spec.layer_name) if isinstance(module, Linear) else None
+            if stage is not None and module.spec.layer_name.rsplit(".", 1)[-1] in STAGE_TARGETS[stage]:
                 name = module.spec.layer_name
-                module.kernel = LoRAKernel(module.kernel, module, self.mapping, self.num_slots, cfg.max_lora_rank,
+                mapping = self.encoder_mappings.get(stage, self.mapping)
+                module.kernel = LoRAKernel(module.kernel, module, mapping, self.num_slots, cfg.max_lora_rank,
                                            dtype, device)
                 module.fusable = False
                 self.linears[name] = module
                 self.kernels[name] = module.kernel
         if not self.linears:
-            raise LoRAAdapterError(f"--enable-lora: this model has no LoRA-capable layers ({', '.join(SUPPORTED_TARGETS)})")
+            raise LoRAAdapterError("--enable-lora: this model has no LoRA-capable layers "
+                                   f"({', '.join(STAGE_TARGETS['decoder'])})")
         logger.info("LoRA: %d layers, %d device slots of rank %d, %s kernels", len(self.linears), self.num_slots,
                     cfg.max_lora_rank, self.backend)
         self.registered: dict[int, tuple[str, str]] = {}  # lora id -> (name, path)
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot, LRU
         self.free_slots = list(range(self.num_slots))
+
+    def _stage_of(self, layer_name: str) -> str | None:
+        return next((stage for prefix, stage in self.stages if layer_name.startswith(prefix)), None)
 
     # ---- registry (engine-core utility calls)
     def add(self, lora_id: int, name: str, path: str) -> bool:
@@ -96,7 +113,7 @@ class LoRAManager:
         return {i: name for i, (name, _) in self.registered.items()}
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
-        return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype)
+        return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype, self.rename)
 
     def _cache(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self.cpu[lora_id] = adapter
@@ -134,3 +151,12 @@ class LoRAManager:
         """One step's token -> slot mapping, requests in batch order (lora id 0: no adapter)."""
         slots = [self.activate(i, live) if i else -1 for i in request_lora_ids]
         self.mapping.set(np.repeat(np.asarray(slots, dtype=np.int64), tokens_per_request))
+
+    def set_encoder_mapping(self, lora_id: int, rows: dict[str, int], live: set[int]) -> None:
+        """The vision parts' mappings for one image of a request with adapter `lora_id` (0: none): `rows[stage]`
+        rows, all of that adapter."""
+        slot = self.activate(lora_id, live) if lora_id else -1
+        for stage, mapping in self.encoder_mappings.items():
+            if stage not in rows:
+                raise RuntimeError(f"the model's lora_encoder_tokens gives no row count for its {stage!r}")
+            mapping.set(np.full(rows[stage], slot, dtype=np.int64))

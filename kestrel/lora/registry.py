@@ -2,14 +2,16 @@
 (kestrel/engine/utility.py): all engines settle, and a change that failed somewhere is undone where it succeeded, so
 an adapter is either loaded on every engine or on none; the error names the engines that failed and why. An
 operation runs to its end even if its caller goes away (a cancelled HTTP request must not leave engines half
-changed), and operations run one at a time."""
+changed), and operations run one at a time. An engine core that the server restarts comes back empty: `restore`
+loads every adapter of the registry into it (same ids) before it serves, one operation like the others, so no load
+or unload can slip between the restore and the engine joining the live ones."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 from dataclasses import dataclass
 
-from kestrel.engine.utility import UtilityFanoutError
+from kestrel.engine.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, ModelNotFound
 
 
@@ -70,6 +72,19 @@ class LoRARegistry:
         self._tasks.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: the caller may have gone away
+
+    async def restore(self, engine: int, serve) -> None:
+        """Load every adapter the server has (from --lora-modules and load calls, minus unloads) into a restarted
+        engine core, then let it serve (`serve()`, under the lock). A failure raises: the engine does not serve
+        without the adapters the other engines have."""
+        async with self._lock:
+            for req in sorted(self.adapters.values(), key=lambda r: r.lora_id):
+                try:
+                    await self.client.call_utility("add_lora", req.lora_id, req.name, req.path, engine=engine)
+                except UtilityError as e:
+                    raise RuntimeError(f"adapter {req.name!r} ({req.path}) could not be loaded again: "
+                                           f"{e}") from e
+            serve()
 
     async def _load(self, name: str, path: str) -> LoRARequest:
         async with self._lock:

@@ -44,6 +44,8 @@ def _check_config(hf) -> None:
 
 class LlavaNextForConditionalGeneration(ImageTextModel):
     bidirectional_prefix = False
+    # LoRA: the decoder per step token, the CLIP tower and the projector per image row (kestrel/lora/manager.py)
+    lora_stages = (("language_model.", "decoder"), ("vision_tower.", "tower"), ("multi_modal_projector.", "connector"))
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
         super().__init__()
@@ -91,6 +93,13 @@ class LlavaNextForConditionalGeneration(ImageTextModel):
         return anyres.pack_image_features(projected, tuple(image["image_sizes"].tolist()),
                                           self.hf.image_grid_pinpoints, self.hf.vision_config.image_size,
                                           self.image_newline)
+
+    def lora_encoder_tokens(self, image: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Rows the tower and the projector process for one image, from its tiles: each tile's patches and class
+        token in the tower, the patches alone in the projector."""
+        tiles = image["pixel_values"].shape[0]
+        patches = self.vision_tower.num_positions - 1
+        return {"tower": tiles * (patches + 1), "connector": tiles * patches}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rest():

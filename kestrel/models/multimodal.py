@@ -9,7 +9,11 @@ A multimodal model class provides, besides the text model's interface:
 - `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
   `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
 - `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
-`ImageTextModel` is their common base: the text-side interface over the decoder in `self.language_model`."""
+For LoRA (kestrel/lora/manager.py): `lora_module_name(path)` maps an adapter's module paths like checkpoint names,
+`lora_stages` says which parts take adapters, and a model whose vision tower and connector take them gives
+`lora_encoder_tokens(image_inputs) -> {"tower": rows, "connector": rows}`, counted from the processed inputs.
+`ImageTextModel` is their common base: the text-side interface over the decoder in `self.language_model`, and
+`lora_module_name`."""
 from __future__ import annotations
 
 import re
@@ -56,6 +60,13 @@ def mm_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor
         yield ours, tensor
 
 
+def checkpoint_module_name(model: torch.nn.Module, path: str, tied: bool) -> str | None:
+    """A checkpoint's module path (an adapter's target) under our names, as mm_weights maps its weights; None for a
+    module the model does not build."""
+    kept = [ours for ours, _ in mm_weights(model, [(f"{path}.weight", None)], tied)]
+    return kept[0].removesuffix(".weight") if kept else None
+
+
 def tie_output_embeddings(model: torch.nn.Module, hf_config) -> bool:
     """transformers 5 ties the decoder's lm_head to its embeddings by the top-level config's flag (PaliGemma sets it
     there, not in text_config). Returns whether they are tied."""
@@ -75,8 +86,8 @@ def image_token_id(hf_config) -> int:
 
 class ImageTextModel(nn.Module):
     """The text side of an image-text model: token embeddings, forward and logits go to `self.language_model`;
-    `self.config` is the decoder's config. `position_offset` is added to the positions the decoder sees
-    (PaliGemma counts them from 1)."""
+    `self.config` is the decoder's config, `self.tied` whether its lm_head is its embedding. `position_offset` is
+    added to the positions the decoder sees (PaliGemma counts them from 1)."""
     position_offset = 0
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -94,3 +105,6 @@ class ImageTextModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def lora_module_name(self, path: str) -> str | None:
+        return checkpoint_module_name(self, path, self.tied)

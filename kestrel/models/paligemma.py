@@ -26,6 +26,7 @@ class PaliGemmaForConditionalGeneration(ImageTextModel):
     bidirectional_prefix = True
     position_offset = 1
     packed_modules = GemmaForCausalLM.packed_modules
+    lora_stages = (("language_model.", "decoder"),)  # LoRA on the decoder only (not on the SigLIP tower)
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
         super().__init__()

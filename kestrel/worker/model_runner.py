@@ -118,8 +118,16 @@ class ModelRunner:
         """This step's token -> adapter slot mapping (device buffers the LoRA kernels and CUDA graphs read)."""
         if self.lora is None:
             return
-        live = {st.lora_id for st in self.requests.values() if st.lora_id}
-        self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], live)
+        self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], self._live_loras())
+
+    def _prepare_encoder_lora(self, st: RequestState, image: dict[str, torch.Tensor]) -> None:
+        """The vision tower's and connector's adapter mappings for one image: its request's adapter on every row,
+        the row counts from the image's processed inputs (the model's lora_encoder_tokens)."""
+        if self.lora is not None and self.lora.encoder_mappings:
+            self.lora.set_encoder_mapping(st.lora_id, self.model.lora_encoder_tokens(image), self._live_loras())
+
+    def _live_loras(self) -> set[int]:
+        return {st.lora_id for st in self.requests.values() if st.lora_id}
 
     @property
     def backend(self):
@@ -459,7 +467,9 @@ class ModelRunner:
                     continue
                 emb = st.encoder_outputs.get(i)
                 if emb is None:
-                    emb = self.model.embed_image(f.tensors(self.device))
+                    image = f.tensors(self.device)
+                    self._prepare_encoder_lora(st, image)
+                    emb = self.model.embed_image(image)
                     if emb.shape[0] != f.length:
                         raise RuntimeError(f"image {i} of {c.request_id}: {emb.shape[0]} embeddings for "
                                            f"{f.length} placeholders")

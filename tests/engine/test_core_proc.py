@@ -70,3 +70,35 @@ async def test_engine_survives_bad_messages_and_frees_blocks_on_cancel(tiny_llam
     finally:
         await engine.shutdown()
     assert not client.procs[0].is_alive()
+
+
+async def test_inproc_client_fails_requests_when_a_step_raises(tiny_llama):
+    """In-process engine core: a step that raises (a tensor-parallel worker died) fails the waiting requests with
+    the error and leaves the engine dead; nothing hangs."""
+    from kestrel.engine.core_client import InprocClient
+    from kestrel.errors import EngineDead
+    from kestrel.executor import WorkerError
+
+    cfg = EngineConfig.create(model=str(tiny_llama), num_kv_blocks=32, max_model_len=256, cpu_threads=1)
+    engine = await AsyncEngine(cfg, InprocClient(cfg)).start()
+    try:
+        core, steps = engine.client.core, 0
+        real_step = core.step
+
+        def step():
+            nonlocal steps
+            steps += 1
+            if steps == 3:
+                raise WorkerError("tensor-parallel worker rank 1 (pid 1) died with exit code -9")
+            return real_step()
+
+        core.step = step
+        with pytest.raises(EngineDead, match="engine core 0 failed: WorkerError: .*rank 1"):
+            async with asyncio.timeout(10):
+                async for _ in engine.generate("Hello", SamplingParams(max_tokens=50, ignore_eos=True)):
+                    pass
+        assert engine.is_dead
+        with pytest.raises(EngineDead, match="rank 1"):
+            engine.generate("Hello", SamplingParams(max_tokens=2))
+    finally:
+        await engine.shutdown()

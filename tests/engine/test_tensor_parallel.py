@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): TP = 2 through the mp executor gives the greedy tokens of TP = 1 (the
-in-process runner) for Llama, Qwen3 and Qwen3-MoE; each rank reads about half of the checkpoint; a worker killed mid-generation fails the step
-within 5 s naming its rank, and every worker process is gone afterwards. One TP = 2 engine per model (process
-start-up dominates); the kill test reuses the Qwen3 engine last."""
+in-process runner; the references are shared with the Ray test, tests/conftest.py) for Llama, Qwen3 and Qwen3-MoE;
+each rank reads about half of the checkpoint; a worker killed mid-generation fails the step within 5 s naming its
+rank, and every worker process is gone afterwards. One TP = 2 engine per model (process start-up dominates); the
+kill test reuses the Qwen3 engine last."""
 from __future__ import annotations
 
 import os
@@ -13,45 +14,19 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.distributed import ParallelInfo
-from kestrel.engine.frontend import LLMEngine
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.errors import ConfigError
 from kestrel.executor import WorkerError
 from kestrel.loader import load_model
 from kestrel.loader.safetensors import iter_safetensors
-from tests.tiny import make_checkpoint
+from tests.tp import engine, greedy, prompts
 
 pytestmark = pytest.mark.timeout(300)
 
-NUM_TOKENS = 32
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64)]
-
-
-def engine(path, tp: int, **kw) -> LLMEngine:
-    cfg = EngineConfig.create(model=str(path), dtype="float32", tensor_parallel_size=tp, max_num_seqs=8,
-                              kv_cache_memory=4 * 2**20, **kw)
-    return LLMEngine(cfg, progress=False)
-
-
-def greedy(eng: LLMEngine, prompt_ids: list[list[int]], n: int = NUM_TOKENS) -> list[list[int]]:
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompt_ids]
-    out = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out[o.request_id] = o.outputs[0].token_ids
-    return [list(out[i]) for i in ids]
-
 
 @pytest.fixture(scope="module")
-def qwen3_path(tmp_path_factory, tiny_tokenizer):
-    # vocab 387: not a multiple of 2, so the vocab-parallel embedding and LM head pad their slices
-    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tp"), tokenizer=tiny_tokenizer, name="qwen3_v387",
-                           vocab_size=387)
+def qwen3_path(tp_checkpoint):
+    return tp_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +36,20 @@ def qwen3_tp2(qwen3_path):
     eng.core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_path(tmp_path_factory, tiny_tokenizer):
-    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("tp_moe"), tokenizer=tiny_tokenizer)
-
-
-@pytest.mark.parametrize("kind", ["llama_linear_rope", "qwen3_moe"])
-def test_tp2_matches_tp1(kind, tiny_models, qwen3_moe_path):
-    # llama_linear_rope: one KV head for 2 ranks (replicated), untied LM head;
-    # qwen3_moe: every expert split along its intermediate dim
-    path = qwen3_moe_path if kind == "qwen3_moe" else tiny_models[kind]
-    ref = greedy(engine(path, 1), prompts())
-    eng = engine(path, 2)
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_tp2_matches_tp1(name, tp_checkpoint, tp1_tokens):
+    eng = engine(tp_checkpoint(name), 2)
     try:
         assert eng.core.runner is None and type(eng.core.executor).__name__ == "MPExecutor"
-        assert greedy(eng, prompts()) == ref
+        assert greedy(eng, prompts()) == tp1_tokens(name)
     finally:
         eng.core.shutdown()
 
 
-def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2):
+def test_qwen3_tp2_matches_tp1(qwen3_path, qwen3_tp2, tp1_tokens):
     assert qwen3_tp2.core.pipelined
-    ref = greedy(engine(qwen3_path, 1), prompts())
-    assert greedy(qwen3_tp2, prompts()) == ref
+    assert qwen3_tp2.core.executor.dist_backend == "gloo" and qwen3_tp2.core.executor.cuda_graph_sizes == [[], []]
+    assert greedy(qwen3_tp2, prompts()) == tp1_tokens("qwen3")
     total = sum(t.numel() * t.element_size() for _, t in iter_safetensors(qwen3_path, progress=False))
     for rank, n in enumerate(qwen3_tp2.core.executor.bytes_read):
         assert 0.45 * total < n < 0.55 * total, (rank, n, total)

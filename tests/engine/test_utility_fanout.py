@@ -109,6 +109,7 @@ class FakeTransport:
         self.encoded: list[tuple[int, int, str]] = []
         self.tasks: set[asyncio.Task] = set()
         self.dead: dict[int, BaseException] = {}  # the core client's one record of dead engines
+        self.restoring: set[int] = set()
 
     @property
     def num_engines(self) -> int:

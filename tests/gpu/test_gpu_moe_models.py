@@ -1,5 +1,6 @@
 """MoE families on the GPU (skipped without CUDA): bf16 engine with the Triton fused MoE (fused shared experts
-where the family has them) against transformers, teacher-forced; CUDA-graph replay equals eager."""
+where the family has them) against transformers in float32, teacher-forced (>= 30/32 tokens, logprobs within the
+bf16 tolerance); CUDA-graph replay equals eager."""
 import pytest
 import torch
 
@@ -21,7 +22,25 @@ def moe_models(tmp_path_factory, tiny_tokenizer):
              "qwen3_moe": dict(moe_intermediate_size=128, intermediate_size=512),
              "mixtral": dict(intermediate_size=128),
              "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512)}
-    return {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer, **wide, **v) for k, v in sizes.items()}
+    paths = {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer, **wide, **v) for k, v in sizes.items()}
+    for path in paths.values():
+        _decisive_routers(path)
+    return paths
+
+
+def _decisive_routers(path, factor: float = 8.0) -> None:
+    """Sharpen the random routers (logits x factor): with flat random routers many tokens sit on a near-tie at
+    the top-k boundary, and a bf16 rounding that flips it swaps an expert carrying a large share of the output
+    (2.6 logprob error at one position, H200, session 6). Sharp routers give the boundary experts tiny weights, so
+    such a flip costs little, and the comparison tests the engine rather than the weights' ties."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) and t.dim() == 2:
+                tensors[name] = t * factor
+        save_file(tensors, f, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("kind", list(FUSES))
@@ -35,7 +54,9 @@ def test_moe_bf16_matches_transformers(moe_models, kind):
     blocks = llm.engine.core.runner.model.moe_blocks()
     assert {b.experts.kernel_name for b in blocks.values()} == {"triton_fused_moe"}
     assert all(b.fse.fused == FUSES[kind] for b in blocks.values())
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    # the reference is the exact (float32) model: a bf16 transformers run adds its own rounding, and a router
+    # near-tie that either bf16 run flips changes a whole expert's contribution
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for p in PROMPTS:
         agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cuda")
         assert agree >= 30, (kind, p, agree)

@@ -11,14 +11,16 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base_path: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS, alpha: int | None = None,
-                 scale: float = 0.15, **extra) -> Path:
-    """A PEFT adapter with random A and B (PEFT initialises B to zero: such an adapter would change nothing)."""
+                 scale: float = 0.15, model_cls=None, **extra) -> Path:
+    """A PEFT adapter with random A and B (PEFT initialises B to zero: such an adapter would change nothing).
+    `targets`: module name suffixes, or one regular expression over the full module paths (PEFT's two forms)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets), lora_dropout=0.0,
-                     bias="none", task_type="CAUSAL_LM", **extra)
+    model = (model_cls or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets if isinstance(targets, str)
+                     else list(targets), lora_dropout=0.0, bias="none",
+                     task_type=None if model_cls else "CAUSAL_LM", **extra)
     peft_model = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -54,6 +56,30 @@ def write_random_adapter(base_path: Path, out: Path, rank: int, seed: int, targe
     from transformers import AutoConfig
 
     return write_adapter(out, AutoConfig.from_pretrained(base_path).to_dict(), rank, seed, targets, scale, scale)
+
+
+def write_random_adapter_matching(base_path: Path, out: Path, rank: int, seed: int, pattern: str, model_cls,
+                                  scale: float = 0.1) -> Path:
+    """A PEFT-format adapter folder written without peft for the linear modules of `model_cls` whose full path
+    matches `pattern` (as PEFT reads a string target_modules), named as PEFT names them."""
+    import json
+    import re
+
+    from safetensors.torch import save_file
+
+    model = model_cls.from_pretrained(base_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and re.fullmatch(pattern, name):
+            tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=gen) * scale
+            tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": pattern, "bias": "none",
+        "lora_dropout": 0.0}))
+    return out
 
 
 def hf_with_merged_adapter(base_path: Path, adapter: Path, dtype, device: str):

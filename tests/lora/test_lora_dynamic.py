@@ -3,6 +3,8 @@ A load that fails on one engine (fault injected) leaves the adapter loaded nowhe
 a load that succeeds is visible on both; unloading likewise."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kestrel.config import EngineConfig
@@ -88,5 +90,57 @@ async def test_dynamic_lora_across_two_engines(lora_files):
             await engine.load_lora_adapter("big", str(too_big))
         assert err.value.failed_engines == [0, 1] and err.value.status_code == 400
         assert await loaded(engine) == [[], []]
+    finally:
+        await engine.shutdown()
+
+
+async def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_restarted_engine_core_gets_the_adapters_back(lora_files, tmp_path, caplog):
+    """An engine core that dies and is restarted loads the server's adapters (--lora-modules and run-time loads,
+    minus unloads, also one loaded while it was down) with their ids before it serves; if it cannot, it does not
+    serve (killed, restarted within --engine-restart-limit)."""
+    base, good, _ = lora_files
+    other = make_adapter(base, tmp_path / "other", 8, seed=5)
+    cfg = EngineConfig.create(model=str(base), data_parallel_size=2, cpu_threads=1, num_kv_blocks=64,
+                              max_model_len=256, enable_lora=True, max_lora_rank=16, max_loras=2,
+                              lora_modules=[f"boot={good}"], engine_restart_limit=2)
+    engine = await AsyncEngine(cfg, "mp").start()
+    client = engine.client
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def tokens(rid, lora):
+        async for o in engine.generate([5, 17, 99, 3], params, rid, lora_request=lora):
+            pass
+        return o.outputs[0].token_ids
+
+    try:
+        kept = await engine.load_lora_adapter("kept", str(other))
+        await engine.load_lora_adapter("gone", str(good))
+        await engine.unload_lora_adapter("gone")
+        before = await tokens("before", kept)
+        pid = client.procs[1].pid
+        client.procs[1].kill()
+        await wait_for(lambda: 1 in client.dead, 10, "engine 1's death was not noticed")
+        late = await engine.load_lora_adapter("late", str(good))  # reaches engine 0 only
+        await wait_for(lambda: client.engine_state(1) == "ready", 120, "engine core 1 did not come back")
+        assert client.procs[1].pid != pid
+        boot = engine.loras.adapters["boot"]
+        assert await loaded(engine) == [[[boot.lora_id, "boot"], [kept.lora_id, "kept"], [late.lora_id, "late"]]] * 2
+        # least-loaded routing sends some of these to engine 1: none is aborted there for a missing adapter
+        assert await asyncio.gather(*(tokens(f"after{i}", kept) for i in range(4))) == [before] * 4
+
+        # an adapter that can no longer be read: the restarted engine does not serve, and (limit 2) stays down
+        other.rename(tmp_path / "moved")
+        client.procs[1].kill()
+        await wait_for(lambda: client.engine_state(1) == "dead" and not client.restoring, 120,
+                       "engine core 1 should stay down")
+        assert "could not get the server's state back: adapter 'kept'" in caplog.text
+        assert 1 not in client.live_engines and await tokens("alone", late) != []
     finally:
         await engine.shutdown()

@@ -30,6 +30,7 @@ class FakeEngines:
         self.failing: frozenset = frozenset()
         self.tasks: set[asyncio.Task] = set()
         self.dead: dict[int, BaseException] = {}  # the transport's dead engines (none here)
+        self.restoring: set[int] = set()
 
     @property
     def num_engines(self) -> int:

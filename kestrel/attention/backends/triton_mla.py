@@ -26,12 +26,12 @@ def _pow2(n: int) -> int:
 
 class TritonMLAImpl(MLAImpl):
     def write_latent(self, kv_c, k_pe, cache, slot_mapping) -> None:
-        write_latent(kv_c.contiguous(), k_pe.contiguous(), cache, slot_mapping)
+        write_latent(kv_c, k_pe, cache, slot_mapping)  # row strides are kernel arguments
 
     def attend_latent(self, q_lat, q_pe, cache, meta: MLAMetadata) -> torch.Tensor:
         # with dense prefill declared, the absorbed part is the decodes: one query token per request
         nr = meta.num_absorbed_reqs
-        return mla_decode_attention(q_lat.contiguous(), q_pe.contiguous(), cache, meta.block_tables[:nr],
+        return mla_decode_attention(q_lat, q_pe, cache, meta.block_tables[:nr],
                                     meta.seq_lens[:nr], self.scale, max_seq_len=meta.max_seq_len)
 
     def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:

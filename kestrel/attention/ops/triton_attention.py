@@ -310,26 +310,6 @@ def _decode_kernel(
                 tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit
-def merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS: tl.constexpr,
-                 D: tl.constexpr):
-    """O[b, h] = the n_active split partials PO[b, h, :, :D] of (sequence b, head h), weighted by their
-    log-sum-exps PLSE[b, h, :] (the second kernel of a split-K decode; grid (B, H))."""
-    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
-    offs_s = tl.arange(0, MAX_SPLITS)
-    mask_s = offs_s < n_active
-    offs_d = tl.arange(0, D)
-    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    po = tl.load(PO + (row + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    o = tl.sum(po * w[:, None], axis=0) / denom
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
-
-
 @triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_reduce_kernel(
     PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split, window,
@@ -344,7 +324,19 @@ def _decode_reduce_kernel(
     _, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # the decode kernel wrote the output itself
-    merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS, HEAD_DIM)
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    mask_s = offs_s < n_active
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PLSE + row + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    po = tl.load(PO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], axis=0) / denom
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
 
 
 def _default_decode_config(head_dim: int, group: int, page: int, batch: int = 256) -> dict:
@@ -370,7 +362,8 @@ def _default_decode_config(head_dim: int, group: int, page: int, batch: int = 25
     return cfg
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      min_split: int = MIN_SPLIT_TOKENS) -> int:
     """Splits of the context per (sequence, kv head), a power of two in [1, 64], from shapes only.
 
     No split once batch * kv heads alone fills the chip twice (H200, 1k contexts: B=64 -> 512 programs ran
@@ -381,7 +374,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     if work >= 2 * num_sms:
         return 1
     want = triton.cdiv(4 * num_sms, work)
-    cap = max(1, max_context // MIN_SPLIT_TOKENS)
+    cap = max(1, max_context // min_split)
     splits = 1
     while splits * 2 <= min(want, cap, 64):
         splits *= 2
@@ -389,15 +382,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 
 
 def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: int, max_ctx: int,
-                       num_splits: int | None):
-    """What a split-K decode launch of q [B, H, D] needs besides its kernels' arguments: the split count
-    (choose_num_splits over `programs` (sequence, head-block) programs a sequence unless given), the float32
-    partial outputs [B, H, splits, D] and log-sum-exps [B, H, splits] of split launches (unsplit: `out`, unused),
-    the shortest split in whole BLOCK_N tiles, and the compiler's launch options.
-    Returns (num_splits, po, plse, min_split, launch)."""
+                       num_splits: int | None, shortest_split: int = MIN_SPLIT_TOKENS):
+    """What a split-K decode launch of q [B, H, D] needs besides its kernels' arguments: the split count (unless
+    given: choose_num_splits over `programs` (sequence, head-block) programs a sequence, none shorter than
+    `shortest_split` tokens), the float32 partial outputs [B, H, splits, D] and log-sum-exps [B, H, splits] of split
+    launches (unsplit: `out`, unused), the kernel's shortest split (cfg's MIN_SPLIT in whole BLOCK_N tiles), and
+    the compiler's launch options. Returns (num_splits, po, plse, min_split, launch)."""
     B, H, D = q.shape
     if num_splits is None:
-        num_splits = choose_num_splits(B, programs, max_ctx, _sms_for(q))
+        num_splits = choose_num_splits(B, programs, max_ctx, _sms_for(q), min_split=shortest_split)
     if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
     if num_splits > 1:

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, _LOG2E, _mm, _split_bounds,
-                                                    _token_offsets, _upcast, merge_splits, split_decode_setup)
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _token_offsets, _upcast,
+                                                    split_decode_setup)
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 from kestrel.platform.triton_gates import interpreter_mode
 
@@ -114,14 +114,34 @@ def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_sp
     _, n_active = _split_bounds(tl.load(SL + b), num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # written by the decode kernel
-    merge_splits(PO, PLSE, O, b, h, n_active, num_splits, stride_ob, stride_oh, MAX_SPLITS, L)
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_l = tl.arange(0, L)
+    lse = tl.load(PLSE + row + offs_s, mask=offs_s < n_active, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m), axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    # one split's [L] partial at a time: a [MAX_SPLITS, L] float32 tile would spill (25 us a launch at batch 1)
+    acc = tl.zeros([L], tl.float32)
+    for sp in range(0, n_active):
+        acc += tl.exp2(tl.load(PLSE + row + sp) - m) * tl.load(PO + (row + sp) * L + offs_l)
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, (acc / denom).to(O.dtype.element_ty))
 
 
 def _default_config(L: int, batch: int) -> dict:
-    # Not tuned on the GPU yet (benchmarks/mla_decode.py sweeps it): a [16 heads x 512] float32 accumulator and
-    # 32-token latent tiles (36 KiB of bf16 a stage).
-    return {"BLOCK_H": 16, "BLOCK_N": 32 if L > 256 else 64, "num_warps": 4 if batch > 8 else 8, "num_stages": 2,
-            "MIN_SPLIT": MIN_SPLIT_TOKENS}
+    # H200 sweep (benchmarks/mla_decode.py --sweep, 16 heads, 512 + 64; docs/benchmarks.md): small batches want
+    # wide tiles and short splits (1 x 32k: 38 us vs 52 with 32-token tiles; 1 x 1k: 10.9 vs 12.0), large batches
+    # 32-token tiles on 4 warps (256 x 1k: 120 us, 2.5 TB/s). A [16 heads x 512] float32 accumulator.
+    if batch <= 8:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 32}
+    elif batch <= 16:
+        tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 128}
+    else:
+        tile = {"BLOCK_N": 32, "num_warps": 4, "MIN_SPLIT": 64}
+    if L <= 256:
+        tile["BLOCK_N"] = 64
+    return {"BLOCK_H": 16, "num_stages": 2, **tile}
 
 
 def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=None, num_splits=None, *,
@@ -143,7 +163,8 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
     cfg = {**_default_config(L, B), **(_config or {})}
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, head_blocks, max_ctx, num_splits)
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, head_blocks, max_ctx, num_splits,
+                                                                 shortest_split=cfg["MIN_SPLIT"])
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_lat, q_pe, cache, block_tables, seq_lens, out, po, plse,
         float(scale) * _LOG2E, H, num_splits, min_split,

@@ -143,8 +143,12 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    # one program walks every slot: wider chunks on more warps cut its serial steps at large batches (batch 256
+    # x top-8: 2048 slots in one chunk, not eight)
+    chunk = min(2048, max(256, triton.next_power_of_2(n)))
     _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, cursor, n, size // block_m, num_experts,
-                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=256, BCHUNK=max(16, 4096 // e_pad), num_warps=4)
+                        E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, BCHUNK=max(16, 4096 // e_pad),
+                        num_warps=min(16, chunk // 64))
     return sorted_ids, block_expert, num_padded
 
 

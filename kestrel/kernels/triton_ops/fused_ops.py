@@ -254,3 +254,66 @@ def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
         **pdl_launch(T),
     )
     return q
+
+
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_topk_softmax_kernel(
+    LOGITS, GATE, W, IDS, stride_l, stride_g, stride_w, stride_i, num_experts, scale, shared_base,
+    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, N_SHARED: tl.constexpr, S_PAD: tl.constexpr,
+    RENORM: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token: softmax over the experts, the top K (lowest index among equal scores), optionally renormalised,
+    times `scale`; then N_SHARED always-selected shared-expert slots weighted 1 or sigmoid(gate)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    x = tl.load(LOGITS + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    denom = tl.sum(tl.exp(x - m), axis=0)
+    kk = tl.arange(0, K_PAD)
+    w = tl.zeros([K_PAD], tl.float32)
+    ids = tl.zeros([K_PAD], tl.int32)
+    s = x
+    for j in tl.static_range(K):
+        best = tl.max(s, axis=0)
+        idx = tl.min(tl.where(s == best, offs, E_PAD), axis=0)
+        w = tl.where(kk == j, tl.exp(best - m), w)
+        ids = tl.where(kk == j, idx, ids)
+        s = tl.where(offs == idx, float("-inf"), s)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    else:
+        w = w / denom
+    tl.store(W + t * stride_w + kk, w * scale, mask=kk < K)
+    tl.store(IDS + t * stride_i + kk, ids, mask=kk < K)
+    if N_SHARED > 0:
+        ss = tl.arange(0, S_PAD)
+        if HAS_GATE:
+            g = tl.load(GATE + t * stride_g).to(tl.float32)
+            gw = tl.sigmoid(g).to(GATE.dtype.element_ty).to(tl.float32)  # as torch rounds sigmoid(x) in x's dtype
+        else:
+            gw = 1.0
+        tl.store(W + t * stride_w + K + ss, tl.zeros([S_PAD], tl.float32) + gw, mask=ss < N_SHARED)
+        tl.store(IDS + t * stride_i + K + ss, shared_base + ss, mask=ss < N_SHARED)
+
+
+def moe_topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float = 1.0,
+                     num_shared: int = 0, shared_gate: torch.Tensor | None = None):
+    """A softmax router's selection in one launch (what select_experts does with ~10 torch kernels):
+    logits [T, E] -> (weights fp32 [T, k + num_shared], ids int32 [T, k + num_shared]); the last num_shared slots
+    are the fused shared experts E .. E + num_shared - 1, weighted 1 or sigmoid(shared_gate [T, 1])."""
+    t, e = logits.shape
+    n = top_k + num_shared
+    w = torch.empty((t, n), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, n), dtype=torch.int32, device=logits.device)
+    if t:
+        gate = shared_gate if shared_gate is not None else logits
+        e_pad = triton.next_power_of_2(e)
+        _moe_topk_softmax_kernel[(t,)](
+            logits, gate, w, ids, logits.stride(0), gate.stride(0), w.stride(0), ids.stride(0), e, float(scale), e,
+            K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, N_SHARED=num_shared,
+            S_PAD=triton.next_power_of_2(max(num_shared, 1)), RENORM=renormalize, HAS_GATE=shared_gate is not None,
+            **_warps(e_pad), **pdl_launch(t),
+        )
+    return w, ids

@@ -92,27 +92,19 @@ class SparseMoeBlock(nn.Module):
                                                  f"{prefix}.{shared_name}", quant_config, linear_backend, self.tp))
         self.shared_expert_gate = (Linear(hidden_size, 1, params_dtype=dtype, prefix=f"{prefix}.shared_expert_gate",
                                           backend=linear_backend) if shared_gated else None)
-        if self.fse.fused:
-            ids = torch.arange(router.num_experts, router.num_experts + self.fse.slots, dtype=torch.long)
-            self.register_buffer("shared_ids", ids, persistent=False)
 
     @property
     def shared_mlp(self) -> SharedMLP | None:
         return getattr(self, self.shared_name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        shared_scale = torch.sigmoid(self.shared_expert_gate(x)).float() if self.shared_expert_gate is not None else None
-        if self.fse.fused:
-            t, n = x.shape[0], self.fse.slots
-            extra_w = shared_scale.expand(t, n) if shared_scale is not None else weights.new_ones(t, n)
-            weights = torch.cat([weights, extra_w], dim=1)
-            ids = torch.cat([ids, self.shared_ids.expand(t, n)], dim=1)
+        gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
+        weights, ids = self.gate(x, self.fse.slots if self.fse.fused else 0, gate_logit)
         out = self.tp.all_reduce(self.experts(x, weights, ids))
         mlp = self.shared_mlp
         if mlp is not None:
             s = mlp(x)
-            out = out + (s * shared_scale.to(s.dtype) if shared_scale is not None else s)
+            out = out + (s * torch.sigmoid(gate_logit).to(s.dtype) if gate_logit is not None else s)
         return out
 
     # ---- weights

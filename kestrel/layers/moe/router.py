@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.layers.fused import fused_ops_for
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -86,6 +88,22 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared_slots: int = 0,
+                shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights fp32 [T, k + shared_slots], ids [T, k + shared_slots]). The last `shared_slots`
+        columns select the fused shared experts (ids E, E + 1, ...), weighted 1 or sigmoid(shared_gate [T, 1])."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
-        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+        cfg = self.cfg
+        ops = fused_ops_for(logits)
+        if ops is not None and cfg.scoring == "softmax" and cfg.num_groups == 1:
+            return ops.moe_topk_softmax(logits, cfg.top_k, cfg.renormalize, cfg.routed_scaling_factor,
+                                        shared_slots, shared_gate)
+        weights, ids = select_experts(logits, cfg, self.e_score_correction_bias)
+        if shared_slots:
+            t = x.shape[0]
+            extra_w = (torch.sigmoid(shared_gate).float().expand(t, shared_slots) if shared_gate is not None
+                       else weights.new_ones(t, shared_slots))
+            extra_ids = torch.arange(cfg.num_experts, cfg.num_experts + shared_slots, device=ids.device)
+            weights = torch.cat([weights, extra_w], dim=1)
+            ids = torch.cat([ids, extra_ids.expand(t, shared_slots)], dim=1)
+        return weights, ids

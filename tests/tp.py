@@ -1,0 +1,43 @@
+"""Shared by the tensor-parallel tests (tests/engine/test_tensor_parallel.py, test_ray_executor.py and the server's
+worker-death test): the checkpoints, the mixed-length prompts, an engine at a given TP size and greedy decoding."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.engine.frontend import LLMEngine
+from kestrel.engine.sampling_params import SamplingParams
+
+NUM_TOKENS = 32
+
+# name -> (tests/tiny.py kind, overrides). llama_linear_rope: one KV head for 2 ranks (replicated), untied LM head;
+# qwen3 with vocab 387 (odd: the vocab-parallel embedding and LM head pad their slices); qwen3_moe: every expert
+# split along its intermediate dim; qwen2_moe: shared experts (a column/row-parallel MLP) with their sigmoid gate,
+# a dense layer, tied embeddings (the vocab-parallel LM head shares the embedding's slice)
+TP_MODELS = {
+    "llama": ("llama_linear_rope", {}),
+    "qwen3": ("qwen3", {"vocab_size": 387}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {"tie_word_embeddings": True}),
+}
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64)]
+
+
+def engine(path, tp: int, **kw) -> LLMEngine:
+    cfg = EngineConfig.create(model=str(path), dtype="float32", tensor_parallel_size=tp, max_num_seqs=8,
+                              kv_cache_memory=4 * 2**20, **kw)
+    return LLMEngine(cfg, progress=False)
+
+
+def greedy(eng: LLMEngine, prompt_ids: list[list[int]], n: int = NUM_TOKENS) -> list[list[int]]:
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)) for p in prompt_ids]
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return [list(out[i]) for i in ids]
