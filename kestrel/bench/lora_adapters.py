@@ -35,11 +35,17 @@ def write_random_adapter(out: Path, config: Mapping, rank: int, seed: int, targe
             scale_a = din ** -0.5 if a_scale is None else a_scale
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, din, generator=gen) * scale_a).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(dout, rank, generator=gen) * b_scale).to(dtype)
+    return save_adapter(out, tensors, rank, list(targets), task_type="CAUSAL_LM")
+
+
+def save_adapter(out: Path, tensors: dict[str, torch.Tensor], rank: int, target_modules, **config) -> Path:
+    """A PEFT LoRA folder: `tensors` (PEFT's names) and its adapter_config.json (lora_alpha = 2 * rank, no dropout,
+    no bias; `config`: further fields)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none",
-        "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": target_modules, "bias": "none",
+        "lora_dropout": 0.0, **config}))
     return out

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.bench.lora_adapters import write_random_adapter as write_adapter
+from kestrel.bench.lora_adapters import save_adapter, write_random_adapter as write_adapter
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -62,10 +62,7 @@ def write_random_adapter_matching(base_path: Path, out: Path, rank: int, seed: i
                                   scale: float = 0.1) -> Path:
     """A PEFT-format adapter folder written without peft for the linear modules of `model_cls` whose full path
     matches `pattern` (as PEFT reads a string target_modules), named as PEFT names them."""
-    import json
     import re
-
-    from safetensors.torch import save_file
 
     model = model_cls.from_pretrained(base_path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -74,12 +71,7 @@ def write_random_adapter_matching(base_path: Path, out: Path, rank: int, seed: i
         if isinstance(m, torch.nn.Linear) and re.fullmatch(pattern, name):
             tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=gen) * scale
             tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": pattern, "bias": "none",
-        "lora_dropout": 0.0}))
-    return out
+    return save_adapter(out, tensors, rank, pattern)
 
 
 def hf_with_merged_adapter(base_path: Path, adapter: Path, dtype, device: str):
