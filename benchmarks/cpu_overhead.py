@@ -1,13 +1,16 @@
 """Engine CPU time per decode step at batch 256 with the model replaced by a stub (no device work), so what
-is left is scheduling, input preparation, sampling bookkeeping and output processing.
+is left is scheduling, input preparation, sampling bookkeeping and output processing. Also prints the parts
+spent in the runner's input preparation and in scheduling (of that, building the runner's step deltas).
+--shape gemma3-1b: 26 layers in 7 KV-cache groups (1 full-attention, 6 sliding-window).
 
-    python benchmarks/cpu_overhead.py [--batch 256]"""
+    python benchmarks/cpu_overhead.py [--batch 256] [--shape gemma3-1b]"""
 from __future__ import annotations
 
 import argparse
 import cProfile
 import json
 import pstats
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -31,18 +34,45 @@ class StubModel(torch.nn.Module):
         return torch.zeros(hidden.shape[0], self.vocab)
 
 
+TINY = dict(hidden_size=64, intermediate_size=64, vocab_size=512, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, bos_token_id=1, eos_token_id=2)
+# shape -> (layers: the shape's KV-cache groups with tiny layers, KV blocks that hold the batch)
+SHAPE_RUNS = {"qwen3-0.6b": (1, 40000), "gemma3-1b": (26, 160000)}
+
+
+def timed(obj, name: str, calls: dict) -> None:
+    """Wrap obj.name so that the wall time of each call goes to calls[name]."""
+    fn = getattr(obj, name)
+    calls[name] = []
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            calls[name].append(time.perf_counter() - t)
+
+    setattr(obj, name, wrapper)
+
+
+def ms(xs: list[float]) -> str:
+    """Median and minimum (the one to compare on a busy machine) in ms."""
+    return f"{statistics.median(xs) * 1e3:.3f} (min {min(xs) * 1e3:.3f}) ms"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPE_RUNS))
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--detokenize", action="store_true", help="also stream text (off: token ids, as the "
                     "throughput benchmark)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
-    cfg = dict(SHAPES["qwen3-0.6b"], num_hidden_layers=1, hidden_size=64, intermediate_size=64, vocab_size=512,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=16, bos_token_id=1, eos_token_id=2)
+    layers, blocks = SHAPE_RUNS[args.shape]
+    cfg = dict(SHAPES[args.shape], num_hidden_layers=layers, **TINY)
     (d / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=40000,
+    llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=blocks,
               enable_prefix_caching=False, async_scheduling="on")
     eng = llm.engine
     runner = eng.core.runner
@@ -57,11 +87,19 @@ def main():
     for _ in range(5):
         eng.step()
     n = 50
+    calls = {}
+    timed(runner, "_prepare", calls)
+    timed(eng.core.scheduler, "_step_input", calls)
+    timed(eng.core.scheduler, "schedule", calls)
     t = time.perf_counter()
     for _ in range(n):
         eng.step()
     dt = (time.perf_counter() - t) / n
-    print(f"CPU time per decode step at batch {args.batch}: {dt * 1e3:.2f} ms ({dt / args.batch * 1e6:.1f} us/request)")
+    groups = len(runner.kv_cache_groups)
+    print(f"CPU time per decode step at batch {args.batch}, {args.shape} ({groups} KV groups): {dt * 1e3:.2f} ms "
+          f"({dt / args.batch * 1e6:.1f} us/request)")
+    print(f"  of it runner prepare {ms(calls['_prepare'])}, scheduling {ms(calls['schedule'])}, "
+          f"of that step deltas {ms(calls['_step_input'])}")
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()

@@ -15,33 +15,14 @@ from pathlib import Path
 
 from common import SHAPES, git_commit, nano_workload, print_table, write_shape
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from kestrel.bench.lora_adapters import write_random_adapter
 
 
 def write_adapter(folder: Path, shape: dict, rank: int, seed: int) -> Path:
-    """A PEFT adapter folder with random weights for every attention and MLP projection of every layer."""
+    """A PEFT adapter folder with random bf16 weights for every attention and MLP projection of every layer."""
     import torch
-    from safetensors.torch import save_file
 
-    h, hd = shape["hidden_size"], shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
-    q, kv, inter = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd, shape["intermediate_size"]
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-            "up_proj": (h, inter), "down_proj": (inter, h)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shape["num_hidden_layers"]):
-        for t in TARGETS:
-            part = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{t}"
-            din, dout = dims[t]
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, din, generator=gen) * din ** -0.5).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(dout, rank, generator=gen) * 0.01).bfloat16()
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none",
-        "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
-    return folder
+    return write_random_adapter(folder, shape, rank, seed, a_scale=None, b_scale=0.01, dtype=torch.bfloat16)
 
 
 def run(model_dir, prompts, outs, args, adapters: list[Path] | None):

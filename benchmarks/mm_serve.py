@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve import pct, start_server  # noqa: E402
+from kestrel.bench.serve import latency_rows, run_clients, start_server  # noqa: E402
 
 PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 IMAGE_SIZES = [(640, 480), (800, 600), (336, 336), (1024, 768), (480, 640)]  # (width, height)
@@ -107,8 +107,6 @@ async def one_request(client, url: str, model: str, image: str, text: str, max_t
 
 
 async def run(args, url: str) -> int:
-    import httpx2
-
     rng = random.Random(args.seed)
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         model = json.load(r)["data"][0]["id"]
@@ -117,26 +115,13 @@ async def run(args, url: str) -> int:
                                                             "is", "shown"]) for _ in range(12)), args.output_len)
             for i in range(args.num_requests)]
     res = {"ttft": [], "itl": [], "latency": [], "errors": []}
-    sem = asyncio.Semaphore(args.concurrency)
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(args.request_timeout),
-                                  limits=httpx2.Limits(max_connections=args.concurrency + 4)) as client:
-        async def guarded(job):
-            async with sem:
-                try:
-                    await one_request(client, url, model, *job, res)
-                except Exception as e:  # noqa: BLE001 - counted as an error
-                    res["errors"].append(f"{type(e).__name__}: {e}")
-        t0 = time.perf_counter()
-        await asyncio.gather(*(guarded(j) for j in jobs))
-        elapsed = time.perf_counter() - t0
+    elapsed = await run_clients(lambda client, job: one_request(client, url, model, *job, res), jobs, res,
+                                args.concurrency, args.request_timeout)
     print(f"\nimage chat benchmark: {args.num_requests} requests, concurrency {args.concurrency}, one image each "
           f"({len(images)} distinct, sizes {IMAGE_SIZES}), {args.output_len} output tokens")
     rows = [("requests/s", f"{args.num_requests / elapsed:.2f}"),
             ("errors", str(len(res["errors"]))),
-            ("output tokens/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")]
-    for name, xs in (("TTFT", res["ttft"]), ("ITL", res["itl"]), ("E2E", res["latency"])):
-        rows.append((f"{name} p50 / p90 / p99 (ms)",
-                     f"{pct(xs, 50) * 1e3:.1f} / {pct(xs, 90) * 1e3:.1f} / {pct(xs, 99) * 1e3:.1f}"))
+            ("output tokens/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")] + latency_rows(res)
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")

@@ -1,11 +1,25 @@
-"""Per-token greedy agreement with transformers, teacher-forced: transformers generates greedily; our engine
-scores that very sequence (prompt logprobs) and we count the positions where our argmax is transformers' token.
-In bf16 one near-tie flip would otherwise make every later token of a free-running comparison differ."""
+"""Greedy references from transformers. `hf_greedy`: its tokens for float32 comparisons, where ours must be
+identical. `teacher_forced_agreement`, per token: transformers generates greedily; our engine scores that very
+sequence (prompt logprobs) and we count the positions where our argmax is transformers' token. In bf16 one
+near-tie flip would otherwise make every later token of a free-running comparison differ."""
 from __future__ import annotations
 
 import torch
 
 from kestrel import SamplingParams
+
+
+def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
+    """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
+    from_pretrained (e.g. attn_implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
+    out = []
+    for p in prompts:
+        seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(seq[0, len(p):].tolist())
+    return out
 
 
 def bf16_logprob_tolerance(max_abs_logit: float) -> float:

@@ -64,6 +64,32 @@ def pct(xs: list[float], p: float) -> float:
     return xs[k]
 
 
+def latency_rows(res: dict) -> list[tuple[str, str]]:
+    """Table rows of the TTFT, inter-token and end-to-end latency percentiles (res: seconds per kind)."""
+    return [(f"{name} p50 / p90 / p99 (ms)", " / ".join(f"{pct(xs, p) * 1e3:.1f}" for p in (50, 90, 99)))
+            for name, xs in (("TTFT", res["ttft"]), ("ITL", res["itl"]), ("E2E", res["latency"]))]
+
+
+async def run_clients(send, jobs: list, res: dict, concurrency: int, request_timeout: float,
+                      headers: dict | None = None, keepalive: bool = True) -> float:
+    """Awaits `send(client, job)` for every job, at most `concurrency` at once, over one HTTP client; a job that
+    raises is counted in res["errors"]. keepalive=False: a fresh connection per request. Returns the wall time."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx2.Limits(max_connections=concurrency + 4, **({} if keepalive else {"max_keepalive_connections": 0}))
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(request_timeout), limits=limits,
+                                  headers=headers) as client:
+        async def guarded(job):
+            async with sem:
+                try:
+                    await send(client, job)
+                except Exception as e:  # noqa: BLE001 - counted as an error
+                    res["errors"].append(f"{type(e).__name__}: {e}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(guarded(j) for j in jobs))
+        return time.perf_counter() - t0
+
+
 def parse_range(s: str) -> tuple[int, int]:
     lo, _, hi = s.partition(":")
     return int(lo), int(hi or lo)
@@ -133,30 +159,14 @@ async def run(args, url: str) -> int:
         disc = rng.randint(1, max(1, mt // 2)) if rng.random() < args.disconnect_fraction else None
         jobs.append((prompt, mt, disc))
     res = {"ttft": [], "itl": [], "latency": [], "errors": [], "completed": 0, "disconnected": 0}
-    sem = asyncio.Semaphore(args.concurrency)
-    limits = httpx2.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=0)
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(args.request_timeout), limits=limits,
-                                  headers=headers) as client:
-        async def guarded(job):
-            async with sem:
-                try:
-                    await one_request(client, url, model, *job, res)
-                except Exception as e:  # noqa: BLE001 - counted as an error
-                    res["errors"].append(f"{type(e).__name__}: {e}")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(guarded(j) for j in jobs))
-        elapsed = time.perf_counter() - t0
-    ms = 1000.0
+    elapsed = await run_clients(lambda client, job: one_request(client, url, model, *job, res), jobs, res,
+                                args.concurrency, args.request_timeout, headers, keepalive=False)
     print(f"\nserve benchmark: {args.num_requests} requests, concurrency {args.concurrency}, "
           f"input {args.input_len} words, output {args.output_len} tokens, disconnect {args.disconnect_fraction:.0%}")
     rows = [("requests/s", f"{args.num_requests / elapsed:.2f}"),
             ("completed / disconnected / errors", f"{res['completed']} / {res['disconnected']} / {len(res['errors'])}"),
             ("output tokens/s (streamed chunks)", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}"),
-            ("wall time (s)", f"{elapsed:.2f}")]
-    for name, xs in (("TTFT", res["ttft"]), ("ITL", res["itl"]), ("E2E", res["latency"])):
-        rows.append((f"{name} p50 / p90 / p99 (ms)",
-                     f"{pct(xs, 50) * ms:.1f} / {pct(xs, 90) * ms:.1f} / {pct(xs, 99) * ms:.1f}"))
+            ("wall time (s)", f"{elapsed:.2f}")] + latency_rows(res)
     w = max(len(r[0]) for r in rows)
     print("-" * (w + 24))
     for k, v in rows:

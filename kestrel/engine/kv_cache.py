@@ -230,6 +230,8 @@ class KVCacheManager:
         self._hit_order = sorted(self.managers, key=lambda m: isinstance(m, SlidingWindowManager))
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
+        # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
+        self.grown: set[str] = set()
 
     # ---- capacity
     @property
@@ -312,6 +314,7 @@ class KVCacheManager:
             self.pool.touch(h)
         for m, h, n in zip(self.managers, hits, need):
             m.add(rid, h, self.pool.allocate(n))
+        self.grown.add(rid)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -329,6 +332,7 @@ class KVCacheManager:
         """Release a finished, aborted or preempted request's blocks in every group."""
         for m in self.managers:
             m.free(req.request_id)
+        self.grown.discard(req.request_id)
 
     def block_ids(self, req: Request) -> list[list[int]]:
         """The request's block ids per group (live lists owned by the managers: read, don't modify)."""

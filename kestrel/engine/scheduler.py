@@ -22,7 +22,6 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_computed_tokens: int  # before this step
-    block_ids: list[list[int]]  # per KV-cache group
     output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
     samples: bool = False  # this step reaches the end of the known tokens, so a new token is sampled
 
@@ -202,7 +201,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while True:
                 if self.kv.allocate_slots(req, num_new):
-                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.block_ids(req)))
+                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break
@@ -238,30 +237,34 @@ class Scheduler:
             if req.lora_id:
                 loras.add(req.lora_id)
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, num_hit, self.kv.block_ids(req)))
+            out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
             budget -= num_new
         out.step = self._step_input(out)
         return out
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         """The runner's deltas: new (or resumed) requests in full, block ids appended since each request's last
-        step, and every request the runner should forget (finished, aborted or preempted)."""
+        step (looked at only for requests whose blocks grew), and every request the runner should forget
+        (finished, aborted or preempted)."""
         step = StepInput(finished_ids=out.finished_ids + [r.request_id for r in out.preempted])
+        grown = self.kv.grown
         for s in out.scheduled:
             req = s.request
+            new_ids = None
             if req.num_sent_blocks is None:
+                block_ids = self.kv.block_ids(req)
                 sp = req.sampling_params
                 stop = ([req.eos_token_id] if req.eos_token_id is not None and not sp.ignore_eos else [])
                 step.new_requests.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, [t for t in req.output_token_ids if t != PLACEHOLDER], sp,
-                    stop + list(sp.stop_token_ids), [list(ids) for ids in s.block_ids], req.lora_id,
+                    stop + list(sp.stop_token_ids), [list(ids) for ids in block_ids], req.lora_id,
                     req.mm_features, req.bidirectional_len))
-                new_ids = None
-            else:
-                sent = req.num_sent_blocks
-                new_ids = [ids[n:] for ids, n in zip(s.block_ids, sent)] if any(
-                    len(ids) > n for ids, n in zip(s.block_ids, sent)) else None
-            req.num_sent_blocks = [len(ids) for ids in s.block_ids]
+                req.num_sent_blocks = [len(ids) for ids in block_ids]
+            elif req.request_id in grown:
+                block_ids = self.kv.block_ids(req)
+                new_ids = [ids[n:] for ids, n in zip(block_ids, req.num_sent_blocks)]
+                req.num_sent_blocks = [len(ids) for ids in block_ids]
+            grown.discard(req.request_id)
             step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
                                               new_ids))
         return step

@@ -9,7 +9,7 @@ from torch import nn
 
 from kestrel.models.context import ModelContext
 from kestrel.models.llama import LlamaForCausalLM
-from kestrel.models.multimodal import checkpoint_module_name, mm_weights, tie_output_embeddings
+from kestrel.models.multimodal import ImageTextModel, mm_weights, tie_output_embeddings
 from kestrel.models.qwen import Qwen2ForCausalLM
 from kestrel.models.vision import anyres
 from kestrel.models.vision.clip import CLIPVisionTransformer
@@ -42,7 +42,7 @@ def _check_config(hf) -> None:
         raise NotImplementedError(f"LLaVA-NeXT vision tower {hf.vision_config.model_type!r} is not supported")
 
 
-class LlavaNextForConditionalGeneration(nn.Module):
+class LlavaNextForConditionalGeneration(ImageTextModel):
     bidirectional_prefix = False
     # LoRA: the decoder per step token, the CLIP tower and the projector per image row (kestrel/lora/manager.py)
     lora_stages = (("language_model.", "decoder"), ("vision_tower.", "tower"), ("multi_modal_projector.", "connector"))
@@ -100,21 +100,6 @@ class LlavaNextForConditionalGeneration(nn.Module):
         tiles = image["pixel_values"].shape[0]
         patches = self.vision_tower.num_positions - 1
         return {"tower": tiles * (patches + 1), "connector": tiles * patches}
-
-    def lora_module_name(self, path: str) -> str | None:
-        return checkpoint_module_name(self, path, self.tied)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.config.vocab_size
-        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
-
-    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rest():

@@ -11,13 +11,16 @@ A multimodal model class provides, besides the text model's interface:
 - `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
 For LoRA (kestrel/lora/manager.py): `lora_module_name(path)` maps an adapter's module paths like checkpoint names,
 `lora_stages` says which parts take adapters, and a model whose vision tower and connector take them gives
-`lora_encoder_tokens(image_inputs) -> {"tower": rows, "connector": rows}`, counted from the processed inputs."""
+`lora_encoder_tokens(image_inputs) -> {"tower": rows, "connector": rows}`, counted from the processed inputs.
+`ImageTextModel` is their common base: the text-side interface over the decoder in `self.language_model`, and
+`lora_module_name`."""
 from __future__ import annotations
 
 import re
 from typing import Iterable
 
 import torch
+from torch import nn
 
 # checkpoint prefixes (legacy and transformers 5 layouts) -> our module names
 _RENAMES = [
@@ -79,3 +82,29 @@ def tie_output_embeddings(model: torch.nn.Module, hf_config) -> bool:
 def image_token_id(hf_config) -> int:
     tid = getattr(hf_config, "image_token_id", None)
     return getattr(hf_config, "image_token_index", None) if tid is None else tid
+
+
+class ImageTextModel(nn.Module):
+    """The text side of an image-text model: token embeddings, forward and logits go to `self.language_model`;
+    `self.config` is the decoder's config, `self.tied` whether its lm_head is its embedding. `position_offset` is
+    added to the positions the decoder sees (PaliGemma counts them from 1)."""
+    position_offset = 0
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Image placeholder ids lie past the decoder's vocabulary: they embed as token 0 (their rows are replaced
+        by image embeddings)."""
+        vocab = self.config.vocab_size
+        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
+
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        if self.position_offset:
+            positions = positions + self.position_offset
+        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def lora_module_name(self, path: str) -> str | None:
+        return checkpoint_module_name(self, path, self.tied)

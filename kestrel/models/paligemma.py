@@ -16,14 +16,15 @@ from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.context import ModelContext
 from kestrel.models.gemma import GemmaForCausalLM
 from kestrel.models.llama import head_dim_of
-from kestrel.models.multimodal import checkpoint_module_name, mm_weights, tie_output_embeddings
+from kestrel.models.multimodal import ImageTextModel, mm_weights, tie_output_embeddings
 from kestrel.models.vision.encoder import vision_linear
 from kestrel.models.vision.siglip import SiglipVisionTransformer
 from kestrel.models.weights import load_named_weights
 
 
-class PaliGemmaForConditionalGeneration(nn.Module):
+class PaliGemmaForConditionalGeneration(ImageTextModel):
     bidirectional_prefix = True
+    position_offset = 1
     packed_modules = GemmaForCausalLM.packed_modules
     lora_stages = (("language_model.", "decoder"),)  # LoRA on the decoder only (not on the SigLIP tower)
 
@@ -58,21 +59,6 @@ class PaliGemmaForConditionalGeneration(nn.Module):
         features = self.vision_tower(image["pixel_values"][None])[0]
         n, c = features.shape
         return self.multi_modal_projector.linear(features).view(n, -1)
-
-    def lora_module_name(self, path: str) -> str | None:
-        return checkpoint_module_name(self, path, self.tied)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.config.vocab_size
-        return self.language_model.embed_input_ids(torch.where(input_ids < vocab, input_ids, 0))
-
-    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_input_ids(input_ids)
-        return self.language_model(input_ids, positions + 1, ctx, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(self, mm_weights(self, weights, self.tied), self.packed_modules, strip="")

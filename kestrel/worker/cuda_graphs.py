@@ -45,8 +45,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         buf = self.buf
         buf.seq_lens.zero_()
-        for table in buf.groups:
-            table.slot_mapping.fill_(-1)
+        buf.slot_mapping.fill_(-1)
         buf.query_start_loc.copy_(self.arange)
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             for _ in range(2):

@@ -1,10 +1,11 @@
 """The runner's own batch state and its persistent input buffers.
 
 `RequestState` is what the runner knows of a request, built from the scheduler's deltas (kestrel/core/step.py):
-tokens, sampling parameters and block ids per KV-cache group. `InputBuffers` holds host-side numpy staging
-(pinned on CUDA) and device tensors of fixed capacity, so a step writes into the same memory every time (no
-per-step allocation; CUDA graphs replay from it). Each KV-cache group has its own block table and slot mapping;
-`GroupTable` owns that paged layout (slot = block * block_size + offset)."""
+tokens and sampling parameters; its block ids per KV-cache group are a row of `BlockTableRows`, written only
+when the deltas add blocks. `InputBuffers` holds host-side numpy staging (pinned on CUDA) and device tensors of
+fixed capacity, so a step writes into the same memory every time (no per-step allocation; CUDA graphs replay
+from it). Each KV-cache group has its own block table and slot mapping (slot = block * block_size + offset);
+all groups' are staged together, gathered from the rows in one numpy pass, and copied in one transfer each."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,56 +25,59 @@ class RequestState(TokenSequence):
     output_token_ids: list[int]  # PLACEHOLDER where a launched step's token is not collected yet
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]
-    block_ids: list[list[int]]  # per KV-cache group
     lora_id: int = 0  # 0: no adapter
     mm_features: list[MMFeature] = field(default_factory=list)
     bidirectional_len: int = 0
     # encoder cache: image index -> its embeddings, kept from the step that first needs them until the step that
     # computes its last placeholder (chunked prefill across an image runs the encoder once)
     encoder_outputs: dict = field(default_factory=dict)
+    table_row: int = -1  # its row of the runner's BlockTableRows
 
     @classmethod
-    def from_new(cls, r: NewRequestData) -> "RequestState":
+    def from_new(cls, r: NewRequestData, table_row: int) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, [list(ids) for ids in r.block_ids], r.lora_id, list(r.mm_features),
-                   r.bidirectional_len)
+                   r.min_tokens_stop_ids, r.lora_id, list(r.mm_features), r.bidirectional_len, table_row=table_row)
+
+
+class BlockTableRows:
+    """Every live request's block ids: a row [groups, max_blocks] (int32) per request and each group's count,
+    written when a request arrives and when the scheduler's deltas add blocks (not every step)."""
+
+    def __init__(self, num_groups: int, max_blocks: int, rows: int):
+        self.ids = np.zeros((rows, num_groups, max_blocks), dtype=np.int32)
+        self.lens = np.zeros((rows, num_groups), dtype=np.int64)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def add(self, block_ids: list[list[int]]) -> int:
+        """A row for a new request holding `block_ids` (per group); returns the row."""
+        if not self._free:  # more live requests than max_num_seqs (not expected): grow
+            n = len(self.ids)
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+            self.lens = np.concatenate([self.lens, np.zeros_like(self.lens)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self._free.pop()
+        self.lens[row] = 0
+        self.append(row, block_ids)
+        return row
+
+    def append(self, row: int, new_ids: list[list[int]]) -> None:
+        lens = self.lens[row]
+        for g, ids in enumerate(new_ids):
+            if ids:
+                start = lens[g]
+                if start + len(ids) > self.ids.shape[2]:
+                    raise RuntimeError(f"{start + len(ids)} blocks exceed the {self.ids.shape[2]} of the longest "
+                                       "sequence (max_model_len)")
+                self.ids[row, g, start:start + len(ids)] = ids
+                lens[g] = start + len(ids)
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
 
 
 def _pair(shape, dtype, device, pin):
     host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
     return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device)
-
-
-class GroupTable:
-    """One KV-cache group's block table and slot mapping (staging + device)."""
-
-    def __init__(self, block_size: int, max_tokens: int, max_reqs: int, max_blocks_per_req: int,
-                 device: torch.device, pin: bool):
-        self.block_size = block_size
-        self.slot_h, self.slot_np, self.slot_mapping = _pair(max_tokens, torch.int64, device, pin)
-        self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
-        # Block tables are staged compactly ([num_reqs, width] row-major, width = this step's widest request) so
-        # that the host->device copy is one contiguous range; a device-side copy then spreads the rows out.
-        # (A strided host slice would go through a pageable temporary: a synchronous copy that waits for the
-        # step in flight.)
-        self.bt_flat_h, self.bt_flat_np, self.bt_flat = _pair(max_reqs * max_blocks_per_req, torch.int32, device, pin)
-
-    def stage_decode(self, t: int, blocks: list[int], pos: int) -> None:
-        bs = self.block_size
-        self.slot_np[t] = blocks[pos // bs] * bs + pos % bs
-
-    def stage_chunk(self, t: int, blocks: list[int], positions: np.ndarray) -> None:
-        bs = self.block_size
-        self.slot_np[t:t + len(positions)] = np.asarray(blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
-
-    def stage_row(self, b: int, width: int, blocks: list[int]) -> None:
-        self.bt_flat_np[b * width:b * width + len(blocks)] = blocks
-
-    def copy_to_device(self, num_tokens: int, num_reqs: int, width: int, non_blocking: bool) -> None:
-        self.slot_mapping[:num_tokens].copy_(self.slot_h[:num_tokens], non_blocking=non_blocking)
-        n = num_reqs * width
-        self.bt_flat[:n].copy_(self.bt_flat_h[:n], non_blocking=non_blocking)
-        self.block_tables[:num_reqs, :width].copy_(self.bt_flat[:n].view(num_reqs, width))
 
 
 class InputBuffers:
@@ -85,11 +89,42 @@ class InputBuffers:
         self.pos_h, self.pos_np, self.positions = _pair(max_tokens, torch.int64, device, pin)
         self.qsl_h, self.qsl_np, self.query_start_loc = _pair(max_reqs + 1, torch.int32, device, pin)
         self.sl_h, self.sl_np, self.seq_lens = _pair(max_reqs, torch.int32, device, pin)
-        self.groups = [GroupTable(block_size, max_tokens, max_reqs, max_blocks_per_req, device, pin)
-                       for _ in range(num_groups)]
+        # Per group g: block_tables[g] [max_reqs, max_blocks] and slot_mapping[g] [max_tokens] on the device. A
+        # step stages them compactly ([groups, num_reqs, width] and [groups, num_tokens], row-major) so that each
+        # host->device copy is one contiguous range; a device-side copy then spreads the rows out. (A strided host
+        # slice would go through a pageable temporary: a synchronous copy that waits for the step in flight.)
+        self.num_groups, self.block_size = num_groups, block_size
+        self.slot_h, self.slot_np, self.slot_flat = _pair(num_groups * max_tokens, torch.int64, device, pin)
+        self.slot_mapping = torch.zeros((num_groups, max_tokens), dtype=torch.int64, device=device)
+        self.bt_h, self.bt_np, self.bt_flat = _pair(num_groups * max_reqs * max_blocks_per_req, torch.int32, device,
+                                                    pin)
+        self.block_tables = torch.zeros((num_groups, max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self.fill_dst_h, self.fill_dst_np, self.fill_dst = _pair(max_reqs, torch.int64, device, pin)  # placeholder rows
         self.fill_src_h, self.fill_src_np, self.fill_src = _pair(max_reqs, torch.int64, device, pin)
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks_per_req
+
+    def staged_slots(self, num_tokens: int) -> np.ndarray:
+        """[groups, num_tokens] host staging of this step's slot mappings."""
+        return self.slot_np[:self.num_groups * num_tokens].reshape(self.num_groups, num_tokens)
+
+    def staged_block_tables(self, num_reqs: int, width: int) -> np.ndarray:
+        """[groups, num_reqs, width] host staging of this step's block tables."""
+        return self.bt_np[:self.num_groups * num_reqs * width].reshape(self.num_groups, num_reqs, width)
+
+    def stage_block_tables(self, rows: BlockTableRows, req_rows: np.ndarray, width: int) -> np.ndarray:
+        """Every group's block table of the requests at `req_rows` (batch order), `width` blocks wide."""
+        tables = self.staged_block_tables(len(req_rows), width)
+        np.copyto(tables, rows.ids[req_rows, :, :width].transpose(1, 0, 2))
+        return tables
+
+    def stage_slots(self, tables: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray) -> None:
+        """Every group's slot of every token: its request's block (from the staged `tables`) at its position."""
+        bs = self.block_size
+        req_of_token = np.repeat(np.arange(len(query_start_loc) - 1), np.diff(query_start_loc))
+        slots = self.staged_slots(len(positions))
+        slots[:] = tables[:, req_of_token, positions // bs]
+        slots *= bs
+        slots += positions % bs
 
     def copy_to_device(self, num_tokens: int, num_reqs: int, width: int) -> None:
         nb = self.device.type == "cuda"
@@ -97,8 +132,12 @@ class InputBuffers:
         self.positions[:num_tokens].copy_(self.pos_h[:num_tokens], non_blocking=nb)
         self.query_start_loc[:num_reqs + 1].copy_(self.qsl_h[:num_reqs + 1], non_blocking=nb)
         self.seq_lens[:num_reqs].copy_(self.sl_h[:num_reqs], non_blocking=nb)
-        for g in self.groups:
-            g.copy_to_device(num_tokens, num_reqs, width, nb)
+        g, n = self.num_groups, num_tokens * self.num_groups
+        self.slot_flat[:n].copy_(self.slot_h[:n], non_blocking=nb)
+        self.slot_mapping[:, :num_tokens].copy_(self.slot_flat[:n].view(g, num_tokens))
+        n = g * num_reqs * width
+        self.bt_flat[:n].copy_(self.bt_h[:n], non_blocking=nb)
+        self.block_tables[:, :num_reqs, :width].copy_(self.bt_flat[:n].view(g, num_reqs, width))
 
     def copy_fills(self, k: int) -> None:
         nb = self.device.type == "cuda"
@@ -106,4 +145,4 @@ class InputBuffers:
         self.fill_src[:k].copy_(self.fill_src_h[:k], non_blocking=nb)
 
 
-__all__ = ["PLACEHOLDER", "GroupTable", "InputBuffers", "RequestState"]
+__all__ = ["PLACEHOLDER", "BlockTableRows", "InputBuffers", "RequestState"]

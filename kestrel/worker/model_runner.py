@@ -19,7 +19,7 @@ from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
-from kestrel.worker.input_batch import InputBuffers, RequestState
+from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class ModelRunner:
         self._bind_attention()
         self.lora = self._init_lora()
         self.requests: dict[str, RequestState] = {}
+        self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
+                                         config.scheduler.max_num_seqs)
         self.sampler = Sampler(config.model.seed)
         self.prompt_logprobs_done: dict[str, int] = {}
         self.graphs = None
@@ -190,9 +192,9 @@ class ModelRunner:
                                          buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
                                          bidirectional_lens)
         metas = []
-        for builder, table in zip(self.builders, buf.groups):
+        for g, builder in enumerate(self.builders):
             build = builder.build_for_capture if capture else builder.build
-            metas.append(build(common, table.block_tables[:num_reqs, :width], table.slot_mapping[:num_tokens]))
+            metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
         return ForwardContext(metas)
 
     def _new_buffers(self, max_tokens: int | None = None) -> InputBuffers:
@@ -216,9 +218,8 @@ class ModelRunner:
         buf.sl_np[:len(lens)] = lens
         buf.ids_np[:n] = 0
         buf.pos_np[:n] = np.concatenate([np.arange(length) for length in lens])
-        for table in buf.groups:
-            table.slot_np[:n] = -1
-            table.bt_flat_np[:per_seq * len(lens)] = np.arange(per_seq * len(lens))
+        buf.staged_slots(n)[:] = -1
+        buf.staged_block_tables(len(lens), per_seq)[:] = np.arange(per_seq * len(lens)).reshape(len(lens), per_seq)
         buf.copy_to_device(n, len(lens), per_seq)
         ctx = self.metadata(n, len(lens), 0, seq, seq, per_seq, qsl.tolist(), lens)
         return buf.input_ids[:n], buf.positions[:n], ctx
@@ -309,9 +310,8 @@ class ModelRunner:
             buf.sl_np[:2] = q_len
             buf.ids_np[:n] = 0
             buf.pos_np[:n] = np.tile(np.arange(q_len), 2)
-            for table in buf.groups:
-                table.slot_np[:n] = -1
-                table.bt_flat_np[:2 * width] = 0
+            buf.staged_slots(n)[:] = -1
+            buf.staged_block_tables(2, width)[:] = 0
             buf.copy_to_device(n, 2, width)
             ctx = self.metadata(n, 2, 0, q_len, q_len, width, [0, q_len, n], [q_len, q_len])
             hidden = self.model(buf.input_ids[:n], buf.positions[:n], ctx)
@@ -321,14 +321,18 @@ class ModelRunner:
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
         for rid in step.finished_ids:
-            self.requests.pop(rid, None)
+            st = self.requests.pop(rid, None)
+            if st is not None:
+                self.block_rows.free(st.table_row)
             self.prompt_logprobs_done.pop(rid, None)
         for r in step.new_requests:
-            self.requests[r.request_id] = RequestState.from_new(r)
+            old = self.requests.get(r.request_id)
+            if old is not None:
+                self.block_rows.free(old.table_row)
+            self.requests[r.request_id] = RequestState.from_new(r, self.block_rows.add(r.block_ids))
         for c in step.chunks:
             if c.new_block_ids:
-                for ids, new in zip(self.requests[c.request_id].block_ids, c.new_block_ids):
-                    ids.extend(new)
+                self.block_rows.append(self.requests[c.request_id].table_row, c.new_block_ids)
 
     # ---- one step
     def _prepare(self, chunks: list[ScheduledChunk], prev: "InFlight | None") -> ForwardContext:
@@ -341,9 +345,10 @@ class ModelRunner:
         if n_tok > buf.max_tokens or len(chunks) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(chunks)} requests exceeds the runner's buffers")
         qsl, sl, ids, pos = buf.qsl_np, buf.sl_np, buf.ids_np, buf.pos_np
-        tables = buf.groups
         states = [self.requests[c.request_id] for c in chunks]
-        width = max(1, max(len(ids_) for st in states for ids_ in st.block_ids))
+        nr = len(chunks)
+        req_rows = np.fromiter((st.table_row for st in states), dtype=np.intp, count=nr)
+        width = max(1, int(self.block_rows.lens[req_rows].max()))
         qsl[0] = 0
         t = 0
         num_decodes = 0
@@ -359,22 +364,16 @@ class ModelRunner:
                     tok = 0
                 ids[t] = tok
                 pos[t] = start
-                for table, blocks in zip(tables, st.block_ids):
-                    table.stage_decode(t, blocks, start)
                 if num_decodes == b:
                     num_decodes += 1
             else:
                 ids[t:t + n] = st.tokens_slice(start, start + n)
-                p = np.arange(start, start + n)
-                pos[t:t + n] = p
-                for table, blocks in zip(tables, st.block_ids):
-                    table.stage_chunk(t, blocks, p)
-            for table, blocks in zip(tables, st.block_ids):
-                table.stage_row(b, width, blocks)
+                pos[t:t + n] = np.arange(start, start + n)
             t += n
             qsl[b + 1] = t
             sl[b] = start + n
-        nr = len(chunks)
+        tables = buf.stage_block_tables(self.block_rows, req_rows, width)
+        buf.stage_slots(tables, qsl[:nr + 1], pos[:t])
         self._prepare_lora(chunks, states)
         buf.copy_to_device(t, nr, width)
         self._num_fills = k = len(fills_dst)

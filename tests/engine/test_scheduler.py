@@ -125,3 +125,34 @@ def test_random_arrivals_aborts_lengths(seed):
     run_all(s, 5000)
     assert s.kv.num_free_blocks == s.kv.num_blocks
     assert not s.running and len(s.waiting) == 0
+
+
+def test_step_deltas_rebuild_the_block_ids():
+    """A runner that keeps only the step deltas (new requests in full, then appended block ids) holds every
+    scheduled request's block ids, through chunked prefill, decodes across block boundaries and preemptions; a
+    chunk whose request gained no block carries no ids."""
+    s = make(num_blocks=14, block_size=4, budget=8, max_seqs=4)
+    for i in range(6):
+        s.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=12, t=i))
+    held: dict[str, list[int]] = {}
+    seen = {"with_ids": 0, "without": 0}
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
+        out = step(s)
+        for rid in out.step.finished_ids:
+            held.pop(rid, None)
+        for r in out.step.new_requests:
+            held[r.request_id] = list(r.block_ids[0])
+        for c in out.step.chunks:
+            if c.new_block_ids is not None:
+                assert c.new_block_ids[0], "a delta without new ids"
+                held[c.request_id] += c.new_block_ids[0]
+                seen["with_ids"] += 1
+            elif c.request_id not in {r.request_id for r in out.step.new_requests}:
+                seen["without"] += 1
+        for x in out.scheduled:
+            if x.request.status == RequestStatus.RUNNING:
+                assert held[x.request.request_id] == s.kv.block_ids(x.request)[0]
+    assert not s.has_unfinished()
+    assert s.num_preemptions > 0 and seen["with_ids"] > 0 and seen["without"] > 0

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from kestrel.bench.lora_adapters import save_adapter, write_random_adapter as write_adapter
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -49,44 +51,18 @@ def hf_greedy(base_path: Path, adapter: Path | None, prompts: list[list[int]], n
 
 def write_random_adapter(base_path: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS,
                          scale: float = 0.1) -> Path:
-    """A PEFT-format adapter folder written without peft (the GPU machine may not have it): random A and B for
-    `targets` of every layer of the checkpoint at `base_path`."""
-    import json
-
-    from safetensors.torch import save_file
+    """A PEFT-format adapter folder written without peft (the GPU machine may not have it): random A and B (times
+    `scale`) for `targets` of every layer of the checkpoint at `base_path`."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(base_path)
-    h, heads, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd = getattr(cfg, "head_dim", None) or h // heads
-    dims = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-            "gate_proj": (h, cfg.intermediate_size), "up_proj": (h, cfg.intermediate_size),
-            "down_proj": (cfg.intermediate_size, h)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for t in targets:
-            part = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{part}.{t}"
-            din, dout = dims[t]
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, din, generator=gen) * scale
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(dout, rank, generator=gen) * scale
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none",
-        "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
-    return out
+    return write_adapter(out, AutoConfig.from_pretrained(base_path).to_dict(), rank, seed, targets, scale, scale)
 
 
 def write_random_adapter_matching(base_path: Path, out: Path, rank: int, seed: int, pattern: str, model_cls,
                                   scale: float = 0.1) -> Path:
     """A PEFT-format adapter folder written without peft for the linear modules of `model_cls` whose full path
     matches `pattern` (as PEFT reads a string target_modules), named as PEFT names them."""
-    import json
     import re
-
-    from safetensors.torch import save_file
 
     model = model_cls.from_pretrained(base_path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -95,12 +71,7 @@ def write_random_adapter_matching(base_path: Path, out: Path, rank: int, seed: i
         if isinstance(m, torch.nn.Linear) and re.fullmatch(pattern, name):
             tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=gen) * scale
             tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=gen) * scale
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": pattern, "bias": "none",
-        "lora_dropout": 0.0}))
-    return out
+    return save_adapter(out, tensors, rank, pattern)
 
 
 def hf_with_merged_adapter(base_path: Path, adapter: Path, dtype, device: str):

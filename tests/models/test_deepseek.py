@@ -4,26 +4,15 @@ prefill, preemption and a prefix-cache hit, each asserted to have happened; the 
 (absorbed for decodes, dense for prefills; absorbed for everything on a backend without dense prefill) is
 asserted from the calls the backend received."""
 import pytest
-import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.attention.backends.torch_mla import TorchMLAImpl
 from kestrel.core.kv_spec import MLASpec
+from tests.agreement import hf_greedy
 
 KINDS = ["deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]
 NUM_TOKENS = 32
 PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206, 300, 301]]
-
-
-def hf_greedy(path, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(seq[0, len(p):].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")

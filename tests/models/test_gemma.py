@@ -2,32 +2,22 @@
 tokens identical for 32 tokens, also with chunked prefill, a prefix-cache hit and preemption, each asserted to have
 happened; a sliding-window group frees the blocks that left its window while the request runs."""
 import pytest
-import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from kestrel.engine.kv_cache import NULL_BLOCK_ID
+from tests.agreement import hf_greedy
 
 NUM_TOKENS = 32
 # window 8: every prompt but the first is longer than the window, and 32 outputs run past it anyway
 PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206, 300, 301]]
 
 
-def hf_greedy(path, prompts, n):
-    from transformers import AutoModelForCausalLM
-
-    # eager attention: the one transformers path that applies attention soft-capping
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    for p in prompts:
-        seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(seq[0, len(p):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    return {kind: hf_greedy(tiny_models[kind], PROMPTS, NUM_TOKENS) for kind in ("gemma", "gemma3")}
+    # eager attention: the one transformers path that applies attention soft-capping
+    return {kind: hf_greedy(tiny_models[kind], PROMPTS, NUM_TOKENS, attn_implementation="eager")
+            for kind in ("gemma", "gemma3")}
 
 
 def generate(path, prompts, **kw):
@@ -83,3 +73,39 @@ def test_sliding_group_frees_blocks_while_running(tiny_models):
     assert seen_freed
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
+
+
+def test_gemma3_runner_inputs_match_the_kv_manager(tiny_models, reference):
+    """Every step, each group's block table row and slot mapping that the runner builds (gathered from its per-request
+    block rows, all groups at once) hold the blocks the KV manager gave the request: with chunked prefill,
+    preemption and sliding windows freeing blocks (entries that became the null block are never read)."""
+    llm = LLM(str(tiny_models["gemma3"]), progress=False, block_size=4, num_kv_blocks=40, max_num_batched_tokens=8)
+    core = llm.engine.core
+    runner, bs = core.runner, 4
+    orig = runner._prepare
+    checked = {"tokens": 0, "entries": 0}
+
+    def prepare(chunks, prev):
+        ctx = orig(chunks, prev)
+        t = 0
+        for b, c in enumerate(chunks):
+            kv_ids = core.kv.block_ids(core.scheduler.requests[c.request_id])
+            for g, meta in enumerate(ctx.attn_metadata):
+                row = meta.block_tables[b].tolist()
+                live = [j for j, i in enumerate(kv_ids[g]) if i != NULL_BLOCK_ID]
+                assert [row[j] for j in live] == [kv_ids[g][j] for j in live]
+                checked["entries"] += len(live)
+                for k in range(c.num_new_tokens):
+                    p = c.num_computed_tokens + k
+                    assert meta.slot_mapping[t + k].item() == kv_ids[g][p // bs] * bs + p % bs
+            t += c.num_new_tokens
+        checked["tokens"] += t
+        return ctx
+
+    runner._prepare = prepare
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == reference["gemma3"]
+    assert core.scheduler.num_preemptions > 0 and len(runner.kv_cache_groups) > 2
+    assert checked["tokens"] >= sum(len(p) for p in PROMPTS) + len(PROMPTS) * (NUM_TOKENS - 1)
+    rows = runner.block_rows
+    assert len(rows._free) + len(runner.requests) == len(rows.ids)  # rows of finished requests went back

@@ -381,6 +381,28 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return splits
 
 
+def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: int, max_ctx: int,
+                       num_splits: int | None, shortest_split: int = MIN_SPLIT_TOKENS):
+    """What a split-K decode launch of q [B, H, D] needs besides its kernels' arguments: the split count (unless
+    given: choose_num_splits over `programs` (sequence, head-block) programs a sequence, none shorter than
+    `shortest_split` tokens), the float32 partial outputs [B, H, splits, D] and log-sum-exps [B, H, splits] of split
+    launches (unsplit: `out`, unused), the kernel's shortest split (cfg's MIN_SPLIT in whole BLOCK_N tiles), and
+    the compiler's launch options. Returns (num_splits, po, plse, min_split, launch)."""
+    B, H, D = q.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(B, programs, max_ctx, _sms_for(q), min_split=shortest_split)
+    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
+    if num_splits > 1:
+        po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        plse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    return num_splits, po, plse, min_split, launch
+
+
 def decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
     sliding_window=None, softcap=0.0, _config=None
@@ -409,23 +431,13 @@ def decode_attention(
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     if window:
         max_ctx = min(max_ctx, window + cfg["BLOCK_N"])
-    if num_splits is None:
-        num_splits = choose_num_splits(B, hkv, max_ctx, _sms_for(q))
-    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
+    num_splits, po, plse, min_split, launch = split_decode_setup(q, out, cfg, hkv, max_ctx, num_splits)
     g_pad = max(16, triton.next_power_of_2(group)) if cfg["USE_DOT"] else triton.next_power_of_2(group)
-    if num_splits > 1:
-        po = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((B, hq, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused
-    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     # The split count is a run-time argument (one compiled variant for split and one for unsplit launches,
     # not one per power of two): each variant costs ~1 s of Triton compilation at start-up. Split launches merge
     # in the same launch (the last split reduces, counted per (sequence, kv head)) unless `_config` turns that off
     # or the batch outgrows the counters; then a second kernel merges.
     fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
-    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
     cnt = tile_counters(q.device) if fused_reduce else out
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     _decode_kernel[(B, hkv, num_splits)](

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for,
-                                                    _split_bounds, _token_offsets, _upcast, choose_num_splits)
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _token_offsets, _upcast,
+                                                    split_decode_setup)
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 from kestrel.platform.triton_gates import interpreter_mode
 
@@ -163,17 +163,8 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
     cfg = {**_default_config(L, B), **(_config or {})}
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-    if num_splits is None:
-        num_splits = choose_num_splits(B, head_blocks, max_ctx, _sms_for(q_lat), min_split=cfg["MIN_SPLIT"])
-    if num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
-        raise ValueError(f"num_splits must be a power of two <= {MAX_SPLITS}")
-    if num_splits > 1:
-        po = torch.empty((B, H, num_splits, L), dtype=torch.float32, device=q_lat.device)
-        plse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q_lat.device)
-    else:
-        po = plse = out  # unused
-    min_split = triton.cdiv(max(int(cfg["MIN_SPLIT"]), 1), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, head_blocks, max_ctx, num_splits,
+                                                                 shortest_split=cfg["MIN_SPLIT"])
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_lat, q_pe, cache, block_tables, seq_lens, out, po, plse,
         float(scale) * _LOG2E, H, num_splits, min_split,

@@ -21,6 +21,17 @@ from kestrel.lora.layers import BLOCK_M  # the mapping lays token blocks out for
 
 
 @triton.jit
+def _block_tokens(SORTED, SEG, BLK_ROW0, pid_m, slot, BLOCK_M: tl.constexpr):
+    """Token block pid_m of `slot`'s segment: its tokens' rows, and which of its BLOCK_M lanes hold one."""
+    row0 = tl.load(BLK_ROW0 + pid_m)
+    end = tl.load(SEG + slot + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
+    return tok, rmask
+
+
+@triton.jit
 def _lora_shrink_kernel(X, A, Y, SORTED, SEG, BLK_SLOT, BLK_ROW0, K, R, sxm, sxk, sas, sar, sak, sym, syr,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -28,11 +39,7 @@ def _lora_shrink_kernel(X, A, Y, SORTED, SEG, BLK_SLOT, BLK_ROW0, K, R, sxm, sxk
     slot = tl.load(BLK_SLOT + pid_m)
     if slot < 0:
         return
-    row0 = tl.load(BLK_ROW0 + pid_m)
-    end = tl.load(SEG + slot + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
-    tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
+    tok, rmask = _block_tokens(SORTED, SEG, BLK_ROW0, pid_m, slot, BLOCK_M)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     a_base = A + slot.to(tl.int64) * sas
@@ -56,17 +63,13 @@ def _lora_expand_kernel(Y, B, OUT, SORTED, SEG, BLK_SLOT, BLK_ROW0, R, N0, N1, N
     slot = tl.load(BLK_SLOT + pid_m)
     if slot < 0:
         return
-    row0 = tl.load(BLK_ROW0 + pid_m)
-    end = tl.load(SEG + slot + 1)
+    tok, rmask = _block_tokens(SORTED, SEG, BLK_ROW0, pid_m, slot, BLOCK_M)
     in1 = pid_n >= NB0
     in2 = pid_n >= NB0 + NB1
     shard = in1.to(tl.int32) + in2.to(tl.int32)
     local = pid_n - tl.where(in2, NB0 + NB1, tl.where(in1, NB0, 0))
     n_size = tl.where(in2, N2, tl.where(in1, N1, N0))
     col0 = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
-    tok = tl.load(SORTED + rows, mask=rmask, other=0).to(tl.int64)
     offs_n = local * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < n_size
     cols = col0 + offs_n
