@@ -83,6 +83,7 @@ for s in $stages; do
               --json "$OUT/vllm_mla.json" 2>&1 | grep -v Warning | tail -8 ;;
     vllmmlad) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py \
               --shape deepseek-v2-lite-dense --json "$OUT/vllm_mla_dense.json" 2>&1 | grep -v Warning | tail -8 ;;
+    engine) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py 2>&1 | tail -6 ;;
     moemodels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe_models.py > "$OUT/moemodels.txt" 2>&1; tail -3 "$OUT/moemodels.txt" ;;
     tp1)    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -40 ;;
     profmla) (cd benchmarks && timeout 300 python3 profile_step.py --shape deepseek-v2-lite > "$OUT/profile_mla.txt" 2>&1; head -45 "$OUT/profile_mla.txt") ;;
