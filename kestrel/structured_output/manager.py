@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,10 +149,9 @@ class StructuredOutputManager:
     # ---- a step's tokens and bitmask (engine loop)
     def start_step(self, accepts: list[tuple[RequestGrammar, int]],
                    rows: list[tuple[int, RequestGrammar]]) -> FillJob | None:
-        """Advance each grammar by its request's sampled token (`accepts`), then fill the bitmask of a step's
-        constrained rows ((sampling row, grammar) pairs), on the pool: each thread takes a slice of the grammars,
-        advances them in one call into xgrammar and fills their rows in another, the GIL free in both. Returns
-        once every grammar has taken its token, the fill still running (None when no row is to be filled); the
+        """Advance each grammar by its request's sampled token (`accepts`, here), then fill the bitmask of a step's
+        constrained rows ((sampling row, grammar) pairs) on the pool: each thread fills a slice of the rows in one
+        xgrammar call, the GIL free. Returns with the fill still running (None when no row is to be filled); the
         grammars must not be touched until the job is done. A grammar that takes its stop token is complete: it
         fills no row, and takes no more tokens (later tokens of a step in flight are free). The host buffer
         stays valid until the next start_step but one."""
@@ -166,51 +166,42 @@ class StructuredOutputManager:
             self._buffers = [torch.empty((self._max_rows, self.width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
             self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="kestrel-bitmask")
+            # a fill thread needs the GIL for a moment to start its xgrammar call; with the default 5 ms switch
+            # interval it can wait that long behind the engine loop's Python, longer than a decode step
+            sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
+        self._accept(accepts)
+        if not live:
+            return None
         buf = self._buffers[self._flip]
         self._flip ^= 1
-        # one item a grammar: (grammar, its token or None, its bitmask row or None); a grammar's accept and fill
-        # share a slice, so the fill sees the token
-        token = {id(g): t for g, t in accepts}
-        filled = {id(g) for _, g in live}
-        items = [(g, token.get(id(g)), i) for i, (_, g) in enumerate(live)]
-        items += [(g, t, None) for g, t in accepts if id(g) not in filled]
-        n = len(items)
+        n = len(live)
         slices = min(self.fill_threads, max(1, n // MIN_SLICE_ROWS))
         bounds = [n * i // slices for i in range(slices + 1)]
-        advanced = threading.Semaphore(0)
-        futures = []
-        for a, b in zip(bounds, bounds[1:]):
-            part = items[a:b]
-            futures.append(self._pool.submit(
-                self._run_slice, advanced, [(g, t) for g, t, _ in part if t is not None],
-                [g.matcher for g, _, i in part if i is not None], buf, [i for _, _, i in part if i is not None]))
-        for _ in futures:  # every grammar has its token (each slice is filling, the GIL free) before we go on
-            advanced.acquire()
-        job = FillJob(StepBitmask(buf[:len(live)], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
-        if live:
-            return job
-        job.result()  # raise what an accept raised
-        return None
+        futures = [self._pool.submit(self._fill_slice, [g.matcher for _, g in live[a:b]], buf, list(range(a, b)))
+                   for a, b in zip(bounds, bounds[1:])]
+        return FillJob(StepBitmask(buf[:n], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
 
-    def _run_slice(self, advanced: threading.Semaphore, accepts: list[tuple[RequestGrammar, int]], matchers: list,
-                   buf: torch.Tensor, index: list[int]) -> None:
-        try:
+    @staticmethod
+    def _accept(accepts: list[tuple[RequestGrammar, int]]) -> None:
+        """The step's tokens into their grammars, here on the engine loop, in one xgrammar call (~4 us a
+        grammar): done by the pool, every slice would need the GIL back from this loop to report it, and that
+        hand-over cost ~3 ms a step with 14 threads (H200, session 6)."""
+        if len(accepts) == 1:
+            accepts[0][0].accept(accepts[0][1])
+        elif accepts:
             import xgrammar as xgr
 
-            if len(accepts) == 1:
-                accepts[0][0].accept(accepts[0][1])
-            elif accepts:
-                ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in accepts],
-                                                               [t for _, t in accepts])
-                for (g, t), accepted in zip(accepts, ok):
-                    g.accepted(t, accepted)
-        finally:
-            advanced.release()
-        if matchers:
-            batch = getattr(self._local, "batch", None)
-            if batch is None:
-                batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
-            batch.batch_fill_next_token_bitmask(matchers, buf, index)
+            ok = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in accepts], [t for _, t in accepts])
+            for (g, t), accepted in zip(accepts, ok):
+                g.accepted(t, accepted)
+
+    def _fill_slice(self, matchers: list, buf: torch.Tensor, index: list[int]) -> None:
+        import xgrammar as xgr
+
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
+        batch.batch_fill_next_token_bitmask(matchers, buf, index)
 
     def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> StepBitmask | None:
         """The bitmask of sampling rows 0..len-1 (None: an unconstrained row), filled now."""

@@ -28,7 +28,7 @@ def moe_models(tmp_path_factory, tiny_tokenizer):
     return paths
 
 
-def _decisive_routers(path, factor: float = 8.0) -> None:
+def _decisive_routers(path, factor: float = 16.0) -> None:
     """Sharpen the random routers (logits x factor): with flat random routers many tokens sit on a near-tie at
     the top-k boundary, and a bf16 rounding that flips it swaps an expert carrying a large share of the output
     (2.6 logprob error at one position, H200, session 6). Sharp routers give the boundary experts tiny weights, so

@@ -113,7 +113,7 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
     core = llm.engine.core
     staged = threading.Condition()
     count = {"prepared": 0, "fills": 0, "overlapped": 0}
-    real_prepare, real_slice = core.runner._prepare, core.structured._run_slice
+    real_prepare, real_slice = core.runner._prepare, core.structured._fill_slice
 
     def prepare(chunks, prev):
         out = real_prepare(chunks, prev)
@@ -122,19 +122,23 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
             staged.notify_all()
         return out
 
-    def run_slice(advanced, accepts, matchers, buf, index):
-        real_slice(threading.Semaphore(0), accepts, [], buf, [])  # the tokens
-        with staged:
-            before = count["prepared"]
-        advanced.release()  # start_step returns
-        if matchers:
-            with staged:
-                count["fills"] += 1
-                if staged.wait_for(lambda: count["prepared"] > before, timeout=0.5):
-                    count["overlapped"] += 1
-            real_slice(threading.Semaphore(0), [], matchers, buf, index)  # the fill
+    real_start = core.structured.start_step
 
-    core.runner._prepare, core.structured._run_slice = prepare, run_slice
+    def start_step(accepts, rows):  # returns with the fill submitted
+        with staged:
+            count["at_start"] = count["prepared"]
+        return real_start(accepts, rows)
+
+    def fill_slice(matchers, buf, index):
+        with staged:
+            before = count["at_start"]
+            count["fills"] += 1
+            if staged.wait_for(lambda: count["prepared"] > before, timeout=0.5):
+                count["overlapped"] += 1
+        real_slice(matchers, buf, index)
+
+    core.runner._prepare, core.structured._fill_slice = prepare, fill_slice
+    core.structured.start_step = start_step
     p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(regex="[a-z]{20}"))
     out = llm.generate(["Hello"], p)[0].outputs[0]
     assert re.fullmatch("[a-z]{20}", out.text) and out.finish_reason == "stop"
