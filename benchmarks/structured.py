@@ -71,15 +71,15 @@ class instrument:
     def __init__(self, manager):
         self.manager, self.steps = manager, 0
         self.total = dict(advance=0.0, fill=0.0, wait=0.0)
-        self._start, self._slice = manager.start_step, manager._run_slice
-        manager.start_step, manager._run_slice = self.start_step, self.run_slice
+        self._start, self._slice = manager.start_step, manager._fill_slice
+        manager.start_step, manager._fill_slice = self.start_step, self.run_slice
         self._ends: list[float] = []
 
     def ms(self, key: str) -> float:
         return self.total[key] / max(self.steps, 1) * 1e3
 
     def stop(self) -> None:
-        self.manager.start_step, self.manager._run_slice = self._start, self._slice
+        self.manager.start_step, self.manager._fill_slice = self._start, self._slice
 
     def run_slice(self, *args):
         self._slice(*args)
