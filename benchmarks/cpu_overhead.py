@@ -41,15 +41,17 @@ SHAPE_RUNS = {"qwen3-0.6b": (1, 40000), "gemma3-1b": (26, 160000)}
 
 
 def timed(obj, name: str, calls: dict) -> None:
-    """Wrap obj.name so that the wall time of each call goes to calls[name]."""
+    """Wrap obj.name so that the wall time of each call goes to calls[name] and its thread CPU time (what other
+    processes on a busy machine do not inflate) to calls[name + ' cpu']."""
     fn = getattr(obj, name)
-    calls[name] = []
+    calls[name], calls[name + " cpu"] = [], []
 
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
+            calls[name + " cpu"].append(time.thread_time() - c)
             calls[name].append(time.perf_counter() - t)
 
     setattr(obj, name, wrapper)
@@ -100,6 +102,8 @@ def main():
           f"({dt / args.batch * 1e6:.1f} us/request)")
     print(f"  of it runner prepare {ms(calls['_prepare'])}, scheduling {ms(calls['schedule'])}, "
           f"of that step deltas {ms(calls['_step_input'])}")
+    print(f"  thread CPU time: runner prepare {ms(calls['_prepare cpu'])}, scheduling {ms(calls['schedule cpu'])}, "
+          f"of that step deltas {ms(calls['_step_input cpu'])}")
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()

@@ -185,11 +185,17 @@ class SlidingWindowManager(FullAttentionManager):
         start = max(0, n - self.window_blocks)
         return [self.pool.null_block] * start + [self.pool.lookup((self.group_id, h)) for h in hashes[start:n]]
 
+    def first_needed(self, num_computed: int) -> int:
+        """The first block a query after `num_computed` tokens still reads."""
+        return max(0, num_computed - self.spec.sliding_window + 1) // self.block_size
+
     def remove_skipped(self, rid: str, num_computed: int) -> None:
+        self.free_before(rid, self.first_needed(num_computed))
+
+    def free_before(self, rid: str, first_needed: int) -> None:
         blocks = self.req_blocks.get(rid)
         if not blocks:
             return
-        first_needed = max(0, num_computed - self.spec.sliding_window + 1) // self.block_size
         ids = self.req_block_ids[rid]
         start = self.first_live.get(rid, 0)
         if first_needed <= start:
@@ -228,6 +234,10 @@ class KVCacheManager:
         # full-attention groups first: their hits bound the sliding ones' (see get_computed_blocks)
         self.managers = [manager_class(s)(i, s, self.pool, block_size) for i, s in enumerate(specs)]
         self._hit_order = sorted(self.managers, key=lambda m: isinstance(m, SlidingWindowManager))
+        # Sliding groups with one window free the same positions at the same step: one representative per window
+        # decides whether any of them has something to free (see allocate_slots).
+        self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
+        self._window_reps = list({m.spec.sliding_window: m for m in reversed(self._sliding)}.values())
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
@@ -297,7 +307,39 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus cache hits), after
-        freeing what sliding windows no longer need. Returns False, changing nothing, when the pool is short."""
+        freeing what sliding windows no longer need. Returns False, changing nothing, when the pool is short.
+
+        Every group holds the same number of blocks per request (a window-freed one stays as the null block, and
+        a hit is `n` blocks in every group), so without hits (every step but a request's first) all groups need
+        the same number of new blocks: computed once, not per group. _allocate_per_group is the plain form."""
+        if computed and any(computed):
+            return self._allocate_per_group(req, num_new_tokens, computed)
+        rid = req.request_id
+        num_computed = req.num_computed_tokens
+        due = None  # window -> first block still needed, for the windows with blocks to free this step
+        for rep in self._window_reps:
+            first_needed = rep.first_needed(num_computed)
+            if first_needed > rep.first_live.get(rid, 0):
+                due = due or {}
+                due[rep.spec.sliding_window] = first_needed
+        if due:
+            for m in self._sliding:  # group order, as the per-group form releases them
+                if (first_needed := due.get(m.spec.sliding_window)) is not None:
+                    m.free_before(rid, first_needed)
+        held = self.managers[0].req_block_ids.get(rid)
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - (len(held) if held else 0)
+        if need <= 0:
+            return True  # fits in the blocks it holds (most decode steps)
+        if need * len(self.managers) > self.pool.num_free:
+            return False
+        for m in self.managers:
+            m.add(rid, (), self.pool.allocate(need))
+        self.grown.add(rid)
+        return True
+
+    def _allocate_per_group(self, req: Request, num_new_tokens: int,
+                            computed: list[list[KVBlock]] | None = None) -> bool:
+        """allocate_slots, asking each group on its own (requests with prefix-cache hits come this way)."""
         rid = req.request_id
         hits = computed if computed and any(computed) else [[] for _ in self.managers]
         num_hit_tokens = len(hits[0]) * self.block_size

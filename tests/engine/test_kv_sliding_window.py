@@ -3,7 +3,7 @@ its prefix hits need only the blocks under the window, and a full-attention grou
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec, group_layers
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers
 from kestrel.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from kestrel.engine.request import Request
 from kestrel.engine.sampling_params import SamplingParams
@@ -122,3 +122,48 @@ def test_hits_of_every_group_are_taken_before_new_blocks():
         for blk in group_hits:
             if blk.block_id != NULL_BLOCK_ID:
                 assert blk.ref_cnt == 1 and kv.pool.cached[blk.block_hash] is blk
+
+
+def mixed_windows(num_blocks):
+    """Groups in the order full, window 6, window 10, window 6: two windows interleaved."""
+    wide = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=10)
+    specs = [FULL, SLIDING, wide, SLIDING]
+    return KVCacheManager(num_blocks, BS, True, [KVCacheGroup(i, s, [f"l{i}"]) for i, s in enumerate(specs)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9), st.integers(0, 2)), min_size=1, max_size=60))
+def test_shared_count_allocation_matches_per_group_allocation(ops):
+    """allocate_slots computes one block count for all groups and frees windows once per window size; the
+    per-group form asks every group. Both must leave the same block tables, free-list order and prefix cache,
+    through prefills with hits, decode steps, pool exhaustion and frees."""
+    kvs = [mixed_windows(40), mixed_windows(40)]
+    allocate = [kvs[0].allocate_slots, kvs[1]._allocate_per_group]
+    reqs: list[list[Request]] = [[], []]
+    for i, (slot, num_new, action) in enumerate(ops):
+        results = []
+        for kv, alloc, rs in zip(kvs, allocate, reqs):
+            if action == 0 or not rs:  # admit a request, maybe with a prefix hit
+                r = req(f"r{i}", [slot % 2] * 9 + list(range(100 + i, 100 + i + num_new)))
+                hits, n = kv.get_computed_blocks(r)
+                ok = alloc(r, min(r.num_tokens - n, 8), hits)
+                if ok:
+                    r.num_computed_tokens = n + min(r.num_tokens - n, 8)
+                    rs.append(r)
+            else:
+                r = rs[slot % len(rs)]
+                if action == 1:  # a step of `num_new` tokens (decode: the sampled ones are appended first)
+                    while r.num_tokens < r.num_computed_tokens + num_new:
+                        r.output_token_ids.append(7 + r.num_tokens % 3)
+                    ok = alloc(r, num_new)
+                    if ok:
+                        r.num_computed_tokens += num_new
+                else:
+                    kv.free(r)
+                    rs.remove(r)
+                    ok = None
+            if ok:
+                kv.cache_full_blocks(r)
+            results.append((ok, {r.request_id: kv.block_ids(r) for r in rs}, list(kv.pool.free),
+                            sorted(kv.pool.cached), sorted(kv.grown)))
+        assert results[0] == results[1]
