@@ -69,13 +69,15 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--detokenize", action="store_true", help="also stream text (off: token ids, as the "
                     "throughput benchmark)")
+    ap.add_argument("--prefix-caching", action="store_true", help="register full blocks in the prefix cache, "
+                    "as serving does by default (off: the throughput benchmark's setting)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp())
     layers, blocks = SHAPE_RUNS[args.shape]
     cfg = dict(SHAPES[args.shape], num_hidden_layers=layers, **TINY)
     (d / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=blocks,
-              enable_prefix_caching=False, async_scheduling="on")
+              enable_prefix_caching=args.prefix_caching, async_scheduling="on")
     eng = llm.engine
     runner = eng.core.runner
     runner.model = StubModel(runner.model, 512)

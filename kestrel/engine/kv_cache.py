@@ -237,7 +237,9 @@ class KVCacheManager:
         # Sliding groups with one window free the same positions at the same step: one representative per window
         # decides whether any of them has something to free (see allocate_slots).
         self._sliding = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
-        self._window_reps = list({m.spec.sliding_window: m for m in reversed(self._sliding)}.values())
+        self._window_reps = [(w, m.first_live) for w, m in
+                             {m.spec.sliding_window: m for m in reversed(self._sliding)}.items()]
+        self._held_ids = self.managers[0].req_block_ids  # every group holds as many blocks per request
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
@@ -314,20 +316,21 @@ class KVCacheManager:
         the same number of new blocks: computed once, not per group. _allocate_per_group is the plain form."""
         if computed and any(computed):
             return self._allocate_per_group(req, num_new_tokens, computed)
-        rid = req.request_id
+        rid, bs = req.request_id, self.block_size
         num_computed = req.num_computed_tokens
         due = None  # window -> first block still needed, for the windows with blocks to free this step
-        for rep in self._window_reps:
-            first_needed = rep.first_needed(num_computed)
-            if first_needed > rep.first_live.get(rid, 0):
+        for window, first_live in self._window_reps:
+            # SlidingWindowManager.first_needed without its max(0, .): a negative value is never due
+            first_needed = (num_computed - window + 1) // bs
+            if first_needed > first_live.get(rid, 0):
                 due = due or {}
-                due[rep.spec.sliding_window] = first_needed
+                due[window] = first_needed
         if due:
             for m in self._sliding:  # group order, as the per-group form releases them
                 if (first_needed := due.get(m.spec.sliding_window)) is not None:
                     m.free_before(rid, first_needed)
-        held = self.managers[0].req_block_ids.get(rid)
-        need = cdiv(num_computed + num_new_tokens, self.block_size) - (len(held) if held else 0)
+        held = self._held_ids.get(rid)
+        need = (num_computed + num_new_tokens + bs - 1) // bs - (len(held) if held else 0)
         if need <= 0:
             return True  # fits in the blocks it holds (most decode steps)
         if need * len(self.managers) > self.pool.num_free:
@@ -364,8 +367,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        if num_full <= 0:
-            return
+        if num_full <= self.managers[0].num_cached.get(req.request_id, 0):
+            return  # no block filled since the last call (most decode steps); every group has cached as many
         hashes = self._block_hashes(req)
         for m in self.managers:
             m.cache_blocks(req.request_id, hashes, min(num_full, len(hashes)))

@@ -131,18 +131,27 @@ def mixed_windows(num_blocks):
     return KVCacheManager(num_blocks, BS, True, [KVCacheGroup(i, s, [f"l{i}"]) for i, s in enumerate(specs)])
 
 
+def cache_per_group(kv, r):
+    """cache_full_blocks without its shortcut: every group registers every full block each time."""
+    hashes = kv._block_hashes(r)
+    for m in kv.managers:
+        m.cache_blocks(r.request_id, hashes, min(r.num_computed_tokens // BS, len(hashes)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 9), st.integers(0, 2)), min_size=1, max_size=60))
 def test_shared_count_allocation_matches_per_group_allocation(ops):
     """allocate_slots computes one block count for all groups and frees windows once per window size; the
     per-group form asks every group. Both must leave the same block tables, free-list order and prefix cache,
-    through prefills with hits, decode steps, pool exhaustion and frees."""
+    through prefills with hits, decode steps, pool exhaustion and frees; likewise cache_full_blocks, which skips
+    steps that filled no block, against registering every group's full blocks each step."""
     kvs = [mixed_windows(40), mixed_windows(40)]
     allocate = [kvs[0].allocate_slots, kvs[1]._allocate_per_group]
+    cache = [kvs[0].cache_full_blocks, lambda r: cache_per_group(kvs[1], r)]
     reqs: list[list[Request]] = [[], []]
     for i, (slot, num_new, action) in enumerate(ops):
         results = []
-        for kv, alloc, rs in zip(kvs, allocate, reqs):
+        for kv, alloc, cache_blocks, rs in zip(kvs, allocate, cache, reqs):
             if action == 0 or not rs:  # admit a request, maybe with a prefix hit
                 r = req(f"r{i}", [slot % 2] * 9 + list(range(100 + i, 100 + i + num_new)))
                 hits, n = kv.get_computed_blocks(r)
@@ -163,7 +172,7 @@ def test_shared_count_allocation_matches_per_group_allocation(ops):
                     rs.remove(r)
                     ok = None
             if ok:
-                kv.cache_full_blocks(r)
+                cache_blocks(r)
             results.append((ok, {r.request_id: kv.block_ids(r) for r in rs}, list(kv.pool.free),
                             sorted(kv.pool.cached), sorted(kv.grown)))
         assert results[0] == results[1]
