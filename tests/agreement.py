@@ -9,6 +9,10 @@ import torch
 from kestrel import SamplingParams
 
 
+# mixed-length prompts (a short one, repeats, a long run, ascending ids) the agreement tests share
+MIXED_PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
+
+
 def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
     """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
     from_pretrained (e.g. attn_implementation)."""

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from tests.agreement import MIXED_PROMPTS
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048  # several engines live in this process: a fixed cache each instead of 90% of the device
@@ -23,7 +24,7 @@ def tiny_models(tmp_path_factory, tiny_tokenizer):
         "gemma3": make_checkpoint("gemma3", root, tokenizer=tiny_tokenizer, head_dim=64, **wide),
     }
 
-PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
+PROMPTS = MIXED_PROMPTS
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_gqa_llama3", "qwen3"])

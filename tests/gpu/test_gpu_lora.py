@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from tests.agreement import bf16_logprob_tolerance
+from tests.agreement import MIXED_PROMPTS, bf16_logprob_tolerance
 from tests.lora.peft_utils import hf_with_merged_adapter, write_random_adapter, write_random_adapter_matching
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
-PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
+PROMPTS = MIXED_PROMPTS
 
 
 @pytest.fixture(scope="module")

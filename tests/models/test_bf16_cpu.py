@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from kestrel import LLM
-from tests.agreement import teacher_forced_agreement
+from tests.agreement import MIXED_PROMPTS, teacher_forced_agreement
 
-PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
+PROMPTS = MIXED_PROMPTS
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from tests.agreement import MIXED_PROMPTS
 
-PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
+PROMPTS = MIXED_PROMPTS
 NUM_TOKENS = 32
 LOGPROB_TOL = 1e-4
 
