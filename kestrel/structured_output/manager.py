@@ -4,10 +4,10 @@ each request its own matcher, advances the matchers by a step's sampled tokens, 
 step's constrained rows on the host.
 
 The fill is the expensive part (xgrammar checks every token whose fate depends on the parser's stack: inside a
-JSON string, thousands a row). start_step() hands a step to a pool of threads, each advancing a slice of the
-grammars by their tokens and filling their rows, one call into xgrammar (which releases the GIL) for each; it
-returns once the tokens are in, so the engine loop goes on with its own work (outputs, scheduling, the next
-step's inputs) while the rows fill, and waits for the job only where the step samples."""
+JSON string, thousands a row). start_step() advances the grammars by the step's tokens itself, in one batch call,
+then hands the fill to a pool of threads, each filling a slice of the rows in one call into xgrammar (which
+releases the GIL); it returns at once, so the engine loop goes on with its own work (outputs, scheduling, the
+next step's inputs) while the rows fill, and waits for the job only where the step samples."""
 from __future__ import annotations
 
 import logging
@@ -158,10 +158,11 @@ class StructuredOutputManager:
         accepts = [(g, t) for g, t in accepts if not g.terminated]
         ending = {id(g) for g, t in accepts if t in g.stop_ids}
         live = [(r, g) for r, g in rows if not g.terminated and id(g) not in ending]
-        if not accepts and not live:
-            return None
         if len(live) > self._max_rows:
             raise RuntimeError(f"{len(live)} constrained rows exceed the bitmask's {self._max_rows}")
+        self._accept(accepts)
+        if not live:
+            return None
         if self._pool is None:
             self._buffers = [torch.empty((self._max_rows, self.width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
@@ -169,9 +170,6 @@ class StructuredOutputManager:
             # a fill thread needs the GIL for a moment to start its xgrammar call; with the default 5 ms switch
             # interval it can wait that long behind the engine loop's Python, longer than a decode step
             sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
-        self._accept(accepts)
-        if not live:
-            return None
         buf = self._buffers[self._flip]
         self._flip ^= 1
         n = len(live)
