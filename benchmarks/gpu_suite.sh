@@ -27,6 +27,11 @@ for s in $stages; do
     tput)   timeout 300 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -25 ;;
     tput0nopdl) timeout 200 python3 benchmarks/throughput.py --no-pdl --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput_nopdl.json" 2>&1 | grep -i "kestrel\|start" ;;
     tputsweep) timeout 330 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 64 --sweep --json "$OUT/tput.json" 2>&1 | grep -v Warning | tail -32 ;;
+    ab)     for tree in .old .; do  # regression A/B: .old holds the previous tree (git archive <sha> | tar -x -C .old)
+              echo "--- tree $tree ($(cat $tree/.commit 2>/dev/null || git rev-parse --short HEAD))"
+              timeout 200 python3 $tree/benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 2>&1 | grep -i "^| kestrel\|start-up\|mean step"
+              timeout 150 python3 $tree/benchmarks/latency.py --shape qwen3-0.6b --hf-output-len 0 2>&1 | grep -i "kestrel"
+            done ;;
     tput0)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --json "$OUT/tput.json" 2>&1 | tail -12 ;;
     sweep)  timeout 200 python3 benchmarks/throughput.py --shape qwen3-0.6b --hf-requests 0 --sweep --json "$OUT/sweep.json" 2>&1 | tail -25 ;;
     lat)    timeout 150 python3 benchmarks/latency.py --shape qwen3-0.6b --json "$OUT/lat.json" 2>&1 | tail -12 ;;

@@ -26,6 +26,20 @@ def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict) -> float:
     return decode + prefill
 
 
+def step_split(log) -> list[dict]:
+    """Wall time between consecutive schedules, by the kind of step: with prefill tokens, or pure decode by
+    batch size (pipelined, a step's gap is about its device time)."""
+    groups = {}
+    for (t0, pre, dec), (t1, _, _) in zip(log, log[1:]):
+        key = "prefill+decode" if pre else f"decode {next(b for b in (1, 8, 32, 64, 128, 192, 256, 1 << 20) if dec <= b)}"
+        g = groups.setdefault(key, dict(steps=0, seconds=0.0, tokens=0))
+        g["steps"] += 1
+        g["seconds"] += t1 - t0
+        g["tokens"] += pre + dec
+    return [dict(kind=k, steps=g["steps"], seconds=g["seconds"], ms_per_step=g["seconds"] / g["steps"] * 1e3,
+                 tokens=g["tokens"]) for k, g in sorted(groups.items())]
+
+
 def run_kestrel(model_dir, prompts, outs, args):
     import torch
 
@@ -64,6 +78,16 @@ def run_kestrel(model_dir, prompts, outs, args):
         setattr(obj, name, wrapper)
 
     timed(core.scheduler, "schedule", "schedule")
+    step_log = []  # (time at schedule, prefill tokens, decode rows): the gaps say where the run's time goes
+    sched_fn = core.scheduler.schedule
+
+    def logged_schedule():
+        out = sched_fn()
+        if not out.is_empty:
+            pre = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+            step_log.append((time.perf_counter(), pre, sum(1 for s in out.scheduled if s.num_new_tokens == 1)))
+        return out
+    core.scheduler.schedule = logged_schedule
     timed(core.runner, "_prepare", "prepare")
     timed(core.scheduler, "on_launch", "update")
     timed(core.scheduler, "on_result", "update")
@@ -75,7 +99,8 @@ def run_kestrel(model_dir, prompts, outs, args):
     dt = time.perf_counter() - t
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
-    info = dict(startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds,
+    step_log.append((t + dt, 0, 0))
+    info = dict(step_split=step_split(step_log), startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds,
                 cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
     del llm, core
     gc.collect()
@@ -149,6 +174,8 @@ def main():
           f"(graph capture {info['graphs']:.1f} s); KV blocks {info['blocks']}; engine steps {steps}")
     print("CPU time per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in info["cpu_ms_per_step"].items())
           + f"; mean step {info['step_ms']:.2f} ms")
+    print_table("Where the run's time goes (wall between schedules; decode rows up to N)", info["step_split"])
+    result["step_split"] = info["step_split"]
     result["cpu_ms_per_step"] = info["cpu_ms_per_step"]
     result["step_ms"] = info["step_ms"]
     kv, llama_kv = facts.kv_bytes_per_token, shape_facts("llama-8b").kv_bytes_per_token
