@@ -92,9 +92,6 @@ for s in $stages; do
     moemodels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe_models.py > "$OUT/moemodels.txt" 2>&1; tail -3 "$OUT/moemodels.txt" ;;
     tp1)    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 | tail -40 ;;
     profmla) (cd benchmarks && timeout 300 python3 profile_step.py --shape deepseek-v2-lite > "$OUT/profile_mla.txt" 2>&1; head -45 "$OUT/profile_mla.txt") ;;
-    prefmla) (cd benchmarks && timeout 300 python3 profile_step.py --prefill --shape deepseek-v2-lite > "$OUT/prefill_mla.txt" 2>&1; head -50 "$OUT/prefill_mla.txt") ;;
-    prefmoe) (cd benchmarks && timeout 300 python3 profile_step.py --prefill --shape qwen3-30b-a3b > "$OUT/prefill_moe.txt" 2>&1; head -50 "$OUT/prefill_moe.txt") ;;
-    prefq)  (cd benchmarks && timeout 300 python3 profile_step.py --prefill --shape qwen3-0.6b > "$OUT/prefill_q.txt" 2>&1; head -30 "$OUT/prefill_q.txt") ;;
     prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
     prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;

@@ -1,7 +1,6 @@
 """Where a decode step's time goes at batch 256 (Qwen3-0.6B shape): torch.profiler over decode steps
 (GPU kernels and CPU ops) and cProfile of the Python side.
-    python benchmarks/profile_step.py [--batch N] [--greedy] [--shape llama-8b] [--prefill]
---prefill profiles whole prefill steps instead (max_num_batched_tokens new prompt tokens each)."""
+    python benchmarks/profile_step.py [--batch N] [--greedy] [--shape llama-8b]"""
 from __future__ import annotations
 
 import cProfile
@@ -22,7 +21,6 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--prefill", action="store_true", help="profile prefill steps (16384 prompt tokens each)")
     args = ap.parse_args()
     llm = LLM(str(write_shape(args.shape)), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False)
@@ -31,8 +29,6 @@ def main():
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0 if args.greedy else 0.6, max_tokens=400, ignore_eos=True))
     core = eng.core
-    if args.prefill:
-        return profile_prefill(eng)
     while core.scheduler.num_waiting or any(r.in_prefill for r in core.scheduler.running):
         eng.step()
     for _ in range(5):
@@ -59,21 +55,6 @@ def main():
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
     print(s.getvalue()[-6000:])
-
-
-def profile_prefill(eng) -> None:
-    eng.step()  # the first prefill step compiles what decode steps never use
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    eng.step()
-    torch.cuda.synchronize()
-    print(f"prefill step ({eng.core.scheduler.num_running} running): {(time.perf_counter() - t) * 1e3:.1f} ms")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            eng.step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -64,22 +64,22 @@ def model_dir(shape: str, vocab_size: int) -> Path:
 
 
 class instrument:
-    """Times the manager's host work per constrained step: start_step (the engine loop's part: it submits the
-    step's accepts and fill to the worker), the fill (start to the job's end: accepts + fill) and how long the engine loop then
+    """Times the manager's host work per constrained step: start_step (the engine loop waits there until every
+    grammar has taken its token), the fill (start to the last slice's end) and how long the engine loop then
     waits for it where the step samples."""
 
     def __init__(self, manager):
         self.manager, self.steps = manager, 0
         self.total = dict(advance=0.0, fill=0.0, wait=0.0)
-        self._start, self._slice = manager.start_step, manager._step_job
-        manager.start_step, manager._step_job = self.start_step, self.run_slice
+        self._start, self._slice = manager.start_step, manager._fill_slice
+        manager.start_step, manager._fill_slice = self.start_step, self.run_slice
         self._ends: list[float] = []
 
     def ms(self, key: str) -> float:
         return self.total[key] / max(self.steps, 1) * 1e3
 
     def stop(self) -> None:
-        self.manager.start_step, self.manager._step_job = self._start, self._slice
+        self.manager.start_step, self.manager._fill_slice = self._start, self._slice
 
     def run_slice(self, *args):
         self._slice(*args)

@@ -4,13 +4,10 @@ each request its own matcher, advances the matchers by a step's sampled tokens, 
 step's constrained rows on the host.
 
 The fill is the expensive part (xgrammar checks every token whose fate depends on the parser's stack: inside a
-JSON string, thousands a row). start_step() hands a step's work to one worker thread: the grammars take the
-step's tokens (one batch call), then one call fills every row's bitmask on xgrammar's own C++ thread pool (the GIL
-free). It returns at once, so the engine loop goes on with its own work (outputs, scheduling, the next step's
-inputs) while the rows fill, and waits for the job only where the step samples. (Python threads each filling a
-slice were slower: 256 JSON rows on 14 threads of the H200 host, 3.0 ms against 2.3 ms, session 7; and the
-accepts on the engine loop cost it 1.5 ms a step.)
-"""
+JSON string, thousands a row). start_step() advances the grammars by the step's tokens itself, in one batch call,
+then hands the fill to a pool of threads, each filling a slice of the rows in one call into xgrammar (which
+releases the GIL); it returns at once, so the engine loop goes on with its own work (outputs, scheduling, the
+next step's inputs) while the rows fill, and waits for the job only where the step samples."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used out)
+MIN_SLICE_ROWS = 4  # a fill thread's share of a step's rows is at least this (a row costs ~20-100 us)
 
 
 def default_fill_threads() -> int:
@@ -67,18 +65,19 @@ class RequestGrammar:
 
 
 class FillJob:
-    """A step's accepts and bitmask fill on the worker; result() waits for them."""
+    """A step's bitmask being filled by the pool; result() waits for it."""
 
-    def __init__(self, bitmask: StepBitmask, future: Future, tail: int):
+    def __init__(self, bitmask: StepBitmask, futures: list[Future], tail: int):
         self._bitmask = bitmask
-        self._future = future
+        self._futures = futures
         self._tail = tail
 
     def done(self) -> bool:
-        return self._future.done()
+        return all(f.done() for f in self._futures)
 
     def result(self) -> StepBitmask:
-        self._future.result()
+        for f in self._futures:
+            f.result()
         if self._tail:  # xgrammar may leave the bits past the vocabulary's end set: those ids are no tokens
             self._bitmask.mask[:, -1] &= self._tail
             self._tail = 0
@@ -104,8 +103,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._buffers: list[torch.Tensor] = []
         self._flip = 0
-        self._worker: ThreadPoolExecutor | None = None
-        self._batch = None  # xgrammar BatchGrammarMatcher: fills a step's rows on fill_threads C++ threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
         self.num_compiles = 0
 
     # ---- compile (worker threads)
@@ -150,43 +149,41 @@ class StructuredOutputManager:
     # ---- a step's tokens and bitmask (engine loop)
     def start_step(self, accepts: list[tuple[RequestGrammar, int]],
                    rows: list[tuple[int, RequestGrammar]]) -> FillJob | None:
-        """Advance each grammar by its request's sampled token (`accepts`), then fill the bitmask of a step's
-        constrained rows ((sampling row, grammar) pairs): both on the worker thread. Returns with the job still
-        running (None when no row is to be filled: the accepts are then done here); the grammars must not be
-        touched until the job is done. A grammar that takes its stop token is complete: it fills no row, and
-        takes no more tokens (later tokens of a step in flight are free). The host buffer stays valid until the
-        next start_step but one."""
+        """Advance each grammar by its request's sampled token (`accepts`, here), then fill the bitmask of a step's
+        constrained rows ((sampling row, grammar) pairs) on the pool: each thread fills a slice of the rows in one
+        xgrammar call, the GIL free. Returns with the fill still running (None when no row is to be filled); the
+        grammars must not be touched until the job is done. A grammar that takes its stop token is complete: it
+        fills no row, and takes no more tokens (later tokens of a step in flight are free). The host buffer
+        stays valid until the next start_step but one."""
         accepts = [(g, t) for g, t in accepts if not g.terminated]
         ending = {id(g) for g, t in accepts if t in g.stop_ids}
         live = [(r, g) for r, g in rows if not g.terminated and id(g) not in ending]
         if len(live) > self._max_rows:
             raise RuntimeError(f"{len(live)} constrained rows exceed the bitmask's {self._max_rows}")
+        self._accept(accepts)
         if not live:
-            self._accept(accepts)
             return None
-        if self._worker is None:
-            import xgrammar as xgr
-
+        if self._pool is None:
             self._buffers = [torch.empty((self._max_rows, self.width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
-            self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kestrel-bitmask")
-            # the worker needs the GIL for a moment around its xgrammar calls; with the default 5 ms switch
+            self._pool = ThreadPoolExecutor(self.fill_threads, thread_name_prefix="kestrel-bitmask")
+            # a fill thread needs the GIL for a moment to start its xgrammar call; with the default 5 ms switch
             # interval it can wait that long behind the engine loop's Python, longer than a decode step
             sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
         buf = self._buffers[self._flip]
         self._flip ^= 1
         n = len(live)
-        future = self._worker.submit(self._step_job, accepts, [g.matcher for _, g in live], buf, n)
-        return FillJob(StepBitmask(buf[:n], [r for r, _ in live]), future, (1 << (self.vocab_size % 32)) - 1)
-
-    def _step_job(self, accepts, matchers: list, buf: torch.Tensor, n: int) -> None:
-        self._accept(accepts)
-        self._batch.batch_fill_next_token_bitmask(matchers, buf, list(range(n)))
+        slices = min(self.fill_threads, max(1, n // MIN_SLICE_ROWS))
+        bounds = [n * i // slices for i in range(slices + 1)]
+        futures = [self._pool.submit(self._fill_slice, [g.matcher for _, g in live[a:b]], buf, list(range(a, b)))
+                   for a, b in zip(bounds, bounds[1:])]
+        return FillJob(StepBitmask(buf[:n], [r for r, _ in live]), futures, (1 << (self.vocab_size % 32)) - 1)
 
     @staticmethod
     def _accept(accepts: list[tuple[RequestGrammar, int]]) -> None:
-        """The step's tokens into their grammars in one xgrammar call (~4 us a grammar)."""
+        """The step's tokens into their grammars, here on the engine loop, in one xgrammar call (~4 us a
+        grammar): done by the pool, every slice would need the GIL back from this loop to report it, and that
+        hand-over cost ~3 ms a step with 14 threads (H200, session 6)."""
         if len(accepts) == 1:
             accepts[0][0].accept(accepts[0][1])
         elif accepts:
@@ -196,12 +193,20 @@ class StructuredOutputManager:
             for (g, t), accepted in zip(accepts, ok):
                 g.accepted(t, accepted)
 
+    def _fill_slice(self, matchers: list, buf: torch.Tensor, index: list[int]) -> None:
+        import xgrammar as xgr
+
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            batch = self._local.batch = xgr.BatchGrammarMatcher(1)  # this thread fills its slice itself
+        batch.batch_fill_next_token_bitmask(matchers, buf, index)
+
     def fill_bitmask(self, grammars: list[RequestGrammar | None]) -> StepBitmask | None:
         """The bitmask of sampling rows 0..len-1 (None: an unconstrained row), filled now."""
         job = self.start_step([], [(i, g) for i, g in enumerate(grammars) if g is not None])
         return job.result() if job is not None else None
 
     def shutdown(self) -> None:
-        for pool in (self._executor, self._worker):
+        for pool in (self._executor, self._pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,6 @@
 """The bitmask: xgrammar's fill through the manager (cache, per-request matchers) and our device-side apply."""
 import re
 import threading
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -108,18 +107,16 @@ def test_bad_grammar_fails_its_future_only(manager):
 def test_the_bits_past_the_vocabulary_are_cleared():
     """xgrammar may set the bits of the ids past the vocabulary's end in the last word (it does inside a JSON
     string): with a vocabulary of 72 ids (2 words + 8 bits) those are ids 72..95 and no token may take them."""
-    done = Future()
-    done.set_result(None)
-    job = FillJob(StepBitmask(torch.full((2, 3), -1, dtype=torch.int32), [0, 3]), done, tail=(1 << 8) - 1)
+    job = FillJob(StepBitmask(torch.full((2, 3), -1, dtype=torch.int32), [0, 3]), [], tail=(1 << 8) - 1)
     mask, rows = job.result()
     assert rows == [0, 3]
     assert allowed_tokens(mask[0], 96) == allowed_tokens(mask[1], 96) == list(range(72))
 
 
-def test_a_step_filled_on_xgrammar_threads_equals_row_by_row_fills(tiny_tokenizer):
-    """A step's job (its grammars advanced in one batch call, then every row filled by xgrammar's threads), run
-    on the worker thread, gives the masks a row-by-row fill gives."""
-    m = StructuredOutputManager(tiny_tokenizer, VOCAB, tiny_tokenizer.eos_token_id, max_rows=16, fill_threads=2)
+def test_a_step_split_over_fill_threads_equals_one_fill(tiny_tokenizer):
+    """Rows filled in slices by several threads, each slice after its grammars advanced in one batch call, give
+    the masks a row-by-row fill gives."""
+    m = StructuredOutputManager(tiny_tokenizer, VOCAB, tiny_tokenizer.eos_token_id, max_rows=16, fill_threads=3)
     try:
         compiled = m.submit(SO(regex="[a-z]{2,6}( [0-9]+)?")).result(30)
         grammars = [m.new_request_grammar(compiled, tiny_tokenizer.eos_token_id) for _ in range(13)]
@@ -129,13 +126,10 @@ def test_a_step_filled_on_xgrammar_threads_equals_row_by_row_fills(tiny_tokenize
                 assert g.accept(t)
         last = [tiny_tokenizer.encode(t, add_special_tokens=False)[-1] if t else None for t in texts]
         rows = [(2 * i + 1, g) for i, g in enumerate(grammars)]
-        on = []
-        real_job = m._step_job
-        m._step_job = lambda *a: (on.append(threading.current_thread().name), real_job(*a))
         job = m.start_step([(g, t) for g, t in zip(grammars, last) if t is not None], rows)  # tokens, then fill
+        assert len(job._futures) == 3  # three slices
         mask, where = job.result()
         assert where == [r for r, _ in rows]
-        assert on and on[0].startswith("kestrel-bitmask")  # off the calling (engine loop) thread
         for i, g in enumerate(grammars):
             one = torch.full((1, m.width), -1, dtype=torch.int32)
             g.matcher.fill_next_token_bitmask(one, 0)
@@ -143,7 +137,7 @@ def test_a_step_filled_on_xgrammar_threads_equals_row_by_row_fills(tiny_tokenize
         # a grammar that takes its stop token is complete: no row, no more tokens
         eos = tiny_tokenizer.eos_token_id
         job = m.start_step([(grammars[1], eos)], rows[:2])
-        assert job.result().rows == [rows[0][0]] and grammars[1].terminated  # read once the job is done
+        assert grammars[1].terminated and job.result().rows == [rows[0][0]]
         assert m.start_step([(grammars[1], 5)], rows[1:2]) is None and grammars[1].num_rejected == 0
     finally:
         m.shutdown()

@@ -106,14 +106,14 @@ def test_a_grammar_that_fails_in_the_core_aborts_only_its_request(llm):
 
 
 def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
-    """Pipelined, a step's accepts and bitmask fill run on the worker while the engine loop returns the previous step's outputs and
-    stages the next step's inputs: each job here waits until the next step's inputs are staged, which
+    """Pipelined, a step's bitmask fills on the pool while the engine loop returns the previous step's outputs and
+    stages the next step's inputs: each fill slice here waits until the next step's inputs are staged, which
     would never happen (within the timeout) if the loop waited for the fill first."""
     llm = LLM(str(tiny_llama), progress=False, num_kv_blocks=128, max_model_len=256, async_scheduling="on")
     core = llm.engine.core
     staged = threading.Condition()
     count = {"prepared": 0, "fills": 0, "overlapped": 0}
-    real_prepare, real_slice = core.runner._prepare, core.structured._step_job
+    real_prepare, real_slice = core.runner._prepare, core.structured._fill_slice
 
     def prepare(chunks, prev):
         out = real_prepare(chunks, prev)
@@ -129,15 +129,15 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
             count["at_start"] = count["prepared"]
         return real_start(accepts, rows)
 
-    def step_job(accepts, matchers, buf, n):
+    def fill_slice(matchers, buf, index):
         with staged:
             before = count["at_start"]
             count["fills"] += 1
             if staged.wait_for(lambda: count["prepared"] > before, timeout=0.5):
                 count["overlapped"] += 1
-        real_slice(accepts, matchers, buf, n)
+        real_slice(matchers, buf, index)
 
-    core.runner._prepare, core.structured._step_job = prepare, step_job
+    core.runner._prepare, core.structured._fill_slice = prepare, fill_slice
     core.structured.start_step = start_step
     p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(regex="[a-z]{20}"))
     out = llm.generate(["Hello"], p)[0].outputs[0]
