@@ -77,11 +77,11 @@ for s in $stages; do
     mlatune) timeout 400 python3 benchmarks/mla_decode.py --sweep 2>&1 | tee "$OUT/mla_tune16.txt" | tail -60
             timeout 400 python3 benchmarks/mla_decode.py --sweep --heads 128 2>&1 | tee "$OUT/mla_tune128.txt" | tail -60 ;;
     tputmla) timeout 480 python3 benchmarks/throughput.py --shape deepseek-v2-lite --hf-requests 0 --max-model-len 4096 \
-              --json "$OUT/tput_mla.json" 2>&1 | grep -v Warning | tail -14 ;;
+              --json "$OUT/tput_mla.json" 2>&1 | grep -v Warning | tail -16 ;;
     latmla) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite --hf-output-len 0 --max-model-len 4096 \
               --json "$OUT/lat_mla.json" 2>&1 | tail -8 ;;
     tputmlad) timeout 480 python3 benchmarks/throughput.py --shape deepseek-v2-lite-dense --hf-requests 0 \
-              --max-model-len 4096 --json "$OUT/tput_mla_dense.json" 2>&1 | grep -v Warning | tail -14 ;;
+              --max-model-len 4096 --json "$OUT/tput_mla_dense.json" 2>&1 | grep -v Warning | tail -16 ;;
     latmlad) timeout 300 python3 benchmarks/latency.py --shape deepseek-v2-lite-dense --hf-output-len 0 --max-model-len 4096 \
               --json "$OUT/lat_mla_dense.json" 2>&1 | tail -8 ;;
     vllmmla) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape deepseek-v2-lite \

@@ -93,13 +93,19 @@ def run_kestrel(model_dir, prompts, outs, args):
     timed(core.scheduler, "on_result", "update")
     timed(llm.engine.output_processor, "process", "outputs")
     torch.cuda.synchronize()
+    from kestrel.kernels.triton_ops.precompile import CompileCounter
+
     t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    with CompileCounter() as compiles:  # a Triton compilation inside the measured run is start-up work leaking
+        res = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     step_log.append((t + dt, 0, 0))
+    gaps = sorted(((t1 - t0) * 1e3, pre, dec) for (t0, pre, dec), (t1, _, _) in zip(step_log, step_log[1:]))
+    print(f"Triton compilations during the run: {compiles.count}; longest steps (ms, prefill tokens, decode rows): "
+          + ", ".join(f"({ms:.0f}, {pre}, {dec})" for ms, pre, dec in gaps[-4:]))
     info = dict(step_split=step_split(step_log), startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds,
                 cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
     del llm, core
