@@ -300,8 +300,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
         """Compile, at start-up, the kernel variants that mixed prefill/decode steps use (short and long query
-        tiles), so that the first requests do not wait ~1 s per Triton compilation. The batch reads block 0
-        and writes nothing (slots -1)."""
+        tiles, decode rows by batch size), so that the first requests do not wait ~1 s per Triton compilation.
+        The batches read block 0 and write nothing (slots -1)."""
         buf = self.buffers
         for q_len in (min(24, buf.max_tokens // 2), 4):
             n = 2 * q_len
@@ -316,6 +316,19 @@ class ModelRunner:
             ctx = self.metadata(n, 2, 0, q_len, q_len, width, [0, q_len, n], [q_len, q_len])
             hidden = self.model(buf.input_ids[:n], buf.positions[:n], ctx)
             self.model.compute_logits(hidden[[q_len - 1, n - 1]])
+        # Decode rows outside the graphs (mixed steps): one-token contexts, so the unsplit variants of each batch
+        # size class's decode kernel (the graphs compile the split ones); else each compiles in the first mixed
+        # steps of a run, ~1 s apiece.
+        for b in sorted({min(x, buf.max_reqs) for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, buf.max_reqs)}):
+            buf.qsl_np[:b + 1] = np.arange(b + 1)
+            buf.sl_np[:b] = 1
+            buf.ids_np[:b] = 0
+            buf.pos_np[:b] = 0
+            buf.staged_slots(b)[:] = -1
+            buf.staged_block_tables(b, 1)[:] = 0
+            buf.copy_to_device(b, b, 1)
+            ctx = self.metadata(b, b, b, 1, 1, 1, list(range(b + 1)), [1] * b)
+            self.model(buf.input_ids[:b], buf.positions[:b], ctx)
         torch.cuda.synchronize()
 
     # ---- batch state from the scheduler's deltas
