@@ -94,6 +94,7 @@ for s in $stages; do
     profmla) (cd benchmarks && timeout 300 python3 profile_step.py --shape deepseek-v2-lite > "$OUT/profile_mla.txt" 2>&1; head -45 "$OUT/profile_mla.txt") ;;
     prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
     prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
+    mlasplit) timeout 300 python3 benchmarks/mla_decode.py --splits 2>&1 | tee "$OUT/mla_splits.txt" | tail -90 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
     vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac

@@ -2,7 +2,9 @@
 achieved bandwidth (latent bytes read / time) per batch x context, for the default tile and a small sweep, and
 the error against the float32 reference on the first case.
 
-    python benchmarks/mla_decode.py [--heads 16] [--sweep]"""
+    python benchmarks/mla_decode.py [--heads 16] [--sweep] [--splits]
+--splits: at batch >= 64, forced split counts 1..16 on a few tiles (the default derives the count from the
+shapes: 2 at batch 256 with 16 heads)."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +48,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16, help="16: V2-Lite, 128: V3")
     ap.add_argument("--sweep", action="store_true", help="also try BLOCK_N / warps / stages variants")
+    ap.add_argument("--splits", action="store_true", help="at batch >= 64, also force 1..16 context splits")
     args = ap.parse_args()
     scale = 192 ** -0.5
     q_lat, q_pe, cache, bt, sl = case(4, 3000, args.heads)
@@ -61,10 +64,15 @@ def main():
         if args.sweep:  # the split length matters only where the batch leaves SMs idle
             splits = (32, 64, 128, 256) if batch <= 16 else (64,)
             variants += [dict(t, MIN_SPLIT=ms) for t in tiles for ms in splits]
+        if args.splits and batch >= 64:
+            variants += [dict(BLOCK_N=bn, num_warps=w, num_stages=st, splits=n) for bn, w, st in
+                         ((32, 4, 2), (32, 4, 3), (16, 4, 2), (64, 4, 2), (32, 8, 2)) for n in (1, 2, 4, 8, 16)]
         for v in variants:
+            forced = (v or {}).get("splits")
+            cfg = {k: x for k, x in v.items() if k != "splits"} if v else None
             try:
-                us = time_us(lambda: mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale, _config=v,
-                                                          max_seq_len=ctx))
+                us = time_us(lambda: mla_decode_attention(q_lat, q_pe, cache, bt, sl, scale, _config=cfg,
+                                                          max_seq_len=ctx, num_splits=forced))
             except Exception as e:  # a tile that does not fit shared memory
                 print(f"{batch:>5} {ctx:>6} {str(v):<58} failed: {type(e).__name__}")
                 continue
