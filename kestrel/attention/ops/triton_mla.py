@@ -138,7 +138,7 @@ def _default_config(L: int, batch: int) -> dict:
     elif batch <= 16:
         tile = {"BLOCK_N": 64, "num_warps": 8, "MIN_SPLIT": 128}
     else:
-        tile = {"BLOCK_N": 32, "num_warps": 4, "MIN_SPLIT": 64}
+        tile = {"BLOCK_N": 32, "num_warps": 4, "MIN_SPLIT": 64, "num_stages": 3}  # 256 x 1k: 109 us vs 115 with 2
     if L <= 256:
         tile["BLOCK_N"] = 64
     return {"BLOCK_H": 16, "num_stages": 2, **tile}
@@ -163,8 +163,10 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
     cfg = {**_default_config(L, B), **(_config or {})}
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
-    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, head_blocks, max_ctx, num_splits,
-                                                                 shortest_split=cfg["MIN_SPLIT"])
+    # a program here holds 16 heads x 512 latent dims: it fills the chip at half the batch a paged-attention
+    # program does (H200 split sweep: 64 x 1k best at 4 splits, 256 x 1k unsplit; docs/benchmarks.md, session 7)
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, max_ctx,
+                                                                 num_splits, shortest_split=cfg["MIN_SPLIT"])
     _mla_decode_kernel[(B, head_blocks, num_splits)](
         q_lat, q_pe, cache, block_tables, seq_lens, out, po, plse,
         float(scale) * _LOG2E, H, num_splits, min_split,
