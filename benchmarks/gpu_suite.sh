@@ -40,6 +40,7 @@ for s in $stages; do
     tput8b) timeout 300 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --json "$OUT/tput8b.json" 2>&1 | tail -20 ;;
     fp8)    timeout 200 python3 benchmarks/gpu_fp8.py 2>&1 | tail -40 ;;
     structured) timeout 400 python3 benchmarks/structured.py --shape qwen3-0.6b --json "$OUT/structured.json" 2>&1 | grep -v Warning | tail -13 ;;
+    structthreads) timeout 400 python3 benchmarks/structured.py --shape qwen3-0.6b --fill-threads 14,10,6 --json "$OUT/structured_threads.json" 2>&1 | grep -v Warning | tail -14 ;;
     structfill) timeout 300 python3 benchmarks/structured_fill.py --threads 1,4,8,14 --json "$OUT/structured_fill.json" 2>&1 | tail -10 ;;
     structgpu) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_structured.py \
               tests/structured_output/test_bitmask_triton.py tests/structured_output/test_engine.py 2>&1 | tail -8 ;;
