@@ -34,6 +34,7 @@ class MLAMetadata(AttentionMetadata):
     dense_ctx_rows: torch.Tensor | None = None  # [same] int64
     dense_block_table: torch.Tensor | None = None  # [num dense reqs, max blocks] int32
     dense_num_blocks: int = 0
+    dense_seq_lens: torch.Tensor | None = None  # [num dense reqs] int32, its own (aligned) allocation
     dense_ctx_start_cpu: list[int] | None = None  # [num dense reqs + 1] offsets into dense_ctx_slots
 
 
@@ -74,9 +75,14 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         pos = torch.arange(total, device=dev) - torch.tensor(starts[:-1], device=dev)[req]
         meta.dense_ctx_slots = block_table.long()[req, pos // bs] * bs + pos % bs
         meta.dense_ctx_rows = torch.tensor(rows0[:-1], device=dev)[req] + pos
-        width = max(blocks)
+        # Triton specialises an integer argument on divisibility by 16 and a pointer on 16-byte alignment: a table
+        # as wide as the longest context, or the seq_lens slice after the decodes, would compile a new prefill
+        # variant inside a run (~1.2 s a step, H200 session 7); so the width is a multiple of 16 and the lengths
+        # get their own tensor
+        width = cdiv(max(blocks), 16) * 16
         first = torch.tensor([r // bs for r in rows0[:-1]], dtype=torch.int32, device=dev)
         meta.dense_block_table = first[:, None] + torch.arange(width, dtype=torch.int32, device=dev)[None, :]
+        meta.dense_seq_lens = lens.to(torch.int32)
         meta.dense_num_blocks = rows0[-1] // bs
         meta.dense_ctx_start_cpu = starts
 

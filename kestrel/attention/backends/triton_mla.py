@@ -51,7 +51,7 @@ class TritonMLAImpl(MLAImpl):
         qsl = meta.query_start_loc[na:nr + 1] - meta.num_absorbed_tokens
         qsl_cpu, sl_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
         out = prefill_attention(q, kbuf.view(-1, bs, H, d), vbuf.view(-1, bs, H, d), meta.dense_block_table, qsl,
-                                meta.seq_lens[na:nr], self.scale,
+                                meta.dense_seq_lens, self.scale,
                                 max_query_len=max(qsl_cpu[b + 1] - qsl_cpu[b] for b in range(na, nr)),
                                 max_seq_len=max(sl_cpu[na:nr]))
         return out[..., :vd]
