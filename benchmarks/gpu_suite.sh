@@ -6,6 +6,7 @@
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
+# Images (issue 15): mmvllm (LLaVA-NeXT-7B shape, one image per chat request: vLLM 0.26 server, then ours).
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
@@ -96,6 +97,13 @@ for s in $stages; do
     prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
     prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
     mlasplit) timeout 300 python3 benchmarks/mla_decode.py --splits 2>&1 | tee "$OUT/mla_splits.txt" | tail -90 ;;
+    mmvllm) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: vLLM, then us
+            PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
+              --max-model-len 4096 --host 127.0.0.1 --port 8011 > "$OUT/vllm_mm.log" 2>&1 & VP=$!
+            for i in $(seq 200); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 2; done
+            echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 2>&1 | tail -12
+            kill $VP; wait $VP 2> /dev/null; echo "--- kestrel"
+            timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
     vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
