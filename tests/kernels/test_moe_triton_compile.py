@@ -51,3 +51,17 @@ def test_align_kernel_compiles():
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
                                 options={"num_warps": 4})
         assert kernel.asm.get("ptx")
+
+
+def test_grid_align_kernels_compile():
+    ptrs = {"IDS": "*i64", "SORTED": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32", "COUNTS": "*i32",
+            "BASE": "*i32"}
+    for e_pad, bm in ((256, 16), (16, 128), (512, 128)):
+        bchunk = min(4096 // e_pad, 4096 // bm)
+        for fn, constexprs in ((fused_moe._align_count_kernel, dict(E_PAD=e_pad, CHUNK=fused_moe.GRID_CHUNK)),
+                               (fused_moe._align_place_kernel, dict(E_PAD=e_pad, BLOCK_M=bm, BCHUNK=bchunk,
+                                                                    CHUNK=fused_moe.GRID_CHUNK))):
+            sig = {n: ptrs.get(n, "i32") for n in fn.arg_names} | {n: "constexpr" for n in constexprs}
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                                    options={"num_warps": 4})
+            assert kernel.asm.get("ptx"), (fn, e_pad, bm)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kestrel.platform import triton_gates as gates  # noqa: E402
 from tests.kernels.moe_cases import make_experts, quantize_experts, random_routing, reference_moe, rel_err  # noqa: E402
@@ -31,24 +31,81 @@ def test_align_by_expert_layout():
     assert sorted(sorted_ids[sorted_ids < n].tolist()) == list(range(n))
 
 
+def _assert_same_layout(got, ref, num_slots, bm):
+    """Equal to the torch reference run by run: the order inside an expert's run is free (atomic cursors)."""
+    (got_sorted, got_blocks, got_np), (ref_sorted, ref_blocks, ref_np) = [[v.cpu() for v in x] for x in (got, ref)]
+    assert int(got_np) == int(ref_np) and got_sorted.shape == ref_sorted.shape
+    assert torch.equal(got_blocks, ref_blocks)  # blocks past the padded end included (clamped to the last expert)
+    used = int(ref_np) // bm
+    for ex in ref_blocks[:used].unique().tolist():
+        rows = (ref_blocks[:used] == ex).repeat_interleave(bm)
+        rows = torch.cat([rows, torch.zeros(ref_sorted.numel() - rows.numel(), dtype=torch.bool)])
+        assert sorted(got_sorted[rows].tolist()) == sorted(ref_sorted[rows].tolist()), ex
+    assert (got_sorted[int(ref_np):] == num_slots).all()
+
+
 @pytest.mark.parametrize("t,e,k,bm", [(1, 128, 8, 16), (37, 16, 3, 16), (300, 8, 2, 64), (40, 64, 8, 32)])
 def test_triton_layout_matches_torch_reference(t, e, k, bm):
-    """The one-launch layout equals the torch reference run by run (the order inside an expert's run is free)."""
     from kestrel.kernels.triton_ops.fused_moe import align_by_expert, align_by_expert_triton
 
     gen = torch.Generator().manual_seed(t + e)
     _, ids = random_routing(t, e, k, gen, skew=True)
-    ref_sorted, ref_blocks, ref_np = align_by_expert(ids, e, bm)
-    got_sorted, got_blocks, got_np = align_by_expert_triton(ids.to(DEVICE), e, bm)
-    got_sorted, got_blocks = got_sorted.cpu(), got_blocks.cpu()
-    assert int(got_np) == int(ref_np) and got_sorted.shape == ref_sorted.shape
-    used = int(ref_np) // bm
-    assert torch.equal(got_blocks[:used], ref_blocks[:used])
-    for ex in range(e):  # an expert's slots may sit in any of its blocks (atomic cursors on the GPU)
-        rows = (ref_blocks[:used] == ex).repeat_interleave(bm)
-        rows = torch.cat([rows, torch.zeros(ref_sorted.numel() - rows.numel(), dtype=torch.bool)])
-        assert sorted(got_sorted[rows].tolist()) == sorted(ref_sorted[rows].tolist()), ex
-    assert (got_sorted[int(ref_np):] == t * k).all()
+    _assert_same_layout(align_by_expert_triton(ids.to(DEVICE), e, bm), align_by_expert(ids, e, bm), t * k, bm)
+
+
+def _routing(kind: str, t: int, e: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "skew":
+        return random_routing(t, e, k, gen, skew=True)[1]
+    if kind == "one_expert":  # every slot to the last expert (the clamp of blocks past the end is that expert)
+        return torch.full((t, k), e - 1, dtype=torch.int32)
+    used = torch.tensor([x for x in range(e) if x % 3 == 1])  # two experts in three empty, the last one too
+    return used[torch.randint(0, used.numel(), (t, k), generator=gen)].to(torch.int32)
+
+
+@pytest.mark.parametrize("kind", ["skew", "one_expert", "some_empty"])
+@pytest.mark.parametrize("bm", [16, 64, 128])
+@pytest.mark.parametrize("e", [8, 64, 128, 66])
+def test_grid_layout_above_threshold_matches_torch_reference(e, bm, kind):
+    """Above ALIGN_GRID_ABOVE slots the layout runs as a grid (several slot chunks, one partial, and blocks)."""
+    from kestrel.kernels.triton_ops import fused_moe as fm
+
+    t, k = fm.ALIGN_GRID_ABOVE // 8 + 37, 8
+    ids = _routing(kind, t, e, k, torch.Generator().manual_seed(e * bm))
+    _assert_same_layout(fm.align_by_expert_triton(ids.to(DEVICE), e, bm), fm.align_by_expert(ids, e, bm), t * k, bm)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a prefill-sized layout: too slow for the interpreter")
+def test_grid_layout_prefill_size_on_gpu():
+    from kestrel.kernels.triton_ops.fused_moe import align_by_expert, align_by_expert_triton
+
+    _, ids = random_routing(16384, 128, 8, torch.Generator().manual_seed(0), skew=True)
+    _assert_same_layout(align_by_expert_triton(ids.to(DEVICE), 128, 64), align_by_expert(ids, 128, 64), ids.numel(), 64)
+
+
+def test_layout_path_is_chosen_by_slot_count(monkeypatch):
+    from kestrel.kernels.triton_ops import fused_moe as fm
+
+    launched = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append((self.kernel.fn.__name__, grid))
+            return self.kernel[grid]
+
+    for name in ("_align_kernel", "_align_count_kernel", "_align_place_kernel"):
+        monkeypatch.setattr(fm, name, Spy(getattr(fm, name)))
+    monkeypatch.setattr(fm, "ALIGN_GRID_ABOVE", 64)
+    ids = torch.randint(0, 8, (16, 4), dtype=torch.int32, device=DEVICE)
+    fm.align_by_expert_triton(ids, 8, 16)  # 64 slots: one program
+    assert launched == [("_align_kernel", (1,))]
+    launched.clear()
+    ids = torch.randint(0, 8, (300, 4), dtype=torch.int32, device=DEVICE)
+    _assert_same_layout(fm.align_by_expert_triton(ids, 8, 16), fm.align_by_expert(ids.cpu(), 8, 16), 1200, 16)
+    blocks = fm.padded_size(1200, 8, 16) // 16
+    assert launched == [("_align_count_kernel", (2,)), ("_align_place_kernel", (2 + triton.cdiv(blocks, 256),))]
 
 
 FP32_TOL = 3e-3 if DEVICE == "cuda" else 1e-5  # tl.dot takes float32 operands as TF32 on the GPU
@@ -67,6 +124,53 @@ def test_fused_moe_matches_reference(t, e, k, dtype, tol):
     out = fused_moe(*(v.to(DEVICE, dtype) for v in (x, w13, w2)), topk_w.to(DEVICE), ids.to(DEVICE))
     assert out.dtype == dtype and out.shape == (t, h)
     assert rel_err(out.cpu(), reference_moe(x, w13, w2, topk_w, ids)) < tol
+
+
+def test_fused_moe_above_grid_threshold_matches_reference(monkeypatch):
+    """The GEMMs on the grid path's layout (threshold lowered so a small problem takes it)."""
+    from kestrel.kernels.triton_ops import fused_moe as fm
+
+    monkeypatch.setattr(fm, "ALIGN_GRID_ABOVE", 256)
+    gen = torch.Generator().manual_seed(3)
+    t, e, k, h, i = 300, 8, 4, 32, 16
+    w13, w2 = make_experts(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen)
+    topk_w, ids = random_routing(t, e, k, gen, skew=True)
+    out = fm.fused_moe(*(v.to(DEVICE) for v in (x, w13, w2, topk_w, ids)))
+    assert rel_err(out.cpu(), reference_moe(x, w13, w2, topk_w, ids)) < FP32_TOL
+
+
+@pytest.mark.parametrize("k", [6, 8])
+def test_warm_up_compiles_every_variant_a_run_uses(k, monkeypatch):
+    """Every (kernel, constexprs, tensor dtypes) a forward of 1..max_tokens tokens launches, with int64 (torch
+    router) or int32 (Triton router) ids, is one warm_up launched. Kernels stubbed: only the keys matter."""
+    from kestrel.kernels.triton_ops import fused_moe as fm
+
+    launched = set()
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+                launched.add((self.name, dtypes, tuple(sorted(kw.items()))))
+            return launch
+
+    for name in ("_align_kernel", "_align_count_kernel", "_align_place_kernel", "_moe_grouped_gemm_kernel"):
+        monkeypatch.setattr(fm, name, Stub(name))
+    e, h, i, max_tokens = 64, 32, 16, fm.ALIGN_GRID_ABOVE // k + 700
+    w13, w2 = torch.zeros(e, 2 * i, h), torch.zeros(e, h, i)
+    fm.warm_up(torch.float32, w13, w2, k, max_tokens)
+    warmed = set(launched)
+    launched.clear()
+    for t in range(1, max_tokens + 1):
+        for dt in (torch.int32, torch.int64):
+            fm.fused_moe(torch.zeros(t, h), w13, w2, torch.ones(t, k), torch.zeros(t, k, dtype=dt))
+    assert {name for name, _, _ in launched} == {"_align_kernel", "_align_count_kernel", "_align_place_kernel",
+                                                 "_moe_grouped_gemm_kernel"}
+    assert launched <= warmed, sorted(launched - warmed)
 
 
 def test_fused_moe_shared_expert_slots_equal_a_separate_mlp():

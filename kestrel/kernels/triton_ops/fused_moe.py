@@ -131,22 +131,91 @@ def _align_kernel(
         tl.store(SORTED + pos, start + offs, mask=ok)
 
 
-def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`align_by_expert` in one launch (what fused_moe uses: ~30 torch launches per layer would dominate a
-    batch-1 decode step). Its outputs feed only the Triton GEMMs, never a torch index, so the compile-only
-    start-up mode (outputs left unwritten) stays safe."""
+# Above this many (token, slot) pairs the layout runs as a grid (prefill: the one program costs ~3 ns a slot on
+# the H200, 415 us at 16k x 8); at or below, the one-program kernel (decode: one launch, captured in CUDA graphs).
+# `python benchmarks/moe_kernel.py --align` times both by slot count.
+ALIGN_GRID_ABOVE = 4096
+GRID_CHUNK = 1024  # slots per program of the grid path
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _align_count_kernel(IDS, COUNTS, BASE, num_slots, num_experts, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid path, 1/2: each program histograms its chunk of slots into the global per-expert counts; the counts
+    the atomics return are where its slots start inside each expert's run (BASE[program, expert])."""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(IDS + offs, mask=offs < num_slots, other=E_PAD - 1).to(tl.int32)
+    counts = tl.histogram(ids, E_PAD)  # masked lanes land in bin E_PAD - 1, never a real expert
+    experts = tl.arange(0, E_PAD)
+    mine = (experts < num_experts) & (counts > 0)
+    base = tl.atomic_add(COUNTS + experts, counts, mask=mine, sem="relaxed")
+    tl.store(BASE + pid * E_PAD + experts, base, mask=mine)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "slot_programs"])
+def _align_place_kernel(
+    IDS, SORTED, BLOCK_EXPERT, NUM_PADDED, COUNTS, BASE,
+    num_slots, num_blocks, num_experts, slot_programs,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr,
+):
+    """Grid path, 2/2: every program derives the padded runs from the counts. The first `slot_programs` place
+    their chunk's slots (the program's BASE plus a rank from an atomic cursor on it: contention stays inside
+    the program); the others write BCHUNK blocks each: the block's expert and the sentinel in its rows past the
+    expert's slots. The two sets of rows are disjoint, so nothing orders the programs."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.load(COUNTS + experts)  # zero past num_experts
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    start = pad_end - padded
+    if pid < slot_programs:
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < num_slots
+        ids = tl.load(IDS + offs, mask=ok, other=0).to(tl.int32)
+        rank = tl.atomic_add(BASE + pid * E_PAD + ids, 1, mask=ok, sem="relaxed")
+        tl.store(SORTED + tl.gather(start, ids, 0) + rank, offs, mask=ok)
+    else:
+        b = (pid - slot_programs) * BCHUNK + tl.arange(0, BCHUNK)
+        first_row = b * BLOCK_M
+        e = tl.sum((pad_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        tl.store(BLOCK_EXPERT + b, tl.minimum(e, num_experts - 1), mask=b < num_blocks)
+        if pid == slot_programs:
+            tl.store(NUM_PADDED, tl.sum(padded, 0))
+        # where the slots of the block's expert end (starts and ends both grow with the expert, so the largest
+        # end among runs starting at or before the block is its own; past the padded end: the last run's end)
+        fill_end = tl.max(tl.where(start[None, :] <= first_row[:, None], (start + counts)[None, :], 0), axis=1)
+        rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(SORTED + rows, num_slots, mask=(rows >= fill_end[:, None]) & (b < num_blocks)[:, None])
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, grid: bool | None = None):
+    """`align_by_expert` in one launch up to ALIGN_GRID_ABOVE slots (what fused_moe uses: ~30 torch launches per
+    layer would dominate a batch-1 decode step), above it a zero-fill and two grid launches; `grid` forces
+    either. Its outputs feed only the Triton GEMMs, never a torch index, so the compile-only start-up mode
+    (outputs left unwritten) stays safe."""
     ids = topk_ids.reshape(-1)
     n, dev = ids.numel(), ids.device
     size = padded_size(n, num_experts, block_m)
+    num_blocks = size // block_m
     sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_experts + 1)
+    if grid if grid is not None else n > ALIGN_GRID_ABOVE:
+        slot_programs = triton.cdiv(n, GRID_CHUNK)
+        bchunk = min(4096 // e_pad, 4096 // block_m)  # [bchunk, E_PAD] and [bchunk, BLOCK_M] tiles
+        counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
+        base = torch.empty(slot_programs * e_pad, dtype=torch.int32, device=dev)
+        _align_count_kernel[(slot_programs,)](ids, counts, base, n, num_experts, E_PAD=e_pad, CHUNK=GRID_CHUNK)
+        _align_place_kernel[(slot_programs + triton.cdiv(num_blocks, bchunk),)](
+            ids, sorted_ids, block_expert, num_padded, counts, base, n, num_blocks, num_experts, slot_programs,
+            E_PAD=e_pad, BLOCK_M=block_m, CHUNK=GRID_CHUNK, BCHUNK=bchunk)
+        return sorted_ids, block_expert, num_padded
     cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
     # one program walks every slot: wider chunks on more warps cut its serial steps at large batches (batch 256
     # x top-8: 2048 slots in one chunk, not eight)
     chunk = min(2048, max(256, triton.next_power_of_2(n)))
-    _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, cursor, n, size // block_m, num_experts,
+    _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, cursor, n, num_blocks, num_experts,
                         E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, BCHUNK=max(16, 4096 // e_pad),
                         num_warps=min(16, chunk // 64))
     return sorted_ids, block_expert, num_padded
@@ -280,13 +349,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
             w13_scale=None, w2_scale=None, block_shape=None) -> None:
-    """Launch once per bucket up to max_tokens (ids spread over all experts), so every variant is compiled
-    before the first request. Meant to run inside compile-only mode (parallel compilation)."""
-    e, _, h = w13.shape
+    """Launch every bucket up to max_tokens (ids spread over all experts), so every variant is compiled before
+    the first request: at both ends of the bucket and past each slot count where the layout changes variant
+    inside it (one-program chunk sizes, the grid path), with int64 ids (torch routers) and int32 ids (the
+    Triton router). Meant to run inside compile-only mode (parallel compilation)."""
+    e, two_i, h = w13.shape
+    edges = (256, 512, 1024, ALIGN_GRID_ABOVE)
+    lo = 1
     for b in BUCKETS:
-        t = min(b, max_tokens)
-        x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
-        ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k)  # int64, as the router gives
-        fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
+        hi = min(b, max_tokens)
+        for t in sorted({lo, hi} | {p // top_k + 1 for p in edges if lo * top_k <= p < hi * top_k}):
+            x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
+            ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k)
+            fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
+            bm = get_config(t, e, top_k, h, two_i // 2, w13_scale is not None)["up"]["BLOCK_M"]
+            align_by_expert_triton(ids.to(torch.int32), e, bm)
         if b >= max_tokens:
             break
+        lo = b + 1
