@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU checks need, in one device call:  bash benchmarks/gpu_suite.sh [stages...]
-# MoE (issue 13): moe (GPU kernel tests + kernel table), moetune (tile search, writes fused_moe.json to $OUT),
+# MoE (issue 13): moe (GPU kernel tests + kernel table), moealign (layout tests + the routing layout alone by slot
+#   count, one program vs grid, Qwen3-30B-A3B and DeepSeek-V2-Lite), moetune (tile search, writes fused_moe.json to $OUT),
 #   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
 # MLA (issue 14): mla (GPU MLA tests + the decode kernel alone), mlatune (decode tile sweep, V2-Lite and V3 heads),
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
@@ -63,6 +64,10 @@ for s in $stages; do
     moetunemla) timeout 300 python3 benchmarks/moe_kernel.py --shape deepseek-v2-lite --tune --write \
               --json "$OUT/moe_tuned_mla.json" 2>&1 | tail -20
             cp kestrel/kernels/configs/fused_moe.json "$OUT/fused_moe.json" ;;
+    moealign) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton_interp.py \
+              tests/gpu/test_gpu_moe.py -k "layout or graph or warm_up or grid" 2>&1 | tail -4
+            for sh in qwen3-30b-a3b deepseek-v2-lite; do timeout 120 python3 benchmarks/moe_kernel.py --align --shape $sh \
+              --json "$OUT/moe_align_$sh.json" 2>&1 | tail -14; done ;;
     kern)   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_triton_interp.py \
               tests/attention/test_triton_mla.py tests/gpu/test_gpu_mla.py tests/gpu/test_gpu_moe.py 2>&1 | tail -8 ;;
     mlatune16) timeout 400 python3 benchmarks/mla_decode.py --sweep 2>&1 | tee "$OUT/mla_tune16.txt" | tail -5 ;;

@@ -5,6 +5,8 @@ top-8, hidden 2048). Prints a table: microseconds per call, and the Triton kerne
 active-expert bytes it must read.
 
     python benchmarks/moe_kernel.py [--shape qwen3-30b-a3b] [--fp8] [--json out.json]
+    python benchmarks/moe_kernel.py --align [--shape ...]   # the routing layout alone by slot count: the
+                                                          # one-program kernel vs the grid path
     python benchmarks/moe_kernel.py --tune [--write]   # search tile configs per batch bucket; --write stores them
                                                        # in kestrel/kernels/configs/fused_moe.json"""
 from __future__ import annotations
@@ -122,6 +124,35 @@ def table(args):
     return rows
 
 
+def align_table(args):
+    """The routing layout (sort by expert, pad to BLOCK_M) alone, by tokens x slots: the one-program kernel against
+    the grid path, GPU time in a CUDA graph (what a prefill step or a decode graph pays) and eager (host launch
+    overhead included); `chosen` is the path fused_moe takes at that slot count."""
+    import triton.testing
+
+    from kestrel.kernels.triton_ops import fused_moe as fm
+
+    e, k, h, i, _ = moe_dims(args.shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for t in (64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+        ids = problem(args.shape, t, False, gen)[4]
+        bm = fm.get_config(t, e, k, h, i, args.fp8)["up"]["BLOCK_M"]
+        one, grid = (fm.align_by_expert_triton(ids, e, bm, grid=g) for g in (False, True))
+        same = torch.equal(one[1], grid[1]) and torch.equal(one[2], grid[2]) and torch.equal(
+            one[0].sort().values, grid[0].sort().values)  # runs may differ in order only
+        row = dict(tokens=t, slots=t * k, BLOCK_M=bm, same_layout=same,
+                   chosen="grid" if t * k > fm.ALIGN_GRID_ABOVE else "one program")
+        for g, name in ((False, "one_program"), (True, "grid")):
+            fn = lambda: fm.align_by_expert_triton(ids, e, bm, grid=g)  # noqa: E731
+            row[f"{name}_graph_us"] = triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
+            row[f"{name}_eager_us"] = triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
+        rows.append(row)
+    print_table(f"MoE routing layout, {args.shape} (E={e}, {k} slots a token), "
+                f"{torch.cuda.get_device_properties(0).name}, commit {git_commit()}", rows)
+    return rows
+
+
 def tune(args):
     """Per batch bucket, the fastest (up, down) tile pair sharing BLOCK_M. All candidates compile in parallel
     first (compile-only mode), then each is timed."""
@@ -189,12 +220,13 @@ def main():
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=[n for n, s in SHAPES.items() if "moe_intermediate_size" in s])
     ap.add_argument("--fp8", action="store_true", help="block-quantized FP8 experts (128x128)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--align", action="store_true", help="time the routing layout alone (one program vs grid)")
     ap.add_argument("--write", action="store_true", help="with --tune: store the configs in the config file")
     ap.add_argument("--buckets", type=lambda v: [int(b) for b in v.split(",")], default=None,
                     help="with --tune: only these batch buckets (comma-separated; others keep their configs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = tune(args) if args.tune else table(args)
+    result = tune(args) if args.tune else align_table(args) if args.align else table(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -57,25 +57,28 @@ def test_triton_moe_fp8_block_matches_dequantized_reference(e, k, t):
     assert rel_err(out, ref) < 2e-2
 
 
-def test_triton_moe_cuda_graph_replay():
+@pytest.mark.parametrize("t", [8, 1100])  # 1100 x 4 slots: the layout's grid path
+def test_triton_moe_cuda_graph_replay(t):
     pytest.importorskip("triton")
-    from kestrel.kernels.triton_ops.fused_moe import fused_moe
+    from kestrel.kernels.triton_ops.fused_moe import ALIGN_GRID_ABOVE, fused_moe
 
+    assert (t * 4 > ALIGN_GRID_ABOVE) == (t > 8)
     gen = torch.Generator().manual_seed(0)
     w13, w2 = (w.cuda().bfloat16() for w in make_experts(64, 512, 256, gen))
-    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
-    topk_w, ids = (v.cuda() for v in random_routing(8, 64, 4, gen))
+    x = torch.randn(t, 512, device="cuda", dtype=torch.bfloat16)
+    topk_w, ids = (v.cuda() for v in random_routing(t, 64, 4, gen))
     fused_moe(x, w13, w2, topk_w, ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(x, w13, w2, topk_w, ids)
-    new_w, new_ids = (v.cuda() for v in random_routing(8, 64, 4, gen))
+    new_w, new_ids = (v.cuda() for v in random_routing(t, 64, 4, gen))
     topk_w.copy_(new_w), ids.copy_(new_ids), x.normal_()
     graph.replay()
     torch.testing.assert_close(out, fused_moe(x, w13, w2, topk_w, ids), rtol=0, atol=0)
 
 
-def test_layer_compile_only_mode_is_safe_with_garbage_inputs():
+@pytest.mark.parametrize("t", [40, 500])  # 500 x 10 slots: the layout's grid path
+def test_layer_compile_only_mode_is_safe_with_garbage_inputs(t):
     """Start-up pre-compilation runs forwards with every Triton launch turned into a compilation, so Triton
     outputs (here the router's input) are garbage: routing and sorting are torch ops and must stay in range."""
     pytest.importorskip("triton")
@@ -89,11 +92,11 @@ def test_layer_compile_only_mode_is_safe_with_garbage_inputs():
     assert block.experts.kernel_name == "triton_fused_moe" and block.fse.fused
     for p in block.parameters():
         p.data.normal_()
-    x = torch.full((40, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+    x = torch.full((t, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
     with compile_only():
         block(x)
     torch.cuda.synchronize()  # a device assert from an out-of-range index would surface here
-    y = block(torch.randn(40, 256, device="cuda", dtype=torch.bfloat16))
+    y = block(torch.randn(t, 256, device="cuda", dtype=torch.bfloat16))
     assert torch.isfinite(y).all()
 
 

@@ -7,14 +7,15 @@
 s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
 
 Routing stays in torch (the router's top-k ids are always valid expert indices). The layout (sort by expert, pad
-each run to BLOCK_M, the block -> expert table) is one Triton launch whose outputs feed only the two Triton GEMMs,
-never a torch index, so the engine's start-up pre-compilation, which turns every Triton launch into a compilation
-and leaves outputs unwritten (kestrel/kernels/triton_ops/precompile.py), cannot produce an out-of-range torch
-index; the GEMM grid comes from host-side sizes, not from a kernel output. `align_by_expert` is the torch
-reference of the same layout. Nothing that varies with the batch is a constexpr or a specialised int
-(`num_valid` is `do_not_specialize`; the grid is not part of the key), and the tile config comes from a fixed set
-of batch buckets (`kestrel/kernels/configs/fused_moe.json`, defaults below), so a run compiles each bucket's
-variant once and `warm_up` compiles them all at load time.
+each run to BLOCK_M, the block -> expert table) is one Triton launch (prefill-sized batches: a zero-fill and two
+grid launches) whose outputs feed only the two Triton GEMMs, never a torch index, so the engine's start-up
+pre-compilation, which turns every Triton launch into a compilation and leaves outputs unwritten
+(kestrel/kernels/triton_ops/precompile.py), cannot produce an out-of-range torch index; the GEMM grid comes from
+host-side sizes, not from a kernel output. `align_by_expert` is the torch reference of the same layout. Nothing
+that varies with the batch is a constexpr or a specialised int (`num_valid` is `do_not_specialize`; the grid is
+not part of the key), and the tile config comes from a fixed set of batch buckets
+(`kestrel/kernels/configs/fused_moe.json`, defaults below), so a run compiles each bucket's variants once and
+`warm_up` compiles them all at load time.
 
 FP8 block-quantized experts (DeepSeek-style): w13/w2 float8_e4m3fn with fp32 block scales [E, N/bn, K/bk] and
 activations quantized per token and per group of bk columns; BLOCK_K equals bk so each K step reads one scale of
