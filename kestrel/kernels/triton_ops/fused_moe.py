@@ -202,7 +202,7 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_experts + 1)
-    if grid if grid is not None else n > ALIGN_GRID_ABOVE:
+    if n > ALIGN_GRID_ABOVE if grid is None else grid:
         slot_programs = triton.cdiv(n, GRID_CHUNK)
         bchunk = min(4096 // e_pad, 4096 // block_m)  # [bchunk, E_PAD] and [bchunk, BLOCK_M] tiles
         counts = torch.zeros(e_pad, dtype=torch.int32, device=dev)
