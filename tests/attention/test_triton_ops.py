@@ -101,12 +101,18 @@ def test_prefill_attention(dtype, d, group, prefix, page):
 
 def test_prefill_attention_narrow_query_and_output():
     """MLA's dense prefill: a query narrower than K/V (a view whose following lanes hold NaN: none may be read)
-    and an output of the first lanes only (a view of a NaN buffer: nothing else written) equal the padded run."""
+    and an output of the first lanes only (a view of a NaN buffer: nothing else written) equal the padded run.
+    As expand_kv leaves them: the keys' pad lanes zero; NaN in the values' pad lanes and in the rows past each
+    context's end (unwritten memory) reaches no stored output."""
     gen = torch.Generator().manual_seed(5)
     d, dq, do, page, q_lens, seq_lens = 64, 48, 24, 16, [9, 20], [30, 20]
     bt, nb = make_block_tables(seq_lens, page, gen)
     kc, vc = make_cache(nb, page, 2, d, torch.float32, gen)
-    kc[..., dq:] = 0  # the keys' pad lanes, as expand_kv writes them
+    kc[..., dq:] = 0
+    vc[..., do:] = float("nan")
+    for b, s in enumerate(seq_lens):
+        for p in range(s, -(-s // page) * page):
+            kc[bt[b, p // page], p % page] = vc[bt[b, p // page], p % page] = float("nan")
     qsl = torch.tensor([0, 9, 29], dtype=torch.int32, device=DEVICE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(29, 2, d, generator=gen).to(DEVICE)
