@@ -1,14 +1,15 @@
 """Host cost of structured outputs per decode step, without a model: 256 requests under benchmarks/structured.py's
 JSON schema advance through JSON text (each step a random token that the grammar allows, as a random-weight
-model samples), through the engine's own StructuredOutputManager.start_step (the pool advances the grammars by
-their tokens, then fills the bitmask), for several fill-thread counts.
+model samples), through the engine's own StructuredOutputManager.start_step (the grammars take their tokens in
+one batch call, then the pool fills the bitmask), for several fill-thread counts.
 
 Per step it reports how long the engine loop waits in start_step (until the tokens are in), the whole step
 (tokens + fill) when the loop just waits for it, and the same while the loop does --host-work-ms of pure-Python
 work after start_step (what it does meanwhile: outputs, scheduling, the next step's inputs): with the fill off the
 loop's back, that is max(fill, host work), not their sum. It also reports the single-thread CPU cost per row fill,
-which says what the fill needs on any machine: rows x cost / threads. `xgrammar_pool_fill_ms` is the alternative
-design: one call filling every row on xgrammar's own C++ threads (no Python thread per slice).
+which says what the fill needs on any machine: rows x cost / threads.
+(xgrammar's own C++ pool, one call over every row, was tried in session 7 and lost in the engine: 60.8% against
+75-88% of unconstrained throughput; docs/benchmarks.md.)
 
     python benchmarks/structured_fill.py [--threads 1,4,8,14] [--rows 256] [--steps 40] [--host-work-ms 2]
 
@@ -112,34 +113,6 @@ def cpu_per_row(tok, rows: int, steps: int, seed: int) -> tuple[float, float]:
     return fill / count * 1e6, accept / count * 1e6
 
 
-def xgrammar_pool(tok, threads: int, rows: int, steps: int, seed: int) -> dict:
-    """The alternative to the engine's Python fill threads: one call over every row into xgrammar's own C++
-    thread pool (BatchGrammarMatcher(max_threads), built once), wall time per step."""
-    import torch
-    import xgrammar as xgr
-
-    mgr = StructuredOutputManager(tok, len(tok), tok.eos_token_id, max_rows=rows, fill_threads=1)
-    compiled = mgr.submit(StructuredOutputsParams(json=SCHEMA)).result()
-    rng = random.Random(seed)
-    grammars = [mgr.new_request_grammar(compiled, tok.eos_token_id) for _ in range(rows)]
-    buf = torch.empty((rows, mgr.width), dtype=torch.int32)
-    batch = xgr.BatchGrammarMatcher(threads)
-    wall, n = 0.0, 0
-    for step in range(steps + 3):
-        live = [g for g in grammars if not g.terminated]
-        t = time.perf_counter()
-        batch.batch_fill_next_token_bitmask([g.matcher for g in live], buf, list(range(len(live))))
-        if step >= 3:
-            wall, n = wall + time.perf_counter() - t, n + 1
-        bits = np.unpackbits(buf[:len(live)].numpy().view(np.uint8), axis=1, bitorder="little")[:, :len(tok)]
-        toks = [int(np.flatnonzero(bits[j])[rng.randrange(int(bits[j].sum()))]) for j in range(len(live))]
-        xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in live], toks)
-        for g, tk in zip(live, toks):
-            g.accepted(tk, True)
-    mgr.shutdown()
-    return dict(threads=threads, xgrammar_pool_fill_ms=wall / max(n, 1) * 1e3)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default=None, help=f"comma-separated fill-thread counts (default: 1, and the "
@@ -158,8 +131,7 @@ def main():
         tok = train_tokenizer(args.tokenizer_vocab)
     threads = sorted({int(x) for x in args.threads.split(",")} if args.threads else {1, default_fill_threads()})
     per_row, per_accept = cpu_per_row(tok, args.rows, min(args.steps, 20), 0)
-    results = [run(tok, t, args.rows, args.steps, args.host_work_ms, 0) | xgrammar_pool(tok, t, args.rows, args.steps, 0)
-               for t in threads]
+    results = [run(tok, t, args.rows, args.steps, args.host_work_ms, 0) for t in threads]
     print_table(f"Structured-output host work per step: {args.rows} rows, JSON schema, tokenizer {len(tok)} tokens, "
                 f"host work {args.host_work_ms} ms", results)
     print(f"\none thread, CPU per row: fill {per_row:.1f} us, accept {per_accept:.1f} us "
