@@ -4,6 +4,7 @@
 #   count, one program vs grid, Qwen3-30B-A3B and DeepSeek-V2-Lite), moetune (tile search, writes fused_moe.json to $OUT),
 #   tputmoe / latmoe (Qwen3-30B-A3B shape), vllmmoe (vLLM 0.26 peer on the same shape; needs /tmp/site staged).
 # MLA (issue 14): mla (GPU MLA tests + the decode kernel alone), mlatune (decode tile sweep, V2-Lite and V3 heads),
+#   mlapre (the dense prefill path of one layer, 16k tokens, old glue vs expand_kv),
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
@@ -110,6 +111,7 @@ for s in $stages; do
             kill $VP; wait $VP 2> /dev/null; echo "--- kestrel"
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
+    mlapre) timeout 300 python3 benchmarks/mla_prefill.py 2>&1 | tee "$OUT/mla_prefill.txt" | tail -6 ;;
     vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done

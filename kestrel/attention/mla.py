@@ -36,6 +36,10 @@ class MLAMetadata(AttentionMetadata):
     dense_num_blocks: int = 0
     dense_seq_lens: torch.Tensor | None = None  # [num dense reqs] int32, its own (aligned) allocation
     dense_ctx_start_cpu: list[int] | None = None  # [num dense reqs + 1] offsets into dense_ctx_slots
+    # the dense part's own query_start_loc (from 0, its own allocation) and its longest query and context
+    dense_query_start_loc: torch.Tensor | None = None
+    dense_max_query_len: int = 0
+    dense_max_seq_len: int = 0
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder):
@@ -53,6 +57,9 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
                            num_absorbed_reqs=n_abs, num_absorbed_tokens=n_abs_tok)
         if n_abs < c.num_reqs:
             self._dense_contexts(meta, block_table[n_abs:c.num_reqs], c.seq_lens_cpu[n_abs:c.num_reqs])
+            q_lens = [qsl[b + 1] - qsl[b] for b in range(n_abs, c.num_reqs)]
+            meta.dense_query_start_loc = c.query_start_loc[n_abs:c.num_reqs + 1] - n_abs_tok
+            meta.dense_max_query_len, meta.dense_max_seq_len = max(q_lens), max(c.seq_lens_cpu[n_abs:c.num_reqs])
         return meta
 
     def build_for_capture(self, common, block_table, slot_mapping) -> MLAMetadata:
@@ -100,11 +107,12 @@ class MLAImpl(AttentionImpl):
         na, n = meta.num_absorbed_tokens, meta.num_tokens
         if na == t:  # every token absorbed (decode steps, captured graphs): no output buffer to fill
             return self._absorbed(q_nope, q_pe, cache, meta, layer)
-        out = q_nope.new_zeros(t, layer.num_heads, layer.v_head_dim)
+        out = q_nope.new_empty(t, layer.num_heads, layer.v_head_dim)
+        out[n:].zero_()  # padded tokens
         if na:
             out[:na] = self._absorbed(q_nope[:na], q_pe[:na], cache, meta, layer)
         if n > na:
-            out[na:n] = self.attend_dense(q_nope[na:n], q_pe[na:n], cache, meta, layer)
+            self.attend_dense(q_nope[na:n], q_pe[na:n], cache, meta, layer, out[na:n])
         return out
 
     def _absorbed(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
@@ -131,7 +139,8 @@ class MLAImpl(AttentionImpl):
     def attend_latent(self, q_lat, q_pe, cache, meta: MLAMetadata) -> torch.Tensor:
         raise NotImplementedError
 
-    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
+    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer, out: torch.Tensor) -> None:
+        """Writes the dense requests' attention output into out [n dense tokens, H, v_head_dim]."""
         raise NotImplementedError
 
 

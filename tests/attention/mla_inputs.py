@@ -42,8 +42,8 @@ def make_batch(layer, reqs, block_size, dtype, device, seed=1):
             slots.append(int(bt[b, p // block_size]) * block_size + p % block_size)
         qsl.append(qsl[-1] + q)
     t = qsl[-1]
-    q_nope = torch.randn(t, H, nope, generator=g).to(dtype)
-    q_pe = torch.randn(t, H, R, generator=g).to(dtype)
+    # views of one projection output, as the model gives them (moved before splitting, so they stay views)
+    q_nope, q_pe = torch.randn(t, H, nope + R, generator=g).to(device, dtype).split([nope, R], dim=-1)
     kv_c = (2 * torch.randn(t, L, generator=g)).to(dtype)
     k_pe = torch.randn(t, R, generator=g).to(dtype)
     num_decodes = next((i for i, (q, _) in enumerate(reqs) if q != 1), len(reqs))

@@ -32,6 +32,8 @@ def test_builder_routes_by_declared_capability():
     mixed, meta = run_backend(TorchMLABackend, layer, batch, 16)
     assert (meta.num_absorbed_reqs, meta.num_absorbed_tokens) == (4, 4)  # decodes absorbed, chunks dense
     assert meta.dense_ctx_start_cpu == [0, 300, 303]
+    assert meta.dense_query_start_loc.tolist() == [0, 5, 8]  # the dense part's own, built once a step
+    assert (meta.dense_max_query_len, meta.dense_max_seq_len) == (5, 300)
     absorbed, meta = run_backend(TorchMLAAbsorbedBackend, layer, batch, 16)
     assert meta.num_absorbed_reqs == len(REQS) and meta.dense_ctx_slots is None
     assert rel_err(mixed, absorbed) < 1e-5

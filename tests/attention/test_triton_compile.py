@@ -85,7 +85,21 @@ def test_prefill_kernel_compiles(block_m, block_n, page, windowed, softcap):
     sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=128, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
                              SEARCH_ITERS=triton_attention._search_iters(256), UPCAST=False,
-                             WINDOWED=windowed, SOFTCAP=softcap))
+                             WINDOWED=windowed, SOFTCAP=softcap, Q_DIM=128, O_DIM=128))
+
+
+def test_mla_dense_prefill_kernels_compile():
+    """DeepSeek's dense prefill: expand_kv at 128 + 64 / 128 into 256-dim rows, and the prefill with a 192-dim
+    query and 128-dim output over them."""
+    fn = triton_mla._expand_kv_kernel
+    sig = {n: {"KN": "*bf16", "KPE": "*bf16", "VS": "*bf16", "ROWS": "*i64", "K": "*bf16", "V": "*bf16"}.get(n, "i32")
+           for n in fn.arg_names}
+    compile_ok(fn, sig, dict(NOPE=128, R=64, VD=128, D=256, BLOCK_H=16))
+    fn = triton_attention._prefill_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
+    sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(HEAD_DIM=256, PAGE=16, BLOCK_M=64, BLOCK_N=32, SEARCH_ITERS=8, UPCAST=False,
+                             WINDOWED=False, SOFTCAP=False, Q_DIM=192, O_DIM=128))
 
 
 def _ptx(fn, ptrs, consts):
@@ -107,7 +121,8 @@ def test_full_attention_never_reads_the_window_or_the_cap(kernel):
     if kernel == "prefill":
         fn = triton_attention._prefill_kernel
         ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
-        consts = dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False)
+        consts = dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False, Q_DIM=128,
+                      O_DIM=128)
     else:
         fn = triton_attention._decode_kernel
         ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",

@@ -63,6 +63,33 @@ def test_write_latent_matches_reference():
     assert torch.equal(cache, expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_kv_matches_padded_scatter(dtype):
+    """expand_kv against the torch expression it replaced (zeroed buffers, three index_put scatters): equal on
+    every context row, keys whole (zero pad lanes included), values on their vd lanes; no other row written."""
+    from kestrel.attention.ops.triton_mla import expand_kv
+
+    gen = torch.Generator().manual_seed(2)
+    H, nope, R, vd, D = 20, 32, 16, 24, 64  # 20 heads: two head blocks, the second partly masked
+    kv = torch.randn(9, H, nope + vd, generator=gen).to(DEVICE, dtype)
+    k_nope, v = kv.split([nope, vd], dim=-1)  # strided views, as expand_contexts gives them
+    k_pe = torch.randn(9, 80, generator=gen).to(DEVICE, dtype)[:, 64:]  # the rope part of gathered latents
+    rows = torch.tensor([0, 1, 2, 16, 17, 18, 19, 20, 32], device=DEVICE)  # block-aligned requests, gaps between
+    expect_k, expect_v = torch.zeros(48, H, D, dtype=dtype, device=DEVICE), torch.zeros(48, H, D, dtype=dtype,
+                                                                                         device=DEVICE)
+    expect_k[rows, :, :nope] = k_nope
+    expect_k[rows, :, nope:nope + R] = k_pe[:, None, :]
+    expect_v[rows, :, :vd] = v
+    k_out, v_out = torch.full_like(expect_k, 7.0), torch.full_like(expect_v, 7.0)
+    expand_kv(k_nope, k_pe, v, rows, k_out, v_out)
+    assert torch.equal(k_out[rows], expect_k[rows])
+    assert torch.equal(v_out[rows, :, :vd], expect_v[rows, :, :vd])
+    assert (v_out[rows, :, vd:] == 7).all()
+    others = torch.ones(48, dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert (k_out[others] == 7).all() and (v_out[others] == 7).all()
+
+
 def _backend_vs_expanded(reqs, dims, block_size):
     """The Triton backend's decodes (absorbed kernel) and prefill chunks (dense through the varlen Triton
     attention) against the float32 expanded reference on the same bf16 inputs."""
@@ -86,6 +113,19 @@ def _backend_vs_expanded(reqs, dims, block_size):
 
 def test_triton_mla_backend_matches_expanded_path_small():
     _backend_vs_expanded([(1, 1), (1, 300), (7, 40), (16, 16)], dict(heads=4, rank=64, rope=16, nope=32, v=24), 16)
+
+
+def test_joined_query_is_a_view_of_the_projection():
+    """The dense path's query: q_nope and q_pe split from one projection output go in as a view of it (no
+    concatenation, no padding); separate tensors are concatenated."""
+    from kestrel.attention.backends.triton_mla import _joined
+
+    q = torch.randn(5, 4, 48)
+    q_nope, q_pe = q.split([32, 16], dim=-1)
+    joined = _joined(q_nope[1:4], q_pe[1:4])
+    assert joined.data_ptr() == q[1].data_ptr() and torch.equal(joined, q[1:4])
+    apart = _joined(q_nope, q_pe.clone())
+    assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, q)
 
 
 @pytest.mark.gpu

@@ -99,6 +99,32 @@ def test_prefill_attention(dtype, d, group, prefix, page):
     assert rel_err(out, expect) < TOL[dtype]
 
 
+def test_prefill_attention_narrow_query_and_output():
+    """MLA's dense prefill: a query narrower than K/V (a view whose following lanes hold NaN: none may be read)
+    and an output of the first lanes only (a view of a NaN buffer: nothing else written) equal the padded run.
+    As expand_kv leaves them: the keys' pad lanes zero; NaN in the values' pad lanes and in the rows past each
+    context's end (unwritten memory) reaches no stored output."""
+    gen = torch.Generator().manual_seed(5)
+    d, dq, do, page, q_lens, seq_lens = 64, 48, 24, 16, [9, 20], [30, 20]
+    bt, nb = make_block_tables(seq_lens, page, gen)
+    kc, vc = make_cache(nb, page, 2, d, torch.float32, gen)
+    kc[..., dq:] = 0
+    vc[..., do:] = float("nan")
+    for b, s in enumerate(seq_lens):
+        for p in range(s, -(-s // page) * page):
+            kc[bt[b, p // page], p % page] = vc[bt[b, p // page], p % page] = float("nan")
+    qsl = torch.tensor([0, 9, 29], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(29, 2, d, generator=gen).to(DEVICE)
+    q[..., dq:] = float("nan")
+    out = torch.full((29, 2, d), float("nan"), device=DEVICE)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16} if DEVICE == "cpu" else None
+    ta.prefill_attention(q[..., :dq], kc, vc, bt, qsl, sl, 0.1, out=out[..., :do], max_query_len=20, _config=cfg)
+    padded = ta.prefill_attention(torch.nn.functional.pad(q[..., :dq], (0, d - dq)), kc, vc, bt, qsl, sl, 0.1,
+                                  max_query_len=20, _config=cfg)
+    assert torch.equal(out[..., :do], padded[..., :do]) and out[..., do:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])

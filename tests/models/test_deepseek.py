@@ -32,10 +32,10 @@ def paths(monkeypatch):
         seen["absorbed"] += [qsl[b + 1] - qsl[b] for b in range(meta.num_absorbed_reqs)]
         return latent(self, q_lat, q_pe, cache, meta)
 
-    def attend_dense(self, q_nope, q_pe, cache, meta, layer):
+    def attend_dense(self, q_nope, q_pe, cache, meta, layer, out):
         qsl, sl = meta.query_start_loc_cpu, meta.seq_lens_cpu
         seen["dense"] += [(qsl[b + 1] - qsl[b], sl[b]) for b in range(meta.num_absorbed_reqs, meta.num_reqs)]
-        return dense(self, q_nope, q_pe, cache, meta, layer)
+        return dense(self, q_nope, q_pe, cache, meta, layer, out)
 
     monkeypatch.setattr(TorchMLAImpl, "attend_latent", attend_latent)
     monkeypatch.setattr(TorchMLAImpl, "attend_dense", attend_dense)

@@ -66,12 +66,12 @@ class TorchMLAImpl(MLAImpl):
         sl = meta.seq_lens_cpu or meta.seq_lens.tolist()
         return mla_latent_attention_ref(q_lat, q_pe, cache, meta.block_tables, qsl[:nr + 1], sl[:nr], self.scale)
 
-    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
+    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer, out) -> None:
         k_nope, k_pe, v = self.expand_contexts(cache, meta, layer)
         na, nr = meta.num_absorbed_reqs, meta.num_reqs
         q_start = [x - meta.num_absorbed_tokens for x in meta.query_start_loc_cpu[na:nr + 1]]
-        return mla_dense_attention_ref(q_nope, q_pe, k_nope, k_pe, v, q_start, meta.dense_ctx_start_cpu,
-                                       meta.seq_lens_cpu[na:nr], self.scale)
+        out.copy_(mla_dense_attention_ref(q_nope, q_pe, k_nope, k_pe, v, q_start, meta.dense_ctx_start_cpu,
+                                          meta.seq_lens_cpu[na:nr], self.scale))
 
 
 class TorchMLABackend(MLABackend):

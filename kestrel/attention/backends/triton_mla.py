@@ -1,12 +1,12 @@
 """Triton MLA for CUDA: the absorbed split-K decode kernel over the paged latent cache (attention/ops/triton_mla.py)
 and the dense prefill through the varlen Triton attention (attention/ops/triton_attention.py): each prefill's
-context is expanded into per-head K/V laid out block-aligned per request, padded to a power-of-two head dim
-(DeepSeek's 192-dim keys and 128-dim values both to 256; zero dims change neither scores nor outputs).
+context is expanded into per-head K/V laid out block-aligned per request, at a power-of-two head dim (DeepSeek's
+192-dim keys and 128-dim values in 256-dim rows, written by one kernel, expand_kv); the query goes in unpadded
+(the kernel reads its missing lanes as zeros) and only the value lanes of the output are stored.
 Importing fails without Triton, and the selector then skips this backend."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kestrel.attention.mla import MLABackend, MLAImpl, MLAMetadata
 from kestrel.platform import triton_gates as gates
@@ -16,7 +16,7 @@ if not _ok:
     raise ImportError(_why)
 
 from kestrel.attention.ops.triton_attention import prefill_attention  # noqa: E402
-from kestrel.attention.ops.triton_mla import mla_decode_attention, write_latent  # noqa: E402
+from kestrel.attention.ops.triton_mla import expand_kv, mla_decode_attention, write_latent  # noqa: E402
 from kestrel.core.kv_spec import MLASpec  # noqa: E402
 
 
@@ -34,27 +34,28 @@ class TritonMLAImpl(MLAImpl):
         return mla_decode_attention(q_lat, q_pe, cache, meta.block_tables[:nr],
                                     meta.seq_lens[:nr], self.scale, max_seq_len=meta.max_seq_len)
 
-    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer) -> torch.Tensor:
+    def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer, out) -> None:
         k_nope, k_pe, v = self.expand_contexts(cache, meta, layer)
-        H, nope, R, vd = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
-        d = _pow2(max(nope + R, vd))
+        H = layer.num_heads
+        d = _pow2(max(layer.qk_nope_head_dim + layer.qk_rope_head_dim, layer.v_head_dim))
         bs = cache.shape[1]
-        rows = meta.dense_num_blocks * bs
-        kbuf = q_nope.new_zeros(rows, H, d)
-        vbuf = q_nope.new_zeros(rows, H, d)
-        r = meta.dense_ctx_rows
-        kbuf[r, :, :nope] = k_nope
-        kbuf[r, :, nope:nope + R] = k_pe.to(kbuf.dtype)[:, None, :]
-        vbuf[r, :, :vd] = v
-        q = F.pad(torch.cat([q_nope, q_pe], dim=-1), (0, d - nope - R))
-        na, nr = meta.num_absorbed_reqs, meta.num_reqs
-        qsl = meta.query_start_loc[na:nr + 1] - meta.num_absorbed_tokens
-        qsl_cpu, sl_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        out = prefill_attention(q, kbuf.view(-1, bs, H, d), vbuf.view(-1, bs, H, d), meta.dense_block_table, qsl,
-                                meta.dense_seq_lens, self.scale,
-                                max_query_len=max(qsl_cpu[b + 1] - qsl_cpu[b] for b in range(na, nr)),
-                                max_seq_len=max(sl_cpu[na:nr]))
-        return out[..., :vd]
+        # every context row is written whole (keys zero-padded); the block-alignment rows after each context
+        # are never read (the prefill masks keys past seq_len), so no zero fill
+        kbuf = q_nope.new_empty(meta.dense_num_blocks * bs, H, d)
+        vbuf = torch.empty_like(kbuf)
+        expand_kv(k_nope, k_pe, v, meta.dense_ctx_rows, kbuf, vbuf)
+        prefill_attention(_joined(q_nope, q_pe), kbuf.view(-1, bs, H, d), vbuf.view(-1, bs, H, d),
+                          meta.dense_block_table, meta.dense_query_start_loc, meta.dense_seq_lens, self.scale,
+                          out=out, max_query_len=meta.dense_max_query_len, max_seq_len=meta.dense_max_seq_len)
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[a, b] along the last dim: a view where b directly follows a in memory (q_nope and q_pe split from one
+    projection output, rotated in place), else a copy."""
+    if (a.dtype == b.dtype and a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride() and a.stride(-1) == 1
+            and b.data_ptr() == a.data_ptr() + a.shape[-1] * a.element_size()):
+        return a.as_strided((*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride())
+    return torch.cat([a, b], dim=-1)
 
 
 class TritonMLABackend(MLABackend):

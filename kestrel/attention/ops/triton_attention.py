@@ -497,7 +497,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, Q_DIM: tl.constexpr, O_DIM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -525,7 +525,10 @@ def _prefill_kernel(
     mask_m = offs_m < q_len
     offs_d = tl.arange(0, HEAD_DIM)
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    q_mask = mask_m[:, None]
+    if Q_DIM < HEAD_DIM:  # a narrower query (MLA: 192 of 256): its missing lanes read as zeros
+        q_mask = q_mask & (offs_d < Q_DIM)[None, :]
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
     pos_m = ctx + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -584,8 +587,10 @@ def _prefill_kernel(
             m_i = m_new
 
     o = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=mask_m[:, None])
+    o_mask = mask_m[:, None]
+    if O_DIM < HEAD_DIM:  # only the first O_DIM lanes (MLA's values: 128 of 256)
+        o_mask = o_mask & (offs_d < O_DIM)[None, :]
+    tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty), mask=o_mask)
 
 
 def _default_prefill_config(head_dim: int, max_query_len: int | None) -> dict:
@@ -609,22 +614,28 @@ def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
     max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, _config=None,
 ):
-    """Causal varlen attention for q [T, Hq, D]; K/V (prefix and new tokens) are read from the paged cache.
+    """Causal varlen attention for q [T, Hq, Dq]; K/V [.., D] (prefix and new tokens) are read from the paged
+    cache -> out [T, Hq, Do] (default Do = D).
 
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]] at absolute positions
     seq_lens[b] - q_len_b + i. The grid is sized from T and B alone (each program finds its sequence by a
     binary search over query_start_loc), so no host sync; max_query_len only picks the tile size and
     max_seq_len is accepted for interface symmetry. sliding_window / softcap: see the module docstring.
+    Dq, Do <= D: a query narrower than the keys (its missing lanes count as zeros) and an output of the first Do
+    lanes only (MLA's padded heads: 192-dim queries and 128-dim values over 256-dim K/V, no padded copies).
     """
     window = _check_options(sliding_window, softcap)
-    T, hq, d = q.shape
+    T, hq, dq = q.shape
     _check_cache(k_cache, v_cache, q.dtype)
-    _, page, hkv, _ = k_cache.shape
+    _, page, hkv, d = k_cache.shape
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
     q = _last_dim_contiguous(q)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(T, hq, d)
+    if dq > d or out.shape[-1] > d or out.stride(-1) != 1:
+        raise ValueError(f"query ({dq}) and output ({out.shape[-1]}) dims must fit the cache's {d}, output rows "
+                         "contiguous")
     B = seq_lens.shape[0]
     if T == 0 or B == 0:
         return out
@@ -643,6 +654,6 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
         SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype), WINDOWED=window > 0, SOFTCAP=has_softcap,
-        **launch,
+        Q_DIM=dq, O_DIM=out.shape[-1], **launch,
     )
     return out

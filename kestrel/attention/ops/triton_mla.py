@@ -182,3 +182,46 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
             **({} if interpreter_mode() else {"num_warps": 4}), **pdl_launch(B),
         )
     return out
+
+
+@triton.jit
+def _expand_kv_kernel(KN, KPE, VS, ROWS, K, V, num_heads,
+                      stride_kns, stride_knh, stride_pes, stride_vss, stride_vsh, stride_r, stride_h,
+                      NOPE: tl.constexpr, R: tl.constexpr, VD: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = (heads < num_heads)[:, None]
+    offs_d = tl.arange(0, D)
+    is_nope = (offs_d < NOPE)[None, :]
+    k_nope = tl.load(KN + s * stride_kns + heads[:, None] * stride_knh + offs_d[None, :], mask=mask_h & is_nope)
+    pe = tl.load(KPE + s * stride_pes + offs_d - NOPE, mask=(offs_d >= NOPE) & (offs_d < NOPE + R), other=0.0)
+    k = tl.where(is_nope, k_nope.to(K.dtype.element_ty), pe.to(K.dtype.element_ty)[None, :])
+    mask_v = mask_h & (offs_d < VD)[None, :]
+    v = tl.load(VS + s * stride_vss + heads[:, None] * stride_vsh + offs_d[None, :], mask=mask_v)
+    dst = tl.load(ROWS + s) * stride_r + heads[:, None] * stride_h + offs_d[None, :]
+    tl.store(K + dst, k, mask=mask_h)
+    tl.store(V + dst, v.to(V.dtype.element_ty), mask=mask_v)
+
+
+def expand_kv(k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, k_out: torch.Tensor,
+              v_out: torch.Tensor) -> None:
+    """The dense prefill's keys and values in one pass: k_nope [S, H, nope], k_pe [S, R] (shared by the heads),
+    v [S, H, vd] (strided views of kv_b_proj's output are fine) -> k_out[rows[s]] = [k_nope, k_pe, zeros] and
+    v_out[rows[s], :, :vd] = v, both outputs [N, H, D] contiguous. v_out's lanes >= vd and the rows not in `rows`
+    are left as they were: the prefill reads no row past a context's end, and the dense path stores only its
+    first vd output lanes, to which no other value lane contributes."""
+    S, H, nope = k_nope.shape
+    R, vd, D = k_pe.shape[-1], v.shape[-1], k_out.shape[-1]
+    if nope + R > D or vd > D or k_out.shape != v_out.shape or not (k_out.is_contiguous() and v_out.is_contiguous()):
+        raise ValueError(f"expand_kv: keys {nope} + {R} and values {vd} into contiguous [N, H, {D}] buffers")
+    if S == 0:
+        return
+    if k_nope.stride(-1) != 1 or k_pe.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("expand_kv needs the last dims contiguous")
+    block_h = min(triton.next_power_of_2(H), 16)
+    _expand_kv_kernel[(S, triton.cdiv(H, block_h))](
+        k_nope, k_pe, v, rows, k_out, v_out, H,
+        k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1), k_out.stride(0),
+        k_out.stride(1), NOPE=nope, R=R, VD=vd, D=D, BLOCK_H=block_h,
+        **({} if interpreter_mode() else {"num_warps": 4}),
+    )
