@@ -101,7 +101,9 @@ def run_kestrel(model_dir, prompts, outs, args):
 
     mem0 = torch.cuda.memory_stats()
     t = time.perf_counter()
-    with CompileCounter() as compiles:  # a Triton compilation inside the measured run is start-up work leaking
+    # a Triton compilation inside the measured run is start-up work leaking (tensor parallel: the workers'
+    # compilations and allocations are not seen from this process)
+    with CompileCounter() as compiles:
         res = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
