@@ -15,7 +15,8 @@
 #   multigpu1: the TP GPU tests (TP 2 vs TP 1: Llama, Qwen3, Qwen3-MoE in bf16, CUDA graphs on and off), llama-8b
 #     throughput + latency at TP 1 and TP 2, qwen3-30b-a3b throughput at TP 2;
 #   multigpu2: data parallel 2 vs one engine core (llama-8b), then with 4+ GPUs llama-70b throughput + latency at
-#     TP 4, with 8 GPUs at TP 8 too; vllmtp: vLLM 0.26 at TP 2 on llama-8b (needs /tmp/vsite staged).
+#     TP 4; multigpu3 (8 GPUs): llama-70b throughput + latency at TP 8; vllmtp: vLLM 0.26 at TP 2 on llama-8b
+#     (needs /tmp/vsite staged).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -133,19 +134,20 @@ for s in $stages; do
             run_capped 200 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --tensor-parallel-size 2 \
               --max-model-len 4096 --json "$OUT/tput_moe_tp2.json" 2>&1 | tee "$OUT/tput_moe_tp2.log" | grep -v Warning \
               | tail -26 ;;
-    multigpu2) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-            if ((NGPU < 2)); then echo "--- multigpu2 needs 2 GPUs, found $NGPU"; continue; fi
-            run_capped 200 python3 benchmarks/dp_throughput.py --shape llama-8b --data-parallel-size 2 \
-              --json "$OUT/dp2_8b.json" 2>&1 | tee "$OUT/dp2_8b.log" | grep -v "INFO\|Warning" | tail -9
-            for tp in 4 8; do
-              ((NGPU >= tp)) || continue
+    multigpu2|multigpu3) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+            tp=$([ $s = multigpu2 ] && echo 4 || echo 8)
+            if [ $s = multigpu3 ]; then :; elif ((NGPU < 2)); then echo "--- data parallel 2 needs 2 GPUs"; else
+              run_capped 200 python3 benchmarks/dp_throughput.py --shape llama-8b --data-parallel-size 2 \
+                --json "$OUT/dp2_8b.json" 2>&1 | tee "$OUT/dp2_8b.log" | grep -v "INFO\|Warning" | tail -9
+            fi
+            if ((NGPU < tp)); then echo "--- llama-70b TP $tp needs $tp GPUs, found $NGPU"; else
               echo "--- llama-70b TP $tp"
               run_capped 240 python3 benchmarks/throughput.py --shape llama-70b --hf-requests 0 --tensor-parallel-size $tp \
                 --max-model-len 4096 --json "$OUT/tput70b_tp$tp.json" 2>&1 | tee "$OUT/tput70b_tp$tp.log" \
                 | grep -v Warning | tail -26
               run_capped 150 python3 benchmarks/latency.py --shape llama-70b --hf-output-len 0 --tensor-parallel-size $tp \
                 --max-model-len 4096 --json "$OUT/lat70b_tp$tp.json" 2>&1 | tee "$OUT/lat70b_tp$tp.log" | tail -5
-            done ;;
+            fi ;;
     vllmtp) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
             if ((NGPU < 2)); then echo "--- vllmtp needs 2 GPUs, found $NGPU"; continue; fi
             PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} run_capped 560 python3 benchmarks/vllm_peer.py --shape llama-8b \
