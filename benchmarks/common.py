@@ -28,6 +28,15 @@ SHAPES = {
                                                         "high_freq_factor": 4.0,
                                                         "original_max_position_embeddings": 8192},
                      bos_token_id=128000, eos_token_id=128009),
+    # Llama-3.1-70B: hidden 8192, 80 layers, 64 heads / 8 KV heads, MLP 28672, vocab 128256, untied, llama3 rope
+    # (141 GB of bf16 weights: tensor parallel 4 or 8)
+    "llama-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=28672,
+                      vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      bos_token_id=128000, eos_token_id=128009),
     # Gemma-3-1B (text): hidden 1152, 26 layers (5 of every 6 sliding, window 512), 4 heads / 1 KV head, head dim
     # 256, MLP 6912 (GeLU-tanh), vocab 262144, tied
     "gemma3-1b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=1152,
@@ -168,6 +177,8 @@ def measure_ceilings() -> dict:
         a @ b
     torch.cuda.synchronize()
     flops = 2 * 8192**3 * 10 / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()  # tensor-parallel workers started after this size their KV cache from free memory
     return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops}
 
 

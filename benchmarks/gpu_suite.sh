@@ -12,11 +12,25 @@
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
+# Multi-GPU (issue 20; 2, 4 or 8 GPUs; each stage fits one 600-s call: a command's timeout is capped by what is left
+#   of 580 s since the suite started, and a command with under 30 s left is skipped):
+#   multigpu1: the TP GPU tests (TP 2 vs TP 1: Llama, Qwen3, Qwen3-MoE in bf16, CUDA graphs on and off), llama-8b
+#     throughput + latency at TP 1 and TP 2, qwen3-30b-a3b throughput at TP 2;
+#   multigpu2: data parallel 2 vs one engine core (llama-8b), then with 4+ GPUs llama-70b throughput + latency at
+#     TP 4; multigpu3 (8 GPUs): llama-70b throughput + latency at TP 8; vllmtp: vLLM 0.26 at TP 2 on llama-8b
+#     (needs /tmp/vsite staged).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 stages=${*:-tests tput lat lat8b tput8b}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# run_capped SECONDS CMD...: CMD under `timeout`, at most SECONDS and at most what is left of the call's 580 s
+run_capped() {
+  local left=$((580 - SECONDS)) cap=$1; shift
+  if ((left < 30)); then echo "--- skipped (${left} s left): $*"; return 0; fi
+  timeout $((cap < left ? cap : left)) "$@"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for s in $stages; do
@@ -112,6 +126,40 @@ for s in $stages; do
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
     mlapre) timeout 300 python3 benchmarks/mla_prefill.py 2>&1 | tee "$OUT/mla_prefill.txt" | tail -6 ;;
+    multigpu1) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as set there
+            if ((NGPU < 2)); then echo "--- multigpu1 needs 2 GPUs, found $NGPU"; continue; fi
+            run_capped 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_gpu_tensor_parallel.py 2>&1 \
+              | tee "$OUT/tp_tests.log" | tail -8
+            for tp in 1 2; do
+              echo "--- llama-8b TP $tp"
+              run_capped 150 python3 benchmarks/throughput.py --shape llama-8b --hf-requests 0 --tensor-parallel-size $tp \
+                --json "$OUT/tput8b_tp$tp.json" 2>&1 | tee "$OUT/tput8b_tp$tp.log" | grep -v Warning | tail -26
+              run_capped 120 python3 benchmarks/latency.py --shape llama-8b --hf-output-len 0 --tensor-parallel-size $tp \
+                --json "$OUT/lat8b_tp$tp.json" 2>&1 | tee "$OUT/lat8b_tp$tp.log" | tail -5
+            done
+            echo "--- qwen3-30b-a3b TP 2"
+            run_capped 200 python3 benchmarks/throughput.py --shape qwen3-30b-a3b --hf-requests 0 --tensor-parallel-size 2 \
+              --max-model-len 4096 --json "$OUT/tput_moe_tp2.json" 2>&1 | tee "$OUT/tput_moe_tp2.log" | grep -v Warning \
+              | tail -26 ;;
+    multigpu2|multigpu3) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+            tp=$([ $s = multigpu2 ] && echo 4 || echo 8)
+            if [ $s = multigpu3 ]; then :; elif ((NGPU < 2)); then echo "--- data parallel 2 needs 2 GPUs"; else
+              run_capped 200 python3 benchmarks/dp_throughput.py --shape llama-8b --data-parallel-size 2 \
+                --json "$OUT/dp2_8b.json" 2>&1 | tee "$OUT/dp2_8b.log" | grep -v "INFO\|Warning" | tail -9
+            fi
+            if ((NGPU < tp)); then echo "--- llama-70b TP $tp needs $tp GPUs, found $NGPU"; else
+              echo "--- llama-70b TP $tp"
+              run_capped 240 python3 benchmarks/throughput.py --shape llama-70b --hf-requests 0 --tensor-parallel-size $tp \
+                --max-model-len 4096 --json "$OUT/tput70b_tp$tp.json" 2>&1 | tee "$OUT/tput70b_tp$tp.log" \
+                | grep -v Warning | tail -26
+              run_capped 150 python3 benchmarks/latency.py --shape llama-70b --hf-output-len 0 --tensor-parallel-size $tp \
+                --max-model-len 4096 --json "$OUT/lat70b_tp$tp.json" 2>&1 | tee "$OUT/lat70b_tp$tp.log" | tail -5
+            fi ;;
+    vllmtp) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+            if ((NGPU < 2)); then echo "--- vllmtp needs 2 GPUs, found $NGPU"; continue; fi
+            PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} run_capped 560 python3 benchmarks/vllm_peer.py --shape llama-8b \
+              --tensor-parallel-size 2 --json "$OUT/vllm_8b_tp2.json" 2>&1 | tee "$OUT/vllm_8b_tp2.log" | grep -v Warning \
+              | tail -8 ;;
     vllmmoe) PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} timeout 560 python3 benchmarks/vllm_peer.py --shape qwen3-30b-a3b --json "$OUT/vllm_moe.json" 2>&1 | grep -v Warning | tail -8 ;;
   esac
 done

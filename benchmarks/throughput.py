@@ -2,7 +2,8 @@
 random token ids, ignore_eos) on a random-weight model shape; transformers' continuous batching
 (generate_batch, paged|sdpa) on the same model in the same run; the roofline beside both.
 
-    python benchmarks/throughput.py --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]"""
+    python benchmarks/throughput.py --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]
+    python benchmarks/throughput.py --shape llama-70b --tensor-parallel-size 4 --hf-requests 0"""
 from __future__ import annotations
 
 import time
@@ -16,14 +17,15 @@ import json  # noqa: E402
 from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape  # noqa: E402
 
 
-def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict) -> float:
+def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict, tp: int = 1) -> float:
     """Decode: weights once per step (MoE: the active experts) + every token's KV context read; prefill: matmul
-    FLOPs."""
+    FLOPs. Tensor parallel over `tp` GPUs: each reads 1/tp of the weights and KV and does 1/tp of the FLOPs at
+    the same time, so the time divides by tp (the ceilings are one GPU's; all-reduces are not counted)."""
     kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token
     mean_batch = sum(outs) / max(steps, 1)  # MoE: the experts a step of this many tokens hits
     decode = (kv_reads + steps * facts.active_weight_bytes(mean_batch)) / ceil["copy_bytes_per_s"]
     prefill = sum(len(p) for p in prompts) * facts.flops_per_token / ceil["bf16_flops_per_s"]
-    return decode + prefill
+    return (decode + prefill) / tp
 
 
 def step_split(log) -> list[dict]:
@@ -48,6 +50,7 @@ def run_kestrel(model_dir, prompts, outs, args):
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
               quantization=args.quantization, enable_prefix_caching=False, progress=False, pdl=not args.no_pdl,
+              tensor_parallel_size=args.tensor_parallel_size,
               **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     startup = time.perf_counter() - T_PROCESS
     core = llm.engine.core
@@ -88,7 +91,8 @@ def run_kestrel(model_dir, prompts, outs, args):
             step_log.append((time.perf_counter(), pre, sum(1 for s in out.scheduled if s.num_new_tokens == 1)))
         return out
     core.scheduler.schedule = logged_schedule
-    timed(core.runner, "_prepare", "prepare")
+    if core.runner is not None:  # tensor parallel: the workers prepare the inputs (not timed here)
+        timed(core.runner, "_prepare", "prepare")
     timed(core.scheduler, "on_launch", "update")
     timed(core.scheduler, "on_result", "update")
     timed(llm.engine.output_processor, "process", "outputs")
@@ -97,7 +101,9 @@ def run_kestrel(model_dir, prompts, outs, args):
 
     mem0 = torch.cuda.memory_stats()
     t = time.perf_counter()
-    with CompileCounter() as compiles:  # a Triton compilation inside the measured run is start-up work leaking
+    # a Triton compilation inside the measured run is start-up work leaking (tensor parallel: the workers'
+    # compilations and allocations are not seen from this process)
+    with CompileCounter() as compiles:
         res = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
@@ -111,8 +117,10 @@ def run_kestrel(model_dir, prompts, outs, args):
     print("during the run: " + ", ".join(f"{k} {v}" for k, v in leaks.items())
           + "; longest steps (ms, prefill tokens, decode rows): "
           + ", ".join(f"({ms:.0f}, {pre}, {dec})" for ms, pre, dec in gaps[-6:]))
-    info = dict(leaks=leaks, longest_steps=gaps[-6:], step_split=step_split(step_log), startup_s=startup, blocks=core.kv.num_blocks, graphs=core.runner.graph_capture_seconds,
+    info = dict(leaks=leaks, longest_steps=gaps[-6:], step_split=step_split(step_log), startup_s=startup, blocks=core.kv.num_blocks,
+                graphs=core.runner.graph_capture_seconds if core.runner is not None else float("nan"),
                 cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
+    core.shutdown()  # tensor parallel: the workers exit and free their GPUs
     del llm, core
     gc.collect()
     torch.cuda.empty_cache()
@@ -155,6 +163,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also measure throughput vs concurrency 1..256 (PNG)")
     ap.add_argument("--no-pdl", action="store_true", help="turn programmatic dependent launch off")
     ap.add_argument("--max-model-len", type=int, default=None, help="cap the context (vLLM's peer runs use 4096)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -164,11 +173,12 @@ def main():
     dt, n_out, steps, info = run_kestrel(model_dir, prompts, outs, args)
     ceil = measure_ceilings()  # after the engine, so that start-up counts the engine alone
     n_total = n_out + sum(len(p) for p in prompts)
-    roof = roofline_seconds(facts, prompts, outs, steps, ceil)
+    tp = args.tensor_parallel_size
+    roof = roofline_seconds(facts, prompts, outs, steps, ceil, tp)
     rows = [dict(engine=f"kestrel{' fp8' if args.quantization else ''}", requests=len(prompts), seconds=dt,
                  out_tok_s=n_out / dt, total_tok_s=n_total / dt, roofline_out_tok_s=n_out / roof,
                  frac_roofline=f"{roof / dt:.0%}")]
-    result = dict(shape=args.shape, commit=git_commit(), kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
+    result = dict(shape=args.shape, tensor_parallel_size=tp, commit=git_commit(), kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
                   roofline_out_tok_s=n_out / roof, steps=steps, startup_s=info["startup_s"],
                   graph_capture_s=info["graphs"], kv_blocks=info["blocks"],
                   copy_TBps=ceil["copy_bytes_per_s"] / 1e12, bf16_TFLOPs=ceil["bf16_flops_per_s"] / 1e12)
@@ -180,7 +190,8 @@ def main():
                          out_tok_s=hn / hdt, total_tok_s=htotal / hdt, roofline_out_tok_s=float("nan"),
                          frac_roofline="-"))
         result.update(hf_out_tok_s=hn / hdt, hf_requests=len(hp), ratio=(n_out / dt) / (hn / hdt))
-    print_table(f"Throughput, {args.shape} (bf16 random weights), commit {result['commit']}", rows)
+    print_table(f"Throughput, {args.shape} (bf16 random weights){f', TP {tp}' if tp > 1 else ''}, "
+                f"commit {result['commit']}", rows)
     print(f"\nstart-up (process start -> ready, CUDA graphs included): {info['startup_s']:.1f} s "
           f"(graph capture {info['graphs']:.1f} s); KV blocks {info['blocks']}; engine steps {steps}")
     print("CPU time per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in info["cpu_ms_per_step"].items())
@@ -203,7 +214,8 @@ def main():
         import torch
         sweep = []
         llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
-                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, progress=False)
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False, progress=False,
+                  tensor_parallel_size=args.tensor_parallel_size)
         for c in [1, 2, 4, 8, 16, 32, 64, 128, 256]:
             ps, os_ = nano_workload(c, seed=1, out_range=(256, 256))
             torch.cuda.synchronize()

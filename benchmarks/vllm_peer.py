@@ -1,9 +1,11 @@
 """vLLM as a side-by-side peer on the same GPU run: the 256-request workload and batch-1 latency on a
 random-weight model shape through vLLM's offline `LLM` (load_format="dummy", token-id prompts, no tokenizer),
-with the same roofline as our own benchmarks. vLLM 0.26 is staged for the GPU machine by
-shared/peers/vllm/stage.sh (installed into /tmp/site; run with PYTHONPATH=/tmp/site).
+with the same roofline as our own benchmarks (tensor parallel over N GPUs: divided by N, each GPU reading 1/N of
+the weights at the same time). vLLM 0.26 is staged for the GPU machine by shared/peers/vllm/stage.sh (installed
+into /tmp/site; run with PYTHONPATH=/tmp/site).
 
-    python benchmarks/vllm_peer.py --shape qwen3-30b-a3b [--json out.json] [--skip-latency]"""
+    python benchmarks/vllm_peer.py --shape qwen3-30b-a3b [--json out.json] [--skip-latency]
+    python benchmarks/vllm_peer.py --shape llama-8b --tensor-parallel-size 2"""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -33,7 +36,7 @@ def main():
     model_dir = write_shape(args.shape)
     llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.88,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0, tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - t0
     as_prompts = lambda ps: [{"prompt_token_ids": p} for p in ps]  # noqa: E731
     prompts, outs = nano_workload(args.num_requests)
@@ -47,7 +50,8 @@ def main():
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     n_total = n_out + sum(len(p) for p in prompts)
-    result = dict(engine=f"vllm {vllm.__version__}", shape=args.shape, commit=git_commit(), startup_s=startup,
+    tp = args.tensor_parallel_size
+    result = dict(engine=f"vllm {vllm.__version__}", shape=args.shape, tensor_parallel_size=tp, commit=git_commit(), startup_s=startup,
                   out_tok_s=n_out / dt, total_tok_s=n_total / dt, seconds=dt)
 
     if not args.skip_latency:
@@ -70,9 +74,9 @@ def main():
     del llm
     ceil = measure_ceilings()
     facts = shape_facts(args.shape)
-    result["roofline_batch1_ms_per_token"] = facts.active_weight_bytes(1) / ceil["copy_bytes_per_s"] * 1e3
+    result["roofline_batch1_ms_per_token"] = facts.active_weight_bytes(1) / ceil["copy_bytes_per_s"] / tp * 1e3
     result["active_GB_per_step_batch1"] = facts.active_weight_bytes(1) / 1e9
-    print_table(f"vLLM peer, {args.shape} (bf16 random weights)", [
+    print_table(f"vLLM peer, {args.shape} (bf16 random weights){f', TP {tp}' if tp > 1 else ''}", [
         {k: result[k] for k in ("engine", "out_tok_s", "total_tok_s", "seconds", "startup_s")}
         | {"batch1_ms_per_token": result.get("batch1_ms_per_token", float("nan")),
            "batch1_e2e_ms_per_token": result.get("batch1_e2e_ms_per_token", float("nan")),

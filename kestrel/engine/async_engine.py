@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
@@ -74,7 +75,7 @@ class AsyncEngine:
     async def start(self) -> "AsyncEngine":
         from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (lazy imports are not thread-safe)
 
-        from kestrel.loader import default_model_path, load_tokenizer
+        from kestrel.loader import default_model_path, tokenizer_or_none
 
         m = self.config.model
         lora_modules = parse_lora_modules(self.config.lora)  # a bad flag fails before any engine starts
@@ -84,7 +85,7 @@ class AsyncEngine:
         self.client.on_engine_restarted = self.loras.restore  # a restarted engine core gets the adapters back
         _, self.tokenizer, mm = await asyncio.gather(
             self.client.start(),
-            asyncio.to_thread(load_tokenizer, path, m.tokenizer, m.trust_remote_code, m.gguf_cache_dir),
+            asyncio.to_thread(tokenizer_or_none, m, Path(path)),  # dummy weights without one: token ids only
             asyncio.to_thread(make_mm_processor, self.config))
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]

@@ -186,6 +186,15 @@ class InprocClient(EngineCoreClient):
 
 
 # ------------------------------------------------------------------ engine-core processes over ZeroMQ
+def engine_devices(index: int, tp: int, devices: list[str]) -> str | None:
+    """The GPUs of data-parallel engine `index` whose model spans `tp` of them: devices[index*tp .. index*tp+tp-1]
+    (its tensor-parallel workers take them in order), wrapping around when the engines need more GPUs than there
+    are (then engines share GPUs). None with one device or none: every engine inherits the same."""
+    if len(devices) <= 1:
+        return None
+    return ",".join(devices[(index * tp + k) % len(devices)] for k in range(tp))
+
+
 class MPClient(EngineCoreClient):
     """One or more engine-core processes. The client binds a ROUTER (input) and a PULL (output) socket on ipc
     paths in a private temporary folder; every engine connects a DEALER and a PUSH.
@@ -224,6 +233,7 @@ class MPClient(EngineCoreClient):
 
     # ---- start-up
     def _device_for(self, i: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES for engine core i (None: inherit this process's)."""
         if self.num_engines == 1:
             return None
         try:
@@ -232,12 +242,9 @@ class MPClient(EngineCoreClient):
             n = torch.cuda.device_count() if self.config.model.device != "cpu" else 0
         except Exception:
             n = 0
-        if n <= 1:
-            return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = [d.strip() for d in visible.split(",")] if visible else [str(d) for d in range(n)]
-        tp = self.config.parallel.tensor_parallel_size  # engine i's workers take GPUs i*tp .. i*tp+tp-1
-        return ",".join(devices[(i * tp + k) % len(devices)] for k in range(tp))
+        devices = [d.strip() for d in visible.split(",")][:n] if visible else [str(d) for d in range(n)]
+        return engine_devices(i, self.config.parallel.tensor_parallel_size, devices)
 
     def _spawn(self, i: int) -> None:
         p = multiprocessing.get_context("spawn").Process(

@@ -82,8 +82,11 @@ class InputProcessor:
         self.chat_template = chat_template
         self.mm = mm
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer (random weights from a config.json alone): send "
+                                 "token ids", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, template_kwargs: dict | None = None,
@@ -155,7 +158,7 @@ class InputProcessor:
                                      f"is computed in one step and exceeds --max-num-batched-tokens "
                                      f"{self.max_num_batched_tokens}", param="prompt")
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.tokenize(prompt, add_special_tokens)
         else:
             ids = list(prompt)
             if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):

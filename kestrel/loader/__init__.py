@@ -97,10 +97,11 @@ def load_model_info(cfg: ModelConfig, progress: bool = False):
         hf_config = gguf_config(open_gguf(path))
     else:
         hf_config = load_hf_config(path, cfg.trust_remote_code)
-    return HFConfig.from_hf(hf_config, cfg.max_model_len), _tokenizer_or_none(cfg, path)
+    return HFConfig.from_hf(hf_config, cfg.max_model_len), tokenizer_or_none(cfg, path)
 
 
-def _tokenizer_or_none(cfg: ModelConfig, path: Path):
+def tokenizer_or_none(cfg: ModelConfig, path: Path):
+    """The model's tokenizer; None for random weights (--load-format dummy) from a folder without one."""
     try:
         return load_tokenizer(str(path), cfg.tokenizer, cfg.trust_remote_code, cfg.gguf_cache_dir)
     except (OSError, ValueError) as e:
@@ -158,7 +159,7 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
     else:
         model.load_weights((n, w.to(device) if isinstance(w, torch.Tensor) else w) for n, w in weights)
     model.eval()
-    tokenizer = _tokenizer_or_none(cfg, path)
+    tokenizer = tokenizer_or_none(cfg, path)
     logger.info("Loaded %s (%s, %.1fM params, %s) in %.1f s", path.name, arch,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, time.perf_counter() - t0)
     return LoadedModel(model, config, ctx, tokenizer, str(path), dtype, read[0])

@@ -298,6 +298,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if engine.tokenizer is None:  # random weights from a config.json alone: the engine takes token ids only
+            await engine.shutdown()
+            raise ConfigError(f"the server needs a tokenizer and {config.model.model} has none: pass --tokenizer")
         from kestrel.loader import default_model_path
 
         state.sampling_defaults = load_sampling_defaults(server.generation_config,

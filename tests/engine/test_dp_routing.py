@@ -41,3 +41,30 @@ def test_dead_engines_are_skipped(dp):
     with pytest.raises(EngineDead, match="no engine core can serve: engine core 0 died"):
         dp.add_request(req(1))
     assert dp.is_dead
+
+
+def test_engine_devices_one_gpu_per_rank_then_tp_blocks():
+    from kestrel.engine.core_client import engine_devices
+
+    gpus = [str(i) for i in range(8)]
+    assert [engine_devices(r, 1, gpus[:2]) for r in range(2)] == ["0", "1"]
+    assert [engine_devices(r, 2, gpus[:4]) for r in range(2)] == ["0,1", "2,3"]
+    assert [engine_devices(r, 4, gpus) for r in range(2)] == ["0,1,2,3", "4,5,6,7"]
+    assert [engine_devices(r, 1, gpus[:2]) for r in range(3)] == ["0", "1", "0"]  # more engines than GPUs: shared
+    assert engine_devices(1, 1, ["0"]) is None and engine_devices(0, 1, []) is None
+
+
+@pytest.mark.parametrize("visible, want", [(None, ["0", "1"]), ("4,5,6", ["4,5", "6,4"]), ("6, 7", ["6,7", "6,7"])])
+def test_device_for_reads_cuda_visible_devices(monkeypatch, visible, want):
+    import torch
+
+    count = 3 if visible is None else len(visible.split(","))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    tp = 1 if visible is None else 2
+    client = DPClient(EngineConfig.create(tensor_parallel_size=tp, data_parallel_size=2), 2)
+    assert [client._device_for(i) for i in range(2)] == want
+    assert DPClient(EngineConfig.create(device="cpu", data_parallel_size=2), 2)._device_for(1) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from tests.agreement import MIXED_PROMPTS
+from tests.agreement import MIXED_PROMPTS, decisive_routers
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
@@ -27,23 +27,8 @@ def moe_models(tmp_path_factory, tiny_tokenizer):
              "glm4_moe": dict(moe_intermediate_size=128, intermediate_size=512)}
     paths = {k: make_checkpoint(k, root, tokenizer=tiny_tokenizer, **wide, **v) for k, v in sizes.items()}
     for path in paths.values():
-        _decisive_routers(path)
+        decisive_routers(path)
     return paths
-
-
-def _decisive_routers(path, factor: float = 8.0) -> None:
-    """Sharpen the random routers (logits x factor): with flat random routers many tokens sit on a near-tie at
-    the top-k boundary, and a bf16 rounding that flips it swaps an expert carrying a large share of the output
-    (2.6 logprob error at one position, H200, session 6). Sharp routers give the boundary experts tiny weights, so
-    such a flip costs little, and the comparison tests the engine rather than the weights' ties."""
-    from safetensors.torch import load_file, save_file
-
-    for f in path.glob("*.safetensors"):
-        tensors = load_file(f)
-        for name, t in tensors.items():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) and t.dim() == 2:
-                tensors[name] = t * factor
-        save_file(tensors, f, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("kind", list(FUSES))
