@@ -303,33 +303,33 @@ class ModelRunner:
         tiles, decode rows by batch size), so that the first requests do not wait ~1 s per Triton compilation.
         The batches read block 0 and write nothing (slots -1)."""
         buf = self.buffers
-        for q_len in (min(24, buf.max_tokens // 2), 4):
-            n = 2 * q_len
-            width = cdiv(q_len, self.block_size)
-            buf.qsl_np[:3] = [0, q_len, n]
-            buf.sl_np[:2] = q_len
-            buf.ids_np[:n] = 0
-            buf.pos_np[:n] = np.tile(np.arange(q_len), 2)
-            buf.staged_slots(n)[:] = -1
-            buf.staged_block_tables(2, width)[:] = 0
-            buf.copy_to_device(n, 2, width)
-            ctx = self.metadata(n, 2, 0, q_len, q_len, width, [0, q_len, n], [q_len, q_len])
-            hidden = self.model(buf.input_ids[:n], buf.positions[:n], ctx)
-            self.model.compute_logits(hidden[[q_len - 1, n - 1]])
+        for q_len in (min(24, buf.max_tokens // 2), 4):  # two prefills each
+            hidden = self._warm_up_forward(2, q_len)
+            self.model.compute_logits(hidden[[q_len - 1, 2 * q_len - 1]])
         # Decode rows outside the graphs (mixed steps): one-token contexts, so the unsplit variants of each batch
         # size class's decode kernel (the graphs compile the split ones); else each compiles in the first mixed
         # steps of a run, ~1 s apiece.
         for b in sorted({min(x, buf.max_reqs) for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, buf.max_reqs)}):
-            buf.qsl_np[:b + 1] = np.arange(b + 1)
-            buf.sl_np[:b] = 1
-            buf.ids_np[:b] = 0
-            buf.pos_np[:b] = 0
-            buf.staged_slots(b)[:] = -1
-            buf.staged_block_tables(b, 1)[:] = 0
-            buf.copy_to_device(b, b, 1)
-            ctx = self.metadata(b, b, b, 1, 1, 1, list(range(b + 1)), [1] * b)
-            self.model(buf.input_ids[:b], buf.positions[:b], ctx)
+            self._warm_up_forward(b, 1, decodes=True)
         torch.cuda.synchronize()
+
+    def _warm_up_forward(self, num_reqs: int, q_len: int, decodes: bool = False) -> torch.Tensor:
+        """A forward of num_reqs requests of q_len new tokens each, their whole contexts (decodes: one token
+        each, sent as decode rows)."""
+        buf = self.buffers
+        n = num_reqs * q_len
+        width = cdiv(q_len, self.block_size)
+        qsl = list(range(0, n + 1, q_len))
+        buf.qsl_np[:num_reqs + 1] = qsl
+        buf.sl_np[:num_reqs] = q_len
+        buf.ids_np[:n] = 0
+        buf.pos_np[:n] = np.tile(np.arange(q_len), num_reqs)
+        buf.staged_slots(n)[:] = -1
+        buf.staged_block_tables(num_reqs, width)[:] = 0
+        buf.copy_to_device(n, num_reqs, width)
+        ctx = self.metadata(n, num_reqs, num_reqs if decodes else 0, q_len, q_len, width, qsl,
+                            [q_len] * num_reqs)
+        return self.model(buf.input_ids[:n], buf.positions[:n], ctx)
 
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
