@@ -112,12 +112,13 @@ def run_kestrel(model_dir, prompts, outs, args):
     step_log.append((t + dt, 0, 0))
     gaps = sorted(((t1 - t0) * 1e3, pre, dec) for (t0, pre, dec), (t1, _, _) in zip(step_log, step_log[1:]))
     mem1 = torch.cuda.memory_stats()
-    leaks = dict(triton_compiles=compiles.count, **{k: mem1.get(k, 0) - mem0.get(k, 0) for k in (
+    during = dict(triton_compiles=compiles.count, **{k: mem1.get(k, 0) - mem0.get(k, 0) for k in (
         "num_alloc_retries", "num_device_alloc", "num_device_free")})  # cudaMalloc/cudaFree inside the run
-    print("during the run: " + ", ".join(f"{k} {v}" for k, v in leaks.items())
+    print("during the run: " + ", ".join(f"{k} {v}" for k, v in during.items())
           + "; longest steps (ms, prefill tokens, decode rows): "
           + ", ".join(f"({ms:.0f}, {pre}, {dec})" for ms, pre, dec in gaps[-6:]))
-    info = dict(leaks=leaks, longest_steps=gaps[-6:], step_split=step_split(step_log), startup_s=startup, blocks=core.kv.num_blocks,
+    info = dict(during=during, longest_steps=gaps[-6:], step_split=step_split(step_log), startup_s=startup,
+                blocks=core.kv.num_blocks,
                 graphs=core.runner.graph_capture_seconds if core.runner is not None else float("nan"),
                 cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
     core.shutdown()  # tensor parallel: the workers exit and free their GPUs
@@ -198,7 +199,7 @@ def main():
           + f"; mean step {info['step_ms']:.2f} ms")
     print_table("Where the run's time goes (wall between schedules; decode rows up to N)", info["step_split"])
     result["step_split"] = info["step_split"]
-    result["during_run"] = info["leaks"]
+    result["during_run"] = info["during"]
     result["longest_steps"] = info["longest_steps"]
     result["cpu_ms_per_step"] = info["cpu_ms_per_step"]
     result["step_ms"] = info["step_ms"]
