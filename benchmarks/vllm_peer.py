@@ -25,6 +25,12 @@ def main():
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    ap.add_argument("--router-dtype", choices=["float32", "model"], default="float32",
+                    help="DeepSeek shapes: vLLM's moe_router_dtype. Its dummy weights (uniform +-1e-3, norm weights "
+                         "included) give router logits ~1e-5, and with the model dtype its softmax output is bf16, "
+                         "which rounds all 64 scores to 1/64: every token then picks the same 6 experts, a workload "
+                         "no real checkpoint gives. float32 (what transformers computes the router in) keeps "
+                         "per-token routing, as in our runs.")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -34,7 +40,10 @@ def main():
     from vllm import LLM, SamplingParams
 
     model_dir = write_shape(args.shape)
-    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    overrides = {}
+    if SHAPES[args.shape].get("model_type", "").startswith("deepseek") and args.router_dtype == "float32":
+        overrides["moe_router_dtype"] = "float32"
+    llm = LLM(hf_overrides=overrides or None, model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.88,
               enable_prefix_caching=False, seed=0, tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - t0
@@ -51,7 +60,7 @@ def main():
     assert n_out == sum(outs), (n_out, sum(outs))
     n_total = n_out + sum(len(p) for p in prompts)
     tp = args.tensor_parallel_size
-    result = dict(engine=f"vllm {vllm.__version__}", shape=args.shape, tensor_parallel_size=tp, commit=git_commit(), startup_s=startup,
+    result = dict(engine=f"vllm {vllm.__version__}", hf_overrides=overrides, shape=args.shape, tensor_parallel_size=tp, commit=git_commit(), startup_s=startup,
                   out_tok_s=n_out / dt, total_tok_s=n_total / dt, seconds=dt)
 
     if not args.skip_latency:
