@@ -120,7 +120,9 @@ for s in $stages; do
     mmvllm) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: vLLM, then us
             PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
               --max-model-len 4096 --host 127.0.0.1 --port 8011 > "$OUT/vllm_mm.log" 2>&1 & VP=$!
-            for i in $(seq 200); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 2; done
+            # stop waiting as soon as the server process is gone (a missing module used to cost the whole wait)
+            for i in $(seq 200); do curl -sf http://127.0.0.1:8011/health > /dev/null && break
+              kill -0 $VP 2> /dev/null || { echo "vLLM server exited:"; tail -5 "$OUT/vllm_mm.log"; break; }; sleep 2; done
             echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 2>&1 | tail -12
             kill $VP; wait $VP 2> /dev/null; echo "--- kestrel"
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
