@@ -20,6 +20,9 @@
 #     TP 4; multigpu3 (8 GPUs): llama-70b throughput + latency at TP 8; vllmtp: vLLM 0.26 at TP 2 on llama-8b
 #     (needs /tmp/vsite staged).
 # Stages: startup imports startprof tput0 tput0nopdl tputsweep tests attnt b1k attn tput lat latnopdl lat8b tput8b fp8 tputfp8 structured sweep trace tracelat profile profile1 profile8b. Logs and JSON go to $OUT (or ./gpu_out).
+# The device image lacks some packages: `bash scripts/device_wheels.sh` puts them in .whl/; each call then carries
+# [".whl"] and starts with `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl` and
+# PYTHONPATH=/tmp/site:$PWD (pass KESTREL_COMMIT=<sha>: the device's copy of .git is not this checkout's HEAD).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -68,7 +68,10 @@ class LMHead(nn.Module):
         load_vocab_rows(self.weight, loaded, self.vocab_size, self.tp, param_name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        # in the model's dtype: a float copy would hold the same values (the GEMM rounds its output anyway) and
+        # cost a pass over [batch, vocab] plus twice the bytes for the sampler; consumers that compute on the
+        # logits (log-softmax, penalties, soft-capping) take their own float copy
+        logits = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]

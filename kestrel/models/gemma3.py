@@ -48,6 +48,6 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     decoder_layer_cls = Gemma3DecoderLayer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         return cap * torch.tanh(logits / cap) if cap else logits

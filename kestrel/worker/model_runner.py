@@ -535,7 +535,7 @@ class ModelRunner:
         if first_target > last_target:
             return
         rows = torch.arange(first_target - 1 - start, last_target - start, device=hidden.device)
-        logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+        logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
         targets = torch.tensor(st.prompt_token_ids[first_target:last_target + 1], device=hidden.device)
         entries = compute_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs)
         out.prompt_logprobs[c.request_id] = [(int(t), *e) for t, e in zip(targets.tolist(), entries)]
