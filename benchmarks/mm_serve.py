@@ -41,6 +41,9 @@ def write_llava_next_7b(out: Path) -> Path:
     from tests.mm_tiny import LLAVA_CHAT_TEMPLATE, _tokenizer_with_image_token
 
     tok = _tokenizer_with_image_token()
+    # one token string per id of the 7B vocabulary: random weights sample any id, and ids the tiny tokenizer lacks
+    # would decode to nothing (no streamed delta: output tokens and inter-token gaps would go uncounted)
+    tok.add_tokens([f" w{i}" for i in range(32064 - len(tok))])
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     image_proc = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
                                             image_grid_pinpoints=PINPOINTS)
@@ -79,6 +82,7 @@ def image_urls(n: int, seed: int) -> list[str]:
 
 async def one_request(client, url: str, model: str, image: str, text: str, max_tokens: int, res: dict) -> None:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
                                                       {"type": "text", "text": text}]}]}
     t0 = time.perf_counter()
@@ -94,6 +98,8 @@ async def one_request(client, url: str, model: str, image: str, text: str, max_t
             if "error" in obj:
                 res["errors"].append(obj["error"]["message"])
                 return
+            if obj.get("usage"):
+                res["completion_tokens"] += obj["usage"]["completion_tokens"]
             if not obj["choices"] or "content" not in obj["choices"][0].get("delta", {}) and \
                     not obj["choices"][0].get("finish_reason"):
                 continue
@@ -114,14 +120,15 @@ async def run(args, url: str) -> int:
     jobs = [(images[i % len(images)], " ".join(rng.choice(["describe", "the", "image", "in", "detail", "what",
                                                             "is", "shown"]) for _ in range(12)), args.output_len)
             for i in range(args.num_requests)]
-    res = {"ttft": [], "itl": [], "latency": [], "errors": []}
+    res = {"ttft": [], "itl": [], "latency": [], "errors": [], "completion_tokens": 0}
     elapsed = await run_clients(lambda client, job: one_request(client, url, model, *job, res), jobs, res,
                                 args.concurrency, args.request_timeout)
     print(f"\nimage chat benchmark: {args.num_requests} requests, concurrency {args.concurrency}, one image each "
           f"({len(images)} distinct, sizes {IMAGE_SIZES}), {args.output_len} output tokens")
     rows = [("requests/s", f"{args.num_requests / elapsed:.2f}"),
             ("errors", str(len(res["errors"]))),
-            ("output tokens/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")] + latency_rows(res)
+            ("output tokens/s (usage)", f"{res['completion_tokens'] / elapsed:.1f}"),
+            ("streamed deltas/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")] + latency_rows(res)
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
