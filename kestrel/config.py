@@ -28,6 +28,9 @@ class ModelConfig:
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
     max_logprobs: int = _f(20, "most logprobs or prompt_logprobs a request may ask for")
+    renderer_num_workers: int | None = _f(None, "server threads that tokenize, render chat templates and process "
+                                          "images off the event loop (default: 1 for text models; for image "
+                                          "models min(8, CPUs / 2), each with its own copy of the image processor)")
     gguf_cache_dir: str | None = _f("~/.cache/kestrel/gguf", "keep a dequantised copy of a .gguf model here for "
                                                              "fast loads (pass '' to turn it off)")
 

@@ -55,7 +55,7 @@ def hash_tensors(tensors: dict[str, torch.Tensor]) -> str:
     for k in sorted(tensors):
         t = tensors[k].detach().cpu().contiguous()
         h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of the pixels
     return h.hexdigest()
 
 

@@ -1,9 +1,10 @@
 """AsyncEngine: the asyncio frontend over a core client (what the HTTP server uses).
 
 generate() validates (InputProcessor), sends the core requests, and yields RequestOutputs with streaming deltas
-(OutputProcessor, incremental detokenization and stop strings). Callers tokenize off the event loop first
-(run_tokenizer: one worker thread, so a huge prompt never stalls other clients). Leaving the iterator early
-(client disconnect = cancellation, or a break) aborts the request in the engine, which frees its KV blocks; so
+(OutputProcessor, incremental detokenization and stop strings). Callers tokenize and process images off the event
+loop first (run_tokenizer: the render threads, --renderer-num-workers), so a huge prompt or a large image never
+stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
+request in the engine, which frees its KV blocks; so
 does a request's timeout, after which its stream ends with finish_reason "abort" and stop_reason "timeout". A
 stop string found here is sent to the core as an abort so the engine stops generating. When an engine core
 dies, every request waiting on it fails with EngineDead."""
@@ -20,7 +21,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from kestrel.config import EngineConfig
 from kestrel.engine.core_client import EngineCoreClient, make_client
 from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
+from kestrel.engine.processor import (InputProcessor, OutputProcessor, default_image_render_workers, display_prompt,
+                                     make_mm_processor)
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
@@ -69,7 +71,10 @@ class AsyncEngine:
         self.num_kv_blocks = 0
         self.block_size = config.cache.block_size
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer")
+        if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
+            raise ValueError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+        self._tokenizer_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
+                                                  thread_name_prefix="kestrel-render")
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -95,6 +100,10 @@ class AsyncEngine:
                                               info["eos_token_id"], self.config.model.max_logprobs, mm=mm,
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
+        if mm is not None and self.config.model.renderer_num_workers is None:  # image work: more render threads
+            self._tokenizer_pool.shutdown(wait=False)
+            self._tokenizer_pool = ThreadPoolExecutor(default_image_render_workers(),
+                                                      thread_name_prefix="kestrel-render")
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
@@ -118,7 +127,7 @@ class AsyncEngine:
         return list(self.client.stats)
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
-        """Run a tokenizer or chat-template call on the tokenizer thread, off the event loop."""
+        """Run a tokenizer, chat-template or image-processor call on a render thread, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
 
     # ---- requests

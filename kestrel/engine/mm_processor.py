@@ -3,10 +3,15 @@ its images into token ids with placeholder runs and pixel tensors; each image be
 inputs, placeholder range and content hash) that travels to the engine core with the token ids.
 
 Placeholder ranges are assigned from counts the model computes forward from each image's processed inputs
-(`num_image_tokens`), in prompt order; the processor's placeholders must match them exactly."""
+(`num_image_tokens`), in prompt order; the processor's placeholders must match them exactly.
+
+The server runs `process` on several render threads at once (--renderer-num-workers): each thread works with its
+own copy of the HF processor, whose tokenizer keeps per-call state (padding/truncation) that threads must not share."""
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 
 import torch
 
@@ -41,6 +46,16 @@ class MultiModalProcessor:
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = image_token_id(hf_config)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self._owner = threading.get_ident()  # the thread that may use self.processor itself
+        self._copies = threading.local()
+
+    def _thread_processor(self):
+        if threading.get_ident() == self._owner:
+            return self.processor
+        proc = getattr(self._copies, "processor", None)
+        if proc is None:
+            proc = self._copies.processor = copy.deepcopy(self.processor)
+        return proc
 
     def process(self, prompt: str, images: list, add_special_tokens: bool = True
                 ) -> tuple[list[int], list[MMFeature], int]:
@@ -49,7 +64,7 @@ class MultiModalProcessor:
             raise InvalidRequest(f"{len(images)} images in one prompt; at most {self.limit_per_prompt} are allowed "
                                  f"(--limit-mm-per-prompt)", param="multi_modal_data")
         try:
-            enc = self.processor(text=[prompt], images=[images] if images else None, return_tensors="pt",
+            enc = self._thread_processor()(text=[prompt], images=[images] if images else None, return_tensors="pt",
                                  add_special_tokens=add_special_tokens)
         except Exception as e:  # the processor's checks (image count vs placeholders, bad pixels) are input errors
             raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e

@@ -2,6 +2,7 @@
 outputs back (detokenize, stop strings, merge the n samples of one request)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -40,7 +41,20 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
     return text, as_image_list(images)
 
 
+@dataclass
+class ProcessedPrompt:
+    """A prompt whose images the image processor has already expanded: token ids with one placeholder run per
+    image, the images' features in prompt order and the bidirectional prefix length. The server's render threads
+    build it (InputProcessor.process_images) so that image work never runs on the event loop."""
+    token_ids: list[int]
+    features: list
+    bidirectional_len: int = 0
+    text: str | None = None
+
+
 def display_prompt(prompt) -> str | None:
+    if isinstance(prompt, ProcessedPrompt):
+        return prompt.text
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
@@ -61,6 +75,12 @@ def make_mm_processor(config, hf_config=None):
     if not is_multimodal(model_cls):
         return None
     return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt, m.trust_remote_code)
+
+
+def default_image_render_workers() -> int:
+    """Render threads of an image model's server: image decoding, resizing and normalising release the GIL for
+    most of their work, so a few threads keep up with many image requests."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class InputProcessor:
@@ -141,28 +161,46 @@ class InputProcessor:
         # the template already holds the special tokens
         return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
 
-    def process(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None, lora_id: int = 0) -> tuple[list[int], list[EngineCoreRequest]]:
+    def process_images(self, prompt: str | list[int] | dict | ProcessedPrompt
+                       ) -> str | list[int] | dict | ProcessedPrompt:
+        """Run the image processor on a prompt dict with images -> ProcessedPrompt (on the calling thread; the
+        server calls this on a render thread); any other prompt comes back as it is."""
+        if not isinstance(prompt, dict):
+            return prompt
+        add_special_tokens = prompt.get("add_special_tokens", True)
+        text, images = split_prompt(prompt)
+        if not images:
+            return prompt
+        if self.mm is None:
+            raise InvalidRequest("this model does not take images", param="multi_modal_data")
+        if not isinstance(text, str):
+            raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
+        ids, features, bidirectional_len = self.mm.process(text, images, add_special_tokens)
+        if self.max_num_batched_tokens and bidirectional_len > self.max_num_batched_tokens:
+            raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {bidirectional_len} tokens) "
+                                 f"is computed in one step and exceeds --max-num-batched-tokens "
+                                 f"{self.max_num_batched_tokens}", param="prompt")
+        return ProcessedPrompt(ids, features, bidirectional_len, text)
+
+    def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
+                priority: int = 0, arrival_time: float | None = None, lora_id: int = 0
+                ) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
-        add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
-        prompt, images = split_prompt(prompt)
+        prompt = self.process_images(prompt)
         features, bidirectional_len = [], 0
-        if images:
-            if self.mm is None:
-                raise InvalidRequest("this model does not take images", param="multi_modal_data")
-            if not isinstance(prompt, str):
-                raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-            ids, features, bidirectional_len = self.mm.process(prompt, images, add_special_tokens)
-            if self.max_num_batched_tokens and bidirectional_len > self.max_num_batched_tokens:
-                raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {bidirectional_len} tokens) "
-                                     f"is computed in one step and exceeds --max-num-batched-tokens "
-                                     f"{self.max_num_batched_tokens}", param="prompt")
-        elif isinstance(prompt, str):
-            ids = self.tokenize(prompt, add_special_tokens)
+        if isinstance(prompt, ProcessedPrompt):
+            ids, features, bidirectional_len = prompt.token_ids, prompt.features, prompt.bidirectional_len
+            prompt = prompt.text or ""  # the processor's ids: not re-checked as client token ids below
         else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+            add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
+            prompt, _ = split_prompt(prompt)
+            if isinstance(prompt, str):
+                ids = self.tokenize(prompt, add_special_tokens)
+            else:
+                ids = list(prompt)
+                if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                    raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})",
+                                         param="prompt")
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if self.mm is not None and not features and self.mm.image_token_id in ids:

@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.engine.outputs import Logprob
+from kestrel.engine.processor import ProcessedPrompt
 from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
                                    stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest
@@ -30,10 +31,10 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
     return {"content": content}
 
 
-async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int] | dict:
+async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int] | ProcessedPrompt | str:
     """messages -> the chat template's text -> token ids (the template already holds the special tokens); with
-    image parts, a prompt dict for the image processor (kestrel/engine/media.py loads the images). Runs on the
-    tokenizer thread: a huge conversation or a large image never stalls the event loop."""
+    image parts, the processed prompt (kestrel/engine/media.py loads the images, the image processor expands them).
+    Runs on a render thread: a huge conversation or a large image never stalls the event loop."""
     engine = state.engine
     template = state.chat_template(req)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
@@ -44,7 +45,8 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
 
         def render_with_images() -> dict | str:
             messages = resolve_image_parts(parts, engine.config.multimodal)
-            return engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools)
+            prompt = engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools)
+            return engine.input_processor.process_images(prompt)
 
         return await engine.run_tokenizer(render_with_images)
     messages = [m.as_dict() for m in req.messages]

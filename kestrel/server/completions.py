@@ -64,7 +64,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = req.prompts()
     rid, public_id = request_ids("cmpl", req.request_id, raw)
 
-    def tokenize_all() -> tuple[list[list[int]], list[str]]:  # on the tokenizer thread, off the event loop
+    def tokenize_all() -> tuple[list[list[int]], list[str]]:  # on a render thread, off the event loop
         ids = [engine.input_processor.tokenize(p) if isinstance(p, str) else p for p in prompts]
         return ids, [p if isinstance(p, str) else (tok.decode(p) if req.echo else "") for p in prompts]
 

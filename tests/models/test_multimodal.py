@@ -298,3 +298,36 @@ def test_bad_multimodal_inputs(tiny_mm_models, tiny_llama, images):
     text_llm = LLM(str(tiny_llama), progress=False)
     with pytest.raises(InvalidRequest, match="does not take images"):
         text_llm.generate({"prompt": "hi", "multi_modal_data": {"image": images[0]}}, GREEDY)
+
+
+@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
+def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
+    """The server runs the image processor on several render threads: each thread gets its own processor copy and
+    the same ids, hashes and pixels as the thread that built it; a ProcessedPrompt made there gives generate() the
+    requests the prompt dict gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.processor import InputProcessor, ProcessedPrompt, make_mm_processor
+    from kestrel.loader import load_hf_config
+
+    config = EngineConfig()
+    config.model.model = str(tiny_mm_models[kind])
+    mm = make_mm_processor(config)
+    hf = load_hf_config(config.model.model)
+    inp = InputProcessor(None, 512, hf.text_config.vocab_size, None, mm=mm)
+    prompts = [request(text, idx, images) for text, idx in PROMPTS[kind]] * 2
+    here = [inp.process_images(p) for p in prompts]
+    assert all(isinstance(p, ProcessedPrompt) for p in here)
+    with ThreadPoolExecutor(3) as pool:
+        there = list(pool.map(inp.process_images, prompts))
+        procs = set(pool.map(lambda _: id(mm._thread_processor()), range(12)))
+    assert id(mm.processor) not in procs and 1 <= len(procs) <= 3
+    for a, b in zip(here, there):
+        assert a.token_ids == b.token_ids and a.bidirectional_len == b.bidirectional_len
+        assert [f.mm_hash for f in a.features] == [f.mm_hash for f in b.features]
+        assert [f.data == g.data for f, g in zip(a.features, b.features)] == [True] * len(a.features)
+    ids, reqs = inp.process("r", there[0], SamplingParams(max_tokens=4))
+    ids2, reqs2 = inp.process("r", prompts[0], SamplingParams(max_tokens=4))
+    assert ids == ids2 and reqs[0].mm_features == reqs2[0].mm_features
+    assert reqs[0].bidirectional_len == reqs2[0].bidirectional_len

@@ -1,10 +1,12 @@
 """Images through the OpenAI chat API on a real server (tiny LLaVA-NeXT): the `openai` client's base64 image gets
-the offline API's text; bad images, disallowed URLs and too many images get a 400 naming the content part, and
-the engine serves a normal request right after."""
+the offline API's text; concurrent image requests on three render threads get what they get one at a time; bad
+images, disallowed URLs and too many images get a 400 naming the content part, and the engine serves a normal
+request right after."""
 from __future__ import annotations
 
 import base64
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -40,7 +42,7 @@ def media_dir(tmp_path_factory):
 def mm_server(tiny_mm_models, media_dir, tmp_path_factory):
     s = Server(tiny_mm_models["llava_next"], tmp_path_factory.mktemp("mm_logs") / "server.log",
                extra=["--limit-mm-per-prompt", "2", "--allowed-local-media-path", str(media_dir),
-                      "--allowed-media-domains", "images.example.org"]).wait_ready()
+                      "--allowed-media-domains", "images.example.org", "--renderer-num-workers", "3"]).wait_ready()
     yield s
     s.stop()
 
@@ -66,6 +68,27 @@ def test_openai_client_image_matches_offline(mm_server, tiny_mm_models, media_di
     assert local.choices[0].message.content == offline_pil.outputs[0].text
     assert got.usage.prompt_tokens == len(offline.prompt_token_ids) > 40  # the image's placeholders
     assert offline.outputs[0].text != offline_pil.outputs[0].text
+
+
+def test_concurrent_image_requests_on_render_threads(mm_server):
+    """Three render threads process images at once, each with its own processor copy: the greedy answers (and prompt
+    lengths) of 9 concurrent requests equal those of the same requests sent one after another."""
+    from tests.mm_tiny import make_image
+
+    images = [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate([(64, 48), (40, 80), (96, 96)] * 3)]
+    texts = [f"describe picture {i}" for i in range(len(images))]
+
+    def ask(i):
+        status, body = http("POST", mm_server.url + CH, {"messages": image_message(data_url(images[i]), texts[i]),
+                                                         "max_tokens": 8, "temperature": 0})
+        assert status == 200, body
+        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
+
+    one_by_one = [ask(i) for i in range(len(images))]
+    with ThreadPoolExecutor(len(images)) as pool:
+        together = list(pool.map(ask, range(len(images))))
+    assert together == one_by_one
+    assert len({n for _, n in one_by_one}) > 1  # the image sizes give different placeholder counts
 
 
 BAD = [
