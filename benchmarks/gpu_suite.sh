@@ -129,6 +129,8 @@ for s in $stages; do
             echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 2>&1 | tail -12
             kill $VP; wait $VP 2> /dev/null; echo "--- kestrel"
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
+    mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
+            timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;
     mlapre) timeout 300 python3 benchmarks/mla_prefill.py 2>&1 | tee "$OUT/mla_prefill.txt" | tail -6 ;;
     multigpu1) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as set there
