@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
-from kestrel.engine.core_client import EngineCoreClient, make_client
+from kestrel.engine.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.engine.outputs import RequestOutput
 from kestrel.engine.processor import (InputProcessor, OutputProcessor, default_image_render_workers, display_prompt,
                                      make_mm_processor)
@@ -100,13 +101,42 @@ class AsyncEngine:
                                               info["eos_token_id"], self.config.model.max_logprobs, mm=mm,
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if mm is not None and self.config.model.renderer_num_workers is None:  # image work: more render threads
-            self._tokenizer_pool.shutdown(wait=False)
-            self._tokenizer_pool = ThreadPoolExecutor(default_image_render_workers(),
-                                                      thread_name_prefix="kestrel-render")
+        if mm is not None:
+            await self._start_image_rendering(mm)
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
+
+    async def _start_image_rendering(self, mm) -> None:
+        """Image models: more render threads by default, torch ops in this process on one thread each (the render
+        threads are the parallelism; N threads each spreading over every core slowed image requests down), and
+        every render thread warmed up with one small image before the server takes requests."""
+        workers = self.config.model.renderer_num_workers
+        if workers is None:
+            workers = default_image_render_workers()
+            self._tokenizer_pool.shutdown(wait=False)
+            self._tokenizer_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
+        if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
+            import torch
+
+            torch.set_num_threads(1)
+        barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
+
+        def warm_up() -> None:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+            mm.warm_up()
+
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, warm_up)
+                                   for _ in range(workers)))
+        except Exception as e:  # noqa: BLE001 - the requests will report it; the server still starts
+            logger.warning("warming up the image processor failed: %s: %s", type(e).__name__, e)
+            return
+        logger.info("%d render thread(s) ready for images in %.1f s", workers, time.perf_counter() - t0)
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

@@ -57,6 +57,13 @@ class MultiModalProcessor:
             proc = self._copies.processor = copy.deepcopy(self.processor)
         return proc
 
+    def warm_up(self) -> None:
+        """One small image through the calling thread's processor copy, so that the copy, the processor's lazy
+        imports and its first allocations happen at start-up rather than in the first requests."""
+        from PIL import Image
+
+        self.process(f"{self.image_token}\ndescribe", [Image.new("RGB", (64, 48), (127, 127, 127))])
+
     def process(self, prompt: str, images: list, add_special_tokens: bool = True
                 ) -> tuple[list[int], list[MMFeature], int]:
         """(token ids, one feature per image in prompt order, bidirectional prefix length)."""

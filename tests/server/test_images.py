@@ -84,6 +84,7 @@ def test_concurrent_image_requests_on_render_threads(mm_server):
         assert status == 200, body
         return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
 
+    assert "3 render thread(s) ready for images" in mm_server.log_path.read_text()  # warmed up before serving
     one_by_one = [ask(i) for i in range(len(images))]
     with ThreadPoolExecutor(len(images)) as pool:
         together = list(pool.map(ask, range(len(images))))
