@@ -8,7 +8,10 @@
 #   tputmla / latmla (DeepSeek-V2-Lite shape: MLA + MoE), tputmlad / latmlad (its all-dense variant),
 #   vllmmla / vllmmlad (vLLM 0.26 peer on the same shapes; needs /tmp/site staged).
 # LoRA (issue 16): lora (GPU LoRA tests), tputlora (256 requests, 4 rank-16 adapters vs none, qwen3-0.6b shape).
-# Images (issue 15): mmvllm (LLaVA-NeXT-7B shape, one image per chat request: vLLM 0.26 server, then ours).
+# Images (issue 15): mmvllm (LLaVA-NeXT-7B shape, one image per chat request: vLLM 0.26 server, then ours), or the
+#   halves mmv / mmk; mmrender (our frontend alone: render threads x torch threads, cold and warm); vsite (after
+#   staging vLLM: .whl2's transformers 5.5.3 + blake3 + prometheus_fastapi_instrumentator into /tmp/vsite, whose
+#   LLaVA path does not import under the image's transformers 5.17; carry [".whl2"]).
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
@@ -35,7 +38,7 @@ run_capped() {
   timeout $((cap < left ? cap : left)) "$@"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+echo "${KESTREL_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" | tee -a "$OUT/device.txt"  # the device's .git is stale
 for s in $stages; do
   echo "=== $s $(date +%T)"
   case $s in
@@ -120,6 +123,19 @@ for s in $stages; do
     prof1moe) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape qwen3-30b-a3b > "$OUT/profile1_moe.txt" 2>&1; head -45 "$OUT/profile1_moe.txt") ;;
     prof1mla) (cd benchmarks && timeout 300 python3 profile_step.py --batch 1 --greedy --shape deepseek-v2-lite > "$OUT/profile1_mla.txt" 2>&1; head -45 "$OUT/profile1_mla.txt") ;;
     mlasplit) timeout 300 python3 benchmarks/mla_decode.py --splits 2>&1 | tee "$OUT/mla_splits.txt" | tail -90 ;;
+    vsite)  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/vsite \
+              .whl2/*.whl 2>&1 | tail -2  # transformers 5.5.3 pins tokenizers <= 0.23.0; the image has 0.23.2
+            sed -i 's/"tokenizers>=0.22.0,<=0.23.0"/"tokenizers>=0.22.0"/' /tmp/vsite/transformers/dependency_versions_table.py
+            PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -c "import transformers, vllm.model_executor.models.llava_next; print('vLLM LLaVA path imports with transformers', transformers.__version__)" 2>&1 | tail -1 ;;
+    mmrender) timeout 300 python3 benchmarks/mm_render.py --model-dir /tmp/llava-next-7b --threads 1,4,8 \
+              --json "$OUT/mm_render.json" 2>&1 | tail -16 ;;
+    mmv)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: vLLM's half
+            PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
+              --max-model-len 4096 --host 127.0.0.1 --port 8011 > "$OUT/vllm_mm.log" 2>&1 & VP=$!
+            for i in $(seq 200); do curl -sf http://127.0.0.1:8011/health > /dev/null && break
+              kill -0 $VP 2> /dev/null || { echo "vLLM server exited:"; grep -i error "$OUT/vllm_mm.log" | tail -5; break; }; sleep 2; done
+            echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 2>&1 | tail -12
+            kill $VP 2> /dev/null; wait $VP 2> /dev/null ;;
     mmvllm) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: vLLM, then us
             PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
               --max-model-len 4096 --host 127.0.0.1 --port 8011 > "$OUT/vllm_mm.log" 2>&1 & VP=$!

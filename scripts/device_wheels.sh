@@ -22,3 +22,12 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
   referencing==0.37.0 rpds_py==2026.9.1 starlette==1.10.0 supervisor==4.3.0 truststore==0.10.5 \
   typing_inspection==0.4.2 uvicorn==0.55.0 watchfiles==1.3.0 xgrammar==0.2.9
 ls .whl | wc -l
+# vLLM 0.26's LLaVA path on the device (gpu_suite.sh vsite installs these into /tmp/vsite, for its server only):
+# its pixtral.py imports names transformers 5.17 renamed, so it runs on transformers 5.5.3; blake3 and
+# prometheus_fastapi_instrumentator are imported inside functions (the multimodal hasher, the metrics route).
+mkdir -p .whl2
+grep -qx '/.whl2/' .git/info/exclude 2>/dev/null || echo '/.whl2/' >> .git/info/exclude
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl2 \
+  transformers==5.5.3 blake3==1.0.11 prometheus_fastapi_instrumentator==8.1.0
+ls .whl2 | wc -l
