@@ -102,6 +102,11 @@ class AsyncEngine:
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
+            import torch
+
+            from kestrel.loader import resolve_dtype
+
+            mm.pixel_dtype = resolve_dtype(self.config.model.dtype, torch.device(info["device"]))
             await self._start_image_rendering(mm)
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
@@ -111,14 +116,14 @@ class AsyncEngine:
         """Image models: more render threads by default, torch ops in this process on one thread each (the render
         threads are the parallelism; N threads each spreading over every core slowed image requests down), and
         every render thread warmed up with one small image before the server takes requests."""
+        import torch
+
         workers = self.config.model.renderer_num_workers
         if workers is None:
             workers = default_image_render_workers()
             self._tokenizer_pool.shutdown(wait=False)
             self._tokenizer_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
         if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
-            import torch
-
             torch.set_num_threads(1)
         barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
 

@@ -46,6 +46,7 @@ class MultiModalProcessor:
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = image_token_id(hf_config)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.pixel_dtype: torch.dtype | None = None  # set by a server: the engine's model dtype (see _features)
         self._owner = threading.get_ident()  # the thread that may use self.processor itself
         self._copies = threading.local()
 
@@ -99,7 +100,10 @@ class MultiModalProcessor:
             if len(run) != n or run[-1] - run[0] != n - 1:
                 raise InvalidRequest(f"image {k} needs {n} contiguous placeholder tokens in the prompt",
                                      param="multi_modal_data")
-            tensors = {name: t for name, t in data.items() if torch.is_tensor(t)}
+            # the towers cast pixels to the model dtype first, so casting here changes no result and halves what is
+            # hashed, sent to the engine core and copied to the device (bf16 vs the processor's float32)
+            tensors = {name: t.to(self.pixel_dtype) if self.pixel_dtype is not None and t.is_floating_point() else t
+                       for name, t in data.items() if torch.is_tensor(t)}
             features.append(MMFeature(run[0], n, hash_tensors(tensors),
                                       {name: TensorData.from_tensor(t) for name, t in tensors.items()}))
             used += n

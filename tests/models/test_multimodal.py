@@ -328,6 +328,15 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
         assert a.token_ids == b.token_ids and a.bidirectional_len == b.bidirectional_len
         assert [f.mm_hash for f in a.features] == [f.mm_hash for f in b.features]
         assert [f.data == g.data for f, g in zip(a.features, b.features)] == [True] * len(a.features)
+    mm.pixel_dtype = torch.bfloat16  # a GPU server's model dtype: float pixels travel in it (the towers cast first)
+    half = inp.process_images(prompts[0])
+    mm.pixel_dtype = None
+    for f, g in zip(half.features, here[0].features):
+        assert f.data.keys() == g.data.keys() and f.mm_hash != g.mm_hash
+        for name, td in f.data.items():
+            ref, got = g.data[name].to_tensor(), td.to_tensor()
+            assert got.dtype == (torch.bfloat16 if ref.is_floating_point() else ref.dtype)
+            assert torch.equal(got, ref.to(got.dtype))
     ids, reqs = inp.process("r", there[0], SamplingParams(max_tokens=4))
     ids2, reqs2 = inp.process("r", prompts[0], SamplingParams(max_tokens=4))
     assert ids == ids2 and reqs[0].mm_features == reqs2[0].mm_features
