@@ -86,6 +86,13 @@ class LlavaNextForConditionalGeneration(ImageTextModel):
         return anyres.num_image_tokens(size, hf_config.image_grid_pinpoints, v.image_size, v.image_size // v.patch_size)
 
     # ---- runner side
+    def dummy_image_inputs(self) -> dict[str, torch.Tensor]:
+        """An image the size of the pinpoint with the most tiles: the most tiles and embeddings one image gives."""
+        tile = self.hf.vision_config.image_size
+        ph, pw = max(self.hf.image_grid_pinpoints, key=lambda p: (p[0] // tile) * (p[1] // tile))
+        tiles = anyres.num_tiles((ph, pw), self.hf.image_grid_pinpoints, tile)
+        return {"pixel_values": torch.zeros(tiles, 3, tile, tile), "image_sizes": torch.tensor([ph, pw])}
+
     def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
         features = self.vision_tower(image["pixel_values"])[:, 1:]  # drop the class token
         t, n, c = features.shape

@@ -8,6 +8,8 @@ A multimodal model class provides, besides the text model's interface:
   from its processed inputs (frontend: checked against the processor's placeholders);
 - `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
   `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
+- `dummy_image_inputs() -> dict[str, Tensor]`: encoder inputs of the largest image the model takes (runner: the
+  start-up memory profile and kernel warm-up encode it once);
 - `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
 For LoRA (kestrel/lora/manager.py): `lora_module_name(path)` maps an adapter's module paths like checkpoint names,
 `lora_stages` says which parts take adapters, and a model whose vision tower and connector take them gives

@@ -36,6 +36,7 @@ class PaliGemmaForConditionalGeneration(ImageTextModel):
         # 1-based positions: the rotary table needs one row more than the context
         ctx.shared("rotary", lambda: RotaryEmbedding(text, head_dim_of(text), ctx.max_positions + 1, ctx.dtype))
         vcfg = hf.vision_config
+        self.image_size = vcfg.image_size
         self.vision_tower = SiglipVisionTransformer(ctx, "vision_tower", vcfg)
         self.multi_modal_projector = nn.Module()
         self.multi_modal_projector.linear = vision_linear(ctx, vcfg.hidden_size, hf.projection_dim,
@@ -55,6 +56,9 @@ class PaliGemmaForConditionalGeneration(ImageTextModel):
         return (h // patch) * (w // patch)
 
     # ---- runner side
+    def dummy_image_inputs(self) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.zeros(3, self.image_size, self.image_size)}
+
     def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
         features = self.vision_tower(image["pixel_values"][None])[0]
         n, c = features.shape

@@ -231,13 +231,27 @@ class ModelRunner:
         before = torch.cuda.memory_allocated()
         ids, positions, ctx = self.dummy_prefill_batch(n)
         kv_bytes = torch.cuda.memory_allocated() - before
+        image = self._encode_dummy_image()  # kept alive through the forward, as the encoder cache keeps it
         self._profile_forward(ids, positions, ctx)
         torch.cuda.synchronize()
+        del image
         peak = torch.cuda.max_memory_allocated() - before - kv_bytes
         self.free_kv_cache()
         self.buffers = None
         torch.cuda.empty_cache()
         return int(peak * 1.1)
+
+    @torch.inference_mode()
+    def _encode_dummy_image(self) -> torch.Tensor | None:
+        """Image models: the vision encoder on the largest image the model takes (None for text models), so that
+        the memory profile counts its activations and the first requests do not pay its kernels' first calls."""
+        make = getattr(self.model, "dummy_image_inputs", None)
+        if make is None:
+            return None
+        image = {k: v.to(self.device) for k, v in make().items()}
+        if self.lora is not None and self.lora.encoder_mappings:
+            self.lora.set_encoder_mapping(0, self.model.lora_encoder_tokens(image), set())
+        return self.model.embed_image(image)
 
     @torch.inference_mode()
     def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
@@ -311,6 +325,7 @@ class ModelRunner:
         # steps of a run, ~1 s apiece.
         for b in sorted({min(x, buf.max_reqs) for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, buf.max_reqs)}):
             self._warm_up_forward(b, 1, decodes=True)
+        self._encode_dummy_image()
         torch.cuda.synchronize()
 
     def _warm_up_forward(self, num_reqs: int, q_len: int, decodes: bool = False) -> torch.Tensor:

@@ -160,6 +160,31 @@ def test_embedding_contract(tiny_mm_models, kind):
     torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
+def test_dummy_image_is_the_largest(tiny_mm_models, images, kind):
+    """The start-up memory profile and warm-up encode the model's largest image: its embedding count is the one
+    num_image_tokens gives for its inputs, and no real image of the processor gives more."""
+    from kestrel.config import EngineConfig
+    from kestrel.engine.core import EngineCore
+    from kestrel.engine.processor import make_mm_processor
+
+    config = EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8)
+    core = EngineCore(config, progress=False)
+    runner = core.runner
+    emb = runner._encode_dummy_image()
+    model_cls = type(runner.model)
+    mm = make_mm_processor(config)
+    n = model_cls.num_image_tokens(mm.hf_config, runner.model.dummy_image_inputs())
+    assert emb.shape == (n, mm.hf_config.text_config.hidden_size)
+    sizes = [(33, 70), (90, 40), (64, 60), (1000, 30), (30, 1000), (500, 500)]
+    real = [model_cls.num_image_tokens(mm.hf_config, data) for w, h in sizes
+            for data in model_cls.split_images(mm.hf_config, mm.processor(
+                text=[f"{mm.image_token}x"], images=[[make_image(w, h, seed=0)]], return_tensors="pt"))]
+    assert max(real) <= n
+    if kind == "llava_next":  # the widest grid is reachable: some image size gets exactly the dummy's count
+        assert max(real) == n
+
+
 # ---- PaliGemma's embedding magnitude
 def hf_decoder_inputs(model, proc, text, imgs):
     seen = {}
