@@ -29,7 +29,8 @@ from mm_serve import image_urls, write_llava_next_7b  # noqa: E402
 STAGES = ("decode", "template", "processor")
 
 
-def make_input_processor(folder: Path):
+def make_input_processor(folder: Path, pixel_dtype: str = "bfloat16"):
+    import torch
     from transformers import AutoTokenizer
 
     from kestrel.config import EngineConfig
@@ -40,6 +41,7 @@ def make_input_processor(folder: Path):
     config.model.model = str(folder)
     hf = load_hf_config(str(folder))
     mm = make_mm_processor(config, hf)
+    mm.pixel_dtype = getattr(torch, pixel_dtype)  # what a GPU server sets (the engine's model dtype)
     return InputProcessor(AutoTokenizer.from_pretrained(folder), 4096, hf.text_config.vocab_size, None, mm=mm), config
 
 
@@ -61,14 +63,15 @@ def render_one(inp, config, url: str, cpu: dict, lock: threading.Lock) -> int:
     return len(processed.token_ids)
 
 
-def run_config(folder: Path, urls: list[str], threads: int, torch_threads: str, warm: bool, first_wave: int) -> dict:
+def run_config(folder: Path, urls: list[str], threads: int, torch_threads: str, warm: bool, first_wave: int,
+               pixel_dtype: str) -> dict:
     import torch
 
     before = torch.get_num_threads()
     if torch_threads != "default":
         torch.set_num_threads(int(torch_threads))
     try:
-        inp, config = make_input_processor(folder)
+        inp, config = make_input_processor(folder, pixel_dtype)
         cpu, lock = defaultdict(float), threading.Lock()
         with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--torch-threads", default="default,1", help="torch intra-op threads in this process to try")
     p.add_argument("--requests", type=int, default=96, help="requests per configuration (distinct images)")
     p.add_argument("--first-wave", type=int, default=32, help="requests counted as the first wave")
+    p.add_argument("--pixel-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the dtype pixels travel in (a GPU server: its model dtype)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     folder = Path(args.model_dir)
@@ -110,13 +115,14 @@ def main(argv=None) -> int:
     print(f"{os.cpu_count()} CPUs, torch {torch.__version__} default threads {torch.get_num_threads()}; "
           f"making {args.requests} images ...", flush=True)
     urls = image_urls(args.requests, 0)
-    inp, _ = make_input_processor(folder)
+    inp, _ = make_input_processor(folder, args.pixel_dtype)
     print("image processor:", type(inp.mm.processor.image_processor).__name__)
     rows = []
     for tt in args.torch_threads.split(","):
         for th in (int(x) for x in args.threads.split(",")):
             for warm in (False, True):
-                rows.append(run_config(folder, urls, th, tt, warm, min(args.first_wave, args.requests // 2)))
+                rows.append(run_config(folder, urls, th, tt, warm, min(args.first_wave, args.requests // 2),
+                                       args.pixel_dtype))
                 r = rows[-1]
                 print(f"threads {th} torch {tt} warm {warm}: first wave {r['first_wave_req_s']:.1f} req/s, "
                       f"steady {r['steady_req_s']:.1f} req/s", flush=True)

@@ -4,10 +4,9 @@ generate() validates (InputProcessor), sends the core requests, and yields Reque
 (OutputProcessor, incremental detokenization and stop strings). Callers tokenize and process images off the event
 loop first (run_tokenizer: the render threads, --renderer-num-workers), so a huge prompt or a large image never
 stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
-request in the engine, which frees its KV blocks; so
-does a request's timeout, after which its stream ends with finish_reason "abort" and stop_reason "timeout". A
-stop string found here is sent to the core as an abort so the engine stops generating. When an engine core
-dies, every request waiting on it fails with EngineDead."""
+request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
+finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
+engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead."""
 from __future__ import annotations
 
 import asyncio
@@ -74,7 +73,7 @@ class AsyncEngine:
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ValueError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
-        self._tokenizer_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
+        self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                   thread_name_prefix="kestrel-render")
 
     # ---- life cycle
@@ -102,27 +101,27 @@ class AsyncEngine:
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
-            import torch
-
-            from kestrel.loader import resolve_dtype
-
-            mm.pixel_dtype = resolve_dtype(self.config.model.dtype, torch.device(info["device"]))
-            await self._start_image_rendering(mm)
+            await self._start_image_rendering(mm, info["device"])
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
 
-    async def _start_image_rendering(self, mm) -> None:
-        """Image models: more render threads by default, torch ops in this process on one thread each (the render
-        threads are the parallelism; N threads each spreading over every core slowed image requests down), and
-        every render thread warmed up with one small image before the server takes requests."""
+    async def _start_image_rendering(self, mm, device: str) -> None:
+        """Image models: pixels sent in the engine's model dtype, more render threads by default, torch ops in this
+        process on one thread each (the render threads are the parallelism; N threads each spreading over every
+        core slowed image requests down), and every render thread warmed up with one small image before the
+        server takes requests."""
         import torch
+
+        from kestrel.loader import resolve_dtype
+
+        mm.pixel_dtype = resolve_dtype(self.config.model.dtype, torch.device(device))
 
         workers = self.config.model.renderer_num_workers
         if workers is None:
             workers = default_image_render_workers()
-            self._tokenizer_pool.shutdown(wait=False)
-            self._tokenizer_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
+            self._render_pool.shutdown(wait=False)
+            self._render_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
         if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
             torch.set_num_threads(1)
         barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
@@ -136,7 +135,7 @@ class AsyncEngine:
 
         t0 = time.perf_counter()
         try:
-            await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, warm_up)
+            await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(self._render_pool, warm_up)
                                    for _ in range(workers)))
         except Exception as e:  # noqa: BLE001 - the requests will report it; the server still starts
             logger.warning("warming up the image processor failed: %s: %s", type(e).__name__, e)
@@ -145,7 +144,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         await self.client.shutdown()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_dead(self) -> bool:
@@ -163,7 +162,7 @@ class AsyncEngine:
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
         """Run a tokenizer, chat-template or image-processor call on a render thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, lambda: fn(*args, **kwargs))
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
