@@ -80,7 +80,8 @@ def make_mm_processor(config, hf_config=None):
 def default_image_render_workers() -> int:
     """Render threads of an image model's server: image decoding, resizing and normalising release the GIL for
     most of their work, so a few threads keep up with many image requests."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(8, cpus // 2))
 
 
 class InputProcessor:
