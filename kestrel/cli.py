@@ -101,6 +101,9 @@ def check_args(args) -> None:
         if value not in valid:
             flag = "--" + field.replace("_", "-")
             raise ConfigError(f"{flag} {value!r} is not one of {', '.join(valid)}")
+    workers = getattr(args, "renderer_num_workers", None)
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--renderer-num-workers must be at least 1, got {workers}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ from kestrel.engine.processor import (InputProcessor, OutputProcessor, default_i
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
-from kestrel.errors import EngineDead, InvalidRequest, ModelNotFound
+from kestrel.errors import ConfigError, EngineDead, InvalidRequest, ModelNotFound
 from kestrel.lora.registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class AsyncEngine:
         self.block_size = config.cache.block_size
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
-            raise ValueError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+            raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                   thread_name_prefix="kestrel-render")
 
