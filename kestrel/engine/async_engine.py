@@ -74,7 +74,7 @@ class AsyncEngine:
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
-                                                  thread_name_prefix="kestrel-render")
+                                               thread_name_prefix="kestrel-render")
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":

@@ -73,7 +73,7 @@ class MultiModalProcessor:
                                  f"(--limit-mm-per-prompt)", param="multi_modal_data")
         try:
             enc = self._thread_processor()(text=[prompt], images=[images] if images else None, return_tensors="pt",
-                                 add_special_tokens=add_special_tokens)
+                                           add_special_tokens=add_special_tokens)
         except Exception as e:  # the processor's checks (image count vs placeholders, bad pixels) are input errors
             raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e
         ids = enc["input_ids"][0].tolist()
