@@ -146,8 +146,7 @@ for s in $stages; do
             kill $VP; wait $VP 2> /dev/null; echo "--- kestrel"
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mmprof) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: where time goes
-            timeout 240 python3 benchmarks/mm_profile.py --model-dir $M --trace 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -40
-            timeout 150 python3 benchmarks/mm_profile.py --model-dir $M --max-num-batched-tokens 16384 2>&1 | tail -6 ;;
+            timeout 300 python3 benchmarks/mm_profile.py --model-dir $M 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -12 ;;
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;

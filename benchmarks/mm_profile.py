@@ -104,12 +104,50 @@ def run(engine, prompts, params, label: str, timer, steps_of) -> dict:
                                                                  "decode steps")}}
 
 
+def closed_loop(engine, prompts, params, concurrency: int, label: str, timer) -> dict:
+    """The serving pattern without the server: `concurrency` requests in flight, the next one admitted as one
+    finishes. Images are processed before the clock starts (the server does it on render threads)."""
+    import statistics
+
+    rendered = [engine.input_processor.process_images(p) for p in prompts]
+    sync()
+    queue, start, first, done = list(enumerate(rendered)), {}, {}, {}
+    t0 = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        while queue and len(start) - len(done) < concurrency:
+            i, p = queue.pop(0)
+            rid = f"{label}-{i}"
+            start[rid] = time.perf_counter()
+            engine.add_request(p, params, request_id=rid, stream=True)
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+    wall = time.perf_counter() - t0
+    ttft = sorted(first[r] - start[r] for r in start)
+    e2e = sorted(done[r] - start[r] for r in start)
+    n_img, enc_ms = timer.total_ms()
+    return {"workload": label, "requests": len(prompts), "steps s": wall, "req/s": len(prompts) / wall,
+            "TTFT p50 ms": 1e3 * statistics.median(ttft), "TTFT p90 ms": 1e3 * ttft[int(0.9 * len(ttft))],
+            "E2E p50 ms": 1e3 * statistics.median(e2e), "encoder calls": n_img, "encoder GPU ms": enc_ms}
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/llava-next-7b"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop workload (0: skip it)")
+    ap.add_argument("--closed-loop-requests", type=int, default=128)
     ap.add_argument("--trace", action="store_true", help="torch.profiler top kernels of the 1-token image run")
     args = ap.parse_args(argv)
 
@@ -157,12 +195,20 @@ def main(argv=None) -> int:
     rows.append(run(engine, text, one, "text, 1 token (same lengths)", timer, steps_of))
     core.reset_prefix_cache()
 
-    cols = list(rows[0])
+    loop = []
+    if args.concurrency:
+        loop_prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}}
+                        for im in images(args.closed_loop_requests, seed=2)]
+        loop.append(closed_loop(engine, loop_prompts, gen, args.concurrency,
+                                f"images closed loop c={args.concurrency}", timer))
+        core.reset_prefix_cache()
+
     print(f"\nLLaVA-NeXT-7B shape, {args.num_requests} requests, mean prompt {sum(lengths) / len(lengths):.0f} tokens, "
           f"max_num_batched_tokens {core.config.scheduler.max_num_batched_tokens}\n")
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print_table(rows)
+    if loop:
+        print()
+        print_table(loop)
 
     if args.trace:
         from torch.profiler import ProfilerActivity, profile

@@ -32,6 +32,12 @@ class TensorData(msgspec.Struct, array_like=True):
         flat = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
         return flat.view(_DTYPES[self.dtype]).reshape(self.shape)
 
+    def to_pinned(self) -> torch.Tensor:
+        """As to_tensor, in page-locked host memory (the source of a non-blocking copy to the GPU)."""
+        flat = torch.empty(len(self.data), dtype=torch.uint8, pin_memory=True)
+        flat.numpy()[:] = np.frombuffer(self.data, dtype=np.uint8)
+        return flat.view(_DTYPES[self.dtype]).reshape(self.shape)
+
 
 class MMFeature(msgspec.Struct, omit_defaults=True):
     """One image of a request: the encoder's inputs (`data`), its placeholder tokens prompt[offset:offset+length]
@@ -47,7 +53,20 @@ class MMFeature(msgspec.Struct, omit_defaults=True):
         return self.offset + self.length
 
     def tensors(self, device=None) -> dict[str, torch.Tensor]:
-        return {k: v.to_tensor().to(device) for k, v in self.data.items()}
+        """The encoder's inputs: floating tensors (pixels) on `device`, integer metadata (image sizes) on the host,
+        where the model reads it as numbers (on the device, each read would wait for the queued steps). To a
+        CUDA device the pixels go through pinned memory without blocking: a pageable copy would first wait for
+        every step already queued, stalling the host that prepares the next one."""
+        device = torch.device(device) if device is not None else None
+        out = {}
+        for k, v in self.data.items():
+            if not torch.empty((), dtype=_DTYPES[v.dtype]).is_floating_point():
+                out[k] = v.to_tensor()
+            elif device is not None and device.type == "cuda":
+                out[k] = v.to_pinned().to(device, non_blocking=True)
+            else:
+                out[k] = v.to_tensor().to(device)
+        return out
 
 
 def hash_tensors(tensors: dict[str, torch.Tensor]) -> str:
