@@ -112,6 +112,22 @@ async def one_request(client, url: str, model: str, image: str, text: str, max_t
     res["latency"].append(time.perf_counter() - t0)
 
 
+def server_means(url: str) -> dict:
+    """Mean server-side TTFT (ms) from the vllm:time_to_first_token_seconds histogram on /metrics (empty when the
+    server has no such metric); both servers start that clock after the prompt is rendered."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    sums = {}
+    for line in text.splitlines():
+        for key in ("_sum", "_count"):
+            if line.startswith("vllm:time_to_first_token_seconds" + key):
+                sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"ttft": 1e3 * sums["_sum"] / sums["_count"]} if sums.get("_count") else {}
+
+
 async def run(args, url: str) -> int:
     rng = random.Random(args.seed)
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
@@ -129,6 +145,11 @@ async def run(args, url: str) -> int:
             ("errors", str(len(res["errors"]))),
             ("output tokens/s (usage)", f"{res['completion_tokens'] / elapsed:.1f}"),
             ("streamed deltas/s", f"{(len(res['itl']) + len(res['ttft'])) / elapsed:.1f}")] + latency_rows(res)
+    server = server_means(url)
+    if server:
+        client_ttft = 1e3 * sum(res["ttft"]) / max(1, len(res["ttft"]))
+        rows.append(("mean TTFT client / server (ms)", f"{client_ttft:.1f} / {server['ttft']:.1f}"
+                     "  (server: from the request's admission after rendering)"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
