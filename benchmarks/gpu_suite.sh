@@ -147,11 +147,13 @@ for s in $stages; do
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mmprof) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: where time goes
             timeout 300 python3 benchmarks/mm_profile.py --model-dir $M 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -12 ;;
-    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # render threads 8 vs 2
-            python3 -c "import importlib.util as u; print({m: bool(u.find_spec(m)) for m in ('httptools', 'uvloop')})"
-            for w in 8 2; do echo "--- --renderer-num-workers $w"
-              timeout 200 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm_w$w.log" \
-                --server-args "--load-format dummy --max-model-len 4096 --renderer-num-workers $w" 2>&1 | tail -10; done ;;
+    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # frontend variants
+            mkdir -p /tmp/si && echo "import sys; sys.setswitchinterval(0.0005)" > /tmp/si/sitecustomize.py
+            for v in default switch-interval httptools; do echo "--- $v"
+              case $v in switch-interval) XP=/tmp/si: ;; *) XP= ;; esac
+              [ $v = httptools ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl3/*.whl
+              PYTHONPATH=$XP$PYTHONPATH timeout 200 python3 benchmarks/mm_serve.py --model-dir $M \
+                --server-log "$OUT/kestrel_mm_$v.log" 2>&1 | tail -10; done ;;
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;

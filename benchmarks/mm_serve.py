@@ -18,6 +18,7 @@ import base64
 import io
 import json
 import random
+import re
 import shlex
 import sys
 import time
@@ -121,11 +122,12 @@ def server_means(url: str) -> dict:
     except OSError:
         return {}
     sums = {}
-    for line in text.splitlines():
-        for key in ("_sum", "_count"):
-            if line.startswith("vllm:time_to_first_token_seconds" + key):
-                sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return {"ttft": 1e3 * sums["_sum"] / sums["_count"]} if sums.get("_count") else {}
+    for m in re.finditer(r'^(vllm:time_to_first_token_seconds|kestrel:request_frontend_seconds)_(sum|count)'
+                         r'\{([^}]*)\} (\S+)$', text, re.M):
+        stage = re.search(r'stage="(\w+)"', m[3])
+        name = stage[1] if stage else "ttft"
+        sums[name, m[2]] = sums.get((name, m[2]), 0.0) + float(m[4])
+    return {name: 1e3 * sums[name, "sum"] / n for (name, key), n in sums.items() if key == "count" and n}
 
 
 async def run(args, url: str) -> int:
@@ -150,6 +152,9 @@ async def run(args, url: str) -> int:
         client_ttft = 1e3 * sum(res["ttft"]) / max(1, len(res["ttft"]))
         rows.append(("mean TTFT client / server (ms)", f"{client_ttft:.1f} / {server['ttft']:.1f}"
                      "  (server: from the request's admission after rendering)"))
+        stages = [f"{k} {server[k]:.1f}" for k in ("receive", "render_wait", "render", "resume") if k in server]
+        if stages:
+            rows.append(("frontend stage means (ms)", ", ".join(stages)))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")

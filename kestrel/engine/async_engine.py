@@ -36,6 +36,7 @@ class RequestMetricsSink(Protocol):
     """Request latency hooks; ``engine`` is the index of the engine core that served the request."""
 
     def on_routed(self, engine: int) -> None: ...
+    def on_frontend(self, stage: str, seconds: float) -> None: ...
     def on_first_token(self, engine: int, ttft_s: float) -> None: ...
     def on_tokens(self, engine: int, itl_s: float, count: int) -> None: ...
     def on_finished(self, engine: int, e2e_s: float, prompt_tokens: int, generation_tokens: int,
@@ -162,7 +163,21 @@ class AsyncEngine:
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
         """Run a tokenizer, chat-template or image-processor call on a render thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._render_pool, lambda: fn(*args, **kwargs))
+        stamps = [time.perf_counter()]
+
+        def job():
+            stamps.append(time.perf_counter())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stamps.append(time.perf_counter())
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._render_pool, job)
+        finally:
+            if self.metrics is not None and len(stamps) == 3:
+                for stage, a, b in (("render_wait", 0, 1), ("render", 1, 2)):
+                    self.metrics.on_frontend(stage, stamps[b] - stamps[a])
+                self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -136,11 +137,16 @@ class BodyLimit:
             return await _error(413, f"request body is larger than {self.limit} bytes (--max-request-body-bytes)",
                                 "invalid_request_error")(scope, receive, send)
         seen = 0
+        t0 = time.perf_counter()
+        metrics = getattr(getattr(scope.get("app"), "state", None), "kestrel", None)
+        metrics = getattr(metrics, "metrics", None)
 
         async def limited_receive():
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
+            if metrics is not None and message.get("type") == "http.request" and not message.get("more_body"):
+                metrics.on_frontend("receive", time.perf_counter() - t0)
             if seen > self.limit:  # FastAPI passes an HTTPException from the body read through unchanged
                 raise StarletteHTTPException(413, f"request body is larger than {self.limit} bytes "
                                                   f"(--max-request-body-bytes)")

@@ -75,6 +75,11 @@ class ServerMetrics:
                                          registry=r)
         self.finished = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 LABELS + ["finished_reason"], registry=r)
+        self.frontend = Histogram("kestrel:request_frontend_seconds", "Seconds a request spends in the frontend before "
+                                  "the engine, by stage: receive (HTTP body), render_wait (queued for a render "
+                                  "thread), render (template, tokenizer, image loading and processing), resume (the "
+                                  "event loop picking the result up).", ["model_name", "stage"], buckets=_LAT,
+                                  registry=r)
         self.engine_requests = Counter("kestrel_engine_requests", "Core requests routed to each engine.", LABELS,
                                        registry=r)
 
@@ -87,6 +92,9 @@ class ServerMetrics:
     # ---- AsyncEngine hooks
     def on_routed(self, engine: int) -> None:
         self.engine_requests.labels(*self._lv(engine)).inc()
+
+    def on_frontend(self, stage: str, seconds: float) -> None:
+        self.frontend.labels(self.model_name, stage).observe(seconds)
 
     def on_first_token(self, engine: int, ttft_s: float) -> None:
         self.ttft.labels(*self._lv(engine)).observe(ttft_s)
