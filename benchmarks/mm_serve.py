@@ -122,7 +122,7 @@ def server_means(url: str) -> dict:
     except OSError:
         return {}
     sums = {}
-    for m in re.finditer(r'^(vllm:time_to_first_token_seconds|kestrel:request_frontend_seconds)_(sum|count)'
+    for m in re.finditer(r'^(vllm:time_to_first_token_seconds|kestrel_request_frontend_seconds)_(sum|count)'
                          r'\{([^}]*)\} (\S+)$', text, re.M):
         stage = re.search(r'stage="(\w+)"', m[3])
         name = stage[1] if stage else "ttft"

@@ -75,7 +75,7 @@ class ServerMetrics:
                                          registry=r)
         self.finished = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 LABELS + ["finished_reason"], registry=r)
-        self.frontend = Histogram("kestrel:request_frontend_seconds", "Seconds a request spends in the frontend before "
+        self.frontend = Histogram("kestrel_request_frontend_seconds", "Seconds a request spends in the frontend before "
                                   "the engine, by stage: receive (HTTP body), render_wait (queued for a render "
                                   "thread), render (template, tokenizer, image loading and processing), resume (the "
                                   "event loop picking the result up).", ["model_name", "stage"], buckets=_LAT,

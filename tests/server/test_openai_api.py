@@ -1,6 +1,8 @@
 """Acceptance 1: the real openai client against a real server (engine core in its own process)."""
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
@@ -190,3 +192,17 @@ def test_metrics_exposed_under_vllm_names(server, client, model):
         assert all('model_name="llama"' in ln and 'engine="0"' in ln for ln in samples), samples
     gen = float(next(ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{")).split()[-1])
     assert gen >= 3
+
+
+def test_frontend_stage_histogram(server, client, model):
+    """Each chat request's time before the engine, by stage: the HTTP body and the render thread (wait, run, the
+    event loop resuming); every stage counts the new request."""
+    def counts() -> dict[str, float]:
+        _, text = http("GET", server.url + "/metrics")
+        return {m[1]: float(m[2]) for m in re.finditer(
+            r'^kestrel_request_frontend_seconds_count\{model_name="llama",stage="(\w+)"\} (\S+)$', text, re.M)}
+    before = counts()
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    after = counts()
+    for stage in ("receive", "render_wait", "render", "resume"):
+        assert after.get(stage, 0) >= before.get(stage, 0) + 1, (stage, before, after)
