@@ -9,6 +9,8 @@ import os
 import urllib.parse
 import urllib.request
 
+import pybase64
+
 from kestrel.errors import InvalidRequest
 
 
@@ -34,8 +36,8 @@ def _data_url(url: str, param: str) -> bytes:
     head, _, payload = url.partition(",")
     if not head.startswith("data:image/") or ";base64" not in head:
         raise InvalidRequest("a data URL must be data:image/<type>;base64,<data>", param=param)
-    try:  # strict mode validates in C (b64decode's validate=True runs a regex over the megabytes)
-        return binascii.a2b_base64(payload, strict_mode=True)
+    try:  # pybase64 (SIMD): binascii held the GIL for ~9 ms per 3 MB image, a third of a render's GIL time
+        return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"invalid base64 image data: {e}", param=param) from e
 
