@@ -32,6 +32,33 @@ def test_tensor_roundtrip_over_msgspec(dtype):
     assert isinstance(msgspec.msgpack.decode(encoder.encode(req)), dict)
 
 
+def _feature(pixels: torch.Tensor, sizes: torch.Tensor) -> MMFeature:
+    data = {"pixel_values": TensorData.from_tensor(pixels), "image_sizes": TensorData.from_tensor(sizes)}
+    return MMFeature(0, 4, hash_tensors({"pixel_values": pixels}), data)
+
+
+def test_encoder_inputs_keep_integer_metadata_on_the_host():
+    """Pixels go to the runner's device; image sizes stay on the host, where the model reads them as numbers (on a
+    GPU, reading them would wait for every queued step)."""
+    pixels, sizes = torch.randn(2, 3, 4, 4).to(torch.bfloat16), torch.tensor([480, 640])
+    got = _feature(pixels, sizes).tensors("cpu")
+    assert torch.equal(got["pixel_values"], pixels) and got["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(got["image_sizes"], sizes)
+    other = _feature(pixels, sizes).tensors("meta")  # a device other than the host's
+    assert other["pixel_values"].device.type == "meta" and other["pixel_values"].shape == pixels.shape
+    assert other["image_sizes"].device.type == "cpu" and other["image_sizes"].tolist() == [480, 640]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and a non-blocking copy need CUDA")
+def test_encoder_inputs_to_cuda_through_pinned_memory():
+    pixels, sizes = torch.randn(5, 3, 8, 8).to(torch.bfloat16), torch.tensor([600, 800])
+    feat = _feature(pixels, sizes)
+    assert feat.data["pixel_values"].to_pinned().is_pinned()
+    got = feat.tensors(torch.device("cuda"))
+    assert got["pixel_values"].is_cuda and torch.equal(got["pixel_values"].cpu(), pixels)
+    assert got["image_sizes"].device.type == "cpu" and got["image_sizes"].tolist() == [600, 800]
+
+
 def _request(rid, tokens, features=(), bidir=0):
     return Request(rid, list(tokens), SamplingParams(), max_tokens=4, mm_features=list(features),
                    bidirectional_len=bidir)
