@@ -6,8 +6,10 @@ with one image each, all added before the first step. Prints a table per workloa
   text, 1 token       decoder prefill alone on prompts of the same token counts (random ids)
 
 with the CPU time of adding the requests (image processor + template), the step loop's wall time, the GPU time of
-the vision encoder (CUDA events around embed_image) and the steps by kind. --trace also prints the top CUDA
-kernels of the 1-token image run (torch.profiler).
+the vision encoder (CUDA events around embed_image) and the steps by kind; then the serving pattern without the
+server (--concurrency requests in flight, the next admitted as one finishes, images processed beforehand): its
+requests/s, TTFT and E2E are what the engine gives a server whose frontend costs nothing. --trace also prints the
+top CUDA kernels of the 1-token image run (torch.profiler).
 
   python benchmarks/mm_profile.py --model-dir /tmp/llava-next-7b --num-requests 64
 """
