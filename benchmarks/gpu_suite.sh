@@ -11,7 +11,8 @@
 # Images (issue 15): mmvllm (LLaVA-NeXT-7B shape, one image per chat request: vLLM 0.26 server, then ours), or the
 #   halves mmv / mmk; mmrender (our frontend alone: render threads x torch threads, cold and warm); vsite (after
 #   staging vLLM: .whl2's transformers 5.5.3 + blake3 + prometheus_fastapi_instrumentator into /tmp/vsite, whose
-#   LLaVA path does not import under the image's transformers 5.17; carry [".whl2"]).
+#   LLaVA path does not import under the image's transformers 5.17; carry [".whl2"]); mmprof (the engine alone,
+#   offline: encoder time, prefill rates, a closed loop without the server); mmkw (GIL switch interval 5 vs 0.5 ms).
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
@@ -147,11 +148,10 @@ for s in $stages; do
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mmprof) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: where time goes
             timeout 300 python3 benchmarks/mm_profile.py --model-dir $M 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -12 ;;
-    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # frontend variants
+    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # frontend: GIL switch
             mkdir -p /tmp/si && echo "import sys; sys.setswitchinterval(0.0005)" > /tmp/si/sitecustomize.py
-            for v in default switch-interval httptools; do echo "--- $v"
+            for v in default switch-interval; do echo "--- $v"
               case $v in switch-interval) XP=/tmp/si: ;; *) XP= ;; esac
-              [ $v = httptools ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl3/*.whl
               PYTHONPATH=$XP$PYTHONPATH timeout 200 python3 benchmarks/mm_serve.py --model-dir $M \
                 --server-log "$OUT/kestrel_mm_$v.log" 2>&1 | tail -10; done ;;
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
