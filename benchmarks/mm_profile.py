@@ -24,18 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.mm_serve import IMAGE_SIZES, write_llava_next_7b  # noqa: E402
+from benchmarks.common import print_table  # noqa: E402
+from benchmarks.mm_serve import images, write_llava_next_7b  # noqa: E402
+from kestrel.bench.serve import pct  # noqa: E402
 
 PROMPT = "<|im_start|>user\n<image>\ndescribe the image in detail<|im_end|>\n<|im_start|>assistant\n"
-
-
-def images(n: int, seed: int = 0):
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-            for w, h in (IMAGE_SIZES[i % len(IMAGE_SIZES)] for i in range(n))]
 
 
 def sync() -> None:
@@ -106,11 +99,9 @@ def run(engine, prompts, params, label: str, timer, steps_of) -> dict:
                                                                  "decode steps")}}
 
 
-def closed_loop(engine, prompts, params, concurrency: int, label: str, timer) -> dict:
+def closed_loop(engine, prompts, params, concurrency: int, label: str, timer, steps_of) -> dict:
     """The serving pattern without the server: `concurrency` requests in flight, the next one admitted as one
     finishes. Images are processed before the clock starts (the server does it on render threads)."""
-    import statistics
-
     rendered = [engine.input_processor.process_images(p) for p in prompts]
     sync()
     queue, start, first, done = list(enumerate(rendered)), {}, {}, {}
@@ -127,19 +118,13 @@ def closed_loop(engine, prompts, params, concurrency: int, label: str, timer) ->
             if out.finished:
                 done[out.request_id] = now
     wall = time.perf_counter() - t0
-    ttft = sorted(first[r] - start[r] for r in start)
-    e2e = sorted(done[r] - start[r] for r in start)
+    steps_of.clear()
+    ttft = [first[r] - start[r] for r in start]
+    e2e = [done[r] - start[r] for r in start]
     n_img, enc_ms = timer.total_ms()
     return {"workload": label, "requests": len(prompts), "steps s": wall, "req/s": len(prompts) / wall,
-            "TTFT p50 ms": 1e3 * statistics.median(ttft), "TTFT p90 ms": 1e3 * ttft[int(0.9 * len(ttft))],
-            "E2E p50 ms": 1e3 * statistics.median(e2e), "encoder calls": n_img, "encoder GPU ms": enc_ms}
-
-
-def print_table(rows: list[dict]) -> None:
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+            "TTFT p50 ms": 1e3 * pct(ttft, 50), "TTFT p90 ms": 1e3 * pct(ttft, 90),
+            "E2E p50 ms": 1e3 * pct(e2e, 50), "encoder calls": n_img, "encoder GPU ms": enc_ms}
 
 
 def main(argv=None) -> int:
@@ -177,7 +162,7 @@ def main(argv=None) -> int:
         return s
     core.scheduler.schedule = recorded
 
-    imgs = images(args.num_requests)
+    imgs = images(args.num_requests, 0)
     img_prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs]
     gen = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
@@ -202,15 +187,12 @@ def main(argv=None) -> int:
         loop_prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}}
                         for im in images(args.closed_loop_requests, seed=2)]
         loop.append(closed_loop(engine, loop_prompts, gen, args.concurrency,
-                                f"images closed loop c={args.concurrency}", timer))
+                                f"images closed loop c={args.concurrency}", timer, steps_of))
         core.reset_prefix_cache()
 
-    print(f"\nLLaVA-NeXT-7B shape, {args.num_requests} requests, mean prompt {sum(lengths) / len(lengths):.0f} tokens, "
-          f"max_num_batched_tokens {core.config.scheduler.max_num_batched_tokens}\n")
-    print_table(rows)
-    if loop:
-        print()
-        print_table(loop)
+    print_table(f"LLaVA-NeXT-7B shape, {args.num_requests} requests, mean prompt {sum(lengths) / len(lengths):.0f} "
+                f"tokens, max_num_batched_tokens {core.config.scheduler.max_num_batched_tokens}", rows)
+    print_table(f"closed loop, {args.closed_loop_requests} requests", loop)
 
     if args.trace:
         from torch.profiler import ProfilerActivity, profile

@@ -67,16 +67,21 @@ def write_llava_next_7b(out: Path) -> Path:
     return out
 
 
-def image_urls(n: int, seed: int) -> list[str]:
+def images(n: int, seed: int) -> list:
+    """n random-pixel PIL images cycling through IMAGE_SIZES."""
     import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            for w, h in (IMAGE_SIZES[i % len(IMAGE_SIZES)] for i in range(n))]
+
+
+def image_urls(n: int, seed: int) -> list[str]:
     urls = []
-    for i in range(n):
-        w, h = IMAGE_SIZES[i % len(IMAGE_SIZES)]
+    for im in images(n, seed):
         buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        im.save(buf, format="PNG")
         urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
     return urls
 

@@ -28,13 +28,9 @@ class TensorData(msgspec.Struct, array_like=True):
         raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
         return cls(raw.numpy().tobytes(), name, list(t.shape))
 
-    def to_tensor(self) -> torch.Tensor:
-        flat = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8).copy())
-        return flat.view(_DTYPES[self.dtype]).reshape(self.shape)
-
-    def to_pinned(self) -> torch.Tensor:
-        """As to_tensor, in page-locked host memory (the source of a non-blocking copy to the GPU)."""
-        flat = torch.empty(len(self.data), dtype=torch.uint8, pin_memory=True)
+    def to_tensor(self, pinned: bool = False) -> torch.Tensor:
+        """A host tensor of its own; ``pinned``: in page-locked memory (the source of a non-blocking GPU copy)."""
+        flat = torch.empty(len(self.data), dtype=torch.uint8, pin_memory=pinned)
         flat.numpy()[:] = np.frombuffer(self.data, dtype=np.uint8)
         return flat.view(_DTYPES[self.dtype]).reshape(self.shape)
 
@@ -60,10 +56,10 @@ class MMFeature(msgspec.Struct, omit_defaults=True):
         device = torch.device(device) if device is not None else None
         out = {}
         for k, v in self.data.items():
-            if not torch.empty((), dtype=_DTYPES[v.dtype]).is_floating_point():
+            if not _DTYPES[v.dtype].is_floating_point:
                 out[k] = v.to_tensor()
             elif device is not None and device.type == "cuda":
-                out[k] = v.to_pinned().to(device, non_blocking=True)
+                out[k] = v.to_tensor(pinned=True).to(device, non_blocking=True)
             else:
                 out[k] = v.to_tensor().to(device)
         return out

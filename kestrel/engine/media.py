@@ -70,7 +70,8 @@ def _remote(url: str, cfg, param: str) -> bytes:
 
 def load_image_url(url: str, cfg, param: str):
     """The PIL image (RGB) behind an image_url, under the server's media policy (kestrel.config.MultiModalConfig)."""
-    scheme = url[:16].partition(":")[0].lower() if ":" in url[:16] else ""  # not urlparse: data URLs are megabytes
+    head, colon, _ = url[:16].partition(":")  # not urlparse: a data URL is megabytes
+    scheme = head.lower() if colon else ""
     if scheme == "data":
         raw = _data_url(url, param)
     elif scheme == "file":

@@ -53,7 +53,7 @@ def test_encoder_inputs_keep_integer_metadata_on_the_host():
 def test_encoder_inputs_to_cuda_through_pinned_memory():
     pixels, sizes = torch.randn(5, 3, 8, 8).to(torch.bfloat16), torch.tensor([600, 800])
     feat = _feature(pixels, sizes)
-    assert feat.data["pixel_values"].to_pinned().is_pinned()
+    assert feat.data["pixel_values"].to_tensor(pinned=True).is_pinned()
     got = feat.tensors(torch.device("cuda"))
     assert got["pixel_values"].is_cuda and torch.equal(got["pixel_values"].cpu(), pixels)
     assert got["image_sizes"].device.type == "cpu" and got["image_sizes"].tolist() == [600, 800]
