@@ -12,7 +12,7 @@
 #   halves mmv / mmk; mmrender (our frontend alone: render threads x torch threads, cold and warm); vsite (after
 #   staging vLLM: .whl2's transformers 5.5.3 + blake3 + prometheus_fastapi_instrumentator into /tmp/vsite, whose
 #   LLaVA path does not import under the image's transformers 5.17; carry [".whl2"]); mmprof (the engine alone,
-#   offline: encoder time, prefill rates, a closed loop without the server); mmkw (GIL switch interval 5 vs 0.5 ms).
+#   offline: encoder time, prefill rates, a closed loop without the server); mmkw (images on the server's render threads vs 8 render processes).
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
@@ -148,12 +148,10 @@ for s in $stages; do
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mmprof) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: where time goes
             timeout 300 python3 benchmarks/mm_profile.py --model-dir $M 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -12 ;;
-    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # frontend: GIL switch
-            mkdir -p /tmp/si && echo "import sys; sys.setswitchinterval(0.0005)" > /tmp/si/sitecustomize.py
-            for v in default switch-interval; do echo "--- $v"
-              case $v in switch-interval) XP=/tmp/si: ;; *) XP= ;; esac
-              PYTHONPATH=$XP$PYTHONPATH timeout 200 python3 benchmarks/mm_serve.py --model-dir $M \
-                --server-log "$OUT/kestrel_mm_$v.log" 2>&1 | tail -10; done ;;
+    mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # images: processes vs threads
+            for n in 0 8; do echo "--- --image-render-processes $n"
+              timeout 200 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm_p$n.log" \
+                --server-args "--load-format dummy --max-model-len 4096 --image-render-processes $n" 2>&1 | tail -10; done ;;
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;

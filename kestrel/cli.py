@@ -104,6 +104,9 @@ def check_args(args) -> None:
     workers = getattr(args, "renderer_num_workers", None)
     if workers is not None and workers < 1:
         raise ConfigError(f"--renderer-num-workers must be at least 1, got {workers}")
+    procs = getattr(args, "image_render_processes", None)
+    if procs is not None and procs < 0:
+        raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
 
 
 def build_parser() -> argparse.ArgumentParser:

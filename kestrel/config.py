@@ -28,9 +28,10 @@ class ModelConfig:
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
     max_logprobs: int = _f(20, "most logprobs or prompt_logprobs a request may ask for")
-    renderer_num_workers: int | None = _f(None, "server threads that tokenize, render chat templates and process "
-                                          "images off the event loop (default: 1 for text models; for image "
-                                          "models min(8, CPUs / 2), each with its own copy of the image processor)")
+    renderer_num_workers: int | None = _f(None, "server threads that tokenize and render chat templates off the "
+                                          "event loop, and process images when --image-render-processes is 0 "
+                                          "(default: 1 for text models; for image models min(8, CPUs / 2), each "
+                                          "with its own copy of the image processor)")
     gguf_cache_dir: str | None = _f("~/.cache/kestrel/gguf", "keep a dequantised copy of a .gguf model here for "
                                                              "fast loads (pass '' to turn it off)")
 
@@ -120,6 +121,9 @@ class MultiModalConfig:
                                                     "local files are refused)")
     max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
     max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
+    image_render_processes: int | None = _f(None, "server processes that load and preprocess images, each with "
+                                                  "its own GIL and image processor (default: min(8, CPUs / 2)); 0: "
+                                                  "the render threads do it in the server process")
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 generate() validates (InputProcessor), sends the core requests, and yields RequestOutputs with streaming deltas
 (OutputProcessor, incremental detokenization and stop strings). Callers tokenize and process images off the event
-loop first (run_tokenizer: the render threads, --renderer-num-workers), so a huge prompt or a large image never
-stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
+loop first (run_tokenizer: the render threads, --renderer-num-workers; an image model's images on the render
+processes, render_images and kestrel/engine/render_proc.py), so a huge prompt or a large image never stalls other
+clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
 request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
 finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
 engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead."""
@@ -21,8 +22,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from kestrel.config import EngineConfig
 from kestrel.engine.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import (InputProcessor, OutputProcessor, default_image_render_workers, display_prompt,
-                                     make_mm_processor)
+from kestrel.engine.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
+                                     display_prompt, make_mm_processor, mm_model_class)
 from kestrel.engine.protocol import EngineCoreOutputs
 from kestrel.engine.sampling_params import SamplingParams
 from kestrel.engine.utility import WaiterGuard
@@ -76,6 +77,7 @@ class AsyncEngine:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                thread_name_prefix="kestrel-render")
+        self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -89,10 +91,17 @@ class AsyncEngine:
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
         self.client.on_engine_restarted = self.loras.restore  # a restarted engine core gets the adapters back
-        _, self.tokenizer, mm = await asyncio.gather(
-            self.client.start(),
-            asyncio.to_thread(tokenizer_or_none, m, Path(path)),  # dummy weights without one: token ids only
-            asyncio.to_thread(make_mm_processor, self.config))
+        self.render_procs = await asyncio.to_thread(self._render_processes)
+        try:  # the render processes start beside the engine cores
+            _, self.tokenizer, mm, _ = await asyncio.gather(
+                self.client.start(),
+                asyncio.to_thread(tokenizer_or_none, m, Path(path)),  # dummy weights without one: token ids only
+                asyncio.to_thread(make_mm_processor, self.config),
+                self.render_procs.start() if self.render_procs is not None else asyncio.sleep(0))
+        except BaseException:
+            if self.render_procs is not None:
+                await self.render_procs.shutdown()
+            raise
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
@@ -106,6 +115,21 @@ class AsyncEngine:
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
+
+    def _render_processes(self):
+        """The render processes an image model's server loads and processes images on (not started yet); None for
+        a text model, with --image-render-processes 0, or beside an in-process engine core (tests, offline)."""
+        from kestrel.engine.render_proc import RenderProcesses
+
+        num = self.config.multimodal.image_render_processes
+        if num == 0 or isinstance(self.client, InprocClient):
+            return None
+        try:
+            if mm_model_class(self.config) is None:
+                return None
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint: the engine core's start-up reports it
+            return None
+        return RenderProcesses(self.config, num if num is not None else default_image_render_workers())
 
     async def _start_image_rendering(self, mm, device: str) -> None:
         """Image models: pixels sent in the engine's model dtype, more render threads by default, torch ops in this
@@ -125,6 +149,8 @@ class AsyncEngine:
             self._render_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
         if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
             torch.set_num_threads(1)
+        if self.render_procs is not None:  # the render threads only render chat templates
+            return
         barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
 
         def warm_up() -> None:
@@ -145,6 +171,8 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         await self.client.shutdown()
+        if self.render_procs is not None:
+            await self.render_procs.shutdown()
         self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -178,6 +206,19 @@ class AsyncEngine:
                 for stage, a, b in (("render_wait", 0, 1), ("render", 1, 2)):
                     self.metrics.on_frontend(stage, stamps[b] - stamps[a])
                 self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
+
+    async def render_images(self, prompt: dict) -> ProcessedPrompt:
+        """A rendered chat prompt whose images are ImageURLs (InputProcessor.render_chat of parts resolved with
+        load=False) -> its token ids and image features, from a render process."""
+        urls = prompt["multi_modal_data"]["image"]
+        dtype = self.input_processor.mm.pixel_dtype
+        res, seconds = await self.render_procs.render(
+            prompt["prompt"], [u.url for u in urls], [u.param for u in urls], prompt.get("add_special_tokens", True),
+            str(dtype).removeprefix("torch.") if dtype is not None else None)
+        if self.metrics is not None:
+            self.metrics.on_frontend("image_wait", max(0.0, seconds - res.seconds))
+            self.metrics.on_frontend("image_render", res.seconds)
+        return ProcessedPrompt(res.token_ids, res.features, res.bidirectional_len, prompt["prompt"])
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

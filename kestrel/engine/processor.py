@@ -60,9 +60,9 @@ def display_prompt(prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
-def make_mm_processor(config, hf_config=None):
-    """The frontend's image processor for a multimodal checkpoint (None for text-only models)."""
-    from kestrel.engine.mm_processor import MultiModalProcessor, is_multimodal
+def mm_model_class(config, hf_config=None):
+    """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
+    from kestrel.engine.mm_processor import is_multimodal
     from kestrel.loader import default_model_path, load_hf_config
     from kestrel.models.registry import get_model_class
 
@@ -72,14 +72,24 @@ def make_mm_processor(config, hf_config=None):
         return None
     hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
     model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
-    if not is_multimodal(model_cls):
+    return (path, hf_config, model_cls) if is_multimodal(model_cls) else None
+
+
+def make_mm_processor(config, hf_config=None):
+    """The frontend's image processor for a multimodal checkpoint (None for text-only models)."""
+    from kestrel.engine.mm_processor import MultiModalProcessor
+
+    found = mm_model_class(config, hf_config)
+    if found is None:
         return None
-    return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt, m.trust_remote_code)
+    path, hf_config, model_cls = found
+    return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt,
+                               config.model.trust_remote_code)
 
 
 def default_image_render_workers() -> int:
-    """Render threads of an image model's server: image decoding, resizing and normalising release the GIL for
-    most of their work, so a few threads keep up with many image requests."""
+    """Render processes (or threads) of an image model's server: half the CPUs, at most 8, keep up with many image
+    requests and leave the rest to the event loop and the engine cores."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     return max(1, min(8, cpus // 2))
 

@@ -1,11 +1,16 @@
-"""Images through the OpenAI chat API on a real server (tiny LLaVA-NeXT): the `openai` client's base64 image gets
-the offline API's text; concurrent image requests on three render threads get what they get one at a time; bad
-images, disallowed URLs and too many images get a 400 naming the content part, and the engine serves a normal
-request right after."""
+"""Images through the OpenAI chat API on a real server (tiny LLaVA-NeXT), with the images on two render processes
+and, once more, on three render threads in the server process: the `openai` client's base64 image gets the offline
+API's text; concurrent image requests get what they get one at a time; bad images, disallowed URLs and too many
+images get a 400 naming the content part, and the engine serves a normal request right after; a render process
+that dies is replaced and image requests are served again."""
 from __future__ import annotations
 
 import base64
 import io
+import os
+import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -38,13 +43,22 @@ def media_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def mm_server(tiny_mm_models, media_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, 0], ids=["render_processes", "render_threads"])
+def mm_server(request, tiny_mm_models, media_dir, tmp_path_factory):
     s = Server(tiny_mm_models["llava_next"], tmp_path_factory.mktemp("mm_logs") / "server.log",
                extra=["--limit-mm-per-prompt", "2", "--allowed-local-media-path", str(media_dir),
-                      "--allowed-media-domains", "images.example.org", "--renderer-num-workers", "3"]).wait_ready()
+                      "--allowed-media-domains", "images.example.org", "--renderer-num-workers", "3",
+                      "--image-render-processes", str(request.param)]).wait_ready()
+    s.render_processes = request.param
     yield s
     s.stop()
+
+
+def render_pids(server) -> dict[int, int]:
+    """Render process index -> its latest pid, from the "render process N ready (pid P)" log lines."""
+    server.log.flush()
+    return {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"render process (\d+) ready \(pid (\d+)\)", server.log_path.read_text())}
 
 
 def test_openai_client_image_matches_offline(mm_server, tiny_mm_models, media_dir):
@@ -84,7 +98,9 @@ def test_concurrent_image_requests_on_render_threads(mm_server):
         assert status == 200, body
         return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
 
-    assert "3 render thread(s) ready for images" in mm_server.log_path.read_text()  # warmed up before serving
+    ready = ("2 render process(es) ready for images" if mm_server.render_processes else
+             "3 render thread(s) ready for images")
+    assert ready in mm_server.log_path.read_text()  # warmed up before serving
     one_by_one = [ask(i) for i in range(len(images))]
     with ThreadPoolExecutor(len(images)) as pool:
         together = list(pool.map(ask, range(len(images))))
@@ -136,3 +152,26 @@ def test_oversized_image_and_then_a_normal_request(mm_server):
     status, body = http("POST", mm_server.url + CH, {"messages": image_message(data_url(sample_images()[2])),
                                                      "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_dead_render_process_is_replaced(mm_server):
+    """SIGKILL one render process: it is started again (a new pid) and image requests are served as before."""
+    if not mm_server.render_processes:
+        pytest.skip("the render-thread server has no render processes")
+    img = data_url(sample_images()[0])
+    status, body = http("POST", mm_server.url + CH, {"messages": image_message(img), "max_tokens": 4,
+                                                     "temperature": 0})
+    assert status == 200, body
+    before = render_pids(mm_server)
+    assert len(before) == 2
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while render_pids(mm_server).get(0) == before[0] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert render_pids(mm_server)[0] != before[0]
+    assert "render process 0 died" in mm_server.log_path.read_text()
+    for _ in range(4):  # both processes serve again (the least busy one takes each request)
+        status, again = http("POST", mm_server.url + CH, {"messages": image_message(img), "max_tokens": 4,
+                                                          "temperature": 0})
+        assert status == 200, again
+        assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]

@@ -1,0 +1,281 @@
+"""Image requests rendered in worker processes: an image model's server sends each request's image URLs and
+chat-template text to one of N render processes (--image-render-processes), which loads the images (base64 / file /
+allowed host), runs the HF image processor and hashes the pixels, and sends back the token ids and features.
+
+Why processes: in the server process the render threads and the event loop share one GIL, and an image request
+holds it for tens of milliseconds (PNG bytes to arrays, the processor's Python and tensor conversions), so under
+load every request waited for the others' rendering. A worker has its own GIL; the server's event loop only moves
+bytes. Messages are msgspec over a local ZeroMQ socket (never pickle); a worker that dies fails its own requests
+with a 500 and is started again, and it exits when the server process is gone."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kestrel.core.multimodal import MMFeature
+from kestrel.errors import InvalidRequest, KestrelError
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+PARENT_POLL_MS = 1000
+
+
+class RenderJob(msgspec.Struct, array_like=True):
+    job_id: int
+    prompt: str  # the chat template's text: one image token per image
+    image_urls: list[str]
+    params: list[str]  # each URL's content part, named in errors
+    add_special_tokens: bool
+    pixel_dtype: str | None  # the engine's model dtype (pixels are sent in it), None: the processor's own
+
+
+class RenderStatus(msgspec.Struct, tag="status"):
+    """A worker's first message: ready, or why it could not start."""
+    ok: bool
+    message: str = ""
+
+
+class RenderResult(msgspec.Struct, omit_defaults=True, tag="result"):
+    job_id: int
+    token_ids: list[int] = []
+    features: list[MMFeature] = []
+    bidirectional_len: int = 0
+    seconds: float = 0.0  # the worker's time on the job
+    error: str | None = None
+    error_param: str | None = None
+    internal: bool = False  # the worker failed (500), not the request (400)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_job_decoder = msgspec.msgpack.Decoder(RenderJob)
+_reply_decoder = msgspec.msgpack.Decoder(RenderStatus | RenderResult)
+
+
+class RenderWorkerDied(KestrelError):
+    """The render process working on a request died; the server starts another (HTTP 500)."""
+
+
+# ---- the worker process
+def run_render_worker(config_dict: dict, addr: str, index: int, parent_pid: int, log_level: int) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles Ctrl-C and stops its workers
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s render{index}: %(message)s",
+                        datefmt="%H:%M:%S")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, worker_identity(index))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    try:
+        try:
+            render = _make_renderer(config_dict)
+        except BaseException as e:  # noqa: BLE001 - report why start-up failed, then exit non-zero
+            logger.error("render process %d failed to start: %s", index, traceback.format_exc())
+            sock.send(_encoder.encode(RenderStatus(False, f"{type(e).__name__}: {e}")))
+            raise SystemExit(1)
+        sock.send(_encoder.encode(RenderStatus(True)))
+        logger.info("render process %d ready (pid %d)", index, os.getpid())
+        while True:
+            if not sock.poll(PARENT_POLL_MS):
+                if os.getppid() != parent_pid:
+                    logger.warning("server process %d is gone; render process %d exits", parent_pid, index)
+                    return
+                continue
+            payload = sock.recv()
+            if not payload:  # the server's stop message
+                return
+            sock.send(_encoder.encode(render(_job_decoder.decode(payload))))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _make_renderer(config_dict: dict):
+    import torch
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.media import load_image_url
+    from kestrel.engine.processor import InputProcessor, make_mm_processor
+
+    torch.set_num_threads(1)  # the processes are the parallelism
+    config = EngineConfig.from_dict(config_dict)
+    mm = make_mm_processor(config)
+    if mm is None:
+        raise ValueError(f"{config.model.model} is not an image model")
+    inputs = InputProcessor(None, 0, 0, None, mm=mm, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+    mm.warm_up()  # the processor's lazy imports and first allocations, before the first request
+
+    def render(job: RenderJob) -> RenderResult:
+        t0 = time.perf_counter()
+        try:
+            mm.pixel_dtype = getattr(torch, job.pixel_dtype) if job.pixel_dtype else None
+            images = [load_image_url(url, config.multimodal, param) for url, param in zip(job.image_urls, job.params)]
+            out = inputs.process_images({"prompt": job.prompt, "multi_modal_data": {"image": images},
+                                         "add_special_tokens": job.add_special_tokens})
+            return RenderResult(job.job_id, out.token_ids, out.features, out.bidirectional_len,
+                                time.perf_counter() - t0)
+        except InvalidRequest as e:
+            return RenderResult(job.job_id, error=e.message, error_param=e.param)
+        except Exception as e:  # noqa: BLE001 - the request fails with a 500; the worker serves the next one
+            logger.exception("rendering request %d failed", job.job_id)
+            return RenderResult(job.job_id, error=f"{type(e).__name__}: {e}", internal=True)
+    return render
+
+
+def worker_identity(index: int) -> bytes:
+    return b"render-%d" % index
+
+
+# ---- the server side
+class RenderProcesses:
+    """N render processes behind one ROUTER socket. `render` sends a job to the worker with the fewest jobs in
+    flight and awaits its result; one task reads results, another restarts workers that died."""
+
+    def __init__(self, config, num: int):
+        self.config = config
+        self.num = num
+        self.procs: list = [None] * num
+        self.ready: list[bool] = [False] * num
+        self._inflight: dict[int, tuple[int, asyncio.Future]] = {}  # job id -> (worker, its future)
+        self._jobs = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._dir = None
+        self._ready_event: asyncio.Event | None = None
+        self._start_error: str | None = None
+
+    async def start(self) -> "RenderProcesses":
+        t0 = time.perf_counter()
+        self._dir = tempfile.mkdtemp(prefix="kestrel-render-")
+        self._addr = f"ipc://{self._dir}/render"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its identity
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self._addr)
+        self._ready_event = asyncio.Event()
+        for i in range(self.num):
+            self._spawn(i)
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), READY_TIMEOUT_S)
+        except TimeoutError:
+            self._start_error = self._start_error or f"not ready after {READY_TIMEOUT_S:.0f} s"
+        if self._start_error is not None:
+            await self.shutdown()
+            raise RuntimeError(f"render processes failed to start: {self._start_error}")
+        logger.info("%d render process(es) ready for images in %.1f s", self.num, time.perf_counter() - t0)
+        return self
+
+    def _spawn(self, i: int) -> None:
+        p = multiprocessing.get_context("spawn").Process(
+            target=run_render_worker, name=f"kestrel-render-{i}", daemon=True,
+            args=(self.config.to_dict(), self._addr, i, os.getpid(), logging.getLogger("kestrel").getEffectiveLevel()))
+        p.start()
+        self.procs[i] = p
+        self.ready[i] = False
+
+    async def render(self, prompt: str, image_urls: list[str], params: list[str], add_special_tokens: bool,
+                     pixel_dtype: str | None):
+        """-> (RenderResult, seconds from send to result). Raises InvalidRequest for the request's own faults."""
+        live = [i for i in range(self.num) if self.ready[i]]
+        if not live:
+            raise RenderWorkerDied("no render process is running (restarting)")
+        load = {i: 0 for i in live}
+        for w, _ in self._inflight.values():
+            if w in load:
+                load[w] += 1
+        worker = min(live, key=load.__getitem__)
+        job_id = next(self._jobs)
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[job_id] = (worker, fut)
+        t0 = time.perf_counter()
+        try:
+            try:
+                await self._sock.send_multipart([worker_identity(worker), _encoder.encode(
+                    RenderJob(job_id, prompt, image_urls, params, add_special_tokens, pixel_dtype))], copy=False)
+            except zmq.ZMQError as e:  # the worker's socket is gone: it died just now
+                raise RenderWorkerDied(f"render process {worker} is not reachable ({e})") from e
+            res: RenderResult = await fut
+        finally:
+            self._inflight.pop(job_id, None)
+        if res.error is not None:
+            if res.internal:
+                raise KestrelError(f"rendering the images failed: {res.error}")
+            raise InvalidRequest(res.error, param=res.error_param)
+        return res, time.perf_counter() - t0
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                ident, payload = await self._sock.recv_multipart()
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            msg = _reply_decoder.decode(payload)
+            if isinstance(msg, RenderStatus):
+                i = int(ident.rsplit(b"-", 1)[1])
+                if msg.ok:
+                    self.ready[i] = True
+                    if all(self.ready):
+                        self._ready_event.set()
+                elif not self._ready_event.is_set():
+                    self._start_error = f"render process {i}: {msg.message}"
+                    self._ready_event.set()
+                else:  # a restarted worker: the watcher starts it again after it exits
+                    logger.error("render process %d failed to start again: %s", i, msg.message)
+                continue
+            res = msg
+            entry = self._inflight.get(res.job_id)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(res)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for i, p in enumerate(self.procs):
+                if p is None or p.is_alive():
+                    continue
+                why = f"render process {i} died (exit code {p.exitcode})"
+                if not self._ready_event.is_set():  # during start-up: fail the start
+                    self._start_error = self._start_error or why
+                    self._ready_event.set()
+                    return
+                logger.error("%s; starting another", why)
+                for w, fut in list(self._inflight.values()):
+                    if w == i and not fut.done():
+                        fut.set_exception(RenderWorkerDied(f"{why} while rendering this request"))
+                self._spawn(i)
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for i, p in enumerate(self.procs):
+            if p is not None and p.is_alive():
+                try:
+                    self._sock.send_multipart([worker_identity(i), b""], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 3
+        for p in self.procs:
+            if p is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+        self._sock.close(0)
+        self._ctx.term()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
