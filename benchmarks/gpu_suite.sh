@@ -135,7 +135,8 @@ for s in $stages; do
               --max-model-len 4096 --host 127.0.0.1 --port 8011 > "$OUT/vllm_mm.log" 2>&1 & VP=$!
             for i in $(seq 200); do curl -sf http://127.0.0.1:8011/health > /dev/null && break
               kill -0 $VP 2> /dev/null || { echo "vLLM server exited:"; grep -i error "$OUT/vllm_mm.log" | tail -5; break; }; sleep 2; done
-            echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 2>&1 | tail -12
+            echo "--- vLLM 0.26 (ready after ~$((i * 2)) s)"; timeout 300 python3 benchmarks/mm_serve.py --url http://127.0.0.1:8011 \
+              --num-requests ${MM_REQUESTS:-128} 2>&1 | tail -12
             kill $VP 2> /dev/null; wait $VP 2> /dev/null ;;
     mmvllm) M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: vLLM, then us
             PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} python3 -m vllm.entrypoints.openai.api_server --model $M --load-format dummy \
@@ -150,7 +151,7 @@ for s in $stages; do
             timeout 300 python3 benchmarks/mm_profile.py --model-dir $M 2>&1 | grep -v Warning | tee "$OUT/mm_profile.txt" | tail -12 ;;
     mmkw)   M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # images: processes vs threads
             for n in 0 8; do echo "--- --image-render-processes $n"
-              timeout 200 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm_p$n.log" \
+              timeout 200 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm_p$n.log" --num-requests ${MM_REQUESTS:-128} \
                 --server-args "--load-format dummy --max-model-len 4096 --image-render-processes $n" 2>&1 | tail -10; done ;;
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;

@@ -207,18 +207,19 @@ class AsyncEngine:
                     self.metrics.on_frontend(stage, stamps[b] - stamps[a])
                 self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
 
-    async def render_images(self, prompt: dict) -> ProcessedPrompt:
-        """A rendered chat prompt whose images are ImageURLs (InputProcessor.render_chat of parts resolved with
-        load=False) -> its token ids and image features, from a render process."""
-        urls = prompt["multi_modal_data"]["image"]
+    async def render_chat_images(self, messages: list[dict], add_generation_prompt: bool,
+                                 chat_template: str | None, template_kwargs: dict, tools: list[dict] | None
+                                 ) -> ProcessedPrompt:
+        """Chat messages with image_url parts -> token ids and image features, rendered by a render process (the
+        template, the images and the image processor)."""
         dtype = self.input_processor.mm.pixel_dtype
         res, seconds = await self.render_procs.render(
-            prompt["prompt"], [u.url for u in urls], [u.param for u in urls], prompt.get("add_special_tokens", True),
-            str(dtype).removeprefix("torch.") if dtype is not None else None)
+            messages, add_generation_prompt, chat_template or self.input_processor.chat_template, template_kwargs,
+            tools, str(dtype).removeprefix("torch.") if dtype is not None else None)
         if self.metrics is not None:
-            self.metrics.on_frontend("image_wait", max(0.0, seconds - res.seconds))
-            self.metrics.on_frontend("image_render", res.seconds)
-        return ProcessedPrompt(res.token_ids, res.features, res.bidirectional_len, prompt["prompt"])
+            self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
+            self.metrics.on_frontend("render", res.seconds)
+        return ProcessedPrompt(res.token_ids, res.features, res.bidirectional_len, res.prompt)
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

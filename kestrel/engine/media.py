@@ -8,7 +8,6 @@ import io
 import os
 import urllib.parse
 import urllib.request
-from typing import NamedTuple
 
 import pybase64
 
@@ -84,15 +83,9 @@ def load_image_url(url: str, cfg, param: str):
     return decode_image(raw, cfg, param)
 
 
-class ImageURL(NamedTuple):
-    """An image_url not loaded yet (a render process loads it) and the content part that named it."""
-    url: str
-    param: str
-
-
-def resolve_image_parts(messages: list[dict], cfg, load: bool = True) -> list[dict]:
+def resolve_image_parts(messages: list[dict], cfg) -> list[dict]:
     """OpenAI content parts -> the parts the chat renderer takes: image_url parts become {"type": "image",
-    "image": PIL image} (``load=False``: an ImageURL); at most cfg.limit_mm_per_prompt of them."""
+    "image": PIL image}; at most cfg.limit_mm_per_prompt of them."""
     out, count = [], 0
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -111,14 +104,11 @@ def resolve_image_parts(messages: list[dict], cfg, load: bool = True) -> list[di
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
                 if not url:
                     raise InvalidRequest("an image_url part needs image_url.url", param=param)
-                param = f"{param}.image_url"
-                parts.append({"type": "image", "image": load_image_url(url, cfg, param) if load else ImageURL(url, param)})
+                parts.append({"type": "image", "image": load_image_url(url, cfg, f"{param}.image_url")})
             elif kind == "text":
                 parts.append({"type": "text", "text": part.get("text") or ""})
             elif kind == "image":
                 count += 1
-                if not load:
-                    raise InvalidRequest("an image part of a request must be an image_url", param=param)
                 parts.append(part)
             else:
                 raise InvalidRequest(f"content part type {kind!r} is not supported", param=param)

@@ -1,12 +1,13 @@
-"""Image requests rendered in worker processes: an image model's server sends each request's image URLs and
-chat-template text to one of N render processes (--image-render-processes), which loads the images (base64 / file /
-allowed host), runs the HF image processor and hashes the pixels, and sends back the token ids and features.
+"""Image chat requests rendered in worker processes: an image model's server sends each chat request's messages
+(image parts still URLs) to one of N render processes (--image-render-processes), which renders the chat template,
+loads the images (base64 / file / allowed host), runs the HF image processor and hashes the pixels, and sends back
+the token ids and image features.
 
 Why processes: in the server process the render threads and the event loop share one GIL, and an image request
-holds it for tens of milliseconds (PNG bytes to arrays, the processor's Python and tensor conversions), so under
-load every request waited for the others' rendering. A worker has its own GIL; the server's event loop only moves
-bytes. Messages are msgspec over a local ZeroMQ socket (never pickle); a worker that dies fails its own requests
-with a 500 and is started again, and it exits when the server process is gone."""
+holds it for tens of milliseconds (PNG bytes to arrays, the processor's Python and tensor conversions, the Jinja
+template), so under load every request waited for the others' rendering. A worker has its own GIL; the server's
+event loop only moves bytes. Messages are msgspec over a local ZeroMQ socket (never pickle); a worker that dies
+fails its own requests with a 500 and is started again, and it exits when the server process is gone."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ import signal
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -35,10 +37,11 @@ PARENT_POLL_MS = 1000
 
 class RenderJob(msgspec.Struct, array_like=True):
     job_id: int
-    prompt: str  # the chat template's text: one image token per image
-    image_urls: list[str]
-    params: list[str]  # each URL's content part, named in errors
-    add_special_tokens: bool
+    messages: list[dict]  # OpenAI chat messages, content parts as sent (image_url parts hold their URLs)
+    add_generation_prompt: bool
+    chat_template: str | None  # the request's or the server's template; None: the tokenizer's own
+    template_kwargs: dict
+    tools: list[dict] | None
     pixel_dtype: str | None  # the engine's model dtype (pixels are sent in it), None: the processor's own
 
 
@@ -50,6 +53,7 @@ class RenderStatus(msgspec.Struct, tag="status"):
 
 class RenderResult(msgspec.Struct, omit_defaults=True, tag="result"):
     job_id: int
+    prompt: str = ""  # the chat template's text
     token_ids: list[int] = []
     features: list[MMFeature] = []
     bidirectional_len: int = 0
@@ -107,25 +111,30 @@ def _make_renderer(config_dict: dict):
     import torch
 
     from kestrel.config import EngineConfig
-    from kestrel.engine.media import load_image_url
-    from kestrel.engine.processor import InputProcessor, make_mm_processor
+    from kestrel.engine.media import resolve_image_parts
+    from kestrel.engine.processor import InputProcessor, ProcessedPrompt, make_mm_processor
+    from kestrel.loader import default_model_path, tokenizer_or_none
 
     torch.set_num_threads(1)  # the processes are the parallelism
     config = EngineConfig.from_dict(config_dict)
     mm = make_mm_processor(config)
     if mm is None:
         raise ValueError(f"{config.model.model} is not an image model")
-    inputs = InputProcessor(None, 0, 0, None, mm=mm, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+    tokenizer = tokenizer_or_none(config.model, Path(config.model.model or default_model_path()))
+    inputs = InputProcessor(tokenizer, 0, 0, None, mm=mm, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
     mm.warm_up()  # the processor's lazy imports and first allocations, before the first request
 
     def render(job: RenderJob) -> RenderResult:
         t0 = time.perf_counter()
         try:
             mm.pixel_dtype = getattr(torch, job.pixel_dtype) if job.pixel_dtype else None
-            images = [load_image_url(url, config.multimodal, param) for url, param in zip(job.image_urls, job.params)]
-            out = inputs.process_images({"prompt": job.prompt, "multi_modal_data": {"image": images},
-                                         "add_special_tokens": job.add_special_tokens})
-            return RenderResult(job.job_id, out.token_ids, out.features, out.bidirectional_len,
+            messages = resolve_image_parts(job.messages, config.multimodal)
+            prompt = inputs.render_chat(messages, job.add_generation_prompt, job.chat_template,
+                                        job.template_kwargs, job.tools)
+            out = inputs.process_images(prompt)
+            if not isinstance(out, ProcessedPrompt):  # no image after all: the template's text alone
+                out = ProcessedPrompt(inputs.tokenize(out, add_special_tokens=False), [], 0, out)
+            return RenderResult(job.job_id, out.text or "", out.token_ids, out.features, out.bidirectional_len,
                                 time.perf_counter() - t0)
         except InvalidRequest as e:
             return RenderResult(job.job_id, error=e.message, error_param=e.param)
@@ -188,8 +197,8 @@ class RenderProcesses:
         self.procs[i] = p
         self.ready[i] = False
 
-    async def render(self, prompt: str, image_urls: list[str], params: list[str], add_special_tokens: bool,
-                     pixel_dtype: str | None):
+    async def render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                     template_kwargs: dict, tools: list[dict] | None, pixel_dtype: str | None):
         """-> (RenderResult, seconds from send to result). Raises InvalidRequest for the request's own faults."""
         live = [i for i in range(self.num) if self.ready[i]]
         if not live:
@@ -206,7 +215,8 @@ class RenderProcesses:
         try:
             try:
                 await self._sock.send_multipart([worker_identity(worker), _encoder.encode(
-                    RenderJob(job_id, prompt, image_urls, params, add_special_tokens, pixel_dtype))], copy=False)
+                    RenderJob(job_id, messages, add_generation_prompt, chat_template, template_kwargs, tools,
+                              pixel_dtype))], copy=False)
             except zmq.ZMQError as e:  # the worker's socket is gone: it died just now
                 raise RenderWorkerDied(f"render process {worker} is not reachable ({e})") from e
             res: RenderResult = await fut

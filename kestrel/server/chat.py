@@ -42,14 +42,8 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
         from kestrel.engine.media import resolve_image_parts
 
         parts = [m.as_parts() for m in req.messages]
-        if engine.render_procs is not None:  # the template here, the images on a render process
-            def render_template() -> dict | str:
-                messages = resolve_image_parts(parts, engine.config.multimodal, load=False)
-                return engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs,
-                                                          tools)
-
-            prompt = await engine.run_tokenizer(render_template)
-            return await engine.render_images(prompt) if isinstance(prompt, dict) else prompt
+        if engine.render_procs is not None:  # template, images and image processor in a render process
+            return await engine.render_chat_images(parts, req.add_generation_prompt, template, kwargs, tools)
 
         def render_with_images() -> dict | str:
             messages = resolve_image_parts(parts, engine.config.multimodal)

@@ -78,8 +78,8 @@ class ServerMetrics:
         self.frontend = Histogram("kestrel_request_frontend_seconds", "Seconds a request spends in the frontend before "
                                   "the engine, by stage: receive (HTTP body), render_wait (queued for a render "
                                   "thread), render (template, tokenizer, image loading and processing), resume (the "
-                                  "event loop picking the result up); with render processes image_wait (queued for "
-                                  "one, and the messages) and image_render (loading and processing the images).", ["model_name", "stage"], buckets=_LAT,
+                                  "event loop picking the result up); with render processes render_wait also holds "
+                                  "the messages there and back, and render is the process's work.", ["model_name", "stage"], buckets=_LAT,
                                   registry=r)
         self.engine_requests = Counter("kestrel_engine_requests", "Core requests routed to each engine.", LABELS,
                                        registry=r)
