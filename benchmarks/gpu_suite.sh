@@ -12,7 +12,8 @@
 #   halves mmv / mmk; mmrender (our frontend alone: render threads x torch threads, cold and warm); vsite (after
 #   staging vLLM: .whl2's transformers 5.5.3 + blake3 + prometheus_fastapi_instrumentator into /tmp/vsite, whose
 #   LLaVA path does not import under the image's transformers 5.17; carry [".whl2"]); mmprof (the engine alone,
-#   offline: encoder time, prefill rates, a closed loop without the server); mmkw (images on the server's render threads vs 8 render processes).
+#   offline: encoder time, prefill rates, a closed loop without the server); mmkw (images on the server's render threads vs 8 render processes); mmspy
+#   (py-spy of the frontend, the engine core and the client under load: benchmarks/mm_spy.sh).
 # Structured outputs (issue 18): structured (256 requests, a JSON schema on each vs none), structfill (the host's
 #   accept + bitmask fill per step, no GPU, by fill-thread count), structgpu (GPU + engine structured-output tests).
 # Tensor parallelism (issue 19): tp (mp executor + NCCL at TP 1 == in-process; TP 2 == TP 1 where 2 GPUs).
@@ -153,6 +154,7 @@ for s in $stages; do
             for n in 0 8; do echo "--- --image-render-processes $n"
               timeout 200 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm_p$n.log" --num-requests ${MM_REQUESTS:-128} \
                 --server-args "--load-format dummy --max-model-len 4096 --image-render-processes $n" 2>&1 | tail -10; done ;;
+    mmspy)  bash benchmarks/mm_spy.sh 2>&1 | tail -16 ;;  # issue 15: py-spy of frontend, engine core and client
     mmk)    M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null  # issue 15: our half only
             timeout 300 python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/kestrel_mm.log" 2>&1 | tail -12 ;;
     mlak)   timeout 200 python3 benchmarks/mla_decode.py 2>&1 | tee "$OUT/mla_decode.txt" | tail -14 ;;

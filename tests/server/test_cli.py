@@ -61,6 +61,7 @@ def test_bench_throughput_and_latency_run_outside_the_source_tree(server_model, 
     (["--attention-backend", "flash9"], "--attention-backend 'flash9' is not one of auto"),
     (["--moe-backend", "x"], "--moe-backend 'x' is not one of auto"),
     (["--renderer-num-workers", "0"], "--renderer-num-workers must be at least 1, got 0"),
+    (["--image-render-processes", "-1"], "--image-render-processes must be 0 or more, got -1"),
 ])
 def test_bad_backend_is_one_clear_line(server_model, args, words, capsys):
     from kestrel.cli import main
