@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from kestrel.config import EngineConfig
 from kestrel.engine import protocol as P
-from kestrel.engine.core_proc import engine_facts, engine_identity, run_engine_core, run_utility
+from kestrel.engine.core_proc import engine_facts, engine_identity, router_socket, run_engine_core, run_utility
 from kestrel.engine.utility import UtilityClient
 from kestrel.errors import EngineDead, KestrelError
 
@@ -259,11 +259,7 @@ class MPClient(EngineCoreClient):
         self._in_addr, self._out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.ROUTER)
-        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._input.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes over its identity
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(self._in_addr)
+        self._input = router_socket(self._ctx, self._in_addr)  # a restarted engine takes over its identity
         self._output = self._actx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self._out_addr)

@@ -31,6 +31,26 @@ logger = logging.getLogger("kestrel.engine.core_proc")
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still alive
 
 
+def router_socket(ctx, addr: str):
+    """The parent's end toward its worker processes (engine cores, render processes): a ROUTER bound at ``addr``
+    that fails a send to a worker not connected, and lets a restarted worker take over its identity."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr)
+    return sock
+
+
+def dealer_socket(ctx, addr: str, identity: bytes, linger_ms: int):
+    """A worker's end toward the parent's router_socket."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.connect(addr)
+    return sock
+
+
 def engine_identity(index: int) -> bytes:
     return index.to_bytes(2, "little")
 
@@ -45,10 +65,7 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s engine{engine_index}: %(message)s",
                         datefmt="%H:%M:%S")
     ctx = zmq.Context()
-    inp = ctx.socket(zmq.DEALER)
-    inp.setsockopt(zmq.IDENTITY, engine_identity(engine_index))
-    inp.setsockopt(zmq.LINGER, 1000)
-    inp.connect(input_addr)
+    inp = dealer_socket(ctx, input_addr, engine_identity(engine_index), 1000)
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(output_addr)

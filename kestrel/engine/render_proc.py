@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from kestrel.core.multimodal import MMFeature
+from kestrel.engine.core_proc import dealer_socket, router_socket
 from kestrel.errors import InvalidRequest, KestrelError
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,7 @@ def run_render_worker(config_dict: dict, addr: str, index: int, parent_pid: int,
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s render{index}: %(message)s",
                         datefmt="%H:%M:%S")
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, worker_identity(index))
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
+    sock = dealer_socket(ctx, addr, worker_identity(index), 0)
     try:
         try:
             render = _make_renderer(config_dict)
@@ -170,11 +168,7 @@ class RenderProcesses:
         self._dir = tempfile.mkdtemp(prefix="kestrel-render-")
         self._addr = f"ipc://{self._dir}/render"
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its identity
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(self._addr)
+        self._sock = router_socket(self._ctx, self._addr)  # a restarted worker takes over its identity
         self._ready_event = asyncio.Event()
         for i in range(self.num):
             self._spawn(i)
