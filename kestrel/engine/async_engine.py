@@ -2,9 +2,9 @@
 
 generate() validates (InputProcessor), sends the core requests, and yields RequestOutputs with streaming deltas
 (OutputProcessor, incremental detokenization and stop strings). Callers tokenize and process images off the event
-loop first (run_tokenizer: the render threads, --renderer-num-workers; an image model's images on the render
-processes, render_images and kestrel/engine/render_proc.py), so a huge prompt or a large image never stalls other
-clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
+loop first (run_tokenizer: the render threads, --renderer-num-workers; an image model's image chats on the
+render processes, render_chat_images and kestrel/engine/render_proc.py), so a huge prompt or a large image never
+stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
 request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
 finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
 engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead."""

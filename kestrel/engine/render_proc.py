@@ -119,7 +119,8 @@ def _make_renderer(config_dict: dict):
     if mm is None:
         raise ValueError(f"{config.model.model} is not an image model")
     tokenizer = tokenizer_or_none(config.model, Path(config.model.model or default_model_path()))
-    inputs = InputProcessor(tokenizer, 0, 0, None, mm=mm, max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+    inputs = InputProcessor(tokenizer, 0, 0, None, mm=mm,
+                            max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
     mm.warm_up()  # the processor's lazy imports and first allocations, before the first request
 
     def render(job: RenderJob) -> RenderResult:
@@ -162,6 +163,7 @@ class RenderProcesses:
         self._dir = None
         self._ready_event: asyncio.Event | None = None
         self._start_error: str | None = None
+        self._closed = False
 
     async def start(self) -> "RenderProcesses":
         t0 = time.perf_counter()
@@ -241,10 +243,9 @@ class RenderProcesses:
                 else:  # a restarted worker: the watcher starts it again after it exits
                     logger.error("render process %d failed to start again: %s", i, msg.message)
                 continue
-            res = msg
-            entry = self._inflight.get(res.job_id)
+            entry = self._inflight.get(msg.job_id)
             if entry is not None and not entry[1].done():
-                entry[1].set_result(res)
+                entry[1].set_result(msg)
 
     async def _watch(self) -> None:
         while True:
@@ -264,6 +265,13 @@ class RenderProcesses:
                 self._spawn(i)
 
     async def shutdown(self) -> None:
+        """Stop the workers; a start still waiting for them (the engine cores failed first) gives up at once."""
+        if self._closed or self._ready_event is None:  # stopped already, or never started
+            return
+        self._closed = True
+        if not self._ready_event.is_set():
+            self._start_error = self._start_error or "shut down while starting"
+            self._ready_event.set()
         for t in self._tasks:
             t.cancel()
         for i, p in enumerate(self.procs):

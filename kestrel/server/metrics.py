@@ -79,8 +79,8 @@ class ServerMetrics:
                                   "the engine, by stage: receive (HTTP body), render_wait (queued for a render "
                                   "thread), render (template, tokenizer, image loading and processing), resume (the "
                                   "event loop picking the result up); with render processes render_wait also holds "
-                                  "the messages there and back, and render is the process's work.", ["model_name", "stage"], buckets=_LAT,
-                                  registry=r)
+                                  "the messages there and back, and render is the process's work.",
+                                  ["model_name", "stage"], buckets=_LAT, registry=r)
         self.engine_requests = Counter("kestrel_engine_requests", "Core requests routed to each engine.", LABELS,
                                        registry=r)
 
