@@ -17,8 +17,8 @@ from common import SHAPES, git_commit, nano_workload, print_table, write_shape
 
 async def run_engine(model: str, dp: int, prompts, outs, args) -> dict:
     from kestrel.config import EngineConfig
-    from kestrel.engine.async_engine import AsyncEngine
-    from kestrel.engine.sampling_params import SamplingParams
+    from kestrel.frontend.async_engine import AsyncEngine
+    from kestrel.core.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     cfg = EngineConfig.create(model=model, load_format="dummy", data_parallel_size=dp,

@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     import torch
 
     from kestrel.config import EngineConfig
-    from kestrel.engine.frontend import LLMEngine
-    from kestrel.engine.sampling_params import SamplingParams
+    from kestrel.frontend.sync_engine import LLMEngine
+    from kestrel.core.sampling_params import SamplingParams
 
     if not (args.model_dir / "config.json").exists():
         write_llava_next_7b(args.model_dir)

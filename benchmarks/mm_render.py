@@ -34,7 +34,7 @@ def make_input_processor(folder: Path, pixel_dtype: str = "bfloat16"):
     from transformers import AutoTokenizer
 
     from kestrel.config import EngineConfig
-    from kestrel.engine.processor import InputProcessor, make_mm_processor
+    from kestrel.frontend.processor import InputProcessor, make_mm_processor
     from kestrel.loader import load_hf_config
 
     config = EngineConfig()
@@ -46,7 +46,7 @@ def make_input_processor(folder: Path, pixel_dtype: str = "bfloat16"):
 
 
 def render_one(inp, config, url: str, cpu: dict, lock: threading.Lock) -> int:
-    from kestrel.engine.media import resolve_image_parts
+    from kestrel.frontend.media import resolve_image_parts
 
     t0 = time.thread_time()
     messages = resolve_image_parts([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},

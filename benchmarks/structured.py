@@ -131,7 +131,7 @@ def main():
     args.tokenizer_vocab = args.tokenizer_vocab or (3000 if args.shape == "smoke" else 100000)
 
     from kestrel import LLM, SamplingParams
-    from kestrel.engine.sampling_params import StructuredOutputsParams
+    from kestrel.core.sampling_params import StructuredOutputsParams
 
     path = model_dir(args.shape, args.tokenizer_vocab)
     llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_num_seqs=256,

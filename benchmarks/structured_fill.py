@@ -26,7 +26,7 @@ import numpy as np
 from common import print_table
 from structured import SCHEMA, train_tokenizer
 
-from kestrel.engine.sampling_params import StructuredOutputsParams
+from kestrel.core.sampling_params import StructuredOutputsParams
 from kestrel.structured_output.manager import StructuredOutputManager, default_fill_threads
 
 

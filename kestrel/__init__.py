@@ -8,7 +8,7 @@ def __getattr__(name):  # lazy so that `import kestrel.engine.scheduler` stays l
 
         return LLM
     if name in ("SamplingParams", "StructuredOutputsParams"):
-        from kestrel.engine import sampling_params
+        from kestrel.core import sampling_params
 
         return getattr(sampling_params, name)
     raise AttributeError(name)

@@ -19,14 +19,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    from kestrel.engine.sampling_params import SamplingParams
+    from kestrel.core.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.sampling_seed)
 
 
 def _engine(args):
-    from kestrel.engine.frontend import LLMEngine
+    from kestrel.frontend.sync_engine import LLMEngine
 
     return LLMEngine(from_cli_args(args))
 

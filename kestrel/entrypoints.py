@@ -7,9 +7,9 @@ from typing import Sequence, Union
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
-from kestrel.engine.frontend import LLMEngine
-from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.frontend.sync_engine import LLMEngine
+from kestrel.frontend.outputs import RequestOutput
+from kestrel.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def _prompt_of(p: PromptType) -> str | list[int]:
     if not isinstance(p, dict):
         return p
     if "multi_modal_data" in p:
-        return p  # the input processor takes the dict (kestrel/engine/processor.py split_prompt)
+        return p  # the input processor takes the dict (kestrel/frontend/processor.py split_prompt)
     unknown = set(p) - {"prompt", "prompt_token_ids"}
     if unknown or len(p) != 1:
         raise ValueError(f"a prompt dict holds exactly one of 'prompt' or 'prompt_token_ids' (got keys {sorted(p)})")
@@ -84,7 +84,7 @@ class LLM:
         """Messages with string content, or OpenAI content parts: text, {"type": "image", "image": PIL image} and
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (local files and remote URLs as
         the engine's media options allow)."""
-        from kestrel.engine.media import resolve_image_parts
+        from kestrel.frontend.media import resolve_image_parts
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.input_processor.render_chat(resolve_image_parts(c, self.config.multimodal),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.engine.frontend import LLMEngine
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.frontend.sync_engine import LLMEngine
+from kestrel.core.sampling_params import SamplingParams
 
 NUM_TOKENS = 32
 

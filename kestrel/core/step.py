@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kestrel.core.multimodal import MMFeature
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
 
@@ -73,3 +73,11 @@ class StepInput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
+
+
+@dataclass
+class RunnerOutput:
+    """What a step gives back: per request id, the sampled token, its logprobs and this chunk's prompt logprobs."""
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, tuple] = field(default_factory=dict)  # req id -> (logprob, rank, top list)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # req id -> entries for this chunk

@@ -1,6 +1,6 @@
 """EngineCore: owns the scheduler, the KV manager and the executor (the model runner in-process, or tensor-parallel
 workers); step() = schedule -> execute -> update.
-Runs in-process (LLM.generate) or in its own process driven over ZeroMQ (engine/core_proc.py)."""
+Runs in-process (LLM.generate) or in its own process driven over ZeroMQ (ipc/core_proc.py)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from kestrel.config import EngineConfig
 from kestrel.engine.kv_cache import KVCacheManager
-from kestrel.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.engine.scheduler import Scheduler
 from kestrel.executor import make_executor

@@ -9,7 +9,7 @@ import hashlib
 
 from kestrel.core.multimodal import MMFeature, block_extra
 from kestrel.core.step import PLACEHOLDER, TokenSequence  # noqa: F401  (PLACEHOLDER re-exported)
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

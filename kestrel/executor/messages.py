@@ -14,8 +14,7 @@ import torch
 
 from kestrel.core import kv_spec
 from kestrel.core.kv_spec import KVCacheGroup
-from kestrel.core.step import StepInput
-from kestrel.worker.model_runner import RunnerOutput
+from kestrel.core.step import RunnerOutput, StepInput
 
 STEP, DESCRIBE, NUM_BLOCKS, INIT_CACHE, PRECOMPILE, SHUTDOWN = (
     b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"shutdown")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BLOCK_M = 16  # token rows per program of the Triton kernels (kestrel/kernels/triton_ops/lora.py)
+from kestrel.kernels.lora_layout import BLOCK_M
 
 
 class LoRAMapping:

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.config import EngineConfig, ServerConfig
-from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.utility import UtilityError, UtilityFanoutError
+from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
 from kestrel.server.common import ServerState

@@ -7,8 +7,8 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kestrel.engine.outputs import Logprob
-from kestrel.engine.processor import ProcessedPrompt
+from kestrel.frontend.outputs import Logprob
+from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
                                    stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest
@@ -33,13 +33,13 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None
 
 async def render_prompt(state: ServerState, req, tools: list[dict] | None = None) -> list[int] | ProcessedPrompt | str:
     """messages -> the chat template's text -> token ids (the template already holds the special tokens); with
-    image parts, the processed prompt (kestrel/engine/media.py loads the images, the image processor expands them).
+    image parts, the processed prompt (kestrel/frontend/media.py loads the images, the image processor expands them).
     Runs on a render thread: a huge conversation or a large image never stalls the event loop."""
     engine = state.engine
     template = state.chat_template(req)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
     if any(m.has_non_text_parts() for m in req.messages):
-        from kestrel.engine.media import resolve_image_parts
+        from kestrel.frontend.media import resolve_image_parts
 
         parts = [m.as_parts() for m in req.messages]
         if engine.render_procs is not None:  # template, images and image processor in a render process

@@ -12,8 +12,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 
 from kestrel.config import ServerConfig
-from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.outputs import RequestOutput
+from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.frontend.outputs import RequestOutput
 from kestrel.errors import InvalidRequest, KestrelError, ModelNotFound
 from kestrel.server.openai_protocol import MAX_CLIENT_REQUEST_ID, error_body
 

@@ -7,7 +7,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kestrel.engine.outputs import Logprob, RequestOutput
+from kestrel.frontend.outputs import Logprob, RequestOutput
 from kestrel.server.common import (ServerState, final_outputs, merge, prompt_logprobs_json, request_ids, sse_chunk,
                                    stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import CompletionRequest

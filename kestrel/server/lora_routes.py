@@ -1,5 +1,5 @@
 """LoRA admin routes (vLLM's names): POST /v1/load_lora_adapter {lora_name, lora_path} and
-POST /v1/unload_lora_adapter {lora_name}. Both fan out to every engine core (kestrel/lora/registry.py): the reply
+POST /v1/unload_lora_adapter {lora_name}. Both fan out to every engine core (kestrel/frontend/lora_registry.py): the reply
 is 200 when every engine applied the change; otherwise the change is undone where it succeeded and the error body
 names the engines that failed and why. The app decides who may call them (the `dependencies` it passes)."""
 from __future__ import annotations

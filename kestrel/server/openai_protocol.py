@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.errors import InvalidRequest
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]

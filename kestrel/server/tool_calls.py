@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kestrel.engine.sampling_params import StructuredOutputsParams
+from kestrel.core.sampling_params import StructuredOutputsParams
 from kestrel.errors import InvalidRequest
 from kestrel.server.reasoning import ReasoningParser
 from kestrel.server.tool_parsers import ToolCall, ToolParser, new_call_id

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from kestrel.worker.sampler import to_device
+from kestrel.core.device import to_device
 
 _BITS: dict[torch.device, torch.Tensor] = {}
 

@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kestrel.engine.sampling_params import StructuredOutputsParams
+from kestrel.core.sampling_params import StructuredOutputsParams
 from kestrel.structured_output.bitmask import StepBitmask, bitmask_width
-from kestrel.structured_output.grammar import build_grammar
+from kestrel.core.grammar import build_grammar
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 
 from kestrel.core.multimodal import MMFeature
 from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -14,13 +14,14 @@ from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
-from kestrel.core.step import PLACEHOLDER, ScheduledChunk, StepInput
+from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
-from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs, to_device
+from kestrel.core.device import to_device
+from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,6 @@ class InFlight:
     @property
     def samples(self) -> bool:
         return self.tokens is not None
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple] = field(default_factory=dict)  # req id -> (logprob, rank, top list)
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # req id -> entries for this chunk
 
 
 def pick_device(name: str) -> torch.device:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.device import to_device
+from kestrel.core.sampling_params import SamplingParams
 
 _MASK = float("-inf")
 
@@ -33,15 +34,6 @@ class SampleResult:
     @property
     def token_ids(self) -> list[int]:
         return self.tokens.tolist()
-
-
-def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list on the device without a host sync: through pinned memory on CUDA (a plain
-    torch.tensor(..., device=cuda) copies from pageable memory, which waits for the work in flight)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def position_seed(seed: int, position: int) -> int:

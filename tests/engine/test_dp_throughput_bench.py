@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kestrel.config import EngineConfig
-from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.core_client import InprocClient
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.ipc.core_client import InprocClient
+from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[2]

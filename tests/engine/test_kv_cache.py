@@ -3,7 +3,7 @@ from hypothesis import given, settings, strategies as st
 
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.request import Request
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 def req(rid, tokens, **sp):

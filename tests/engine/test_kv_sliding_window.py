@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers
 from kestrel.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from kestrel.engine.request import Request
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 BS, WINDOW = 4, 6  # a query needs the 5 keys before it: ceil(5 / 4) = 2 blocks before its own
 FULL = FullAttentionSpec(torch.float32, 2, 8)

@@ -14,9 +14,9 @@ from kestrel.attention.selector import select_attention_backend
 from kestrel.core.kv_spec import FullAttentionSpec
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
 from kestrel.engine.kv_cache import KVCacheManager
-from kestrel.engine.protocol import EngineCoreRequest, add_decoder, encoder
+from kestrel.ipc.protocol import EngineCoreRequest, add_decoder, encoder
 from kestrel.engine.request import Request
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])

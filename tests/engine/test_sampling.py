@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.errors import InvalidRequest
 from kestrel.worker.sampler import Sampler, SamplingRow
 

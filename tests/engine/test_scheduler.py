@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from kestrel.config import SchedulerConfig
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.request import Request, RequestStatus
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, policy="fcfs", chunked=True):

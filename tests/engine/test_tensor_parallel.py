@@ -14,7 +14,7 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.distributed import ParallelInfo
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import ConfigError
 from kestrel.executor import WorkerError
 from kestrel.loader import load_model
@@ -59,7 +59,7 @@ def test_grammar_bitmask_reaches_every_rank(qwen3_path, qwen3_tp2):
     """Constrained sampling: the step waits for the host's bitmask and goes to the workers with it."""
     import re
 
-    from kestrel.engine.sampling_params import StructuredOutputsParams
+    from kestrel.core.sampling_params import StructuredOutputsParams
 
     regex = r"[0-9]{2}-(fox|dog)"
 

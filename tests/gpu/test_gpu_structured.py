@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+from kestrel.core.sampling_params import StructuredOutputsParams as SO
 from kestrel.structured_output.bitmask import apply_token_bitmask, bitmask_width
 
 pytestmark = pytest.mark.gpu

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.engine.frontend import LLMEngine
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.frontend.sync_engine import LLMEngine
+from kestrel.core.sampling_params import SamplingParams
 from tests.agreement import bf16_logprob_tolerance, decisive_routers
 from tests.tp import NUM_TOKENS, TP_MODELS, greedy, prompts
 

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from kestrel.config import EngineConfig
-from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.sampling_params import SamplingParams
-from kestrel.lora.registry import LoRAFanoutError
+from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.frontend.lora_registry import LoRAFanoutError
 from tests.lora.peft_utils import make_adapter
 from tests.tiny import make_checkpoint
 

@@ -43,7 +43,7 @@ def test_mixed_batch_matches_transformers_peft(base_and_adapters):
 def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapters):
     """An adapter's request never reuses the base model's (or another adapter's) KV blocks, but does reuse its own;
     a request whose adapter is gone when it reaches the engine ends as "abort" instead of hanging."""
-    from kestrel.engine.protocol import EngineCoreRequest
+    from kestrel.engine.messages import EngineCoreRequest
 
     base, adapters = base_and_adapters
     llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=64, max_loras=2)

@@ -1,6 +1,6 @@
 """Acceptance 2 (property): loads and unloads through the frontend's LoRA registry, with random engine failures
 and callers cancelled at random points, always leave every engine's adapters equal to the registry's. Fake engines
-answer over the real UtilityClient (kestrel/engine/utility.py) through an in-memory transport; only the forward
+answer over the real UtilityClient (kestrel/ipc/utility.py) through an in-memory transport; only the forward
 call of an operation may fail (its undo, e.g. dropping an adapter, succeeds)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kestrel.engine.utility import UtilityClient
+from kestrel.ipc.utility import UtilityClient
 from kestrel.errors import KestrelError
-from kestrel.lora.registry import LoRAFanoutError, LoRARegistry
+from kestrel.frontend.lora_registry import LoRAFanoutError, LoRARegistry
 
 pytestmark = pytest.mark.timeout(120)
 

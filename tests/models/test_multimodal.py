@@ -166,7 +166,7 @@ def test_dummy_image_is_the_largest(tiny_mm_models, images, kind):
     num_image_tokens gives for its inputs, and no real image of the processor gives more."""
     from kestrel.config import EngineConfig
     from kestrel.engine.core import EngineCore
-    from kestrel.engine.processor import make_mm_processor
+    from kestrel.frontend.processor import make_mm_processor
 
     config = EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8)
     core = EngineCore(config, progress=False)
@@ -333,7 +333,7 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
     from concurrent.futures import ThreadPoolExecutor
 
     from kestrel.config import EngineConfig
-    from kestrel.engine.processor import InputProcessor, ProcessedPrompt, make_mm_processor
+    from kestrel.frontend.processor import InputProcessor, ProcessedPrompt, make_mm_processor
     from kestrel.loader import load_hf_config
 
     config = EngineConfig()

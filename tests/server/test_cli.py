@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT, free_port, http
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 def test_help_prints_each_default_once():

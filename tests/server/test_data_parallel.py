@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from conftest import Server, http
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox", "Hello world", "Paris is the capital of", "def add(a, b):", "Kestrel serves",
            "0123456789", "How are you", "Berlin is"]

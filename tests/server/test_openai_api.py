@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from conftest import http
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox"
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+from kestrel.core.sampling_params import StructuredOutputsParams as SO
 from kestrel.structured_output.bitmask import StepBitmask, allowed_tokens, apply_token_bitmask, bitmask_width
 from kestrel.structured_output.manager import FillJob, StructuredOutputManager
 

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.protocol import EngineCoreRequest
-from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+from kestrel.engine.messages import EngineCoreRequest
+from kestrel.core.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},

@@ -2,8 +2,8 @@
 import msgspec
 import pytest
 
-from kestrel.engine.protocol import EngineCoreRequest, add_decoder, encoder
-from kestrel.engine.sampling_params import SamplingParams, StructuredOutputsParams as SO
+from kestrel.ipc.protocol import EngineCoreRequest, add_decoder, encoder
+from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from kestrel.errors import InvalidRequest
 
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.sampling_params import StructuredOutputsParams as SO
+from kestrel.core.sampling_params import StructuredOutputsParams as SO
 
 PERSON = {"type": "object", "properties": {
     # (xgrammar 0.2.9 lets "[a-z]{1,12}( [A-Z][a-z]{1,12})?" run past 12 letters in a schema pattern: keep it plain)

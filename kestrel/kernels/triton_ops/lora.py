@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.lora.layers import BLOCK_M  # the mapping lays token blocks out for it
+from kestrel.kernels.lora_layout import BLOCK_M
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 generate() validates (InputProcessor), sends the core requests, and yields RequestOutputs with streaming deltas
 (OutputProcessor, incremental detokenization and stop strings). Callers tokenize and process images off the event
 loop first (run_tokenizer: the render threads, --renderer-num-workers; an image model's image chats on the
-render processes, render_chat_images and kestrel/engine/render_proc.py), so a huge prompt or a large image never
+render processes, render_chat_images and kestrel/frontend/render_proc.py), so a huge prompt or a large image never
 stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
 request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
 finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
-from kestrel.engine.core_client import EngineCoreClient, InprocClient, make_client
-from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
+from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
+from kestrel.frontend.outputs import RequestOutput
+from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
                                      display_prompt, make_mm_processor, mm_model_class)
-from kestrel.engine.protocol import EngineCoreOutputs
-from kestrel.engine.sampling_params import SamplingParams
-from kestrel.engine.utility import WaiterGuard
+from kestrel.engine.messages import EngineCoreOutputs
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, InvalidRequest, ModelNotFound
-from kestrel.lora.registry import LoRARegistry, LoRARequest, parse_lora_modules
+from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class AsyncEngine:
     def _render_processes(self):
         """The render processes an image model's server loads and processes images on (not started yet); None for
         a text model, with --image-render-processes 0, or beside an in-process engine core (tests, offline)."""
-        from kestrel.engine.render_proc import RenderProcesses
+        from kestrel.frontend.render_proc import RenderProcesses
 
         num = self.config.multimodal.image_render_processes
         if num == 0 or isinstance(self.client, InprocClient):
@@ -364,7 +364,7 @@ class AsyncEngine:
             if q is not None:
                 q.put_nowait(exc)
 
-    # ---- fan-outs to the live engine cores (they wait for every engine; see engine/utility.py). A dead or
+    # ---- fan-outs to the live engine cores (they wait for every engine; see ipc/utility.py). A dead or
     # restarting engine is left out: it has no state to change, and it comes back fresh.
     async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
         return await self.client.utility.call(engine, method, *args)
@@ -374,7 +374,7 @@ class AsyncEngine:
             raise self.unavailable()
         return self.client.live_engines
 
-    # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/lora/registry.py)
+    # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/frontend/lora_registry.py)
     async def call_utility_all_or_undo(self, method: str, args: tuple, undo_method: str, undo_args: tuple):
         return await self.client.utility.call_all_or_undo(method, args, undo_method, undo_args, engines=self._live())
 

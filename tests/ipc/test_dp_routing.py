@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from kestrel.config import EngineConfig
-from kestrel.engine import protocol as P
-from kestrel.engine.core_client import DPClient
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.ipc import protocol as P
+from kestrel.ipc.core_client import DPClient
+from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import EngineDead
 
 
@@ -44,7 +44,7 @@ def test_dead_engines_are_skipped(dp):
 
 
 def test_engine_devices_one_gpu_per_rank_then_tp_blocks():
-    from kestrel.engine.core_client import engine_devices
+    from kestrel.ipc.core_client import engine_devices
 
     gpus = [str(i) for i in range(8)]
     assert [engine_devices(r, 1, gpus[:2]) for r in range(2)] == ["0", "1"]

@@ -5,10 +5,10 @@ import itertools
 
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
-from kestrel.engine.outputs import RequestOutput
-from kestrel.engine.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
-from kestrel.engine.sampling_params import SamplingParams
-from kestrel.lora.registry import LoRARequest, parse_lora_modules
+from kestrel.frontend.outputs import RequestOutput
+from kestrel.frontend.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
 
 
 class LLMEngine:

@@ -6,10 +6,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from kestrel.engine.detokenizer import IncrementalDetokenizer
-from kestrel.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kestrel.engine.protocol import EngineCoreOutput, EngineCoreRequest
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.frontend.detokenizer import IncrementalDetokenizer
+from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
+from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
 
@@ -37,7 +37,7 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
     images = mm.get("image")
     if images is None:
         return text, []
-    from kestrel.engine.mm_processor import as_image_list
+    from kestrel.frontend.mm_processor import as_image_list
     return text, as_image_list(images)
 
 
@@ -62,7 +62,7 @@ def display_prompt(prompt) -> str | None:
 
 def mm_model_class(config, hf_config=None):
     """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
-    from kestrel.engine.mm_processor import is_multimodal
+    from kestrel.frontend.mm_processor import is_multimodal
     from kestrel.loader import default_model_path, load_hf_config
     from kestrel.models.registry import get_model_class
 
@@ -77,7 +77,7 @@ def mm_model_class(config, hf_config=None):
 
 def make_mm_processor(config, hf_config=None):
     """The frontend's image processor for a multimodal checkpoint (None for text-only models)."""
-    from kestrel.engine.mm_processor import MultiModalProcessor
+    from kestrel.frontend.mm_processor import MultiModalProcessor
 
     found = mm_model_class(config, hf_config)
     if found is None:

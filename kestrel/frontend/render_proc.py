@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from kestrel.core.multimodal import MMFeature
-from kestrel.engine.core_proc import dealer_socket, router_socket
+from kestrel.ipc.core_proc import dealer_socket, router_socket
 from kestrel.errors import InvalidRequest, KestrelError
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ def _make_renderer(config_dict: dict):
     import torch
 
     from kestrel.config import EngineConfig
-    from kestrel.engine.media import resolve_image_parts
-    from kestrel.engine.processor import InputProcessor, ProcessedPrompt, make_mm_processor
+    from kestrel.frontend.media import resolve_image_parts
+    from kestrel.frontend.processor import InputProcessor, ProcessedPrompt, make_mm_processor
     from kestrel.loader import default_model_path, tokenizer_or_none
 
     torch.set_num_threads(1)  # the processes are the parallelism

@@ -24,9 +24,9 @@ import traceback
 import msgspec
 import zmq
 
-from kestrel.engine import protocol as P
+from kestrel.ipc import protocol as P
 
-logger = logging.getLogger("kestrel.engine.core_proc")
+logger = logging.getLogger("kestrel.ipc.core_proc")
 
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still alive
 

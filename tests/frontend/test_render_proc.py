@@ -1,4 +1,4 @@
-"""Render processes (kestrel/engine/render_proc.py) on a tiny LLaVA-NeXT: a chat request rendered in a worker gives
+"""Render processes (kestrel/frontend/render_proc.py) on a tiny LLaVA-NeXT: a chat request rendered in a worker gives
 the token ids and pixels the in-process path gives; a request's own fault comes back as InvalidRequest; a worker
 killed while it renders fails that request with RenderWorkerDied, is started again, and serves the next one."""
 from __future__ import annotations
@@ -28,9 +28,9 @@ def chat(url: str) -> list[dict]:
 
 def test_render_process_matches_in_process_and_survives_a_kill(tiny_mm_models):
     from kestrel.config import EngineConfig
-    from kestrel.engine.media import resolve_image_parts
-    from kestrel.engine.processor import InputProcessor, make_mm_processor
-    from kestrel.engine.render_proc import RenderProcesses, RenderWorkerDied
+    from kestrel.frontend.media import resolve_image_parts
+    from kestrel.frontend.processor import InputProcessor, make_mm_processor
+    from kestrel.frontend.render_proc import RenderProcesses, RenderWorkerDied
     from kestrel.errors import InvalidRequest
     from kestrel.loader import tokenizer_or_none
 

@@ -1,7 +1,7 @@
 """Core clients: how the async frontend talks to engine cores.
 
 - InprocClient: the EngineCore in this process, stepped on a worker thread (tests, offline use).
-- MPClient: engine-core processes over ZeroMQ (engine/core_proc.py); one engine, or several for data parallel.
+- MPClient: engine-core processes over ZeroMQ (ipc/core_proc.py); one engine, or several for data parallel.
 - DPClient: MPClient over N engines that routes each new request to the least-loaded engine.
 
 Every client delivers EngineCoreOutputs to `on_outputs` (on the event loop) and reports a dead engine through
@@ -27,9 +27,9 @@ import zmq
 import zmq.asyncio
 
 from kestrel.config import EngineConfig
-from kestrel.engine import protocol as P
-from kestrel.engine.core_proc import engine_facts, engine_identity, router_socket, run_engine_core, run_utility
-from kestrel.engine.utility import UtilityClient
+from kestrel.ipc import protocol as P
+from kestrel.ipc.core_proc import engine_facts, engine_identity, router_socket, run_engine_core, run_utility
+from kestrel.ipc.utility import UtilityClient
 from kestrel.errors import EngineDead, KestrelError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class EngineCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None: ...
     async def shutdown(self) -> None: ...
 
-    # ---- the UtilityTransport half (engine/utility.py): encode + send; replies come back through deliver
+    # ---- the UtilityTransport half (ipc/utility.py): encode + send; replies come back through deliver
     def encode(self, engine_index: int, call_id: int, method: str, args: tuple) -> bytes:
         return P.encoder.encode(P.UtilityRequest(call_id, method, list(args)))
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kestrel.engine.utility import (
+from kestrel.ipc.utility import (
     AlreadyRegisteredError,
     Err,
     FanoutResult,
@@ -32,7 +32,7 @@ from kestrel.engine.utility import (
 )
 from kestrel.errors import EngineDead
 
-LOGGER = "kestrel.engine.utility"
+LOGGER = "kestrel.ipc.utility"
 pytestmark = pytest.mark.timeout(30)  # a broken wait-for-all hangs; fail fast instead
 
 

@@ -1,5 +1,5 @@
 """The frontend's LoRA adapters by name. Loading and unloading go to every engine core through the utility fan-out
-(kestrel/engine/utility.py): all engines settle, and a change that failed somewhere is undone where it succeeded, so
+(kestrel/ipc/utility.py): all engines settle, and a change that failed somewhere is undone where it succeeded, so
 an adapter is either loaded on every engine or on none; the error names the engines that failed and why. An
 operation runs to its end even if its caller goes away (a cancelled HTTP request must not leave engines half
 changed), and operations run one at a time. An engine core that the server restarts comes back empty: `restore`
@@ -11,7 +11,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
-from kestrel.engine.utility import UtilityError, UtilityFanoutError
+from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, ModelNotFound
 
 

@@ -8,12 +8,12 @@ import msgspec
 import pytest
 
 from kestrel.config import EngineConfig
-from kestrel.engine import protocol as P
-from kestrel.engine.async_engine import AsyncEngine
-from kestrel.engine.core_client import EngineStartupError, MPClient
-from kestrel.engine.core_proc import engine_identity
-from kestrel.engine.sampling_params import SamplingParams
-from kestrel.engine.utility import UtilityCallError
+from kestrel.ipc import protocol as P
+from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.ipc.core_client import EngineStartupError, MPClient
+from kestrel.ipc.core_proc import engine_identity
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.ipc.utility import UtilityCallError
 
 
 async def test_startup_error_is_reported(tmp_path):
@@ -75,7 +75,7 @@ async def test_engine_survives_bad_messages_and_frees_blocks_on_cancel(tiny_llam
 async def test_inproc_client_fails_requests_when_a_step_raises(tiny_llama):
     """In-process engine core: a step that raises (a tensor-parallel worker died) fails the waiting requests with
     the error and leaves the engine dead; nothing hangs."""
-    from kestrel.engine.core_client import InprocClient
+    from kestrel.ipc.core_client import InprocClient
     from kestrel.errors import EngineDead
     from kestrel.executor import WorkerError
 

@@ -59,7 +59,7 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             bad(".choice", "must be a non-empty list of non-empty strings")
-        from kestrel.structured_output.grammar import check_grammar  # xgrammar parses it: a 400, not a crash
+        from kestrel.core.grammar import check_grammar  # xgrammar parses it: a 400, not a crash
 
         check_grammar(self.kind, self.spec, param)
         return self

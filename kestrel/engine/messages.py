@@ -1,13 +1,14 @@
-"""Messages between the frontend and the engine core. msgspec-encoded on the wire (never pickle)."""
+"""What the engine core takes and gives: a request to add, and per step the outputs of its requests with the
+scheduler's statistics. msgspec structs: the IPC layer (kestrel/ipc/protocol.py) encodes them on the wire, never
+pickle; in-process they are passed as they are."""
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import msgspec
 
 from kestrel.core.multimodal import MMFeature
-from kestrel.engine.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
@@ -64,23 +65,3 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     utility_output: UtilityOutput | None = None
     # the engine core's last message before it exits on a failed step (a tensor-parallel worker died): why
     engine_error: str | None = None
-
-
-class RequestType(enum.Enum):
-    ADD = b"\x00"
-    ABORT = b"\x01"
-    UTILITY = b"\x02"
-    SHUTDOWN = b"\x03"
-
-
-class UtilityRequest(msgspec.Struct):
-    call_id: int
-    method: str
-    args: list = []
-
-
-encoder = msgspec.msgpack.Encoder()
-output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-abort_decoder = msgspec.msgpack.Decoder(list[str])
-utility_decoder = msgspec.msgpack.Decoder(UtilityRequest)

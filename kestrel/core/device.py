@@ -1,0 +1,13 @@
+"""Small host-to-device helpers shared by the runner, the sampler and the add-ons."""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list on the device without a host sync: through pinned memory on CUDA (a plain
+    torch.tensor(..., device=cuda) copies from pageable memory, which waits for the work in flight)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
