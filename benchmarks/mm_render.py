@@ -42,7 +42,7 @@ def make_input_processor(folder: Path, pixel_dtype: str = "bfloat16"):
     hf = load_hf_config(str(folder))
     mm = make_mm_processor(config, hf)
     mm.pixel_dtype = getattr(torch, pixel_dtype)  # what a GPU server sets (the engine's model dtype)
-    return InputProcessor(AutoTokenizer.from_pretrained(folder), 4096, hf.text_config.vocab_size, None, mm=mm), config
+    return InputProcessor(AutoTokenizer.from_pretrained(folder), 4096, hf.text_config.vocab_size, mm=mm), config
 
 
 def render_one(inp, config, url: str, cpu: dict, lock: threading.Lock) -> int:

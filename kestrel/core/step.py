@@ -63,6 +63,8 @@ class ScheduledChunk:
 @dataclass
 class StepInput:
     new_requests: list[NewRequestData] = field(default_factory=list)
+    # the batch's rows in the order the runner lays them out: decode rows (one new token) first, then the rest,
+    # each in schedule order; decided once by the scheduler, read as is by the runner and the executors
     chunks: list[ScheduledChunk] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
 

@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from kestrel.config import EngineConfig
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kestrel.engine.request import Request, RequestStatus
+from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
 from kestrel.executor import make_executor
 from kestrel.structured_output.manager import StructuredOutputManager
@@ -59,8 +59,8 @@ class EngineCore:
 
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
-        req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, r.eos_token_id
-                      if r.eos_token_id is not None else self.eos_token_id, r.max_tokens, r.priority, r.arrival_time,
+        req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, self.eos_token_id, r.max_tokens,
+                      r.priority, r.arrival_time,
                       mm_features=list(r.mm_features), bidirectional_len=r.bidirectional_len)
         if r.lora_id:
             lora = self.runner.lora if self.runner is not None else None
@@ -219,10 +219,6 @@ class EngineCore:
                               self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
                               self.kv.prefix_hits, self.scheduler.num_preemptions)
 
-    def finish_requests(self, request_ids: list[str]) -> None:
-        """Called by the frontend when a stop string ended a request."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
-
     # ---- utility methods (callable over the wire by name)
     def get_stats(self) -> dict:
         import msgspec
@@ -285,5 +281,5 @@ class EngineCore:
         self.executor.shutdown()
 
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",
-                                 "resume", "is_paused", "ping", "finish_requests", "add_lora", "remove_lora",
+                                 "resume", "is_paused", "ping", "add_lora", "remove_lora",
                                  "list_loras"})

@@ -15,7 +15,6 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
     max_tokens: int
     arrival_time: float
     priority: int = 0

@@ -139,10 +139,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._remove(req)
             req.status = RequestStatus.FINISHED_ABORTED
             self._finish(req)
             aborted.append(req)
@@ -267,6 +264,7 @@ class Scheduler:
             grown.discard(req.request_id)
             step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
                                               new_ids))
+        step.chunks.sort(key=lambda c: c.num_new_tokens != 1)  # the runner's row order: decode rows first
         return step
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -326,13 +324,3 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
-
-    def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        """Finish requests from outside (a stop string found by the detokenizer)."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            self._remove(req)
-            req.status = status
-            self._finish(req)

@@ -40,8 +40,8 @@ class StepHandle:
 
 
 def sampling_order(step: StepInput) -> list[str]:
-    """The request ids that sample, in the runner's row order (decodes first, then the rest, each in step order)."""
-    return [c.request_id for c in sorted(step.chunks, key=lambda c: c.num_new_tokens != 1) if c.samples]
+    """The request ids that sample, in the runner's row order (the step's chunk order: StepInput.chunks)."""
+    return [c.request_id for c in step.chunks if c.samples]
 
 
 class MultiWorkerExecutor(Executor):

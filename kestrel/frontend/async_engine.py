@@ -107,7 +107,7 @@ class AsyncEngine:
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.block_size = info["block_size"]
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              info["eos_token_id"], self.config.model.max_logprobs, mm=mm,
+                                              self.config.model.max_logprobs, mm=mm,
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:

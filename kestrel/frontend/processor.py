@@ -100,14 +100,12 @@ class InputProcessor:
     image-text model (None: text only); ``max_num_batched_tokens``: the step budget a bidirectional prefix must
     fit."""
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None,
-                 max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
                  mm=None, max_num_batched_tokens: int | None = None):
         self.tokenizer = tokenizer
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
         self.max_logprobs = max_logprobs
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
@@ -231,7 +229,7 @@ class InputProcessor:
         reqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_id, max_tokens,
+            reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, max_tokens,
                                           arrival, priority, lora_id, mm_features=features,
                                           bidirectional_len=bidirectional_len))
         return ids, reqs

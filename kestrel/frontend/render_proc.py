@@ -119,7 +119,7 @@ def _make_renderer(config_dict: dict):
     if mm is None:
         raise ValueError(f"{config.model.model} is not an image model")
     tokenizer = tokenizer_or_none(config.model, Path(config.model.model or default_model_path()))
-    inputs = InputProcessor(tokenizer, 0, 0, None, mm=mm,
+    inputs = InputProcessor(tokenizer, 0, 0, mm=mm,
                             max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
     mm.warm_up()  # the processor's lazy imports and first allocations, before the first request
 

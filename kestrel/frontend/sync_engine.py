@@ -18,7 +18,7 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer
         hf = self.core.model_config.text
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
-                                              self.core.eos_token_id, config.model.max_logprobs,
+                                              config.model.max_logprobs,
                                               mm=make_mm_processor(config, self.core.model_config.hf),
                                               max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -65,6 +65,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_out = self.core.step()
         outputs, to_stop = self.output_processor.process(core_out.outputs)
-        if to_stop:
-            self.core.finish_requests(to_stop)
+        if to_stop:  # stop strings: the frontend has finished these; the core stops generating them
+            self.core.abort_requests(to_stop)
         return outputs

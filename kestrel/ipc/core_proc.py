@@ -220,7 +220,7 @@ def run_utility(core, call: P.UtilityRequest) -> P.UtilityOutput:
 def engine_facts(core, engine_index: int) -> dict:
     """What the client learns about an engine when it is ready (the hand-shake)."""
     return {"engine_index": engine_index, "max_model_len": core.max_model_len,
-            "vocab_size": int(core.model_config.vocab_size), "eos_token_id": core.eos_token_id,
+            "vocab_size": int(core.model_config.vocab_size),
             "num_kv_blocks": core.kv.num_blocks, "block_size": core.config.cache.block_size,
             "device": str(core.device)}
 

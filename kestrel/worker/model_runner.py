@@ -424,7 +424,7 @@ class ModelRunner:
         self._update_states(step)
         if step.is_empty:
             return inf
-        chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
+        chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)
         ctx = self._prepare(chunks, prev)
         if before_forward is not None:
             before_forward()

@@ -23,7 +23,7 @@ from kestrel.core.sampling_params import SamplingParams
 def test_tensor_roundtrip_over_msgspec(dtype):
     t = (torch.randn(2, 3, 5) * 100).to(dtype)
     feat = MMFeature(4, 7, hash_tensors({"pixel_values": t}), {"pixel_values": TensorData.from_tensor(t)})
-    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 4, 0.0, mm_features=[feat], bidirectional_len=3)
+    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), 4, 0.0, mm_features=[feat], bidirectional_len=3)
     back = add_decoder.decode(encoder.encode(req))
     got = back.mm_features[0].data["pixel_values"].to_tensor()
     assert got.dtype == dtype and torch.equal(got, t)

@@ -101,6 +101,7 @@ def test_stop_string_end_to_end(llm):
     assert stopped.outputs[0].text == text[: text.index(stop)]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
+    assert not llm.engine.core.scheduler.requests  # the frontend's stop reached the core (as an abort)
 
 
 def test_stop_token_ids_min_tokens_and_length(llm):

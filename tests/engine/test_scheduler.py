@@ -65,6 +65,23 @@ def test_decodes_first_then_prefills():
     assert out.scheduled[0].num_new_tokens == 1 and out.scheduled[1].num_new_tokens == 9
 
 
+def test_step_rows_are_decode_first_once():
+    """The scheduler orders the runner's rows (one-token chunks first, then the rest); the runner and the TP
+    executor read that order as is (executor/multiproc.sampling_order), never re-sorting it."""
+    from kestrel.executor.multiproc import sampling_order
+
+    s = make(budget=10)
+    s.add_request(req("d", 3, max_tokens=10))
+    step(s)
+    s.add_request(req("p", 14, max_tokens=10))
+    step(s)  # d decodes, p prefills 9 of 14
+    s.add_request(req("w", 1, max_tokens=10))
+    out = step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["d", "p", "w"]
+    assert [(c.request_id, c.num_new_tokens) for c in out.step.chunks] == [("d", 1), ("w", 1), ("p", 5)]
+    assert sampling_order(out.step) == ["d", "w", "p"]
+
+
 def test_max_num_seqs():
     s = make(max_seqs=2)
     for i in range(5):

@@ -41,7 +41,7 @@ def test_render_process_matches_in_process_and_survives_a_kill(tiny_mm_models):
     # a small PNG that takes about a second to decode and resize: 64 M pixels of a gradient
     big = data_url(Image.linear_gradient("L").resize((8000, 8000)).convert("RGB"))
 
-    local = InputProcessor(tokenizer_or_none(config.model, tiny_mm_models["llava_next"]), 0, 0, None,
+    local = InputProcessor(tokenizer_or_none(config.model, tiny_mm_models["llava_next"]), 0, 0,
                            mm=make_mm_processor(config))
     expected = local.process_images(local.render_chat(resolve_image_parts(chat(url), config.multimodal)))
 

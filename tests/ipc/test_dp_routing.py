@@ -11,7 +11,7 @@ from kestrel.errors import EngineDead
 
 
 def req(i: int) -> P.EngineCoreRequest:
-    return P.EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(), None, 4, 0.0)
+    return P.EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(), 4, 0.0)
 
 
 @pytest.fixture

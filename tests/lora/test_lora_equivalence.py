@@ -59,7 +59,7 @@ def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapter
     assert outs["r8"][0] == outs["r8"][1] and outs[None][0] == outs[None][1] != outs["r8"][0]
 
     core = llm.engine.core
-    core.add_request(EngineCoreRequest("gone", prompt, params, None, 4, 0.0, lora_id=999))
+    core.add_request(EngineCoreRequest("gone", prompt, params, 4, 0.0, lora_id=999))
     out = core.step()
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in out.outputs] == [("gone", "abort", [])]
     assert not core.has_unfinished_requests()

@@ -340,7 +340,7 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
     config.model.model = str(tiny_mm_models[kind])
     mm = make_mm_processor(config)
     hf = load_hf_config(config.model.model)
-    inp = InputProcessor(None, 512, hf.text_config.vocab_size, None, mm=mm)
+    inp = InputProcessor(None, 512, hf.text_config.vocab_size, mm=mm)
     prompts = [request(text, idx, images) for text, idx in PROMPTS[kind]] * 2
     here = [inp.process_images(p) for p in prompts]
     assert all(isinstance(p, ProcessedPrompt) for p in here)

@@ -92,8 +92,8 @@ def test_a_compiling_request_does_not_block_others(llm, monkeypatch):
 def test_a_grammar_that_fails_in_the_core_aborts_only_its_request(llm):
     core = llm.engine.core
     bad = SamplingParams(max_tokens=4, structured_outputs=SO(grammar="root ::= nowhere"))  # never validated here
-    core.add_request(EngineCoreRequest("bad", [1, 5, 7], bad, None, 4, 0.0))
-    core.add_request(EngineCoreRequest("good", [1, 5, 7], SamplingParams(max_tokens=4, temperature=0), None, 4, 0.0))
+    core.add_request(EngineCoreRequest("bad", [1, 5, 7], bad, 4, 0.0))
+    core.add_request(EngineCoreRequest("good", [1, 5, 7], SamplingParams(max_tokens=4, temperature=0), 4, 0.0))
     finished = {}
     for _ in range(100):
         for o in core.step().outputs:

@@ -49,7 +49,7 @@ def test_dict_form_and_unknown_fields():
 
 def test_survives_the_wire():
     p = SamplingParams(max_tokens=5, structured_outputs=SO(json={"type": "object"}))
-    r = EngineCoreRequest("r", [1, 2], p, 2, 5, 0.0)
+    r = EngineCoreRequest("r", [1, 2], p, 5, 0.0)
     back = add_decoder.decode(encoder.encode(r))
     assert back.sampling_params.structured_outputs == p.structured_outputs
     assert back.sampling_params.structured_outputs.kind == "json"
