@@ -84,6 +84,19 @@ def test_llava_next_qwen2_decoder(tmp_path, images):
     assert llm.generate(request(text, idx, images), GREEDY)[0].outputs[0].token_ids == ref
 
 
+def test_wide_tiny_llava_has_head_dim_64(tmp_path):
+    """The GPU tests' wide LLaVA (hidden 256, 4 heads) must have head dim 64, a size the Triton backend serves:
+    set after construction, hidden_size left the config's derived head_dim at 16 and the GPU run fell back to the
+    reference attention."""
+    import json
+
+    from tests.mm_tiny import make_llava_next
+
+    path = make_llava_next(tmp_path, name="llava_wide", hidden_size=256, intermediate_size=512)
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    assert (text["hidden_size"], text["head_dim"]) == (256, 64)
+
+
 def test_llava_chunked_prefill_through_images(tiny_mm_models, images, reference):
     """A 16-token budget cuts every image's placeholders (36..96 of them) over several steps: the encoder runs
     once per image and its cached embeddings are dropped after the last placeholder."""
