@@ -1,4 +1,4 @@
-"""The MoE half of DeepSeek-V2/V3 (their MLA attention comes with the next issue), shared with GLM-4-MoE:
+"""The MoE half of DeepSeek-V2/V3 (their MLA attention is in models/deepseek_v2.py), shared with GLM-4-MoE:
 router configs from the HF config and the MoE block of one layer (ungated shared experts,
 n_shared_experts x moe_intermediate_size)."""
 from __future__ import annotations
