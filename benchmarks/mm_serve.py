@@ -39,9 +39,9 @@ def write_llava_next_7b(out: Path) -> Path:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    from tests.mm_tiny import LLAVA_CHAT_TEMPLATE, _tokenizer_with_image_token
+    from kestrel.bench.tiny_tokenizer import LLAVA_CHAT_TEMPLATE, tokenizer_with_image_token
 
-    tok = _tokenizer_with_image_token()
+    tok = tokenizer_with_image_token()
     # one token string per id of the 7B vocabulary: random weights sample any id, and ids the tiny tokenizer lacks
     # would decode to nothing (no streamed delta: output tokens and inter-token gaps would go uncounted)
     tok.add_tokens([f" w{i}" for i in range(32064 - len(tok))])
