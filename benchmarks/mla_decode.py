@@ -2,7 +2,7 @@
 achieved bandwidth (latent bytes read / time) per batch x context, for the default tile and a small sweep, and
 the error against the float32 reference on the first case.
 
-    python benchmarks/mla_decode.py [--heads 16] [--sweep] [--splits]
+    python -m benchmarks.mla_decode [--heads 16] [--sweep] [--splits]
 --splits: at batch >= 64, forced split counts 1..16 on a few tiles (the default derives the count from the
 shapes: 2 at batch 256 with 16 heads)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ qk 128 + 64, v 128, bf16, page 16) on the GPU: TritonMLAImpl.attend_dense agains
 K/V buffers, three index_put scatters, the query concatenated and padded to 256, the output sliced and copied),
 with the pieces of the new path timed on their own. Prints the error of the new output against the old one.
 
-    python benchmarks/mla_prefill.py [--iters 20]"""
+    python -m benchmarks.mla_prefill [--iters 20]"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import common  # noqa: F401  (puts the repository root on sys.path)
 from kestrel.attention.backends.triton_mla import TritonMLABackend, dense_row_dim, joined
 from kestrel.attention.ops.triton_attention import prefill_attention
 from kestrel.attention.ops.triton_mla import expand_kv

@@ -6,9 +6,9 @@
 # Needs py-spy in /tmp/site (scripts/device_wheels.sh fetches it into .whl). N: --image-render-processes.
 set -u
 SPY=${SPY:-/tmp/site/bin/py-spy}
-M=/tmp/llava-next-7b; python3 benchmarks/mm_serve.py --write-model $M > /dev/null
+M=/tmp/llava-next-7b; python3 -m benchmarks.mm_serve --write-model $M > /dev/null
 N=${N:-8}
-python3 benchmarks/mm_serve.py --model-dir $M --server-log "$OUT/k.log" --num-requests 320 \
+python3 -m benchmarks.mm_serve --model-dir $M --server-log "$OUT/k.log" --num-requests 320 \
   --server-args "--load-format dummy --max-model-len 4096 --image-render-processes $N" > "$OUT/mm.txt" 2>&1 &
 B=$!
 for i in $(seq 300); do grep -q "POST /v1/chat" "$OUT/k.log" 2> /dev/null && break; sleep 0.5; done
