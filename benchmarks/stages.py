@@ -72,7 +72,12 @@ class Stage:
 
     @property
     def gpus(self) -> int:
-        """The fewest GPUs on which some of the stage runs (commands needing more are skipped one by one)."""
+        """The GPUs the whole stage needs."""
+        return max(c.gpus for c in self.cmds)
+
+    @property
+    def min_gpus(self) -> int:
+        """The fewest GPUs on which some of it runs (its commands needing more are skipped one by one)."""
         return min(c.gpus for c in self.cmds)
 
     @property
@@ -99,7 +104,7 @@ MOE_CONFIGS = Cmd(("cp", "kestrel/kernels/configs/fused_moe.json", "{out}/fused_
 TP_TESTS = pytest("-rs", "tests/gpu/test_gpu_tensor_parallel.py", timeout=300, show=tail(40))
 MLA_DECODE = bench("mla_decode", timeout=200, log="mla_decode.txt", show=tail(14))
 MLA_SWEEP16 = bench("mla_decode", "--sweep", timeout=400, log="mla_tune16.txt", show=tail(60))
-WRITE_LLAVA = bench("mm_serve", "--write-model", "{llava}", timeout=120, show=quiet, gpus=0)
+WRITE_LLAVA = bench("mm_serve", "--write-model", "{llava}", timeout=120, show=quiet)  # for the GPU runs after it
 VLLM_LLAVA = Server(("{py}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{llava}", "--load-format",
                      "dummy", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", "{port}"),
                     log="vllm_mm.log", ready_timeout=400, env=VSITE)

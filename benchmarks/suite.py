@@ -42,7 +42,8 @@ def listing() -> str:
     for area, about in AREAS.items():
         out.append(f"{area}: {about}")
         for s in (s for s in STAGES if s.area == area):
-            gpus = "" if s.gpus == 1 else f" [{plural(s.gpus, 'GPU')}]" if s.gpus else " [no GPU]"
+            gpus = ("" if s.gpus == 1 else " [no GPU]" if not s.gpus else f" [{plural(s.gpus, 'GPU')}]"
+                    if s.min_gpus == s.gpus else f" [{s.min_gpus}-{s.gpus} GPUs]")
             out.append(f"  {s.name:<{width}}  {s.help}{gpus} (<= {s.timeout} s)")
     return "\n".join(out)
 
@@ -125,8 +126,8 @@ class Suite:
 
     def run_stage(self, stage: Stage) -> None:
         say(f"=== {stage.name} {time.strftime('%H:%M:%S')}")
-        if stage.gpus > self.gpus:
-            say(f"--- skipped {stage.name}: needs {plural(stage.gpus, 'GPU')}, found {self.gpus}")
+        if stage.min_gpus > self.gpus:
+            say(f"--- skipped {stage.name}: needs {plural(stage.min_gpus, 'GPU')}, found {self.gpus}")
             return
         for cmd in stage.cmds:
             self.run_cmd(cmd, stage.env)
