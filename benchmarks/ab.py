@@ -3,8 +3,10 @@ the previous tree (--base) and this one. The two runs of each benchmark go back 
 (base first, then new first) so that drift over the call favours neither; then one table: shape, metric, base,
 new, new/base.
 
-    git archive PREV | tar -x -C .old && echo PREV > .old/.commit     # on the dev machine; carry [".old"]
+    mkdir .old && git archive PREV | tar -x -C .old && echo PREV > .old/.commit   # on the dev machine,
+    echo /.old/ >> .git/info/exclude                                            # then carry [".old"]
     python -m benchmarks.ab --base .old [--shapes qwen3-0.6b,deepseek-v2-lite] [--budget 575] [--json ab.json]
+    python -m benchmarks.suite ab --base .old                                   # the same as a suite stage
 
 A tree whose benchmarks/ is not a package yet (an older commit) runs them as scripts."""
 from __future__ import annotations
