@@ -7,22 +7,18 @@ of 20 launches) and checked against float64 / reference results:
   3. each projection of the 0.6B and 8B shapes: cuBLAS, the skinny tensor-core GEMM and the GEMV (with a tile
      sweep), and the chains norm -> projection (-> SiLU-and-mul) unfused against the fused GEMV.
 
-    python benchmarks/batch1_kernels.py"""
+    python -m benchmarks.batch1_kernels"""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from gemv_check import graph_time_us  # noqa: E402
+from benchmarks.gemv_check import graph_time_us
 from kestrel.attention.ops import reference as ref, triton_attention as ta
-from kestrel.kernels.triton_ops import fused_ops  # noqa: E402
-from kestrel.kernels.triton_ops import gemv as gv, skinny_gemm as sg  # noqa: E402
+from kestrel.kernels.triton_ops import fused_ops
+from kestrel.kernels.triton_ops import gemv as gv, skinny_gemm as sg
 
 PAGE = 16
 

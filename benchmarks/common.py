@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SHAPES = {
     # Qwen3-0.6B: hidden 1024, 28 layers, 16 heads / 8 KV heads, head dim 128, MLP 3072, vocab 151936, tied

@@ -3,7 +3,7 @@ is left is scheduling, input preparation, sampling bookkeeping and output proces
 spent in the runner's input preparation and in scheduling (of that, building the runner's step deltas).
 --shape gemma3-1b: 26 layers in 7 KV-cache groups (1 full-attention, 6 sliding-window).
 
-    python benchmarks/cpu_overhead.py [--batch 256] [--shape gemma3-1b]"""
+    python -m benchmarks.cpu_overhead [--batch 256] [--shape gemma3-1b]"""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import SHAPES, nano_workload
+from benchmarks.common import SHAPES, nano_workload
 
 from kestrel import LLM, SamplingParams
 

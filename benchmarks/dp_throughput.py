@@ -3,7 +3,7 @@ async engine (the server's frontend without HTTP) over one engine core, then ove
 engine-core process a GPU, least-loaded routing), on a random-weight model shape. LLM (offline) steps one
 in-process engine core, so data parallelism is measured here.
 
-    python benchmarks/dp_throughput.py --shape llama-8b --data-parallel-size 2 [--json out.json]"""
+    python -m benchmarks.dp_throughput --shape llama-8b --data-parallel-size 2 [--json out.json]"""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ import collections
 import json
 import time
 
-from common import SHAPES, git_commit, nano_workload, print_table, write_shape
+from benchmarks.common import SHAPES, git_commit, nano_workload, print_table, write_shape
 
 
 async def run_engine(model: str, dp: int, prompts, outs, args) -> dict:

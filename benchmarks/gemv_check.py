@@ -2,19 +2,16 @@
 Triton skinny GEMM (kestrel/kernels/triton_ops/skinny_gemm.py), each checked against a float64 reference, on the
 Qwen3-0.6B and Llama-3.1-8B projection shapes. Times are CUDA-graph replays of 20 launches (median of 5).
 
-    python benchmarks/gemv_check.py [--sweep]"""
+    python -m benchmarks.gemv_check [--sweep]"""
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from kestrel.kernels.triton_ops.skinny_gemm import skinny_gemm  # noqa: E402
+from kestrel.kernels.triton_ops.skinny_gemm import skinny_gemm
 
 SHAPES = {  # name: (N, K)
     "0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),

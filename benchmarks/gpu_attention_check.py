@@ -9,7 +9,7 @@
    reference with everything below each window poisoned with NaN (nothing out of the window may be read), a
    CUDA-graph replay, and timings of windowed decode / prefill beside the same shapes without a window.
 
-Usage: python3 benchmarks/gpu_attention_check.py [--quick] [--budget SECONDS] [--sections smoke,time,check,window]
+Usage: python -m benchmarks.gpu_attention_check [--quick] [--budget SECONDS] [--sections smoke,time,check,window]
 Writes the full log to $OUT/gpu_attention_check.log when OUT is set; prints a compact table last.
 """
 from __future__ import annotations
@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 import traceback
 
 import torch
+import triton
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from kestrel.attention.ops import reference as ref  # noqa: E402
-from kestrel.attention.ops import triton_attention as ta  # noqa: E402
+from kestrel.attention.ops import reference as ref
+from kestrel.attention.ops import triton_attention as ta
 
 DEV = "cuda"
 T0 = time.time()

@@ -1,9 +1,9 @@
 """FP8 linear kernels on a GPU: correctness against the dequantized reference, then a GEMM benchmark.
 
-    python benchmarks/gpu_fp8.py            # checks + full table (M = 1 .. 8192, Llama-3.1-8B shapes)
-    python benchmarks/gpu_fp8.py --quick    # fewer M values
-    python benchmarks/gpu_fp8.py --tune     # also sweep a few Triton launch configs and report the best
-    python benchmarks/gpu_fp8.py --cpu-smoke   # no GPU: tiny shapes on a fake sm_90, to check the script itself
+    python -m benchmarks.gpu_fp8            # checks + full table (M = 1 .. 8192, Llama-3.1-8B shapes)
+    python -m benchmarks.gpu_fp8 --quick    # fewer M values
+    python -m benchmarks.gpu_fp8 --tune     # also sweep a few Triton launch configs and report the best
+    python -m benchmarks.gpu_fp8 --cpu-smoke   # no GPU: tiny shapes on a fake sm_90, to check the script itself
 
 Prints markdown to stdout (logs go to stderr). Every kernel runs through kestrel's real selection with a forced
 backend, so a path the gate table refuses on this device is reported as skipped with the gate's reason.
@@ -16,9 +16,7 @@ import math
 import os
 import platform as _py_platform
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if "--cpu-smoke" in sys.argv:
     # the Triton interpreter must be chosen before triton is first imported (torch or transformers may import it)
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -3,8 +3,8 @@ transformers' plain generate on the same model in the same run and the weight-re
 over N GPUs: each reads 1/N of the weights at the same time, so the roofline divides by N; all-reduces are not
 counted).
 
-    python benchmarks/latency.py --shape qwen3-0.6b
-    python benchmarks/latency.py --shape llama-70b --tensor-parallel-size 4 --hf-output-len 0"""
+    python -m benchmarks.latency --shape qwen3-0.6b
+    python -m benchmarks.latency --shape llama-70b --tensor-parallel-size 4 --hf-output-len 0"""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ import gc
 import json
 import time
 
-from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
+from benchmarks.common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
 
 
 def run_kestrel(model_dir, prompt, n_out, quantization=None, pdl=True, max_model_len=None, tp=1):

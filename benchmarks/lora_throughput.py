@@ -3,7 +3,7 @@
 LoRA, and with --enable-lora and 4 random rank-16 PEFT adapters (q/k/v/o/gate/up/down) spread over the requests
 (request i uses adapter i % 4). Prints both output tokens/s and their ratio (target >= 75%).
 
-    python benchmarks/lora_throughput.py --shape qwen3-0.6b [--num-adapters 4 --rank 16] [--json out.json]"""
+    python -m benchmarks.lora_throughput --shape qwen3-0.6b [--num-adapters 4 --rank 16] [--json out.json]"""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import SHAPES, git_commit, nano_workload, print_table, write_shape
+from benchmarks.common import SHAPES, git_commit, nano_workload, print_table, write_shape
 
 from kestrel.bench.lora_adapters import write_random_adapter
 

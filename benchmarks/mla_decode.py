@@ -2,7 +2,7 @@
 achieved bandwidth (latent bytes read / time) per batch x context, for the default tile and a small sweep, and
 the error against the float32 reference on the first case.
 
-    python benchmarks/mla_decode.py [--heads 16] [--sweep] [--splits]
+    python -m benchmarks.mla_decode [--heads 16] [--sweep] [--splits]
 --splits: at batch >= 64, forced split counts 1..16 on a few tiles (the default derives the count from the
 shapes: 2 at batch 256 with 16 heads)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from kestrel.attention.backends.torch_mla import mla_latent_attention_ref
-from kestrel.attention.ops.triton_mla import _default_config, mla_decode_attention
+from kestrel.attention.ops.triton_mla import default_decode_config, mla_decode_attention
 
 L, R, PAGE = 512, 64, 16
 
@@ -76,8 +76,8 @@ def main():
             except Exception as e:  # a tile that does not fit shared memory
                 print(f"{batch:>5} {ctx:>6} {str(v):<58} failed: {type(e).__name__}")
                 continue
-            label = str(v or {k: _default_config(L, batch)[k] for k in ("BLOCK_N", "num_warps", "num_stages",
-                                                                         "MIN_SPLIT")})
+            label = str(v or {k: default_decode_config(L, batch)[k]
+                              for k in ("BLOCK_N", "num_warps", "num_stages", "MIN_SPLIT")})
             print(f"{batch:>5} {ctx:>6} {label:<58} {us:>8.1f} {nbytes / us / 1e3:>7.0f}")
 
 

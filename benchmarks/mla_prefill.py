@@ -3,7 +3,7 @@ qk 128 + 64, v 128, bf16, page 16) on the GPU: TritonMLAImpl.attend_dense agains
 K/V buffers, three index_put scatters, the query concatenated and padded to 256, the output sliced and copied),
 with the pieces of the new path timed on their own. Prints the error of the new output against the old one.
 
-    python benchmarks/mla_prefill.py [--iters 20]"""
+    python -m benchmarks.mla_prefill [--iters 20]"""
 from __future__ import annotations
 
 import argparse
@@ -11,11 +11,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-import common  # noqa: F401  (puts the repository root on sys.path)
-from kestrel.attention.backends.triton_mla import TritonMLABackend, _joined, _pow2
+from kestrel.attention.backends.triton_mla import TritonMLABackend, dense_row_dim, joined
 from kestrel.attention.ops.triton_attention import prefill_attention
 from kestrel.attention.ops.triton_mla import expand_kv
-from tests.attention.mla_inputs import make_batch, make_layer, rel_err
+from kestrel.bench.mla_inputs import make_batch, make_layer, rel_err
 
 DIMS = dict(heads=16, rank=512, rope=64, nope=128, v=128)
 PAGE = 16
@@ -26,7 +25,7 @@ def old_attend_dense(impl, q_nope, q_pe, cache, meta, layer, out) -> None:
     """The path before expand_kv (git 0e2ea78), layer-for-layer as it ran."""
     k_nope, k_pe, v = impl.expand_contexts(cache, meta, layer)
     H, nope, R, vd = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
-    d = _pow2(max(nope + R, vd))
+    d = dense_row_dim(layer)
     rows = meta.dense_num_blocks * PAGE
     kbuf = q_nope.new_zeros(rows, H, d)
     vbuf = q_nope.new_zeros(rows, H, d)
@@ -82,7 +81,7 @@ def main():
         vbuf = torch.empty_like(kbuf)
         t_exp = time_ms(lambda: impl.expand_contexts(cache, meta, layer), args.iters)
         t_kv = time_ms(lambda: expand_kv(k_nope, k_pe, v, meta.dense_ctx_rows, kbuf, vbuf), args.iters)
-        q = _joined(q_nope, q_pe)
+        q = joined(q_nope, q_pe)
         assert q.data_ptr() == q_nope.data_ptr(), "the query should go in as a view"
         t_attn = time_ms(lambda: prefill_attention(
             q, kbuf.view(-1, PAGE, 16, 256), vbuf.view(-1, PAGE, 16, 256), meta.dense_block_table,

@@ -11,7 +11,7 @@ server (--concurrency requests in flight, the next admitted as one finishes, ima
 requests/s, TTFT and E2E are what the engine gives a server whose frontend costs nothing. --trace also prints the
 top CUDA kernels of the 1-token image run (torch.profiler).
 
-  python benchmarks/mm_profile.py --model-dir /tmp/llava-next-7b --num-requests 64
+  python -m benchmarks.mm_profile --model-dir /tmp/llava-next-7b --num-requests 64
 """
 from __future__ import annotations
 
@@ -21,12 +21,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import print_table  # noqa: E402
-from benchmarks.mm_serve import images, write_llava_next_7b  # noqa: E402
-from kestrel.bench.serve import pct  # noqa: E402
+from benchmarks.common import print_table
+from benchmarks.mm_serve import images, write_llava_next_7b
+from kestrel.bench.serve import pct
 
 PROMPT = "<|im_start|>user\n<image>\ndescribe the image in detail<|im_end|>\n<|im_start|>assistant\n"
 

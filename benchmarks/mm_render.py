@@ -7,7 +7,7 @@ processor takes a first wave of requests (what the first users after start-up se
 gives both rates and the CPU time one request costs, split by stage. Uses mm_serve.py's LLaVA-NeXT-7B-shaped
 folder and images (written if absent; no weights are read).
 
-  python benchmarks/mm_render.py --threads 1,4,8 --torch-threads default,1 --requests 96
+  python -m benchmarks.mm_render --threads 1,4,8 --torch-threads default,1 --requests 96
 """
 from __future__ import annotations
 
@@ -20,11 +20,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from mm_serve import image_urls, write_llava_next_7b  # noqa: E402
+from benchmarks.mm_serve import image_urls, write_llava_next_7b
 
 STAGES = ("decode", "template", "processor")
 

@@ -6,9 +6,9 @@ anyres pinpoints up to 672x672, a 32-layer 4096-wide Llama decoder; config + pro
 the image token, no weights) and starts `kestrel serve --load-format dummy` on it. The same folder serves vLLM
 for the side-by-side (`vllm serve FOLDER --load-format dummy`, then `--url`).
 
-  python benchmarks/mm_serve.py --num-requests 128 --concurrency 32            # starts kestrel on the 7B shape
-  python benchmarks/mm_serve.py --write-model /tmp/llava7b                      # only write the folder
-  python benchmarks/mm_serve.py --url http://127.0.0.1:8000 --model-dir /tmp/llava7b
+  python -m benchmarks.mm_serve --num-requests 128 --concurrency 32            # starts kestrel on the 7B shape
+  python -m benchmarks.mm_serve --write-model /tmp/llava7b                      # only write the folder
+  python -m benchmarks.mm_serve --url http://127.0.0.1:8000 --model-dir /tmp/llava7b
 """
 from __future__ import annotations
 
@@ -25,10 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kestrel.bench.serve import latency_rows, run_clients, start_server  # noqa: E402
+from kestrel.bench.serve import latency_rows, run_clients, start_server
 
 PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 IMAGE_SIZES = [(640, 480), (800, 600), (336, 336), (1024, 768), (480, 640)]  # (width, height)
@@ -39,9 +36,9 @@ def write_llava_next_7b(out: Path) -> Path:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    from tests.mm_tiny import LLAVA_CHAT_TEMPLATE, _tokenizer_with_image_token
+    from kestrel.bench.tiny_tokenizer import LLAVA_CHAT_TEMPLATE, tokenizer_with_image_token
 
-    tok = _tokenizer_with_image_token()
+    tok = tokenizer_with_image_token()
     # one token string per id of the 7B vocabulary: random weights sample any id, and ids the tiny tokenizer lacks
     # would decode to nothing (no streamed delta: output tokens and inter-token gaps would go uncounted)
     tok.add_tokens([f" w{i}" for i in range(32064 - len(tok))])

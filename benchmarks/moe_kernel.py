@@ -4,10 +4,10 @@ experts kernel does), batch 1..8192, on one layer of a model shape (default Qwen
 top-8, hidden 2048). Prints a table: microseconds per call, and the Triton kernel's bandwidth against the
 active-expert bytes it must read.
 
-    python benchmarks/moe_kernel.py [--shape qwen3-30b-a3b] [--fp8] [--json out.json]
-    python benchmarks/moe_kernel.py --align [--shape ...]   # the routing layout alone by slot count: the
+    python -m benchmarks.moe_kernel [--shape qwen3-30b-a3b] [--fp8] [--json out.json]
+    python -m benchmarks.moe_kernel --align [--shape ...]   # the routing layout alone by slot count: the
                                                           # one-program kernel vs the grid path
-    python benchmarks/moe_kernel.py --tune [--write]   # search tile configs per batch bucket; --write stores them
+    python -m benchmarks.moe_kernel --tune [--write]   # search tile configs per batch bucket; --write stores them
                                                        # in kestrel/kernels/configs/fused_moe.json"""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from common import SHAPES, git_commit, print_table
+from benchmarks.common import SHAPES, git_commit, print_table
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 

@@ -1,6 +1,6 @@
 """Plot throughput vs concurrent requests from `throughput.py --sweep --json FILE` results.
 
-    python benchmarks/plot_sweep.py gpu_out/sweep.json docs/throughput_vs_concurrency.png"""
+    python -m benchmarks.plot_sweep gpu_out/sweep.json docs/throughput_vs_concurrency.png"""
 from __future__ import annotations
 
 import json

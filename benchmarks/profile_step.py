@@ -1,6 +1,6 @@
 """Where a decode step's time goes at batch 256 (Qwen3-0.6B shape): torch.profiler over decode steps
 (GPU kernels and CPU ops) and cProfile of the Python side.
-    python benchmarks/profile_step.py [--batch N] [--greedy] [--shape llama-8b]"""
+    python -m benchmarks.profile_step [--batch N] [--greedy] [--shape llama-8b]"""
 from __future__ import annotations
 
 import cProfile
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from common import nano_workload, write_shape
+from benchmarks.common import nano_workload, write_shape
 
 from kestrel import LLM, SamplingParams
 

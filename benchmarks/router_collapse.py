@@ -9,7 +9,7 @@ step then reads 8 of the 66 experts (6 routed + 2 shared) instead of all of them
 router in float32, where the same logits keep per-token routing. This script replays that arithmetic on vLLM's
 init for a batch of 256 tokens and prints distinct expert sets and experts hit for both dtypes.
 
-    python benchmarks/router_collapse.py"""
+    python -m benchmarks.router_collapse"""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
 """Serving load benchmark; the code lives in the package (kestrel/bench/serve.py) so `kestrel bench serve` works
-as installed. python benchmarks/serve.py --help"""
+as installed. python -m benchmarks.serve --help"""
 import sys
 
 from kestrel.bench.serve import main

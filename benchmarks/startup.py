@@ -1,6 +1,6 @@
 """Engine start-up: process start -> ready (weights, KV sizing, kernel warm-up, CUDA graphs), in this process.
 Run it twice on a machine: the first start compiles every Triton kernel (cold), later ones load them from
-Triton's cache (~/.triton/cache).      python benchmarks/startup.py --shape qwen3-0.6b"""
+Triton's cache (~/.triton/cache).      python -m benchmarks.startup --shape qwen3-0.6b"""
 import time
 
 T0 = time.perf_counter()
@@ -8,7 +8,7 @@ T0 = time.perf_counter()
 import argparse  # noqa: E402
 import logging  # noqa: E402
 
-from common import write_shape  # noqa: E402
+from benchmarks.common import write_shape  # noqa: E402
 
 
 def main():

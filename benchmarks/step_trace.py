@@ -5,14 +5,14 @@ time spent launching it, the GPU time from its first to its last queued op (CUDA
 the next step's start (includes idle gaps), its batch, tokens and the KV context it reads. Prints totals by step
 kind and batch bucket, with the achieved KV-read bandwidth of decode steps.
 
-    python benchmarks/step_trace.py --shape qwen3-0.6b [--latency] [--json trace.json]"""
+    python -m benchmarks.step_trace --shape qwen3-0.6b [--latency] [--json trace.json]"""
 from __future__ import annotations
 
 import argparse
 import json
 import time
 
-from common import nano_workload, print_table, shape_facts, write_shape
+from benchmarks.common import nano_workload, print_table, shape_facts, write_shape
 
 
 def main():

@@ -6,7 +6,7 @@ repository's own text, and the shape's vocabulary (the logits) stays the model's
 request where its JSON is complete (or at its max_tokens); the unconstrained run then generates exactly those
 lengths (ignore_eos), so both produce the same tokens and the ratio of their times is the cost of the masks.
 
-    python benchmarks/structured.py [--shape qwen3-0.6b] [--num-requests 256] [--json out.json]"""
+    python -m benchmarks.structured [--shape qwen3-0.6b] [--num-requests 256] [--json out.json]"""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, SHAPES, git_commit, nano_workload, print_table
+from benchmarks.common import ROOT, SHAPES, git_commit, nano_workload, print_table
 
 SMOKE_SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=4096,

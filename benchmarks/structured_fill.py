@@ -11,7 +11,7 @@ which says what the fill needs on any machine: rows x cost / threads.
 (xgrammar's own C++ pool, one call over every row, was tried in session 7 and lost in the engine: 60.8% against
 75-88% of unconstrained throughput; docs/benchmarks.md.)
 
-    python benchmarks/structured_fill.py [--threads 1,4,8,14] [--rows 256] [--steps 40] [--host-work-ms 2]
+    python -m benchmarks.structured_fill [--threads 1,4,8,14] [--rows 256] [--steps 40] [--host-work-ms 2]
 
 On the 2-core development machine (shared; wall times there are noisy) the fill costs ~36 us of CPU a row."""
 from __future__ import annotations
@@ -23,9 +23,8 @@ import time
 
 import numpy as np
 
-from common import print_table
-from structured import SCHEMA, train_tokenizer
-
+from benchmarks.common import print_table
+from benchmarks.structured import SCHEMA, train_tokenizer
 from kestrel.core.sampling_params import StructuredOutputsParams
 from kestrel.structured_output.manager import StructuredOutputManager, default_fill_threads
 

@@ -2,8 +2,8 @@
 random token ids, ignore_eos) on a random-weight model shape; transformers' continuous batching
 (generate_batch, paged|sdpa) on the same model in the same run; the roofline beside both.
 
-    python benchmarks/throughput.py --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]
-    python benchmarks/throughput.py --shape llama-70b --tensor-parallel-size 4 --hf-requests 0"""
+    python -m benchmarks.throughput --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]
+    python -m benchmarks.throughput --shape llama-70b --tensor-parallel-size 4 --hf-requests 0"""
 from __future__ import annotations
 
 import time
@@ -14,7 +14,8 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 
-from common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape)
 
 
 def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict, tp: int = 1) -> float:

@@ -4,15 +4,15 @@ with the same roofline as our own benchmarks (tensor parallel over N GPUs: divid
 the weights at the same time). vLLM 0.26 is staged for the GPU machine by shared/peers/vllm/stage.sh (installed
 into /tmp/site; run with PYTHONPATH=/tmp/site).
 
-    python benchmarks/vllm_peer.py --shape qwen3-30b-a3b [--json out.json] [--skip-latency]
-    python benchmarks/vllm_peer.py --shape llama-8b --tensor-parallel-size 2"""
+    python -m benchmarks.vllm_peer --shape qwen3-30b-a3b [--json out.json] [--skip-latency]
+    python -m benchmarks.vllm_peer --shape llama-8b --tensor-parallel-size 2"""
 from __future__ import annotations
 
 import argparse
 import json
 import time
 
-from common import git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape, SHAPES
+from benchmarks.common import git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape, SHAPES
 
 
 def main():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Python packages the GPU machine's image lacks, as cp312 manylinux wheels in .whl/ (git-excluded; carried to
-# the device with carry [".whl"] and installed there into /tmp/site, see benchmarks/gpu_suite.sh's header):
+# the device with carry [".whl"] and installed there into /tmp/site, see benchmarks/suite.py's docstring):
 # the engine's own (msgspec, pyzmq, gguf, pillow, pybase64), structured outputs (xgrammar + tvm-ffi, pydantic,
 # jsonschema), the OpenAI server and the serving benchmarks' client (fastapi, starlette, uvicorn + httptools,
 # httpx2), and what vLLM 0.26's OpenAI server imports beyond shared/peers/vllm's wheels (uvicorn, watchfiles,
@@ -21,11 +21,11 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
   opentelemetry_api==1.45.2 pillow==13.0.0 pybase64==1.5.1 pycountry==26.2.16 pydantic==2.12.5 pydantic_extra_types==2.11.1 pydantic_core==2.41.5 pyzmq==27.3.0 \
   referencing==0.37.0 rpds_py==2026.9.1 starlette==1.10.0 supervisor==4.3.0 truststore==0.10.5 \
   typing_inspection==0.4.2 uvicorn==0.55.0 watchfiles==1.3.0 xgrammar==0.2.9
-# py-spy for gpu_suite.sh mmspy (a static binary, tagged manylinux1)
+# py-spy for the suite's mmspy stage (a static binary, tagged manylinux1)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
 ls .whl | wc -l
-# vLLM 0.26's LLaVA path on the device (gpu_suite.sh vsite installs these into /tmp/vsite, for its server only):
+# vLLM 0.26's LLaVA path on the device (the suite's vsite stage installs these into its vsite, for its server only):
 # its pixtral.py imports names transformers 5.17 renamed, so it runs on transformers 5.5.3; blake3 and
 # prometheus_fastapi_instrumentator are imported inside functions (the multimodal hasher, the metrics route).
 mkdir -p .whl2

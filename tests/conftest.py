@@ -11,7 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 logging.getLogger("kestrel").setLevel(logging.WARNING)
 
-from tests.tiny import CONFIGS, make_checkpoint, make_tokenizer  # noqa: E402
+from kestrel.bench.tiny_tokenizer import make_tokenizer  # noqa: E402
+from tests.tiny import CONFIGS, make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

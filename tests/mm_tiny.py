@@ -7,15 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.tiny import make_tokenizer
+from kestrel.bench.tiny_tokenizer import IMAGE_TOKEN, LLAVA_CHAT_TEMPLATE, make_tokenizer, tokenizer_with_image_token
 
-IMAGE_TOKEN = "<image>"
-LLAVA_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # pinpoints (height, width) in units of the 28-pixel tile: 1x2, 2x1, 2x2, 1x3
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
 
@@ -32,14 +25,6 @@ def _randomize(model, seed: int, norm_offset: float) -> None:
                 p.normal_(norm_offset, 0.2)
             else:
                 p.normal_(0, 0.05)
-
-
-def _tokenizer_with_image_token():
-    from tokenizers import AddedToken
-
-    tok = make_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [AddedToken(IMAGE_TOKEN, normalized=False, special=True)]})
-    return tok
 
 
 def make_paligemma(root: Path, seed: int = 0) -> Path:
@@ -76,7 +61,7 @@ def make_llava_next(root: Path, seed: int = 0, name: str = "llava_next", decoder
     from transformers import LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok = _tokenizer_with_image_token()
+    tok = tokenizer_with_image_token()
     image_proc = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                             image_grid_pinpoints=PINPOINTS)
     processor = LlavaNextProcessor(image_processor=image_proc, tokenizer=tok, patch_size=7,

@@ -5,36 +5,7 @@ from pathlib import Path
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "Hello world! How are you today? I am fine, thank you.",
-    "Paris is the capital of France. Berlin is the capital of Germany.",
-    "def add(a, b):\n    return a + b\n",
-    "Kestrel serves language models fast, on one GPU or many, and on the CPU.",
-    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" stop STOP end",
-]
-VOCAB_SIZE = 384
-
-
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
+from kestrel.bench.tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
 BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6,

@@ -8,7 +8,7 @@ from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchM
 from kestrel.attention.selector import select_attention_backend
 from kestrel.core.kv_spec import MLASpec
 from kestrel.engine.kv_cache import FullAttentionManager, manager_class
-from tests.attention.mla_inputs import make_batch, make_layer, rel_err, run_backend
+from kestrel.bench.mla_inputs import make_batch, make_layer, rel_err, run_backend
 
 # decodes first (one query token), then prefill chunks over cached prefixes
 REQS = [(1, 1), (1, 777), (1, 32768), (1, 4100), (5, 300), (3, 3)]

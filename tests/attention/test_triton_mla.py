@@ -16,7 +16,7 @@ _ok, _why = gates.triton_runnable()
 pytestmark = pytest.mark.skipif(not _ok, reason=_why)
 
 from kestrel.attention.backends.torch_mla import mla_latent_attention_ref, write_latent_ref  # noqa: E402
-from tests.attention.mla_inputs import make_batch, make_layer, rel_err, run_backend  # noqa: E402
+from kestrel.bench.mla_inputs import make_batch, make_layer, rel_err, run_backend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,13 +118,13 @@ def test_triton_mla_backend_matches_expanded_path_small():
 def test_joined_query_is_a_view_of_the_projection():
     """The dense path's query: q_nope and q_pe split from one projection output go in as a view of it (no
     concatenation, no padding); separate tensors are concatenated."""
-    from kestrel.attention.backends.triton_mla import _joined
+    from kestrel.attention.backends.triton_mla import joined
 
     q = torch.randn(5, 4, 48)
     q_nope, q_pe = q.split([32, 16], dim=-1)
-    joined = _joined(q_nope[1:4], q_pe[1:4])
-    assert joined.data_ptr() == q[1].data_ptr() and torch.equal(joined, q[1:4])
-    apart = _joined(q_nope, q_pe.clone())
+    view = joined(q_nope[1:4], q_pe[1:4])
+    assert view.data_ptr() == q[1].data_ptr() and torch.equal(view, q[1:4])
+    apart = joined(q_nope, q_pe.clone())
     assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, q)
 
 

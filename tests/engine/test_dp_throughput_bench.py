@@ -58,9 +58,9 @@ async def test_server_without_tokenizer_refuses_to_start(config_only):
 
 def test_dp_throughput_two_engines_share_the_requests(config_only, tmp_path):
     out = tmp_path / "dp.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dp_throughput.py"), "--model", str(config_only),
+    run = subprocess.run([sys.executable, "-m", "benchmarks.dp_throughput", "--model", str(config_only),
                           "--num-requests", "8", "--input-len", "4:16", "--output-len", "4:12", "--json", str(out)],
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     res = json.loads(out.read_text())
     assert [r["data_parallel_size"] for r in res["runs"]] == [1, 2]

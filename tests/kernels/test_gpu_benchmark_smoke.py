@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_fp8_benchmark_cpu_smoke():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_fp8.py"), "--cpu-smoke"],
-        cwd=ROOT / "benchmarks",  # the script must find the repo by itself
+        [sys.executable, "-m", "benchmarks.gpu_fp8", "--cpu-smoke"],
+        cwd=ROOT,  # the benchmarks run as modules from the repository root
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -259,10 +259,11 @@ def llava_processor(pinpoints, tile, patch):
     from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    from tests.mm_tiny import _tokenizer_with_image_token
+    from kestrel.bench.tiny_tokenizer import tokenizer_with_image_token
+
     ip = LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile},
                                     image_grid_pinpoints=pinpoints)
-    proc = LlavaNextProcessor(image_processor=ip, tokenizer=_tokenizer_with_image_token(), patch_size=patch,
+    proc = LlavaNextProcessor(image_processor=ip, tokenizer=tokenizer_with_image_token(), patch_size=patch,
                               vision_feature_select_strategy="default", image_token="<image>",
                               num_additional_image_tokens=1)
     cfg = LlavaNextConfig(vision_config=CLIPVisionConfig(image_size=tile, patch_size=patch).to_dict(),

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from conftest import Server, http
-from tests.tiny import make_checkpoint, make_tokenizer
+from kestrel.bench.tiny_tokenizer import make_tokenizer
+from tests.tiny import make_checkpoint
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou can call these functions:\n<tools>\n"

@@ -20,8 +20,10 @@ from kestrel.attention.ops.triton_mla import expand_kv, mla_decode_attention, wr
 from kestrel.core.kv_spec import MLASpec  # noqa: E402
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def dense_row_dim(layer) -> int:
+    """The power-of-two width of the expanded K/V rows, the dense prefill's head dim (DeepSeek: 256 for its
+    192-dim keys and 128-dim values)."""
+    return 1 << (max(layer.qk_nope_head_dim + layer.qk_rope_head_dim, layer.v_head_dim) - 1).bit_length()
 
 
 class TritonMLAImpl(MLAImpl):
@@ -37,19 +39,19 @@ class TritonMLAImpl(MLAImpl):
     def attend_dense(self, q_nope, q_pe, cache, meta: MLAMetadata, layer, out) -> None:
         k_nope, k_pe, v = self.expand_contexts(cache, meta, layer)
         H = layer.num_heads
-        d = _pow2(max(layer.qk_nope_head_dim + layer.qk_rope_head_dim, layer.v_head_dim))
+        d = dense_row_dim(layer)
         bs = cache.shape[1]
         # every context row is written whole (keys zero-padded); the block-alignment rows after each context
         # are never read (the prefill masks keys past seq_len), so no zero fill
         kbuf = q_nope.new_empty(meta.dense_num_blocks * bs, H, d)
         vbuf = torch.empty_like(kbuf)
         expand_kv(k_nope, k_pe, v, meta.dense_ctx_rows, kbuf, vbuf)
-        prefill_attention(_joined(q_nope, q_pe), kbuf.view(-1, bs, H, d), vbuf.view(-1, bs, H, d),
+        prefill_attention(joined(q_nope, q_pe), kbuf.view(-1, bs, H, d), vbuf.view(-1, bs, H, d),
                           meta.dense_block_table, meta.dense_query_start_loc, meta.dense_seq_lens, self.scale,
                           out=out, max_query_len=meta.dense_max_query_len, max_seq_len=meta.dense_max_seq_len)
 
 
-def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[a, b] along the last dim: a view where b directly follows a in memory (q_nope and q_pe split from one
     projection output, rotated in place), else a copy."""
     if (a.dtype == b.dtype and a.shape[:-1] == b.shape[:-1] and a.stride() == b.stride() and a.stride(-1) == 1

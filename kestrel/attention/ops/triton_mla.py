@@ -129,7 +129,7 @@ def _mla_reduce_kernel(PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_sp
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_l, (acc / denom).to(O.dtype.element_ty))
 
 
-def _default_config(L: int, batch: int) -> dict:
+def default_decode_config(L: int, batch: int) -> dict:
     # H200 sweep (benchmarks/mla_decode.py --sweep, 16 heads, 512 + 64; docs/benchmarks.md): small batches want
     # wide tiles and short splits (1 x 32k: 38 us vs 52 with 32-token tiles; 1 x 1k: 10.9 vs 12.0), large batches
     # 32-token tiles on 4 warps (256 x 1k: 120 us, 2.5 TB/s). A [16 heads x 512] float32 accumulator.
@@ -160,7 +160,7 @@ def mla_decode_attention(q_lat, q_pe, cache, block_tables, seq_lens, scale, out=
         out = torch.empty_like(q_lat)
     if B == 0:
         return out
-    cfg = {**_default_config(L, B), **(_config or {})}
+    cfg = {**default_decode_config(L, B), **(_config or {})}
     head_blocks = triton.cdiv(H, cfg["BLOCK_H"])
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page
     # a program here holds 16 heads x 512 latent dims: it fills the chip at half the batch a paged-attention

@@ -134,7 +134,7 @@ def _align_kernel(
 
 # Above this many (token, slot) pairs the layout runs as a grid (prefill: the one program costs ~3 ns a slot on
 # the H200, 415 us at 16k x 8); at or below, the one-program kernel (decode: one launch, captured in CUDA graphs).
-# `python benchmarks/moe_kernel.py --align` times both by slot count.
+# `python -m benchmarks.moe_kernel --align` times both by slot count.
 ALIGN_GRID_ABOVE = 4096
 GRID_CHUNK = 1024  # slots per program of the grid path
 

@@ -1,5 +1,6 @@
-"""A batch over a random latent cache for the MLA path tests (CPU and GPU): a layer with random kv_b_proj, requests
-with given (query length, context length) over shuffled blocks, and the metadata each backend's builder makes."""
+"""A batch over a random latent cache for the MLA path tests (CPU and GPU) and benchmarks/mla_prefill.py: a layer
+with random kv_b_proj, requests with given (query length, context length) over shuffled blocks, and the metadata
+each backend's builder makes."""
 from __future__ import annotations
 
 import torch

@@ -1,0 +1,147 @@
+"""Regression A/B in one GPU call: benchmarks/throughput.py and latency.py on qwen3-0.6b and deepseek-v2-lite for
+the previous tree (--base) and this one. The two runs of each benchmark go back to back, in alternating order
+(base first, then new first) so that drift over the call favours neither; then one table: shape, metric, base,
+new, new/base.
+
+    mkdir .old && git archive PREV | tar -x -C .old && echo PREV > .old/.commit   # on the dev machine,
+    echo /.old/ >> .git/info/exclude                                            # then carry [".old"]
+    python -m benchmarks.ab --base .old [--shapes qwen3-0.6b,deepseek-v2-lite] [--budget 575] [--json ab.json]
+    python -m benchmarks.suite ab --base .old                                   # the same as a suite stage
+
+A tree whose benchmarks/ is not a package yet (an older commit) runs them as scripts."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import ROOT, print_table
+from benchmarks.procs import run_capped
+
+# shape -> (extra flags, throughput timeout s, latency timeout s); V2-Lite as the tputmla/latmla stages run it
+SHAPES = {"qwen3-0.6b": ((), 200, 150), "deepseek-v2-lite": (("--max-model-len", "4096"), 300, 200)}
+BENCH_FLAGS = {"throughput": ("--hf-requests", "0"), "latency": ("--hf-output-len", "0")}  # Kestrel alone
+# benchmark -> (JSON key, table name, higher is better)
+METRICS = {"throughput": (("kestrel_out_tok_s", "out tok/s", True),),
+           "latency": (("ms_per_token", "batch-1 ms/token", False), ("ttft_ms", "TTFT ms", False))}
+MIN_LEFT_S = 30
+TOLERANCE = 0.02  # the acceptance bar for "no regression"
+
+
+@dataclass(frozen=True)
+class Tree:
+    label: str  # "base" or "new"
+    root: Path
+    commit: str
+
+    def argv(self, bench: str, args: list[str]) -> list[str]:
+        if (self.root / "benchmarks" / "__init__.py").exists():
+            return [sys.executable, "-m", f"benchmarks.{bench}", *args]
+        return [sys.executable, f"benchmarks/{bench}.py", *args]
+
+    def env(self, other: Tree) -> dict[str, str]:
+        """This tree first on PYTHONPATH, the other one off it (the site with the device's wheels stays)."""
+        roots = {self.root.resolve(), other.root.resolve()}
+        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in roots]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.root), *rest]), "KESTREL_COMMIT": self.commit}
+
+
+def tree_commit(root: Path, fallback: str) -> str:
+    if (root / ".commit").exists():
+        return (root / ".commit").read_text().strip()
+    if root.resolve() == ROOT and os.environ.get("KESTREL_COMMIT"):
+        return os.environ["KESTREL_COMMIT"]
+    git = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return git.stdout.strip() if git.returncode == 0 and (root / ".git").exists() else fallback
+
+
+def run_one(tree: Tree, other: Tree, bench: str, shape: str, timeout: float, scratch: Path) -> dict | None:
+    extra, *_ = SHAPES[shape]
+    out = scratch / f"{tree.label}-{bench}-{shape}.json"
+    args = ["--shape", shape, *BENCH_FLAGS[bench], *extra, "--json", str(out)]
+    t0 = time.monotonic()
+    log = scratch / f"{tree.label}-{bench}-{shape}.log"
+    rc = run_capped(tree.argv(bench, args), cwd=tree.root, env=tree.env(other), timeout=timeout, output=log)
+    if rc is None:
+        print(f"--- {tree.label} {bench} {shape}: timed out after {timeout:.0f} s", flush=True)
+        return None
+    if rc or not out.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        print(f"--- {tree.label} {bench} {shape}: exit {rc}", *tail, sep="\n", flush=True)
+        return None
+    print(f"--- {tree.label} {bench} {shape}: {time.monotonic() - t0:.0f} s", flush=True)
+    return json.loads(out.read_text())
+
+
+def comparison_rows(results: dict) -> list[dict]:
+    """results[(shape, bench)][label] -> rows of shape, metric, base, new, new/base ("-" where a run is missing)."""
+    rows = []
+    for (shape, bench), by_tree in results.items():
+        for key, name, _ in METRICS[bench]:
+            base, new = (by_tree.get(t, {}).get(key) for t in ("base", "new"))
+            rows.append(dict(shape=shape, metric=name, base="-" if base is None else base,
+                             new="-" if new is None else new,
+                             ratio=f"{new / base:.3f}" if base and new is not None else "-"))
+    return rows
+
+
+def regressions(rows: list[dict]) -> list[str]:
+    """Rows where the new tree is worse than the base by more than TOLERANCE."""
+    higher = {name: up for metrics in METRICS.values() for _, name, up in metrics}
+    worse = []
+    for r in rows:
+        if r["ratio"] != "-":
+            ratio = float(r["ratio"])
+            if (ratio < 1 - TOLERANCE) if higher[r["metric"]] else (ratio > 1 + TOLERANCE):
+                worse.append(f"{r['shape']} {r['metric']} {ratio:.3f}")
+    return worse
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, required=True, help="a checkout of the previous commit")
+    ap.add_argument("--new", type=Path, default=ROOT, help="the tree under test (default: this one)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--budget", type=float, default=575, help="seconds for all runs; later runs are skipped")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    if not (args.base / "benchmarks" / "throughput.py").exists():
+        ap.error(f"--base {args.base}: no benchmarks/throughput.py there (git archive SHA | tar -x -C DIR)")
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    deadline = time.monotonic() + args.budget
+    base = Tree("base", args.base.resolve(), tree_commit(args.base, "base"))
+    new = Tree("new", args.new.resolve(), tree_commit(args.new, "new"))
+    results, missing = {}, 0
+    with tempfile.TemporaryDirectory(prefix="kestrel-ab-") as scratch:
+        pairs = [(shape, bench) for shape in shapes for bench in ("throughput", "latency")]
+        for i, (shape, bench) in enumerate(pairs):
+            for tree, other in ((base, new), (new, base))[:: 1 if i % 2 == 0 else -1]:
+                timeout = min(SHAPES[shape][1 if bench == "throughput" else 2], deadline - time.monotonic())
+                if timeout < MIN_LEFT_S:
+                    print(f"--- {tree.label} {bench} {shape}: skipped ({timeout:.0f} s left)", flush=True)
+                    result = None
+                else:
+                    result = run_one(tree, other, bench, shape, timeout, Path(scratch))
+                missing += result is None
+                results.setdefault((shape, bench), {})[tree.label] = result or {}
+    rows = comparison_rows(results)
+    print_table(f"A/B: base {base.commit} vs new {new.commit} (new/base; Kestrel alone, bf16 random weights)", rows)
+    worse = regressions(rows)
+    print(f"\nworse than base by more than {TOLERANCE:.0%}: {', '.join(worse) if worse else 'none'}"
+          + (f"; {missing} run(s) missing" if missing else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(base=base.commit, new=new.commit, rows=rows, worse=worse,
+                                                   runs={f"{s} {b}": r for (s, b), r in results.items()}), indent=1))
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
