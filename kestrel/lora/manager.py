@@ -113,7 +113,13 @@ class LoRAManager:
         return {i: name for i, (name, _) in self.registered.items()}
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
-        return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype, self.rename)
+        try:
+            return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype,
+                                self.rename)
+        except LoRAAdapterError:
+            raise
+        except Exception as e:  # an unreadable or malformed folder (permissions, truncated files, ...) is the adapter's
+            raise LoRAAdapterError(f"adapter {name!r} ({path}) cannot be read: {type(e).__name__}: {e}") from e
 
     def _cache(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self.cpu[lora_id] = adapter

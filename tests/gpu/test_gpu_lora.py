@@ -52,7 +52,7 @@ def test_triton_lora_matches_reference_path(model_and_adapters):
     base, adapters = model_and_adapters
     llm, loras = _lora_llm(base, adapters)
     ref, ref_loras = _lora_llm(base, adapters, lora_backend="torch")
-    assert llm.engine.core.runner.lora.backend == "triton" and ref.engine.core.runner.lora.backend == "torch"
+    assert llm.engine.core.executor.runner.lora.backend == "triton" and ref.engine.core.executor.runner.lora.backend == "torch"
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for lora, ref_lora in zip(loras, ref_loras):
         hf = hf_with_merged_adapter(base, adapters[lora.name], torch.float32, "cuda")  # the logits' scale only
@@ -77,7 +77,7 @@ def test_lora_cuda_graphs_equal_eager(model_and_adapters):
     results = []
     for eager in (False, True):
         llm, loras = _lora_llm(base, adapters, enforce_eager=eager, async_scheduling="off")
-        assert (llm.engine.core.runner.graphs is None) == eager
+        assert (llm.engine.core.executor.runner.graphs is None) == eager
         per_prompt = [(loras + [None])[(i + i // 4) % 4] for i in range(len(prompts))]  # each prompt: 3 choices
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=per_prompt)])
         del llm
@@ -105,7 +105,7 @@ def test_llava_tower_lora_triton_equals_reference_path(tmp_path_factory):
         llm = LLM(str(base), dtype="bfloat16", progress=False, num_kv_blocks=512, enable_lora=True,
                   max_lora_rank=8, max_loras=1, lora_backend=backend)
         lora = llm.load_lora("vision", str(adapter)) if use_adapter else None
-        model, seen = llm.engine.core.runner.model, []
+        model, seen = llm.engine.core.executor.runner.model, []
         inner = model.embed_image
         model.embed_image = lambda image: seen.append(inner(image).float()) or seen[-1]
         llm.generate([{"prompt": "<image>\nx", "multi_modal_data": {"image": im}} for im in images],

@@ -1,0 +1,97 @@
+"""LoRA at tensor parallel size 2 (CPU, gloo, float32): the adapters are sharded like their base layers (column-
+parallel: B by output rows of each packed shard; row-parallel: A by input columns, the delta summed by the layer's
+all-reduce). One batch mixing two adapters and the base model gives the greedy tokens of TP = 1 and of transformers
++ PEFT; load, list and unload reach every rank through the executor's control call (Executor.call_all), and a bad
+adapter or an unknown control method fails that call on every rank, not the workers."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel.core.sampling_params import SamplingParams
+from kestrel.executor import ControlCallError
+from tests.lora.peft_utils import hf_greedy, make_adapter
+from tests.tp import engine, prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_TOKENS = 16
+
+
+def run(eng, batch) -> list[list[int]]:
+    """Greedy tokens of (prompt, lora_request) pairs, all added before the first step (one mixed batch)."""
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    ids = [eng.add_request(p, params, lora_request=lora) for p, lora in batch]
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return [out[i] for i in ids]
+
+
+# llama: one KV head for two ranks (k/v rows replicated: output_ranges, not an equal split); qwen3: q/k norms
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_mixed_batch_tp2_matches_tp1_and_peft(name, tp_checkpoint, tmp_path):
+    base = tp_checkpoint(name)
+    adapters = {"all8": make_adapter(base, tmp_path / "all8", 8, seed=1),
+                "attn16": make_adapter(base, tmp_path / "attn16", 16, seed=2, targets=["q_proj", "v_proj", "o_proj",
+                                                                                    "down_proj"], scale=0.2)}
+    p = prompts()
+    plan = [(p[0], "all8"), (p[0], "attn16"), (p[0], None), (p[1], "all8"), (p[2], "attn16"), (p[4], None)]
+    tokens = {}
+    for tp in (1, 2):
+        eng = engine(base, tp, enable_lora=True, max_lora_rank=16, max_loras=2)
+        try:
+            loras = {n: eng.add_lora(n, str(path)) for n, path in adapters.items()}
+            if tp == 2:
+                expected = sorted([r.lora_id, r.name] for r in loras.values())
+                assert eng.core.executor.call_all("list_loras") == [expected, expected]  # every rank holds both
+            tokens[tp] = run(eng, [(prompt, loras[a] if a else None) for prompt, a in plan])
+        finally:
+            eng.core.shutdown()
+    assert tokens[2] == tokens[1]
+    same_prompt = tokens[2][:3]
+    assert len({tuple(t) for t in same_prompt}) == 3, "each adapter must change the first prompt's tokens"
+    for i in (0, 1, 3, 4):  # the adapters' rows against transformers + PEFT
+        prompt, a = plan[i]
+        assert tokens[2][i] == hf_greedy(base, adapters[a], [prompt], NUM_TOKENS)[0], f"row {i} ({a})"
+
+
+@pytest.fixture(scope="module")
+def qwen3_lora_tp2(tp_checkpoint, tmp_path_factory):
+    base = tp_checkpoint("qwen3")
+    root = tmp_path_factory.mktemp("lora_tp2")
+    adapter = make_adapter(base, root / "a", 8, seed=3)
+    eng = engine(base, 2, enable_lora=True, max_lora_rank=8, max_loras=1)
+    yield eng, base, adapter, root
+    eng.core.shutdown()
+
+
+def test_unload_reaches_every_rank_and_bad_calls_fail_alone(qwen3_lora_tp2):
+    eng, base, adapter, root = qwen3_lora_tp2
+    ex = eng.core.executor
+    pids = list(ex.worker_pids)
+    req = eng.add_lora("a", str(adapter))
+    assert eng.core.list_loras() == [[req.lora_id, "a"]]
+    with_adapter = run(eng, [(prompts()[1], req)])
+    assert eng.remove_lora("a")
+    assert ex.call_all("list_loras") == [[], []]
+    assert eng.core.list_loras() == [] and eng.core.loras == {}
+
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 40)  # not a safetensors file
+    with pytest.raises(ControlCallError, match=r"cannot read adapter_model\.safetensors.*on every tensor-parallel rank"
+                       ) as err:
+        eng.add_lora("broken", str(broken))
+    assert err.value.status_code == 400 and err.value.failed_ranks == [0, 1]
+    with pytest.raises(ControlCallError, match=r"'load_weights' is not a control method") as err:
+        ex.call_all("load_weights", "/tmp")
+    assert err.value.failed_ranks == [0, 1]
+
+    # the workers live on: the same adapter loads again (new id) and gives the same tokens
+    again = eng.add_lora("a", str(adapter))
+    assert ex.call_all("list_loras") == [[[again.lora_id, "a"]]] * 2
+    assert run(eng, [(prompts()[1], again)]) == with_adapter
+    assert ex.worker_pids == pids and ex.dead is None
