@@ -3,7 +3,11 @@ CONTROL_METHODS are callable by name; each returns a value msgspec can encode. L
 rank keeps the same adapters; each reads its own shard of them)."""
 from __future__ import annotations
 
+import logging
+
 from kestrel.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
 
 
 def _lora(runner):
@@ -14,11 +18,17 @@ def _lora(runner):
 
 def add_lora(runner, lora_id: int, name: str, path: str) -> bool:
     """Read and check the adapter (this rank's shard); False when it was already there."""
-    return _lora(runner).add(lora_id, name, path)
+    added = _lora(runner).add(lora_id, name, path)
+    if added:
+        logger.info("LoRA adapter %r (id %d) loaded", name, lora_id)
+    return added
 
 
 def remove_lora(runner, lora_id: int) -> bool:
-    return _lora(runner).remove(lora_id)
+    removed = _lora(runner).remove(lora_id)
+    if removed:
+        logger.info("LoRA adapter id %d removed", lora_id)
+    return removed
 
 
 def list_loras(runner) -> list[list]:

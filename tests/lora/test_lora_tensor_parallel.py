@@ -62,7 +62,7 @@ def qwen3_lora_tp2(tp_checkpoint, tmp_path_factory):
     base = tp_checkpoint("qwen3")
     root = tmp_path_factory.mktemp("lora_tp2")
     adapter = make_adapter(base, root / "a", 8, seed=3)
-    eng = engine(base, 2, enable_lora=True, max_lora_rank=8, max_loras=1)
+    eng = engine(base, 2, enable_lora=True, max_lora_rank=8, max_loras=1, async_scheduling="on")
     yield eng, base, adapter, root
     eng.core.shutdown()
 
@@ -95,3 +95,26 @@ def test_unload_reaches_every_rank_and_bad_calls_fail_alone(qwen3_lora_tp2):
     assert ex.call_all("list_loras") == [[[again.lora_id, "a"]]] * 2
     assert run(eng, [(prompts()[1], again)]) == with_adapter
     assert ex.worker_pids == pids and ex.dead is None
+    assert eng.remove_lora("a")
+
+
+def test_control_call_while_a_step_is_in_flight(qwen3_lora_tp2):
+    """Pipelined decode: the control call is sent while a step is in flight; rank 0's step reply that arrives
+    first is kept for collect, and the base request's tokens are those of an undisturbed run."""
+    eng, base, adapter, root = qwen3_lora_tp2
+    alone = run(eng, [(prompts()[3], None)])
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    rid = eng.add_request(prompts()[3], params)
+    out = {}
+    for _ in range(3):
+        for o in eng.step():
+            out[rid] = o
+    assert eng.core._inflight is not None
+    req = eng.add_lora("mid", str(adapter))
+    assert len(eng.core.executor._early) == 1  # the in-flight step's reply, read by the control call
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[rid] = o
+    assert list(out[rid].outputs[0].token_ids) == alone[0]
+    assert eng.remove_lora(req.name) and eng.core.executor.call_all("list_loras") == [[], []]
