@@ -195,6 +195,7 @@ class EngineCore:
         return out
 
     def _outputs(self, sched, result) -> EngineCoreOutputs:
+        self._fail_requests(result.failed)
         finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
         outputs = self._take_rejected()
         for s in sched.scheduled:
@@ -214,6 +215,17 @@ class EngineCore:
                 finish_reason=req.status.value if rid in finished else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(self.engine_index, outputs, self.stats())
+
+    def _fail_requests(self, failed: dict[str, str]) -> None:
+        """End the requests the runner could not serve (their adapter became unreadable) as "abort" with the reason;
+        the engine goes on."""
+        for rid, why in failed.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            logger.warning("request %s: %s; aborted", rid, why)
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self._rejected.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=why))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,

@@ -116,3 +116,27 @@ def test_corrupted_adapter_fails_its_load_only(llm, base_and_adapter, tmp_path, 
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=good)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.unload_lora(good.name)
+
+
+def test_adapter_unreadable_when_read_again_fails_its_requests_only(base_and_adapter, tmp_path):
+    """--max-cpu-loras 1: an adapter dropped from host memory is read from disk again when a request needs it; if
+    its folder is gone by then, that request ends as "abort" naming the problem, while the base model's request and
+    another adapter's in the same steps complete (the engine core does not raise)."""
+    import shutil
+
+    base, adapter = base_and_adapter
+    llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1)
+    first = llm.load_lora("first", str(shutil.copytree(adapter, tmp_path / "first")))
+    second = llm.load_lora("second", str(adapter))  # pushes "first" out of host memory (one host slot)
+    manager = llm.engine.core.executor.runner.lora
+    assert first.lora_id not in manager.cpu
+    shutil.rmtree(tmp_path / "first")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = {llm.engine.add_request(PROMPT, params, lora_request=lora): name
+           for name, lora in (("first", first), ("base", None), ("second", second))}
+    out = {ids[rid]: o for rid, o in finish(llm).items()}
+    assert out["first"].outputs[0].finish_reason == "abort" and out["first"].outputs[0].token_ids == []
+    assert "is not a PEFT adapter folder: no adapter_config.json" in out["first"].outputs[0].stop_reason
+    assert [len(out[n].outputs[0].token_ids) for n in ("base", "second")] == [4, 4]
+    ref = llm.generate(PROMPT, params, lora_request=second)[0].outputs[0].token_ids
+    assert out["second"].outputs[0].token_ids == ref

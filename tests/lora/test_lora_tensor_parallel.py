@@ -118,3 +118,26 @@ def test_control_call_while_a_step_is_in_flight(qwen3_lora_tp2):
                 out[rid] = o
     assert list(out[rid].outputs[0].token_ids) == alone[0]
     assert eng.remove_lora(req.name) and eng.core.executor.call_all("list_loras") == [[], []]
+
+
+def test_adapter_unreadable_when_read_again_fails_its_request_on_every_rank(qwen3_lora_tp2, tmp_path):
+    """One host slot per rank: an adapter read again from disk after its folder is gone fails its request
+    ("abort", with the reason rank 0 reports) and the workers and the other requests go on."""
+    import shutil
+
+    eng, base, adapter, root = qwen3_lora_tp2
+    gone = eng.add_lora("gone", str(shutil.copytree(adapter, tmp_path / "gone")))
+    kept = eng.add_lora("kept", str(adapter))  # pushes "gone" out of every rank's host memory
+    shutil.rmtree(tmp_path / "gone")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = {eng.add_request(prompts()[0], params, lora_request=lora): name
+           for name, lora in (("gone", gone), ("base", None), ("kept", kept))}
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[ids[o.request_id]] = o.outputs[0]
+    assert out["gone"].finish_reason == "abort" and "no adapter_config.json" in out["gone"].stop_reason
+    assert [len(out[n].token_ids) for n in ("base", "kept")] == [4, 4]
+    assert eng.core.executor.dead is None
+    assert eng.remove_lora("gone") and eng.remove_lora("kept")
