@@ -140,3 +140,28 @@ def test_adapter_unreadable_when_read_again_fails_its_requests_only(base_and_ada
     assert [len(out[n].outputs[0].token_ids) for n in ("base", "second")] == [4, 4]
     ref = llm.generate(PROMPT, params, lora_request=second)[0].outputs[0].token_ids
     assert out["second"].outputs[0].token_ids == ref
+
+
+def test_load_that_fails_on_one_rank_is_undone_where_it_succeeded(llm, base_and_adapter, monkeypatch):
+    """The engine core's compensation after a partial control call (one rank of two failed, simulated): the error
+    names each rank's outcome (500: not the adapter's fault everywhere) and the rank that loaded it drops it."""
+    _, adapter = base_and_adapter
+    core = llm.engine.core
+    real, calls = core.executor.call_all, []
+
+    def half_failing(method, *args, timeout=None):
+        calls.append((method, args))
+        if method == "add_lora":
+            loaded = real(method, *args)  # "rank 0" loads it, "rank 1" fails
+            raise ControlCallError(method, [*loaded, RuntimeError("disk quota exceeded")])
+        return real(method, *args)
+
+    monkeypatch.setattr(core.executor, "call_all", half_failing)
+    with pytest.raises(ControlCallError, match=r"add_lora failed on tensor-parallel rank\(s\) \[1\]: rank 0: ok; "
+                                               r"rank 1: disk quota exceeded") as err:
+        llm.load_lora("half", str(adapter))
+    lora_id = calls[0][1][0]
+    assert err.value.status_code == 500 and err.value.failed_ranks == [1]
+    assert calls == [("add_lora", (lora_id, "half", str(adapter))), ("remove_lora", (lora_id,))]
+    assert lora_id not in core.executor.runner.lora.registered and lora_id not in core.loras
+    assert "half" not in llm.engine.loras
