@@ -79,7 +79,7 @@ def main():
     llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=blocks,
               enable_prefix_caching=args.prefix_caching, async_scheduling="on")
     eng = llm.engine
-    runner = eng.core.runner
+    runner = eng.core.executor.runner
     runner.model = StubModel(runner.model, 512)
     prompts, _ = nano_workload(args.batch, vocab_cap=512)
     for p in prompts:

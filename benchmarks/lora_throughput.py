@@ -47,7 +47,7 @@ def run(model_dir, prompts, outs, args, adapters: list[Path] | None):
     dt = time.perf_counter() - t
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
-    graphs = llm.engine.core.runner.graphs is not None
+    graphs = llm.engine.core.executor.runner.graphs is not None
     del llm
     gc.collect()
     torch.cuda.empty_cache()

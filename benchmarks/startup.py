@@ -30,7 +30,7 @@ def main():
         prof.disable()
         pstats.Stats(prof).sort_stats("cumtime").print_stats(45)
     print(f"start-up {args.shape}: {time.perf_counter() - T0:.1f} s (graph capture "
-          f"{llm.engine.core.runner.graph_capture_seconds:.1f} s)")
+          f"{llm.engine.core.executor.runner.graph_capture_seconds:.1f} s)")
 
 
 if __name__ == "__main__":

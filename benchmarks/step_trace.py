@@ -32,7 +32,7 @@ def main():
     llm = LLM(str(write_shape(args.shape)), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False,
               enforce_eager=args.enforce_eager)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     if args.latency:
         prompts = nano_workload(1, seed=2, in_range=(128, 128))[0]
         params = [SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)]

@@ -92,8 +92,9 @@ def run_kestrel(model_dir, prompts, outs, args):
             step_log.append((time.perf_counter(), pre, sum(1 for s in out.scheduled if s.num_new_tokens == 1)))
         return out
     core.scheduler.schedule = logged_schedule
-    if core.runner is not None:  # tensor parallel: the workers prepare the inputs (not timed here)
-        timed(core.runner, "_prepare", "prepare")
+    runner = getattr(core.executor, "runner", None)
+    if runner is not None:  # tensor parallel: the workers prepare the inputs (not timed here)
+        timed(runner, "_prepare", "prepare")
     timed(core.scheduler, "on_launch", "update")
     timed(core.scheduler, "on_result", "update")
     timed(llm.engine.output_processor, "process", "outputs")
@@ -120,7 +121,7 @@ def run_kestrel(model_dir, prompts, outs, args):
           + ", ".join(f"({ms:.0f}, {pre}, {dec})" for ms, pre, dec in gaps[-6:]))
     info = dict(during=during, longest_steps=gaps[-6:], step_split=step_split(step_log), startup_s=startup,
                 blocks=core.kv.num_blocks,
-                graphs=core.runner.graph_capture_seconds if core.runner is not None else float("nan"),
+                graphs=core.executor.runner.graph_capture_seconds if core.executor.runner is not None else float("nan"),
                 cpu_ms_per_step={k: v / max(steps, 1) * 1e3 for k, v in cpu.items()}, step_ms=dt / max(steps, 1) * 1e3)
     core.shutdown()  # tensor parallel: the workers exit and free their GPUs
     del llm, core

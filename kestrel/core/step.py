@@ -83,3 +83,4 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple] = field(default_factory=dict)  # req id -> (logprob, rank, top list)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # req id -> entries for this chunk
+    failed: dict[str, str] = field(default_factory=dict)  # req id -> why it cannot go on (its adapter is unreadable)

@@ -12,7 +12,8 @@ from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
-from kestrel.executor import make_executor
+from kestrel.errors import InvalidRequest
+from kestrel.executor import ControlCallError, make_executor
 from kestrel.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,6 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         self.executor = ex = make_executor(config, progress)
-        self.runner = ex.runner  # the in-process ModelRunner (None with tensor-parallel workers)
         self.model_config = ex.model_config
         self.tokenizer = ex.tokenizer
         self.device = ex.device
@@ -53,6 +53,7 @@ class EngineCore:
         self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
         self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
+        self.loras: dict[int, str] = {}  # lora id -> name: the adapters every rank holds (set when call_all succeeds)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
                     num_blocks * ex.bytes_per_block / 2**20, time.perf_counter() - t0)
@@ -63,11 +64,11 @@ class EngineCore:
                       r.priority, r.arrival_time,
                       mm_features=list(r.mm_features), bidirectional_len=r.bidirectional_len)
         if r.lora_id:
-            lora = self.runner.lora if self.runner is not None else None
-            if lora is None or r.lora_id not in lora.registered:
+            if r.lora_id not in self.loras:
                 # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it
                 logger.warning("request %s: LoRA id %d is not loaded; aborted", r.request_id, r.lora_id)
-                self._rejected.append(EngineCoreOutput(r.request_id, [], finish_reason="abort"))
+                self._rejected.append(EngineCoreOutput(r.request_id, [], finish_reason="abort",
+                                                       stop_reason=f"LoRA adapter id {r.lora_id} is not loaded"))
                 return
             req.lora_id = r.lora_id
             req.cache_salt = f"lora:{r.lora_id}".encode()  # two adapters never share KV blocks
@@ -194,6 +195,7 @@ class EngineCore:
         return out
 
     def _outputs(self, sched, result) -> EngineCoreOutputs:
+        self._fail_requests(result.failed)
         finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
         outputs = self._take_rejected()
         for s in sched.scheduled:
@@ -213,6 +215,17 @@ class EngineCore:
                 finish_reason=req.status.value if rid in finished else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
         return EngineCoreOutputs(self.engine_index, outputs, self.stats())
+
+    def _fail_requests(self, failed: dict[str, str]) -> None:
+        """End the requests the runner could not serve (their adapter became unreadable) as "abort" with the reason;
+        the engine goes on."""
+        for rid, why in failed.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            logger.warning("request %s: %s; aborted", rid, why)
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self._rejected.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=why))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
@@ -255,26 +268,49 @@ class EngineCore:
         self.executor.check_health()
         return "pong"
 
-    # ---- LoRA adapters (utility calls; the frontend fans them out to every engine core)
-    def _lora_manager(self):
-        if self.runner is None or self.runner.lora is None:
-            raise ValueError("LoRA is not enabled on this engine (start it with --enable-lora)")
-        return self.runner.lora
+    # ---- LoRA adapters (utility calls; the frontend fans them out to every engine core, and the executor's
+    # control call reaches every tensor-parallel rank)
+    def _check_lora_enabled(self) -> None:
+        if not self.config.lora.enable_lora:
+            raise InvalidRequest("LoRA is not enabled on this engine (start it with --enable-lora)")
 
     def add_lora(self, lora_id: int, name: str, path: str) -> bool:
-        return self._lora_manager().add(lora_id, name, path)
+        """Every rank reads its shard of the adapter; where some rank failed, the ranks that loaded it drop it."""
+        self._check_lora_enabled()
+        try:
+            added = self.executor.call_all("add_lora", lora_id, name, path)
+        except ControlCallError as e:
+            if lora_id not in self.loras and any(o is True for o in e.outcomes):
+                self._undo_add(lora_id)
+            raise
+        self.loras[lora_id] = name
+        return added[0]
+
+    def _undo_add(self, lora_id: int) -> None:
+        try:
+            self.executor.call_all("remove_lora", lora_id)
+        except ControlCallError as e:
+            logger.error("LoRA id %d: could not drop it from the ranks that loaded it: %s", lora_id, e)
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Refused while a request of this engine uses the adapter (its KV and device slot depend on it)."""
-        users = sum(1 for r in self.scheduler.requests.values() if r.lora_id == lora_id)
+        """Refused while a request of this engine uses the adapter (its KV and device slot depend on it), counting
+        requests still waiting for their grammar (not yet scheduled)."""
+        self._check_lora_enabled()
+        users = sum(1 for r in (*self.scheduler.requests.values(), *self._compiling) if r.lora_id == lora_id)
         if users:
-            raise ValueError(f"LoRA id {lora_id} is in use by {users} request(s) on engine {self.engine_index}")
-        return self._lora_manager().remove(lora_id)
+            raise InvalidRequest(f"LoRA id {lora_id} is in use by {users} request(s) on engine {self.engine_index}")
+        removed = self.executor.call_all("remove_lora", lora_id)
+        self.loras.pop(lora_id, None)
+        return removed[0]
 
     def list_loras(self) -> list[list]:
-        """[[lora id, name], ...] of the adapters loaded on this engine."""
-        lora = self.runner.lora if self.runner is not None else None
-        return sorted([i, n] for i, n in lora.list().items()) if lora is not None else []
+        """[[lora id, name], ...] of the adapters loaded on this engine, asked of every rank (they must agree)."""
+        if not self.config.lora.enable_lora:
+            return []
+        per_rank = self.executor.call_all("list_loras")
+        if any(r != per_rank[0] for r in per_rank):
+            raise RuntimeError(f"the tensor-parallel ranks hold different adapters: {per_rank}")
+        return per_rank[0]
 
     def shutdown(self) -> None:
         """Stop the workers (tensor parallelism); the in-process runner needs nothing."""

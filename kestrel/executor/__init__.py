@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kestrel.errors import ConfigError
-from kestrel.executor.base import Executor, UniExecutor, WorkerError
+from kestrel.executor.base import ControlCallError, Executor, UniExecutor, WorkerError
 
 
 def executor_backend(config) -> str:
@@ -13,9 +13,6 @@ def executor_backend(config) -> str:
     if backend == "uni" and par.tensor_parallel_size > 1:
         raise ConfigError("--distributed-executor-backend uni runs one process: use mp or ray for "
                           f"--tensor-parallel-size {par.tensor_parallel_size}")
-    if backend != "uni" and getattr(getattr(config, "lora", None), "enable_lora", False):
-        raise ConfigError("--enable-lora runs in the engine process only (--distributed-executor-backend uni, "
-                          "--tensor-parallel-size 1) for now")
     return backend
 
 
@@ -34,4 +31,4 @@ def make_executor(config, progress: bool = True) -> Executor:
     raise ConfigError(f"unknown --distributed-executor-backend {backend!r} (uni, mp or ray)")
 
 
-__all__ = ["Executor", "UniExecutor", "WorkerError", "executor_backend", "make_executor"]
+__all__ = ["ControlCallError", "Executor", "UniExecutor", "WorkerError", "executor_backend", "make_executor"]

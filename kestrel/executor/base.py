@@ -7,10 +7,37 @@ import torch
 
 from kestrel.core.kv_spec import KVCacheGroup
 from kestrel.core.step import StepInput
+from kestrel.errors import InvalidRequest, KestrelError
 
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died or failed; the executor is dead after it (the engine reports dead)."""
+
+
+class ControlCallError(KestrelError):
+    """A control call (`Executor.call_all`) failed on at least one rank. Raised after every rank answered;
+    `outcomes[r]` is rank r's result or its exception. A 400 when every rank refused the call as bad input (the
+    same adapter is bad everywhere), a 500 otherwise."""
+
+    def __init__(self, method: str, outcomes: list):
+        self.method = method
+        self.outcomes = outcomes
+        failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, BaseException)}
+        messages = {str(e) for e in failed.values()}
+        if len(outcomes) == 1:
+            text = str(failed[0])
+        elif len(failed) == len(outcomes) and len(messages) == 1:
+            text = f"{messages.pop()} (on every tensor-parallel rank)"
+        else:
+            text = f"{method} failed on tensor-parallel rank(s) {sorted(failed)}: " + "; ".join(
+                f"rank {r}: {o}" if r in failed else f"rank {r}: ok" for r, o in enumerate(outcomes))
+        super().__init__(text)
+        if len(failed) == len(outcomes) and all(isinstance(e, InvalidRequest) for e in failed.values()):
+            self.status_code, self.error_type = 400, "invalid_request_error"
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r for r, o in enumerate(self.outcomes) if isinstance(o, BaseException)]
 
 
 class Executor:
@@ -19,7 +46,6 @@ class Executor:
     device: torch.device
     kv_cache_groups: list[KVCacheGroup]
     bytes_per_block: int
-    runner = None  # the in-process ModelRunner (uni only)
 
     def precompile_kernels(self) -> None:
         raise NotImplementedError
@@ -44,6 +70,13 @@ class Executor:
 
     def collect(self, handle):
         """The RunnerOutput of a launched step, in launch order."""
+        raise NotImplementedError
+
+    def call_all(self, method: str, *args, timeout: float | None = None) -> list:
+        """Run the control method `method(*args)` (one of kestrel/worker/control.py's CONTROL_METHODS) on every
+        rank and return each rank's result, in rank order. It waits for every rank, then raises one
+        ControlCallError carrying every rank's outcome if any failed (undoing where it succeeded is the caller's).
+        A rank that does not answer within `timeout` seconds, or dies, fails the executor (WorkerError)."""
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -87,3 +120,11 @@ class UniExecutor(Executor):
 
     def collect(self, handle):
         return self.runner.collect(handle)
+
+    def call_all(self, method: str, *args, timeout: float | None = None) -> list:
+        from kestrel.worker.control import run_control
+
+        try:
+            return [run_control(self.runner, method, args)]
+        except Exception as e:  # noqa: BLE001 - the call fails, the runner goes on
+            raise ControlCallError(method, [e]) from e

@@ -1,8 +1,11 @@
 """The engine <-> worker wire format: ZeroMQ multipart frames with msgspec msgpack payloads (never pickle).
 
-engine -> every worker: [method, payload(, grammar bitmask: int32 masks, int32 rows they constrain)]   (method: b"step", b"describe", b"num_blocks", b"init_cache",
-                                              b"precompile", b"shutdown")
-worker -> engine:       [rank, status, payload]   (status b"ok" or b"err"; a step is answered by rank 0 only)
+engine -> every worker: [method, payload(, grammar bitmask: int32 masks, int32 rows they constrain)]
+                        (method: b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"control",
+                        b"shutdown"; a control payload is [name, args], see kestrel/worker/control.py)
+worker -> engine:       [rank, status, payload]   (status b"ok" or b"err": the worker failed and exits; a step is
+                        answered by rank 0 only; a control call by every rank, b"ctl_ok" with its result or
+                        b"ctl_fail" with [is the input bad, message]: the call failed, the worker goes on)
 
 KV-cache specs carry torch dtypes: they travel as the spec's class name, its fields and the dtype's name."""
 from __future__ import annotations
@@ -16,9 +19,9 @@ from kestrel.core import kv_spec
 from kestrel.core.kv_spec import KVCacheGroup
 from kestrel.core.step import RunnerOutput, StepInput
 
-STEP, DESCRIBE, NUM_BLOCKS, INIT_CACHE, PRECOMPILE, SHUTDOWN = (
-    b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"shutdown")
-OK, ERR = b"ok", b"err"
+STEP, DESCRIBE, NUM_BLOCKS, INIT_CACHE, PRECOMPILE, CONTROL, SHUTDOWN = (
+    b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"control", b"shutdown")
+OK, ERR, CTL_OK, CTL_FAIL = b"ok", b"err", b"ctl_ok", b"ctl_fail"
 
 encoder = msgspec.msgpack.Encoder()
 step_decoder = msgspec.msgpack.Decoder(StepInput)

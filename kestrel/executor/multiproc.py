@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -19,7 +20,8 @@ import zmq
 
 from kestrel.core.step import StepInput
 from kestrel.executor import messages as M
-from kestrel.executor.base import Executor, WorkerError
+from kestrel.errors import InvalidRequest
+from kestrel.executor.base import ControlCallError, Executor, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class MultiWorkerExecutor(Executor):
         self._outs: list[zmq.Socket] = []
         self._reply = self._zmq.socket(zmq.PULL)
         self._sent = self._received = 0  # step messages sent / answered
+        self._early: deque[bytes] = deque()  # rank 0's step replies read by a control call, for `collect`
         self.dead: str | None = None
         self._closed = False
         try:
@@ -121,8 +124,9 @@ class MultiWorkerExecutor(Executor):
         for s in self._outs:
             s.send_multipart([method, payload], copy=False)
 
-    def _recv(self) -> tuple[int, object]:
-        """The next reply (rank, decoded payload); raises WorkerError when a worker failed or died."""
+    def _recv(self, deadline: float | None = None) -> tuple[int, bytes, bytes] | None:
+        """The next reply (rank, status, payload), None once `deadline` (monotonic) passed; raises WorkerError when a
+        worker failed or died."""
         while True:
             if self._reply.poll(POLL_MS):
                 rank_b, status, payload = self._reply.recv_multipart()
@@ -131,10 +135,12 @@ class MultiWorkerExecutor(Executor):
                     # a peer's death shows up first as a broken collective on the survivors: name the dead one
                     self._fail(self._dead_worker(wait_s=ERR_GRACE_S, exclude=rank) or
                                f"tensor-parallel worker rank {rank} failed: {M.any_decoder.decode(payload)}")
-                return rank, payload
+                return rank, status, payload
             dead = self._dead_worker()
             if dead:
                 self._fail(dead)
+            if deadline is not None and time.monotonic() > deadline:
+                return None
 
     def _fail(self, why: str):
         logger.error("%s; stopping the other workers", why)
@@ -149,9 +155,36 @@ class MultiWorkerExecutor(Executor):
         self._broadcast(method, M.encoder.encode(arg))
         replies: dict[int, object] = {}
         while len(replies) < self.size:
-            rank, payload = self._recv()
+            rank, _, payload = self._recv()
             replies[rank] = M.any_decoder.decode(payload)
         return [replies[r] for r in range(self.size)]
+
+    def call_all(self, method: str, *args, timeout: float | None = None) -> list:
+        """Steps may be in flight (pipelined decode): each worker runs the call after them, and rank 0's step
+        replies that arrive first are kept for `collect`."""
+        self._broadcast(M.CONTROL, M.encoder.encode([method, list(args)]))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcomes: dict[int, object] = {}
+        while len(outcomes) < self.size:
+            got = self._recv(deadline)
+            if got is None:
+                missing = [r for r in range(self.size) if r not in outcomes]
+                self._fail(f"control call {method!r}: tensor-parallel rank(s) {missing} did not answer within "
+                           f"{timeout} s")
+            rank, status, payload = got
+            if status == M.OK and rank == 0 and self._received + len(self._early) < self._sent:
+                self._early.append(payload)
+            elif status == M.CTL_OK:
+                outcomes[rank] = M.any_decoder.decode(payload)
+            elif status == M.CTL_FAIL:
+                bad_input, message = M.any_decoder.decode(payload)
+                outcomes[rank] = (InvalidRequest if bad_input else RuntimeError)(message)
+            else:
+                raise RuntimeError(f"unexpected {status!r} reply from tensor-parallel rank {rank} to {method!r}")
+        results = [outcomes[r] for r in range(self.size)]
+        if any(isinstance(o, BaseException) for o in results):
+            raise ControlCallError(method, results)
+        return results
 
     # ---- the Executor interface
     def precompile_kernels(self) -> None:
@@ -197,9 +230,12 @@ class MultiWorkerExecutor(Executor):
     def collect(self, handle: StepHandle):
         """Replies arrive in launch order (rank 0 answers every step)."""
         while self._received < handle.seq:
-            rank, payload = self._recv()
-            if rank != 0:
-                raise RuntimeError(f"unexpected reply from tensor-parallel rank {rank} to a step")
+            if self._early:  # read by a control call while this step was in flight
+                payload = self._early.popleft()
+            else:
+                rank, status, payload = self._recv()
+                if rank != 0 or status != M.OK:
+                    raise RuntimeError(f"unexpected {status!r} reply from tensor-parallel rank {rank} to a step")
             self._received += 1
             out = M.output_decoder.decode(payload)
         return out

@@ -103,6 +103,9 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
         if method == M.SHUTDOWN:
             out.send_multipart([me, M.OK, M.encoder.encode(None)])
             return
+        if method == M.CONTROL:
+            out.send_multipart([me, *_control(runner, payload)])
+            continue
         if method == M.DESCRIBE:
             reply = {"kv_cache_groups": M.encode_groups(runner.kv_cache_groups),
                      "bytes_per_block": runner.bytes_per_block, "device": str(runner.device),
@@ -120,6 +123,19 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
         else:
             raise ValueError(f"unknown worker method {method[:32]!r}")
         out.send_multipart([me, M.OK, M.encoder.encode(reply)])
+
+
+def _control(runner, payload: bytes) -> list[bytes]:
+    """Run one control call; its failure is the call's (answered as ctl_fail), never the worker's."""
+    from kestrel.errors import InvalidRequest
+    from kestrel.worker.control import run_control
+
+    try:
+        name, args = M.any_decoder.decode(payload)
+        return [M.CTL_OK, M.encoder.encode(run_control(runner, name, args))]
+    except Exception as e:  # noqa: BLE001
+        logger.warning("control call failed on this rank: %s: %s", type(e).__name__, e)
+        return [M.CTL_FAIL, M.encoder.encode([isinstance(e, InvalidRequest), str(e)])]
 
 
 def _die_with_parent() -> None:

@@ -375,6 +375,10 @@ class AsyncEngine:
         return self.client.live_engines
 
     # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/frontend/lora_registry.py)
+    async def call_utility_all(self, method: str, *args):
+        """`method` on every live engine core; the FanoutResult, which never raises by itself."""
+        return await self.client.utility.call_all(method, *args, engines=self._live())
+
     async def call_utility_all_or_undo(self, method: str, args: tuple, undo_method: str, undo_args: tuple):
         return await self.client.utility.call_all_or_undo(method, args, undo_method, undo_args, engines=self._live())
 

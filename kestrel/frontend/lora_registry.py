@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from dataclasses import dataclass
 
-from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, ModelNotFound
+from kestrel.ipc.utility import UtilityCallError, UtilityError, UtilityFanoutError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def parse_lora_modules(cfg) -> list[tuple[str, str]]:
 
 class LoRARegistry:
     def __init__(self, client, base_model_name: str | None = None):
-        self.client = client  # call_utility_all_or_undo(method, args, undo_method, undo_args): the AsyncEngine
+        self.client = client  # the AsyncEngine: call_utility(_all, _all_or_undo)
         self.base_model_name = base_model_name
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
@@ -75,16 +78,29 @@ class LoRARegistry:
 
     async def restore(self, engine: int, serve) -> None:
         """Load every adapter the server has (from --lora-modules and load calls, minus unloads) into a restarted
-        engine core, then let it serve (`serve()`, under the lock). A failure raises: the engine does not serve
-        without the adapters the other engines have."""
+        engine core, then let it serve (`serve()`, under the lock). An adapter that no longer loads (its folder
+        moved, unreadable or corrupted) is skipped, logged and dropped from the server: unloaded from the other
+        engines too, so that requests naming it get a 404 instead of failing on one engine. Any other failure
+        (the engine died again, no reply) raises: the engine does not serve without the other engines' adapters."""
         async with self._lock:
+            dropped = []
             for req in sorted(self.adapters.values(), key=lambda r: r.lora_id):
                 try:
                     await self.client.call_utility("add_lora", req.lora_id, req.name, req.path, engine=engine)
+                except UtilityCallError as e:  # the engine ran the load and it failed: the adapter's fault
+                    logger.error("engine core %d: adapter %r (%s) no longer loads, dropped from the server: %s",
+                                 engine, req.name, req.path, e.message)
+                    del self.adapters[req.name]
+                    dropped.append(req)
                 except UtilityError as e:
                     raise RuntimeError(f"adapter {req.name!r} ({req.path}) could not be loaded again: "
-                                           f"{e}") from e
+                                       f"{e}") from e
             serve()
+            for req in dropped:
+                result = await self.client.call_utility_all("remove_lora", req.lora_id)
+                for err in result.errors():
+                    logger.error("adapter %r could not be dropped from engine core %d: %s", req.name,
+                                 err.engine_index, err.exception)
 
     async def _load(self, name: str, path: str) -> LoRARequest:
         async with self._lock:

@@ -38,8 +38,12 @@ class LLMEngine:
         return req
 
     def remove_lora(self, name: str) -> bool:
-        req = self.loras.pop(name, None)
-        return req is not None and self.core.remove_lora(req.lora_id)
+        req = self.loras.get(name)
+        if req is None:
+            return False
+        removed = self.core.remove_lora(req.lora_id)  # raises (and keeps it) while a request uses it
+        del self.loras[name]
+        return removed
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None) -> str:

@@ -46,6 +46,7 @@ class Linear(nn.Module):
         self.tp = tp or ParallelInfo()
         self.parallel = parallel if self.tp.size > 1 else None
         self.output_ranges = self.input_range = None
+        self.full_input_size, self.full_output_sizes = input_size, sizes  # before sharding (LoRA shards to them)
         if self.parallel == "column":
             self.output_ranges = output_ranges or [self.tp.shard(n, f"{prefix} output rows") for n in sizes]
             sizes = tuple(n for _, n in self.output_ranges)

@@ -45,9 +45,12 @@ def _read_config(folder: Path) -> dict:
     if not cfg_path.is_file():
         raise LoRAAdapterError(f"{folder} is not a PEFT adapter folder: no adapter_config.json")
     try:
-        return json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise LoRAAdapterError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(f"{cfg_path}: not a JSON object")
+    return cfg
 
 
 def _check_config(cfg: dict, where: str, max_rank: int) -> None:
@@ -93,6 +96,22 @@ def _module_name(key: str) -> tuple[str, str]:
     raise LoRAAdapterError(f"unexpected tensor {key!r} in the adapter (only lora_A / lora_B weights are supported)")
 
 
+def _rank_columns(layer, a: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's share of lora_A: the input columns its rank holds (each rank adds x_r A_r^T B^T
+    before the layer's all-reduce, which sums them to x A^T B^T). Whole elsewhere."""
+    if layer.input_range is None:
+        return a
+    return a.narrow(1, *layer.input_range).contiguous()
+
+
+def _rank_rows(layer, b: torch.Tensor, shard: int) -> torch.Tensor:
+    """A column-parallel layer's share of one merged shard's lora_B: the output rows its rank holds. Whole
+    elsewhere."""
+    if layer.output_ranges is None:
+        return b.contiguous()
+    return b.narrow(0, *layer.output_ranges[shard]).contiguous()
+
+
 def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[str, ...]], max_rank: int,
                  dtype: torch.dtype, rename=None) -> LoRAAdapter:
     """`linears`: our LoRA-capable Linear layers by name; `packed`: merged module -> the modules it stacks;
@@ -130,6 +149,8 @@ def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[st
         if ours is None:
             continue
         parent, leaf = ours.rsplit(".", 1)
+        if ab["A"].dim() != 2 or ab["B"].dim() != 2:
+            raise LoRAAdapterError(f"{where}: {module}'s lora_A / lora_B are not matrices")
         a, b = ab["A"].to(dtype), (ab["B"].float() * scaling).to(dtype)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise LoRAAdapterError(f"{where}: {module} has rank {a.shape[0]}, the config says {rank}")
@@ -140,23 +161,24 @@ def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[st
         else:
             raise LoRAAdapterError(f"{where}: module {module} is not a LoRA target of this model (LoRA-capable "
                                    f"modules: {describe_targets(linears, packed)})")
-        spec = linears[target].spec
-        sizes = spec.output_sizes
-        if a.shape[1] != spec.input_size:
+        layer = linears[target]
+        full_sizes = layer.full_output_sizes
+        if a.shape[1] != layer.full_input_size:
             raise LoRAAdapterError(f"{where}: {module} lora_A takes {a.shape[1]} inputs, the layer has "
-                                   f"{spec.input_size}")
-        shards = adapter.layers.setdefault(target, [None] * len(sizes))
+                                   f"{layer.full_input_size}")
+        a = _rank_columns(layer, a)
+        shards = adapter.layers.setdefault(target, [None] * len(full_sizes))
         if shard is None:  # a whole (possibly merged) layer: its B splits over the shards, A is shared
-            if b.shape[0] != spec.output_size:
+            if b.shape[0] != sum(full_sizes):
                 raise LoRAAdapterError(f"{where}: {module} lora_B has {b.shape[0]} outputs, the layer has "
-                                       f"{spec.output_size}")
-            for i, part in enumerate(b.split(list(sizes))):
-                shards[i] = (a, part.contiguous())
+                                       f"{sum(full_sizes)}")
+            for i, part in enumerate(b.split(list(full_sizes))):
+                shards[i] = (a, _rank_rows(layer, part, i))
         else:
-            if b.shape[0] != sizes[shard]:
+            if b.shape[0] != full_sizes[shard]:
                 raise LoRAAdapterError(f"{where}: {module} lora_B has {b.shape[0]} outputs, the layer's shard has "
-                                       f"{sizes[shard]}")
-            shards[shard] = (a, b)
+                                       f"{full_sizes[shard]}")
+            shards[shard] = (a, _rank_rows(layer, b, shard))
     if not adapter.layers:
         raise LoRAAdapterError(f"{where}: no LoRA weights in adapter_model.safetensors")
     return adapter

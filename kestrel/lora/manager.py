@@ -81,6 +81,7 @@ class LoRAManager:
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot, LRU
         self.free_slots = list(range(self.num_slots))
+        self.unreadable: dict[int, str] = {}  # the last set_mapping's adapters that could not be read again: why
 
     def _stage_of(self, layer_name: str) -> str | None:
         return next((stage for prefix, stage in self.stages if layer_name.startswith(prefix)), None)
@@ -113,7 +114,13 @@ class LoRAManager:
         return {i: name for i, (name, _) in self.registered.items()}
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
-        return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype, self.rename)
+        try:
+            return load_adapter(name, path, self.linears, self.packed, self.cfg.max_lora_rank, self.dtype,
+                                self.rename)
+        except LoRAAdapterError:
+            raise
+        except Exception as e:  # an unreadable or malformed folder (permissions, truncated files, ...) is the adapter's
+            raise LoRAAdapterError(f"adapter {name!r} ({path}) cannot be read: {type(e).__name__}: {e}") from e
 
     def _cache(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self.cpu[lora_id] = adapter
@@ -148,8 +155,20 @@ class LoRAManager:
         return slot
 
     def set_mapping(self, request_lora_ids: list[int], tokens_per_request: list[int], live: set[int]) -> None:
-        """One step's token -> slot mapping, requests in batch order (lora id 0: no adapter)."""
-        slots = [self.activate(i, live) if i else -1 for i in request_lora_ids]
+        """One step's token -> slot mapping, requests in batch order (lora id 0: no adapter). An adapter dropped
+        from host memory whose folder can no longer be read leaves its tokens without an adapter and is listed in
+        `unreadable`: the runner reports its requests as failed (the step goes on for the others)."""
+        self.unreadable = {}
+        slots = []
+        for i in request_lora_ids:
+            if i and i not in self.unreadable:
+                try:
+                    slots.append(self.activate(i, live))
+                    continue
+                except LoRAAdapterError as e:
+                    logger.error("LoRA id %d cannot be read again: %s", i, e)
+                    self.unreadable[i] = str(e)
+            slots.append(-1)
         self.mapping.set(np.repeat(np.asarray(slots, dtype=np.int64), tokens_per_request))
 
     def set_encoder_mapping(self, lora_id: int, rows: dict[str, int], live: set[int]) -> None:

@@ -116,6 +116,13 @@ class ModelRunner:
             return
         self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], self._live_loras())
 
+    def _lora_failures(self, chunks: list[ScheduledChunk]) -> dict[str, str]:
+        """The step's requests whose adapter could not be read (they ran without it): request id -> why."""
+        if self.lora is None or not self.lora.unreadable:
+            return {}
+        lora_of = {c.request_id: self.requests[c.request_id].lora_id for c in chunks}
+        return {rid: self.lora.unreadable[i] for rid, i in lora_of.items() if i in self.lora.unreadable}
+
     def _prepare_encoder_lora(self, st: RequestState, image: dict[str, torch.Tensor]) -> None:
         """The vision tower's and connector's adapter mappings for one image: its request's adapter on every row,
         the row counts from the image's processed inputs (the model's lora_encoder_tokens)."""
@@ -426,6 +433,7 @@ class ModelRunner:
             return inf
         chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)
         ctx = self._prepare(chunks, prev)
+        inf.out.failed = self._lora_failures(chunks)
         if before_forward is not None:
             before_forward()
         if self._num_fills:

@@ -9,7 +9,7 @@ from kestrel.engine.core import EngineCore
 def test_dummy_prefill_batch_is_valid(tiny_llama):
     core = EngineCore(EngineConfig.create(model=str(tiny_llama), num_kv_blocks=8, max_num_batched_tokens=1200),
                       progress=False)
-    runner = core.runner
+    runner = core.executor.runner
     ids, positions, ctx = runner.dummy_prefill_batch(1200)  # context is 512: three sequences
     (meta,) = ctx.attn_metadata
     assert meta.seq_lens_cpu == [512, 512, 176] and int(positions.max()) == 511

@@ -35,7 +35,7 @@ def test_bf16_matches_transformers(tiny_models, kind):
 
     path = str(tiny_models[kind])
     llm = LLM(path, dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS)
-    assert llm.engine.core.runner.backend.name == "triton"
+    assert llm.engine.core.executor.runner.backend.name == "triton"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     for p in PROMPTS:
         agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cuda")
@@ -48,10 +48,10 @@ def test_cuda_graph_replay_equals_eager(tiny_models):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 3  # 12 requests: padded to a captured size of 16
     graphs = LLM(path, dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS)
-    assert graphs.engine.core.runner.graphs is not None
+    assert graphs.engine.core.executor.runner.graphs is not None
     eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
                 num_kv_blocks=KV_BLOCKS)
-    assert eager.engine.core.runner.graphs is None
+    assert eager.engine.core.executor.runner.graphs is None
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert a == b
@@ -71,7 +71,7 @@ def test_kv_groups_cuda_graph_replay_equals_eager_and_transformers(tiny_models):
     path = str(tiny_models["gemma3"])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     graphs = LLM(path, dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS)
-    runner = graphs.engine.core.runner
+    runner = graphs.engine.core.executor.runner
     assert runner.graphs is not None and len(runner.kv_cache_groups) > 2
     eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
                 num_kv_blocks=KV_BLOCKS)

@@ -52,7 +52,8 @@ def test_triton_lora_matches_reference_path(model_and_adapters):
     base, adapters = model_and_adapters
     llm, loras = _lora_llm(base, adapters)
     ref, ref_loras = _lora_llm(base, adapters, lora_backend="torch")
-    assert llm.engine.core.runner.lora.backend == "triton" and ref.engine.core.runner.lora.backend == "torch"
+    assert llm.engine.core.executor.runner.lora.backend == "triton"
+    assert ref.engine.core.executor.runner.lora.backend == "torch"
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for lora, ref_lora in zip(loras, ref_loras):
         hf = hf_with_merged_adapter(base, adapters[lora.name], torch.float32, "cuda")  # the logits' scale only
@@ -77,7 +78,7 @@ def test_lora_cuda_graphs_equal_eager(model_and_adapters):
     results = []
     for eager in (False, True):
         llm, loras = _lora_llm(base, adapters, enforce_eager=eager, async_scheduling="off")
-        assert (llm.engine.core.runner.graphs is None) == eager
+        assert (llm.engine.core.executor.runner.graphs is None) == eager
         per_prompt = [(loras + [None])[(i + i // 4) % 4] for i in range(len(prompts))]  # each prompt: 3 choices
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=per_prompt)])
         del llm
@@ -105,7 +106,7 @@ def test_llava_tower_lora_triton_equals_reference_path(tmp_path_factory):
         llm = LLM(str(base), dtype="bfloat16", progress=False, num_kv_blocks=512, enable_lora=True,
                   max_lora_rank=8, max_loras=1, lora_backend=backend)
         lora = llm.load_lora("vision", str(adapter)) if use_adapter else None
-        model, seen = llm.engine.core.runner.model, []
+        model, seen = llm.engine.core.executor.runner.model, []
         inner = model.embed_image
         model.embed_image = lambda image: seen.append(inner(image).float()) or seen[-1]
         llm.generate([{"prompt": "<image>\nx", "multi_modal_data": {"image": im}} for im in images],
@@ -115,3 +116,34 @@ def test_llava_tower_lora_triton_equals_reference_path(tmp_path_factory):
     for ours, ref, plain in zip(embeds["triton", True], embeds["torch", True], embeds["triton", False]):
         assert ((ours - ref).norm() / ref.norm()).item() < 1e-2
         assert ((plain - ref).norm() / ref.norm()).item() > 0.05
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_lora_tp2_matches_tp1_float32(model_and_adapters):
+    """LoRA under tensor parallelism with NCCL, the Triton kernels and CUDA graphs: each rank holds its shard of
+    the adapters; a batch mixing three adapters and the base model gives TP = 1's greedy tokens (float32)."""
+    from kestrel.config import EngineConfig
+    from kestrel.frontend.sync_engine import LLMEngine
+
+    base, adapters = model_and_adapters
+    tokens = {}
+    for tp in (1, 2):
+        cfg = EngineConfig.create(model=str(base), dtype="float32", device="cuda", tensor_parallel_size=tp,
+                                  num_kv_blocks=KV_BLOCKS, enable_lora=True, max_lora_rank=64, max_loras=4)
+        eng = LLMEngine(cfg, progress=False)
+        try:
+            loras = [eng.add_lora(n, str(p)) for n, p in adapters.items()] + [None]
+            if tp == 2:
+                expected = sorted([r.lora_id, r.name] for r in loras[:3])
+                assert eng.core.executor.call_all("list_loras") == [expected, expected]
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            ids = [eng.add_request(p, params, lora_request=loras[i % 4]) for i, p in enumerate(PROMPTS)]
+            out = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        out[o.request_id] = list(o.outputs[0].token_ids)
+            tokens[tp] = [out[i] for i in ids]
+        finally:
+            eng.core.shutdown()
+    assert tokens[2] == tokens[1]

@@ -28,7 +28,7 @@ def test_bf16_matches_transformers(deepseek):
     from tests.agreement import teacher_forced_agreement
 
     llm = LLM(str(deepseek), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS)
-    assert llm.engine.core.runner.backend.name == "triton_mla"
+    assert llm.engine.core.executor.runner.backend.name == "triton_mla"
     hf = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.bfloat16).cuda().eval()
     for p in PROMPTS:
         agree, lp_err, tol = teacher_forced_agreement(llm, hf, p, 32, "cuda")
@@ -40,7 +40,7 @@ def test_cuda_graph_replay_equals_eager(deepseek):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 3
     graphs = LLM(str(deepseek), dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS)
-    assert graphs.engine.core.runner.graphs is not None
+    assert graphs.engine.core.executor.runner.graphs is not None
     eager = LLM(str(deepseek), dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
                 num_kv_blocks=KV_BLOCKS)
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]

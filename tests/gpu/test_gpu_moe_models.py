@@ -39,7 +39,7 @@ def test_moe_bf16_matches_transformers(moe_models, kind):
 
     path = str(moe_models[kind])
     llm = LLM(path, dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS)
-    blocks = llm.engine.core.runner.model.moe_blocks()
+    blocks = llm.engine.core.executor.runner.model.moe_blocks()
     assert {b.experts.kernel_name for b in blocks.values()} == {"triton_fused_moe"}
     assert all(b.fse.fused == FUSES[kind] for b in blocks.values())
     # the reference is the exact (float32) model: a bf16 transformers run adds its own rounding, and a router
@@ -59,7 +59,7 @@ def test_moe_cuda_graph_replay_equals_eager(moe_models):
     path = str(moe_models["glm4_moe"])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     graphs = LLM(path, dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS)
-    assert graphs.engine.core.runner.graphs is not None
+    assert graphs.engine.core.executor.runner.graphs is not None
     eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
                 num_kv_blocks=KV_BLOCKS)
     for batch in (PROMPTS * 3, PROMPTS[:1]):

@@ -48,11 +48,11 @@ def test_llava_float32_on_cuda_matches(models):
 def test_llava_bf16_triton(models):
     images = sample_images()
     ours, llm = run(models["llava"], "bfloat16", images)
-    assert llm.engine.core.runner.backend.name == "triton"
+    assert llm.engine.core.executor.runner.backend.name == "triton"
     ref = hf_greedy(models["llava"], torch.bfloat16, images)
     assert sum(a[:8] == b[:8] for a, b in zip(ours, ref)) >= 2, (ours, ref)
 
 
 def test_paligemma_selects_reference_attention(models):
     _, llm = run(models["paligemma"], "bfloat16", sample_images()[:1])
-    assert llm.engine.core.runner.backend.name == "torch_ref"
+    assert llm.engine.core.executor.runner.backend.name == "torch_ref"

@@ -48,5 +48,5 @@ def test_engine_selects_the_skinny_kernel_for_bf16_on_cuda(tmp_path, tiny_tokeni
 
     path = make_checkpoint("llama", tmp_path, tokenizer=tiny_tokenizer, hidden_size=256, intermediate_size=512)
     llm = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=256)
-    names = {m.kernel_name for m in llm.engine.core.runner.model.modules() if hasattr(m, "kernel_name")}
+    names = {m.kernel_name for m in llm.engine.core.executor.runner.model.modules() if hasattr(m, "kernel_name")}
     assert names == {"triton_skinny_dense"}

@@ -33,9 +33,9 @@ def run(path, tp: int, backend: str, dtype: str = "auto") -> list[list[int]]:
         core, ex = eng.core, eng.core.executor
         assert core.device.type == "cuda" and core.pipelined
         if backend == "uni":
-            assert core.runner.graphs is not None and core.runner.graphs.sizes
+            assert core.executor.runner.graphs is not None and core.executor.runner.graphs.sizes
         else:
-            assert type(ex).__name__ == "MPExecutor" and core.runner is None
+            assert type(ex).__name__ == "MPExecutor" and not hasattr(core, "runner")
             assert ex.dist_backend == "nccl"
             assert len(ex.cuda_graph_sizes) == tp and all(ex.cuda_graph_sizes), ex.cuda_graph_sizes
         return greedy(eng, prompts())

@@ -53,7 +53,7 @@ def tokens(path, dtype="bfloat16", **kw):
 def test_fp8_checkpoint_greedy_matches_dequantized(tiny_models, tmp_path, fmt):
     fp8 = make_fp8_checkpoint(tiny_models["llama"], tmp_path / f"fp8_{fmt}", fmt=fmt)
     llm, ours = tokens(fp8)
-    kernels = {m.kernel.name for m in llm.engine.core.runner.model.modules() if hasattr(m, "kernel")}
+    kernels = {m.kernel.name for m in llm.engine.core.executor.runner.model.modules() if hasattr(m, "kernel")}
     assert kernels == {"fp8_dequant_fallback"}  # what auto selection reaches on the CPU
     _, ref = tokens(dequantized_copy(fp8, tmp_path / f"deq_{fmt}"))
     for a, b in zip(ours, ref):
@@ -64,7 +64,7 @@ def test_quantize_on_load_matches_per_channel_checkpoint(tiny_models, tmp_path):
     """--quantization fp8 on a plain checkpoint == the same weights quantized per channel offline."""
     # float32 activations: both paths then quantize the same fp32 weights (bf16 would round them first on load)
     llm, q = tokens(tiny_models["llama"], dtype="float32", quantization="fp8")
-    assert {m.kernel.name for m in llm.engine.core.runner.model.modules() if hasattr(m, "kernel")} == \
+    assert {m.kernel.name for m in llm.engine.core.executor.runner.model.modules() if hasattr(m, "kernel")} == \
         {"fp8_dequant_fallback"}
     _, offline = tokens(make_fp8_checkpoint(tiny_models["llama"], tmp_path / "fp8_pc", fmt="per_channel"), "float32")
     for a, b in zip(q, offline):
@@ -83,7 +83,7 @@ def test_fp8_block_deepseek_greedy_matches_dequantized(tiny_models, tmp_path):
     FP8 path and decodes like its dequantized copy."""
     fp8 = make_fp8_checkpoint(tiny_models["deepseek_v3"], tmp_path / "fp8_ds", fmt="block")
     llm, ours = tokens(fp8)
-    attn = llm.engine.core.runner.model.layers[0].self_attn
+    attn = llm.engine.core.executor.runner.model.layers[0].self_attn
     assert attn.kv_b_proj.kernel.name == "fp8_dequant_fallback" and attn.q_b_proj.kernel.name == "fp8_dequant_fallback"
     _, ref = tokens(dequantized_copy(fp8, tmp_path / "deq_ds"))
     for a, b in zip(ours, ref):

@@ -85,7 +85,7 @@ def test_engine_with_triton_lora_equals_reference(tmp_path, tiny_tokenizer):
     outs = {}
     for backend in ("triton", "torch"):
         llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=16, lora_backend=backend, device=DEVICE)
-        assert llm.engine.core.runner.lora.backend == backend
+        assert llm.engine.core.executor.runner.lora.backend == backend
         loras = [llm.load_lora(n, str(p)) for n, p in adapters.items()]
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras + [None])]
     assert outs["triton"] == outs["torch"]

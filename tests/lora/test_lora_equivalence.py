@@ -27,7 +27,7 @@ def test_mixed_batch_matches_transformers_peft(base_and_adapters):
     base, adapters = base_and_adapters
     llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=64, max_loras=4)
     reqs = [llm.load_lora(name, str(path)) for name, path in adapters.items()]
-    assert llm.engine.core.runner.lora.backend == "torch"  # the PyTorch reference on the CPU
+    assert llm.engine.core.executor.runner.lora.backend == "torch"  # the PyTorch reference on the CPU
     per_prompt = reqs + [None]  # 3 adapters + the base model, in one batch
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, lora_request=per_prompt)
@@ -80,7 +80,7 @@ def test_one_device_slot_and_one_host_slot(base_and_adapters):
                   max_cpu_loras=slots)
         for n, p in adapters.items():
             llm.load_lora(n, str(p))
-        manager = llm.engine.core.runner.lora
+        manager = llm.engine.core.executor.runner.lora
         assert len(manager.cpu) == min(slots, 3) and manager.num_slots == slots
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=names)])
     assert outs[0] == outs[1]

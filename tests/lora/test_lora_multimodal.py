@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from kestrel.executor import ControlCallError
 from kestrel.lora.adapter import LoRAAdapterError
 from tests.lora.peft_utils import make_adapter
 from tests.mm_tiny import sample_images
@@ -62,7 +63,7 @@ def lora_llm(base, adapters):
 def test_tower_and_connector_lora_match_transformers_peft(setup):
     base, adapters, images = setup
     llm = lora_llm(base, adapters)
-    manager = llm.engine.core.runner.lora
+    manager = llm.engine.core.executor.runner.lora
     mappings = {"decoder": manager.mapping, **manager.encoder_mappings}
     parts = {(name.split(".")[0], next(s for s, m in mappings.items() if k.mapping is m))
              for name, k in manager.kernels.items()}
@@ -80,7 +81,7 @@ def test_encoder_rows_come_from_tiles_and_decoder_rows_are_the_placeholders(setu
 
     base, adapters, images = setup
     llm = lora_llm(base, adapters)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     manager, model = runner.lora, runner.model
     encoder_rows, decoder_rows = [], []
     set_encoder, set_decoder = manager.set_encoder_mapping, manager.mapping.set
@@ -133,12 +134,14 @@ def test_paligemma_refuses_tower_lora(tiny_mm_models, tmp_path):
     llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=8, max_loras=1)
     bad = make_adapter(base, tmp_path / "pg_tower", 4, seed=3, targets=r".*vision_tower\..*\.fc1",
                        model_cls=PaliGemmaForConditionalGeneration)
-    with pytest.raises(LoRAAdapterError, match=r"vision_tower\.encoder\.layers\.0\.mlp\.fc1 is not a LoRA target"):
+    with pytest.raises(ControlCallError,
+                       match=r"vision_tower\.encoder\.layers\.0\.mlp\.fc1 is not a LoRA target") as err:
         llm.load_lora("tower", str(bad))
+    assert err.value.status_code == 400 and isinstance(err.value.outcomes[0], LoRAAdapterError)
     ok = make_adapter(base, tmp_path / "pg_decoder", 4, seed=4, targets=r".*language_model\..*\.(q_proj|down_proj)",
                       model_cls=PaliGemmaForConditionalGeneration)
     llm.load_lora("decoder", str(ok))
-    adapter = llm.engine.core.runner.lora.cpu[llm.engine.loras["decoder"].lora_id]
+    adapter = llm.engine.core.executor.runner.lora.cpu[llm.engine.loras["decoder"].lora_id]
     assert sorted(adapter.layers) == [f"language_model.layers.{i}.{m}" for i in range(2)
                                       for m in ("mlp.down_proj", "self_attn.qkv_proj")]
 
@@ -164,7 +167,7 @@ def test_legacy_adapter_names_load_the_same(setup, tmp_path):
     assert not any(k.startswith("base_model.model.model.") for k in tensors)
     save_file(tensors, str(legacy / "adapter_model.safetensors"))
     llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=16, max_loras=2)
-    manager = llm.engine.core.runner.lora
+    manager = llm.engine.core.executor.runner.lora
     new_layers, old_layers = (manager.cpu[llm.load_lora(n, str(p)).lora_id].layers
                               for n, p in (("new", adapters["all"]), ("old", legacy)))
     assert sorted(new_layers) == sorted(old_layers) and any(n.startswith("vision_tower.") for n in new_layers)

@@ -52,7 +52,7 @@ def generate(path, prompts, **kw):
 def test_greedy_matches_transformers(tiny_models, reference, paths, kind):
     tokens, llm = generate(tiny_models[kind], PROMPTS)
     assert tokens == reference[kind]
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     assert [type(g.spec) for g in runner.kv_cache_groups] == [MLASpec]
     assert runner.backend.name == "torch_mla"
     assert paths["dense"] and all(q > 1 for q, _ in paths["dense"])  # prompts expanded
@@ -76,7 +76,7 @@ def test_backend_without_dense_prefill_routes_prefill_through_absorbed_path(tiny
     """torch_mla_absorbed declares no dense MHA prefill: its builder sends the prompts (short prefills) through
     the absorbed path, and the tokens still match transformers."""
     tokens, llm = generate(tiny_models["deepseek_v3"], PROMPTS[:2], attention_backend="torch_mla_absorbed")
-    assert llm.engine.core.runner.backend.name == "torch_mla_absorbed"
+    assert llm.engine.core.executor.runner.backend.name == "torch_mla_absorbed"
     assert tokens == reference["deepseek_v3"][:2]
     assert paths["dense"] == []
     assert sorted(q for q in paths["absorbed"] if q > 1) == [4, 4, 13, 13]  # both prompts, in both layers
@@ -98,7 +98,7 @@ def test_moe_greedy_matches_transformers(moe_models, kind):
 
     ref = hf_greedy(moe_models[kind], PROMPTS, NUM_TOKENS)
     tokens, llm = generate(moe_models[kind], PROMPTS)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.executor.runner.model
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
     assert tokens == ref
     tokens, llm = generate(moe_models[kind], PROMPTS, block_size=4, num_kv_blocks=40, max_num_batched_tokens=8)

@@ -30,7 +30,7 @@ def generate(path, prompts, **kw):
 def test_greedy_matches_transformers(tiny_models, reference, kind):
     tokens, core = generate(tiny_models[kind], PROMPTS)
     assert tokens == reference[kind]
-    specs = {type(g.spec) for g in core.runner.kv_cache_groups}
+    specs = {type(g.spec) for g in core.executor.runner.kv_cache_groups}
     assert specs == ({SlidingWindowSpec, FullAttentionSpec} if kind == "gemma3" else {FullAttentionSpec})
 
 
@@ -58,8 +58,8 @@ def test_sliding_group_frees_blocks_while_running(tiny_models):
     llm = LLM(str(tiny_models["gemma3"]), progress=False, block_size=4, max_num_batched_tokens=8)
     engine, core = llm.engine, llm.engine.core
     engine.add_request(list(range(10, 40)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    sliding = [g.group_id for g in core.runner.kv_cache_groups if isinstance(g.spec, SlidingWindowSpec)]
-    full = [g.group_id for g in core.runner.kv_cache_groups if type(g.spec) is FullAttentionSpec]
+    sliding = [g.group_id for g in core.executor.runner.kv_cache_groups if isinstance(g.spec, SlidingWindowSpec)]
+    full = [g.group_id for g in core.executor.runner.kv_cache_groups if type(g.spec) is FullAttentionSpec]
     seen_freed = False
     while engine.has_unfinished_requests():
         engine.step()
@@ -81,7 +81,7 @@ def test_gemma3_runner_inputs_match_the_kv_manager(tiny_models, reference):
     preemption and sliding windows freeing blocks (entries that became the null block are never read)."""
     llm = LLM(str(tiny_models["gemma3"]), progress=False, block_size=4, num_kv_blocks=40, max_num_batched_tokens=8)
     core = llm.engine.core
-    runner, bs = core.runner, 4
+    runner, bs = core.executor.runner, 4
     orig = runner._prepare
     checked = {"tokens": 0, "entries": 0}
 

@@ -48,7 +48,7 @@ def test_embedding_contract(tiny_models):
 
     for kind in ["llama", "qwen2", "qwen3", "gemma", "gemma3", "deepseek_v2_lite", "deepseek_v3"]:
         core = EngineCore(EngineConfig.create(model=str(tiny_models[kind]), num_kv_blocks=8), progress=False)
-        model, runner = core.runner.model, core.runner
+        model, runner = core.executor.runner.model, core.executor.runner
         ids = torch.tensor([3, 9, 27, 81])
 
         def run(**kw):

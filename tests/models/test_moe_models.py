@@ -29,7 +29,7 @@ def model_context(hf, dtype=torch.float32, quant_config=None, **kernel) -> Model
 
 
 def blocks_of(llm) -> dict[str, SparseMoeBlock]:
-    return llm.engine.core.runner.model.moe_blocks()
+    return llm.engine.core.executor.runner.model.moe_blocks()
 
 
 # family -> (FSE settings to run, whether `auto` fuses on the CPU reference kernel)

@@ -51,7 +51,7 @@ def reference(tiny_mm_models, images):
 
 
 def count_encoder_runs(llm):
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.executor.runner.model
     calls = []
     inner = model.embed_image
 
@@ -103,7 +103,7 @@ def test_llava_chunked_prefill_through_images(tiny_mm_models, images, reference)
     llm = LLM(str(tiny_mm_models["llava_next"]), progress=False, max_num_batched_tokens=16, block_size=4,
               enable_prefix_caching=False)
     runs = count_encoder_runs(llm)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     steps_inside_image = 0
     orig = runner._merged_embeddings
 
@@ -163,7 +163,7 @@ def test_embedding_contract(tiny_mm_models, kind):
     from kestrel.engine.core import EngineCore
 
     core = EngineCore(EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8), progress=False)
-    model, runner = core.runner.model, core.runner
+    model, runner = core.executor.runner.model, core.executor.runner
     ids = torch.tensor([3, 9, 27, 81])
 
     def run(**kw):
@@ -183,7 +183,7 @@ def test_dummy_image_is_the_largest(tiny_mm_models, images, kind):
 
     config = EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8)
     core = EngineCore(config, progress=False)
-    runner = core.runner
+    runner = core.executor.runner
     emb = runner._encode_dummy_image()
     model_cls = type(runner.model)
     mm = make_mm_processor(config)
@@ -213,7 +213,7 @@ def hf_decoder_inputs(model, proc, text, imgs):
 
 
 def kestrel_decoder_inputs(llm, text, imgs):
-    lm = llm.engine.core.runner.model.language_model
+    lm = llm.engine.core.executor.runner.model.language_model
     seen = {}
     inner = lm.forward
 
@@ -243,7 +243,7 @@ def test_paligemma_image_embedding_scale(tiny_mm_models, images, monkeypatch):
     model, proc = hf_model(tiny_mm_models["paligemma"])
     assert_image_embedding_norms_match(llm, model, proc, images)
 
-    pg = llm.engine.core.runner.model
+    pg = llm.engine.core.executor.runner.model
     inner = pg.embed_image
     monkeypatch.setattr(pg, "embed_image", lambda image: inner(image) / pg.config.hidden_size ** 0.5)
     with pytest.raises(AssertionError):

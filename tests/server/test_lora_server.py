@@ -67,3 +67,86 @@ def test_lora_serving(lora_server, server_model, adapters):
     assert status == 404 and body["error"]["code"] == "model_not_found"
     status, body = http("POST", u + "/v1/load_lora_adapter", {"lora_name": "x"})
     assert status == 400 and body["error"]["param"] == "lora_path"
+
+
+
+def test_bad_adapters_and_unload_in_use_leave_the_engine_alive(lora_server, adapters, tmp_path):
+    """Issue 33 item 3: a corrupted or unreadable adapter folder fails its load (400 naming the problem); unloading
+    an adapter that a stream is using is refused (400); through all of it the engine core keeps its pid and other
+    users' streams complete."""
+    import shutil
+
+    u = lora_server.url
+    pid = lora_server.engine_pids()
+    client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def stream(model):
+        s = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=300, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        it = iter(s)
+        return [next(it)], it
+
+    other, other_rest = stream("llama")  # another user's stream, running through every case below
+    truncated = shutil.copytree(adapters["ad1"], tmp_path / "truncated")
+    (truncated / "adapter_model.safetensors").write_bytes(b"\x01" * 64)
+    status, body = http("POST", u + "/v1/load_lora_adapter", {"lora_name": "t", "lora_path": str(truncated)})
+    assert status == 400 and "cannot read adapter_model.safetensors" in body["error"]["message"]
+    unreadable = shutil.copytree(adapters["ad1"], tmp_path / "unreadable")
+    (unreadable / "adapter_config.json").unlink()
+    (unreadable / "adapter_config.json").mkdir()  # there, but not a file
+    status, body = http("POST", u + "/v1/load_lora_adapter", {"lora_name": "u", "lora_path": str(unreadable)})
+    assert status == 400 and "no adapter_config.json" in body["error"]["message"]
+
+    mine, mine_rest = stream("ad1")
+    status, body = http("POST", u + "/v1/unload_lora_adapter", {"lora_name": "ad1"})
+    assert status == 400 and "in use by 1 request" in body["error"]["message"]
+    for first, rest in ((other, other_rest), (mine, mine_rest)):
+        chunks = first + list(rest)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert "".join(c.choices[0].text for c in chunks) != ""
+    assert {m["id"] for m in http("GET", u + "/v1/models")[1]["data"]} == {"llama", "ad1"}
+    assert lora_server.engine_pids() == pid
+
+def test_lora_at_tensor_parallel_2(server_model, adapters, tmp_path):
+    """`--enable-lora --tensor-parallel-size 2`: a load and an unload reach both workers (each logs it), a request
+    with the adapter gives the TP = 1 engine's text, a bad adapter is a 400 from every rank, and the engine core
+    (its pid) and the workers survive all of it."""
+    import re
+
+    log = tmp_path / "server.log"
+    s = Server(server_model, log, extra=["--tensor-parallel-size", "2", "--enable-lora", "--enable-admin-api",
+                                         "--max-lora-rank", "16"]).wait_ready()
+    try:
+        u = s.url
+        pid = s.engine_pids()
+        client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = "The quick brown fox"
+
+        def complete(model):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        llm = LLM(str(server_model), progress=False, num_kv_blocks=96, max_model_len=512, enable_lora=True,
+                  max_lora_rank=16)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        tp1 = {n: llm.generate(prompt, params, lora_request=llm.load_lora(n, str(adapters[n])) if n else None)[0]
+               .outputs[0].text for n in ("ad2", None)}
+
+        status, _ = http("POST", u + "/v1/load_lora_adapter", {"lora_name": "ad2", "lora_path": str(adapters["ad2"])})
+        assert status == 200
+        loaded = re.findall(r"tp(\d): LoRA adapter 'ad2' \(id (\d+)\) loaded", log.read_text())
+        assert sorted(loaded) == [("0", "1"), ("1", "1")]  # both ranks, once each
+        assert complete("ad2") == tp1["ad2"] != tp1[None] == complete("llama")
+
+        status, body = http("POST", u + "/v1/load_lora_adapter", {"lora_name": "big",
+                                                                  "lora_path": str(adapters["big"])})
+        assert status == 400 and "rank 32" in body["error"]["message"]
+        assert "on every tensor-parallel rank" in body["error"]["message"]
+
+        assert http("POST", u + "/v1/unload_lora_adapter", {"lora_name": "ad2"})[0] == 200
+        assert sorted(re.findall(r"tp(\d): LoRA adapter id 1 removed", log.read_text())) == ["0", "1"]
+        with pytest.raises(openai.NotFoundError):
+            complete("ad2")
+        assert complete("llama") == tp1[None] and s.engine_pids() == pid
+    finally:
+        s.stop()

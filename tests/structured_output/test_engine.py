@@ -113,7 +113,7 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
     core = llm.engine.core
     staged = threading.Condition()
     count = {"prepared": 0, "fills": 0, "overlapped": 0}
-    real_prepare, real_slice = core.runner._prepare, core.structured._fill_slice
+    real_prepare, real_slice = core.executor.runner._prepare, core.structured._fill_slice
 
     def prepare(chunks, prev):
         out = real_prepare(chunks, prev)
@@ -137,7 +137,7 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
                 count["overlapped"] += 1
         real_slice(matchers, buf, index)
 
-    core.runner._prepare, core.structured._fill_slice = prepare, fill_slice
+    core.executor.runner._prepare, core.structured._fill_slice = prepare, fill_slice
     core.structured.start_step = start_step
     p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(regex="[a-z]{20}"))
     out = llm.generate(["Hello"], p)[0].outputs[0]
