@@ -73,6 +73,9 @@ class ParallelConfig:
                                               "report ready")
     engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
                                       "0.5 s, 1 s, 2 s, ...); 0: never")
+    engine_hang_timeout: float = _f(30.0, "seconds an engine-core process may go without a heartbeat, or without "
+                                          "finishing a step while it has requests, before the server kills and "
+                                          "restarts it as a hung engine (a longer single step counts as a hang)")
 
 
 @dataclass

@@ -182,8 +182,8 @@ class AsyncEngine:
 
     def unavailable(self) -> EngineDead:
         """The error for a request that finds no engine core able to serve."""
-        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in sorted(self.client.dead.items()))
-                          or "no engine core can serve")
+        down = sorted(self.client.out_of_service().items())
+        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in down) or "no engine core can serve")
 
     @property
     def stats(self) -> list:

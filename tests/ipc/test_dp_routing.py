@@ -18,7 +18,7 @@ def req(i: int) -> P.EngineCoreRequest:
 def dp():
     c = DPClient(EngineConfig(), 3)
     c.sent = []
-    c._send = lambda e, t, payload: c.sent.append((e, t))
+    c._send = lambda e, t, payload, request_id=None: c.sent.append((e, t))
     return c
 
 
