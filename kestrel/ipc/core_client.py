@@ -304,7 +304,7 @@ class MPClient(EngineCoreClient):
         self._last_check = now
         self._tasks = [asyncio.create_task(self._output_loop(), name="kestrel-output-loop"),
                        asyncio.create_task(self._send_loop(), name="kestrel-send-loop"),
-                       asyncio.create_task(self.sup.run_watch(WATCH_INTERVAL_S, self._check_engines),
+                       asyncio.create_task(self.sup.run_watch(WATCH_INTERVAL_S, self._before_watch),
                                            name="kestrel-engine-watch")]
 
     def _read_handshakes(self) -> None:
@@ -469,8 +469,13 @@ class MPClient(EngineCoreClient):
                     logger.exception("output handler failed")
 
     # ---- liveness (from the watch task, before each supervisor pass)
-    def _check_engines(self, now: float) -> None:
+    def _before_watch(self, now: float) -> None:
         self._read_handshakes()
+        self._check_engines(now)
+
+    def _check_engines(self, now: float) -> None:
+        """Stalled (no heartbeat for HEALTH_STALE_S): out of service until it answers. Silent, or busy without
+        finishing a step, for engine_hang_timeout: replaced (killed and restarted like a dead engine)."""
         late = now - self._last_check - WATCH_INTERVAL_S
         self._last_check = now
         if late > 1.0:  # this event loop was blocked: the engines' messages wait unread, they are not silent
