@@ -27,7 +27,7 @@ from kestrel.frontend.processor import (InputProcessor, OutputProcessor, Process
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.ipc.utility import WaiterGuard
-from kestrel.errors import ConfigError, EngineDead, InvalidRequest, ModelNotFound
+from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class AsyncEngine:
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                thread_name_prefix="kestrel-render")
         self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
+        self.sleep_level: int | None = None  # the fleet's state: the level of the last /sleep, None while awake
+        self._fleet_lock = asyncio.Lock()  # sleep, wake-up and a restarted engine's restore, one at a time
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -90,7 +92,7 @@ class AsyncEngine:
         path = m.model or default_model_path()
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
-        self.client.on_engine_restarted = self.loras.restore  # a restarted engine core gets the adapters back
+        self.client.on_engine_restarted = self._restore_engine
         self.render_procs = await asyncio.to_thread(self._render_processes)
         try:  # the render processes start beside the engine cores
             _, self.tokenizer, mm, _ = await asyncio.gather(
@@ -231,6 +233,8 @@ class AsyncEngine:
         "abort", stop_reason "timeout"."""
         if self.client.is_dead:
             raise self.unavailable()
+        if self.sleep_level is not None:
+            raise EngineSleeping("the server is sleeping; POST /wake_up wakes it")
         request_id = request_id or uuid.uuid4().hex
         if lora_request is not None and self.loras.adapters.get(lora_request.name) != lora_request:
             raise ModelNotFound(f"the adapter {lora_request.name!r} is not loaded", param="model",
@@ -392,13 +396,26 @@ class AsyncEngine:
         return (await self.client.utility.call_all("reset_prefix_cache", engines=self._live())).all_true()
 
     async def sleep(self, level: int = 1) -> bool:
-        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation)."""
-        res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
+        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation). Once all
+        sleep, the fleet is asleep: new requests get EngineSleeping (503), a restarted engine sleeps too."""
+        async with self._fleet_lock:
+            res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
+            self.sleep_level = level
         return res.all_true()
 
     async def wake_up(self) -> bool:
-        res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
+        async with self._fleet_lock:
+            res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
+            self.sleep_level = None
         return res.all_true()
+
+    async def _restore_engine(self, engine: int, serve) -> None:
+        """A restarted engine core gets the server's state back before it serves: the fleet's sleep (an engine
+        restarted while the others sleep comes back asleep), then the LoRA adapters (which call serve())."""
+        async with self._fleet_lock:
+            if self.sleep_level is not None:
+                await self.client.utility.call(engine, "sleep", self.sleep_level)
+            await self.loras.restore(engine, serve)
 
     async def is_sleeping(self) -> bool:
         return (await self.client.utility.call_all("is_sleeping", engines=self._live())).consensus()
