@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
+from kestrel.frontend.admission import AdmissionWindow
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
@@ -69,12 +70,16 @@ class AsyncEngine:
         self.output_processor: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._timing: dict[str, _Timing] = {}
+        self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.block_size = config.cache.block_size
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+        if config.scheduler.max_seqs_per_request < 0:
+            raise ConfigError(f"--max-seqs-per-request must be 0 (auto) or positive, got "
+                              f"{config.scheduler.max_seqs_per_request}")
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                thread_name_prefix="kestrel-render")
         self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
@@ -226,11 +231,13 @@ class AsyncEngine:
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                 lora_request: LoRARequest | None = None,
+                 window: AdmissionWindow | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
         The request reaches the engine when the stream is first iterated; leaving it early aborts the request.
         ``timeout`` (seconds from now): then the request is aborted and its stream ends with finish_reason
-        "abort", stop_reason "timeout"."""
+        "abort", stop_reason "timeout". ``window``: the admission window shared by the streams of one API
+        request (a prompt list), see admission_window(); by default the stream has its own."""
         if self.client.is_dead:
             raise self.unavailable()
         if self.sleep_level is not None:
@@ -248,9 +255,44 @@ class AsyncEngine:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
                                  f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._stream(request_id, prompt, ids, params, core_reqs, deadline)
+        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window())
 
-    async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline) -> AsyncIterator[RequestOutput]:
+    def admission_window(self) -> AdmissionWindow:
+        """A new window for one API request: --max-seqs-per-request sequences in the engine at once."""
+        s = self.config.scheduler
+        return AdmissionWindow(s.max_seqs_per_request or max(1, s.max_num_seqs // 2))
+
+    def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
+        """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
+        self._child_window[r.request_id] = window
+        try:
+            timing.engine = self.client.add_request(r)
+        except BaseException:
+            self._child_window.pop(r.request_id, None)
+            window.give(1)
+            raise
+        if self.metrics is not None:
+            self.metrics.on_routed(timing.engine)
+
+    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: "_Timing", queue) -> None:
+        """The slow path: each core request goes in when its window has a free slot."""
+        try:
+            for r in core_reqs:
+                await window.take()
+                self._send_child(r, window, timing)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the stream raises it
+            queue.put_nowait(e)
+
+    def _leave_window(self, request_ids) -> None:
+        for rid in request_ids:
+            w = self._child_window.pop(rid, None)
+            if w is not None:
+                w.give(1)
+
+    async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline,
+                      window: AdmissionWindow) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         if self.client.is_dead:
@@ -267,11 +309,17 @@ class AsyncEngine:
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(ids), params.n,
                         core_reqs[0].max_tokens)
         finished = False
+        sender = None
         try:
-            for r in core_reqs:
-                timing.engine = self.client.add_request(r)
-                if self.metrics is not None:
-                    self.metrics.on_routed(timing.engine)
+            if window.try_take(len(core_reqs)):  # the usual case: every sequence goes in now
+                for k, r in enumerate(core_reqs):
+                    try:
+                        self._send_child(r, window, timing)
+                    except BaseException:
+                        window.give(len(core_reqs) - k - 1)
+                        raise
+            else:
+                sender = asyncio.create_task(self._send_children(core_reqs, window, timing, queue))
             loop = asyncio.get_running_loop()
             loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
@@ -299,12 +347,15 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if sender is not None:
+                sender.cancel()
             guard.close()
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id)
             else:
                 self.output_processor.abort(request_id)
+            self._leave_window(r.request_id for r in core_reqs)
 
     def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
@@ -330,6 +381,8 @@ class AsyncEngine:
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
+            self._leave_window(to_stop)
+        self._leave_window(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
         for ro in results:
             q = self._queues.get(ro.request_id)
