@@ -18,7 +18,7 @@ so the client fails the in-flight requests without waiting for the exit.
 Heartbeat: once ready, a thread of the process sends EngineCoreOutputs(heartbeat=steps finished so far) every
 HEARTBEAT_INTERVAL_S on its own PUSH socket. A thread, not the loop, so that a long step (a big prefill, a first
 CUDA-graph capture) is not silence: the client tells a stopped or frozen process (no heartbeat) from a loop that
-is stuck (heartbeats whose step count does not move while it has requests), see MPClient._check_hangs."""
+is stuck (heartbeats whose step count does not move while it has requests), see MPClient._check_engines."""
 from __future__ import annotations
 
 import logging
