@@ -360,7 +360,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
         q = self._queues.get(request_id)
-        if child_ids and not self.client.is_dead:
+        if child_ids and not self.client.all_dead:
             self.client.abort_requests(child_ids)
             logger.info("request %s aborted", request_id)
         if q is not None:
@@ -411,7 +411,7 @@ class AsyncEngine:
                                      sum(len(c.token_ids) for c in ro.outputs), reason)
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
-        if child_ids is None or self.client.is_dead:
+        if child_ids is None or self.client.all_dead:
             parents = list(self._queues)
         else:
             parents = {self.output_processor.child_to_parent.get(c) for c in child_ids} - {None}

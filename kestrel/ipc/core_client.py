@@ -73,6 +73,11 @@ class EngineCoreClient:
         """True when no engine can serve (each is dead, restarting or stalled)."""
         return len(self.out_of_service()) >= self.num_engines
 
+    @property
+    def all_dead(self) -> bool:
+        """Every engine is dead or restarting (a stalled one still holds its requests: it may answer again)."""
+        return len(self.dead) >= self.num_engines
+
     def out_of_service(self) -> dict[int, EngineDead]:
         """Engine index -> why it cannot take requests now."""
         return {**self.stalled, **self.dead}
