@@ -49,6 +49,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _f(256, "most requests running at once")
+    max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
+                                      "once; the rest wait in the server and go in as earlier ones finish, so "
+                                      "one huge request leaves room for others (0: half of --max-num-seqs)")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
     async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
@@ -73,6 +76,9 @@ class ParallelConfig:
                                               "report ready")
     engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
                                       "0.5 s, 1 s, 2 s, ...); 0: never")
+    engine_hang_timeout: float = _f(30.0, "seconds an engine-core process may go without a heartbeat, or without "
+                                          "finishing a step while it has requests, before the server kills and "
+                                          "restarts it as a hung engine (a longer single step counts as a hang)")
 
 
 @dataclass

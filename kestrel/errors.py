@@ -35,5 +35,12 @@ class EngineDead(KestrelError, RuntimeError):
     error_type = "engine_dead"
 
 
+class EngineSleeping(KestrelError, RuntimeError):
+    """The server was put to sleep (/sleep): requests get HTTP 503 until /wake_up, instead of waiting."""
+
+    status_code = 503
+    error_type = "engine_sleeping"
+
+
 class ConfigError(KestrelError, ValueError):
     """A start-up configuration that cannot work (bad flag combination, a forced kernel that cannot serve)."""

@@ -64,3 +64,6 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     utility_output: UtilityOutput | None = None
     # the engine core's last message before it exits on a failed step (a tensor-parallel worker died): why
     engine_error: str | None = None
+    # a liveness heartbeat (sent about once a second from a thread of the engine-core process): the number of
+    # steps the engine has finished so far
+    heartbeat: int | None = None

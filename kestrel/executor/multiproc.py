@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from kestrel.core.step import StepInput
+from kestrel.core.supervisor import PopenProcess, Supervisor
 from kestrel.executor import messages as M
 from kestrel.errors import InvalidRequest
 from kestrel.executor.base import ControlCallError, Executor, WorkerError
@@ -272,48 +273,44 @@ class MultiWorkerExecutor(Executor):
 
 class MPExecutor(MultiWorkerExecutor):
     """One local worker process per rank (a fresh interpreter: `python -m kestrel.executor.worker`, the config as
-    JSON on stdin), sockets over ipc, the process group over tcp on 127.0.0.1."""
+    JSON on stdin), sockets over ipc, the process group over tcp on 127.0.0.1. The processes are supervised by
+    kestrel.core.supervisor without restarts: a rank cannot rejoin a running process group, so a dead worker fails
+    the engine core, which its own supervisor restarts whole."""
 
     STOP_GRACE_S = 3.0
 
     def _start(self, config) -> None:
         from kestrel.distributed import free_port
 
-        self._procs: list[subprocess.Popen] = []
         self._dir = tempfile.mkdtemp(prefix="kestrel-tp-")
         inputs, output = self._bind(lambda name: f"ipc://{self._dir}/{name}")
         init = f"tcp://127.0.0.1:{free_port()}"
         cfg = msgspec.json.encode(config.to_dict())
-        for rank in range(self.size):
-            p = subprocess.Popen([sys.executable, "-m", "kestrel.executor.worker", "--rank", str(rank),
-                                  "--size", str(self.size), "--init-method", init, "--input", inputs[rank],
-                                  "--output", output, "--parent-pid", str(os.getpid()),
-                                  "--log-level", str(logging.getLogger("kestrel").getEffectiveLevel() or 20)],
-                                 stdin=subprocess.PIPE)
+        level = logging.getLogger("kestrel").getEffectiveLevel() or 20
+
+        def spawn(rank: int) -> PopenProcess:
+            p = PopenProcess([sys.executable, "-m", "kestrel.executor.worker", "--rank", str(rank), "--size",
+                              str(self.size), "--init-method", init, "--input", inputs[rank], "--output", output,
+                              "--parent-pid", str(os.getpid()), "--log-level", str(level)], stdin=subprocess.PIPE)
             p.stdin.write(cfg)
             p.stdin.close()
-            self._procs.append(p)
+            return p
+
+        self._sup = Supervisor("tensor-parallel worker rank", self.size, spawn, startup_timeout=float("inf"),
+                               restart_limit=0)
+        self._sup.start_all()
+
+    @property
+    def _procs(self) -> list:
+        return self._sup.procs if hasattr(self, "_sup") else []
 
     def _find_dead(self, exclude: int | None = None) -> str | None:
-        for rank, p in enumerate(self._procs):
-            code = p.poll()
-            if code is not None and rank != exclude:
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {code}"
-        return None
+        return self._sup.dead_child(exclude)
 
     def _stop_workers(self) -> None:
         import shutil
 
-        procs = getattr(self, "_procs", [])
-        deadline = time.monotonic() + (0 if self.dead else self.STOP_GRACE_S)
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if hasattr(self, "_sup"):
+            self._sup.stop(None, 0 if self.dead else self.STOP_GRACE_S)
         if getattr(self, "_dir", None):
             shutil.rmtree(self._dir, ignore_errors=True)

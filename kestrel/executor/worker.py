@@ -15,6 +15,7 @@ import traceback
 import msgspec
 import zmq
 
+from kestrel.core.supervisor import die_with_parent, parent_gone
 from kestrel.executor import messages as M
 
 logger = logging.getLogger("kestrel.worker")
@@ -82,7 +83,7 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
     poller.register(inp, zmq.POLLIN)
     while True:
         if not poller.poll(POLL_MS):
-            if parent_pid is not None and os.getppid() != parent_pid:
+            if parent_gone(parent_pid):
                 logger.warning("engine process %d is gone; worker rank %d exits", parent_pid, rank)
                 return
             continue
@@ -138,18 +139,6 @@ def _control(runner, payload: bytes) -> list[bytes]:
         return [M.CTL_FAIL, M.encoder.encode([isinstance(e, InvalidRequest), str(e)])]
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the engine process dies, even while it waits in a collective."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Kestrel tensor-parallel worker (started by the mp executor)")
     p.add_argument("--rank", type=int, required=True)
@@ -160,8 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", type=int, default=logging.INFO)
     args = p.parse_args(argv)
-    _die_with_parent()
-    if os.getppid() != args.parent_pid:
+    die_with_parent()
+    if parent_gone(args.parent_pid):
         return
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s tp{args.rank}: %(message)s",
                         datefmt="%H:%M:%S")

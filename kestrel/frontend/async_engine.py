@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
+from kestrel.frontend.admission import AdmissionWindow
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
@@ -27,7 +28,7 @@ from kestrel.frontend.processor import (InputProcessor, OutputProcessor, Process
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.ipc.utility import WaiterGuard
-from kestrel.errors import ConfigError, EngineDead, InvalidRequest, ModelNotFound
+from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,21 @@ class AsyncEngine:
         self.output_processor: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._timing: dict[str, _Timing] = {}
+        self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.block_size = config.cache.block_size
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+        if config.scheduler.max_seqs_per_request < 0:
+            raise ConfigError(f"--max-seqs-per-request must be 0 (auto) or positive, got "
+                              f"{config.scheduler.max_seqs_per_request}")
         self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
                                                thread_name_prefix="kestrel-render")
         self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
+        self.sleep_level: int | None = None  # the fleet's state: the level of the last /sleep, None while awake
+        self._fleet_lock = asyncio.Lock()  # sleep, wake-up and a restarted engine's restore, one at a time
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -90,7 +97,7 @@ class AsyncEngine:
         path = m.model or default_model_path()
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
-        self.client.on_engine_restarted = self.loras.restore  # a restarted engine core gets the adapters back
+        self.client.on_engine_restarted = self._restore_engine
         self.render_procs = await asyncio.to_thread(self._render_processes)
         try:  # the render processes start beside the engine cores
             _, self.tokenizer, mm, _ = await asyncio.gather(
@@ -182,8 +189,8 @@ class AsyncEngine:
 
     def unavailable(self) -> EngineDead:
         """The error for a request that finds no engine core able to serve."""
-        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in sorted(self.client.dead.items()))
-                          or "no engine core can serve")
+        down = sorted(self.client.out_of_service().items())
+        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in down) or "no engine core can serve")
 
     @property
     def stats(self) -> list:
@@ -224,13 +231,17 @@ class AsyncEngine:
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                 lora_request: LoRARequest | None = None,
+                 window: AdmissionWindow | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
         The request reaches the engine when the stream is first iterated; leaving it early aborts the request.
         ``timeout`` (seconds from now): then the request is aborted and its stream ends with finish_reason
-        "abort", stop_reason "timeout"."""
+        "abort", stop_reason "timeout". ``window``: the admission window shared by the streams of one API
+        request (a prompt list), see admission_window(); by default the stream has its own."""
         if self.client.is_dead:
             raise self.unavailable()
+        if self.sleep_level is not None:
+            raise EngineSleeping("the server is sleeping; POST /wake_up wakes it")
         request_id = request_id or uuid.uuid4().hex
         if lora_request is not None and self.loras.adapters.get(lora_request.name) != lora_request:
             raise ModelNotFound(f"the adapter {lora_request.name!r} is not loaded", param="model",
@@ -244,9 +255,44 @@ class AsyncEngine:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
                                  f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._stream(request_id, prompt, ids, params, core_reqs, deadline)
+        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window())
 
-    async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline) -> AsyncIterator[RequestOutput]:
+    def admission_window(self) -> AdmissionWindow:
+        """A new window for one API request: --max-seqs-per-request sequences in the engine at once."""
+        s = self.config.scheduler
+        return AdmissionWindow(s.max_seqs_per_request or max(1, s.max_num_seqs // 2))
+
+    def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
+        """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
+        self._child_window[r.request_id] = window
+        try:
+            timing.engine = self.client.add_request(r)
+        except BaseException:
+            self._child_window.pop(r.request_id, None)
+            window.give(1)
+            raise
+        if self.metrics is not None:
+            self.metrics.on_routed(timing.engine)
+
+    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: "_Timing", queue) -> None:
+        """The slow path: each core request goes in when its window has a free slot."""
+        try:
+            for r in core_reqs:
+                await window.take()
+                self._send_child(r, window, timing)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the stream raises it
+            queue.put_nowait(e)
+
+    def _leave_window(self, request_ids) -> None:
+        for rid in request_ids:
+            w = self._child_window.pop(rid, None)
+            if w is not None:
+                w.give(1)
+
+    async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline,
+                      window: AdmissionWindow) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         if self.client.is_dead:
@@ -263,11 +309,17 @@ class AsyncEngine:
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(ids), params.n,
                         core_reqs[0].max_tokens)
         finished = False
+        sender = None
         try:
-            for r in core_reqs:
-                timing.engine = self.client.add_request(r)
-                if self.metrics is not None:
-                    self.metrics.on_routed(timing.engine)
+            if window.try_take(len(core_reqs)):  # the usual case: every sequence goes in now
+                for k, r in enumerate(core_reqs):
+                    try:
+                        self._send_child(r, window, timing)
+                    except BaseException:
+                        window.give(len(core_reqs) - k - 1)
+                        raise
+            else:
+                sender = asyncio.create_task(self._send_children(core_reqs, window, timing, queue))
             loop = asyncio.get_running_loop()
             loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
@@ -295,17 +347,20 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            if sender is not None:
+                sender.cancel()
             guard.close()
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id)
             else:
                 self.output_processor.abort(request_id)
+            self._leave_window(r.request_id for r in core_reqs)
 
     def abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort(request_id)
         q = self._queues.get(request_id)
-        if child_ids and not self.client.is_dead:
+        if child_ids and not self.client.all_dead:
             self.client.abort_requests(child_ids)
             logger.info("request %s aborted", request_id)
         if q is not None:
@@ -326,6 +381,8 @@ class AsyncEngine:
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
+            self._leave_window(to_stop)
+        self._leave_window(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
         for ro in results:
             q = self._queues.get(ro.request_id)
@@ -354,7 +411,7 @@ class AsyncEngine:
                                      sum(len(c.token_ids) for c in ro.outputs), reason)
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
-        if child_ids is None or self.client.is_dead:
+        if child_ids is None or self.client.all_dead:
             parents = list(self._queues)
         else:
             parents = {self.output_processor.child_to_parent.get(c) for c in child_ids} - {None}
@@ -396,13 +453,26 @@ class AsyncEngine:
         return (await self.client.utility.call_all("reset_prefix_cache", engines=self._live())).all_true()
 
     async def sleep(self, level: int = 1) -> bool:
-        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation)."""
-        res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
+        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation). Once all
+        sleep, the fleet is asleep: new requests get EngineSleeping (503), a restarted engine sleeps too."""
+        async with self._fleet_lock:
+            res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
+            self.sleep_level = level
         return res.all_true()
 
     async def wake_up(self) -> bool:
-        res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
+        async with self._fleet_lock:
+            res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
+            self.sleep_level = None
         return res.all_true()
+
+    async def _restore_engine(self, engine: int, serve) -> None:
+        """A restarted engine core gets the server's state back before it serves: the fleet's sleep (an engine
+        restarted while the others sleep comes back asleep), then the LoRA adapters (which call serve())."""
+        async with self._fleet_lock:
+            if self.sleep_level is not None:
+                await self.client.utility.call(engine, "sleep", self.sleep_level)
+            await self.loras.restore(engine, serve)
 
     async def is_sleeping(self) -> bool:
         return (await self.client.utility.call_all("is_sleeping", engines=self._live())).consensus()

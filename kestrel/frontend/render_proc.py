@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -27,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kestrel.core.multimodal import MMFeature
+from kestrel.core.supervisor import StartupError, Supervisor, parent_gone, spawn_process
 from kestrel.ipc.core_proc import dealer_socket, router_socket
 from kestrel.errors import InvalidRequest, KestrelError
 
@@ -92,7 +92,7 @@ def run_render_worker(config_dict: dict, addr: str, index: int, parent_pid: int,
         logger.info("render process %d ready (pid %d)", index, os.getpid())
         while True:
             if not sock.poll(PARENT_POLL_MS):
-                if os.getppid() != parent_pid:
+                if parent_gone(parent_pid):
                     logger.warning("server process %d is gone; render process %d exits", parent_pid, index)
                     return
                 continue
@@ -149,21 +149,28 @@ def worker_identity(index: int) -> bytes:
 
 # ---- the server side
 class RenderProcesses:
-    """N render processes behind one ROUTER socket. `render` sends a job to the worker with the fewest jobs in
-    flight and awaits its result; one task reads results, another restarts workers that died."""
+    """N render processes behind one ROUTER socket, supervised by kestrel.core.supervisor (restarted at once, with
+    no limit). `render` sends a job to the worker with the fewest jobs in flight and awaits its result; one task
+    reads results, another watches the workers."""
 
     def __init__(self, config, num: int):
         self.config = config
         self.num = num
-        self.procs: list = [None] * num
-        self.ready: list[bool] = [False] * num
+        self.sup = Supervisor("render process", num, self._spawn, startup_timeout=READY_TIMEOUT_S,
+                              on_died=self._died)
         self._inflight: dict[int, tuple[int, asyncio.Future]] = {}  # job id -> (worker, its future)
         self._jobs = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._dir = None
-        self._ready_event: asyncio.Event | None = None
-        self._start_error: str | None = None
-        self._closed = False
+        self._started = False
+
+    @property
+    def procs(self) -> list:
+        return self.sup.procs
+
+    @property
+    def ready(self) -> list[bool]:
+        return [self.sup.state(i) == "ready" for i in range(self.num)]
 
     async def start(self) -> "RenderProcesses":
         t0 = time.perf_counter()
@@ -171,32 +178,26 @@ class RenderProcesses:
         self._addr = f"ipc://{self._dir}/render"
         self._ctx = zmq.asyncio.Context()
         self._sock = router_socket(self._ctx, self._addr)  # a restarted worker takes over its identity
-        self._ready_event = asyncio.Event()
-        for i in range(self.num):
-            self._spawn(i)
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        self._started = True
+        self.sup.start_all()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self.sup.run_watch(0.5))]
         try:
-            await asyncio.wait_for(self._ready_event.wait(), READY_TIMEOUT_S)
-        except TimeoutError:
-            self._start_error = self._start_error or f"not ready after {READY_TIMEOUT_S:.0f} s"
-        if self._start_error is not None:
+            await self.sup.wait_ready()
+        except StartupError as e:
             await self.shutdown()
-            raise RuntimeError(f"render processes failed to start: {self._start_error}")
+            raise RuntimeError(f"render processes failed to start: {e}") from None
         logger.info("%d render process(es) ready for images in %.1f s", self.num, time.perf_counter() - t0)
         return self
 
-    def _spawn(self, i: int) -> None:
-        p = multiprocessing.get_context("spawn").Process(
-            target=run_render_worker, name=f"kestrel-render-{i}", daemon=True,
-            args=(self.config.to_dict(), self._addr, i, os.getpid(), logging.getLogger("kestrel").getEffectiveLevel()))
-        p.start()
-        self.procs[i] = p
-        self.ready[i] = False
+    def _spawn(self, i: int):
+        return spawn_process(run_render_worker, f"kestrel-render-{i}",
+                             (self.config.to_dict(), self._addr, i, os.getpid(),
+                              logging.getLogger("kestrel").getEffectiveLevel()))
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
                      template_kwargs: dict, tools: list[dict] | None, pixel_dtype: str | None):
         """-> (RenderResult, seconds from send to result). Raises InvalidRequest for the request's own faults."""
-        live = [i for i in range(self.num) if self.ready[i]]
+        live = [i for i, ok in enumerate(self.ready) if ok]
         if not live:
             raise RenderWorkerDied("no render process is running (restarting)")
         load = {i: 0 for i in live}
@@ -234,60 +235,31 @@ class RenderProcesses:
             if isinstance(msg, RenderStatus):
                 i = int(ident.rsplit(b"-", 1)[1])
                 if msg.ok:
-                    self.ready[i] = True
-                    if all(self.ready):
-                        self._ready_event.set()
-                elif not self._ready_event.is_set():
-                    self._start_error = f"render process {i}: {msg.message}"
-                    self._ready_event.set()
-                else:  # a restarted worker: the watcher starts it again after it exits
-                    logger.error("render process %d failed to start again: %s", i, msg.message)
+                    self.sup.ready(i)
+                else:  # it exits; the supervisor starts it again (or fails the start)
+                    self.sup.start_failed(i, msg.message)
                 continue
             entry = self._inflight.get(msg.job_id)
             if entry is not None and not entry[1].done():
                 entry[1].set_result(msg)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            for i, p in enumerate(self.procs):
-                if p is None or p.is_alive():
-                    continue
-                why = f"render process {i} died (exit code {p.exitcode})"
-                if not self._ready_event.is_set():  # during start-up: fail the start
-                    self._start_error = self._start_error or why
-                    self._ready_event.set()
-                    return
-                logger.error("%s; starting another", why)
-                for w, fut in list(self._inflight.values()):
-                    if w == i and not fut.done():
-                        fut.set_exception(RenderWorkerDied(f"{why} while rendering this request"))
-                self._spawn(i)
+    def _died(self, i: int, why: str) -> None:
+        why = f"render process {i} {why}"
+        logger.error("%s; starting another", why)
+        for w, fut in list(self._inflight.values()):
+            if w == i and not fut.done():
+                fut.set_exception(RenderWorkerDied(f"{why} while rendering this request"))
 
     async def shutdown(self) -> None:
-        """Stop the workers; a start still waiting for them (the engine cores failed first) gives up at once."""
-        if self._closed or self._ready_event is None:  # stopped already, or never started
+        """Stop the workers (idempotent); a start still waiting for them (the engine cores failed first) gives up
+        at once."""
+        if not self._started or self.sup.closed:  # never started, or stopped already
             return
-        self._closed = True
-        if not self._ready_event.is_set():
-            self._start_error = self._start_error or "shut down while starting"
-            self._ready_event.set()
         for t in self._tasks:
             t.cancel()
-        for i, p in enumerate(self.procs):
-            if p is not None and p.is_alive():
-                try:
-                    self._sock.send_multipart([worker_identity(i), b""], flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        deadline = time.monotonic() + 3
-        for p in self.procs:
-            if p is not None:
-                p.join(max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
+        await self.sup.astop(lambda i: self._sock.send_multipart([worker_identity(i), b""], flags=zmq.NOBLOCK),
+                             grace=3.0)
         self._sock.close(0)
         self._ctx.term()
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
-

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -27,16 +26,19 @@ import zmq
 import zmq.asyncio
 
 from kestrel.config import EngineConfig
+from kestrel.core.supervisor import StartupError, Supervisor, spawn_process
 from kestrel.ipc import protocol as P
 from kestrel.ipc.core_proc import engine_facts, engine_identity, router_socket, run_engine_core, run_utility
 from kestrel.ipc.utility import UtilityClient
-from kestrel.errors import EngineDead, KestrelError
+from kestrel.errors import ConfigError, EngineDead, KestrelError
 
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 5.0  # an engine core that reported its failure is killed if it has not exited by then
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap; doubles per restart of the same engine
+HEALTH_STALE_S = 5.0  # an engine silent this long (no heartbeat) gets no new requests and /health says so
+SEND_RETRY_S = 0.002  # how often the sender retries an engine whose input queue is full
 
 
 class EngineStartupError(KestrelError, RuntimeError):
@@ -50,7 +52,8 @@ RestartHandler = Callable[[int, Callable[[], None]], Awaitable[None]]
 
 class EngineCoreClient:
     """Interface shared by the clients. ``dead`` is the one record of engines that cannot serve now (dead,
-    restarting, or given up); the utility client reads it too."""
+    restarting, or given up); the utility client reads it too. ``stalled``: engines alive but not responding (no
+    heartbeat lately): no new requests go to them until they answer again or are replaced."""
 
     num_engines = 1
 
@@ -60,18 +63,28 @@ class EngineCoreClient:
         self.engine_info: list[dict] = []
         self.stats: list[P.SchedulerStats | None] = []
         self.dead: dict[int, EngineDead] = {}
+        self.stalled: dict[int, EngineDead] = {}
         self.restoring: set[int] = set()  # restarted engines (still in `dead`) getting their state back
         self.on_engine_restarted: RestartHandler | None = None
         self.utility = UtilityClient(self)
 
     @property
     def is_dead(self) -> bool:
-        """True when no engine can serve."""
+        """True when no engine can serve (each is dead, restarting or stalled)."""
+        return len(self.out_of_service()) >= self.num_engines
+
+    @property
+    def all_dead(self) -> bool:
+        """Every engine is dead or restarting (a stalled one still holds its requests: it may answer again)."""
         return len(self.dead) >= self.num_engines
+
+    def out_of_service(self) -> dict[int, EngineDead]:
+        """Engine index -> why it cannot take requests now."""
+        return {**self.stalled, **self.dead}
 
     @property
     def live_engines(self) -> list[int]:
-        return [i for i in range(self.num_engines) if i not in self.dead]
+        return [i for i in range(self.num_engines) if i not in self.dead and i not in self.stalled]
 
     def engine_state(self, i: int) -> str:
         return "dead" if i in self.dead else "ready"
@@ -197,37 +210,57 @@ def engine_devices(index: int, tp: int, devices: list[str]) -> str | None:
 
 class MPClient(EngineCoreClient):
     """One or more engine-core processes. The client binds a ROUTER (input) and a PULL (output) socket on ipc
-    paths in a private temporary folder; every engine connects a DEALER and a PUSH.
+    paths in a private temporary folder; every engine connects a DEALER and a PUSH. The processes are supervised
+    by kestrel.core.supervisor (spawn, hand-shake, watch, restart with back-off, shutdown).
 
     An engine that dies fails its in-flight requests at once and is restarted after a back-off, at most
-    ``engine_restart_limit`` times; while it is down it is in ``dead`` and gets no traffic."""
+    ``engine_restart_limit`` times; while it is down it is in ``dead`` and gets no traffic. An engine that sends no
+    heartbeat for HEALTH_STALE_S is ``stalled`` (no new requests, /health says so); one silent, or stuck on a step
+    while it has requests, for ``engine_hang_timeout`` seconds is killed and restarted like a dead one.
+
+    Sends never fail because an engine is busy: a message that its socket cannot take now (ZeroMQ's high-water
+    mark) waits in that engine's outbox, in order, and a sender task delivers it as the engine reads; an abort
+    removes its requests' adds still waiting there."""
 
     def __init__(self, config: EngineConfig, num_engines: int = 1):
         super().__init__()
         self.config = config
         self.num_engines = num_engines
-        self.startup_timeout = config.parallel.engine_startup_timeout
         self.restart_limit = config.parallel.engine_restart_limit
-        self.procs: list = [None] * num_engines
+        self.hang_timeout = config.parallel.engine_hang_timeout
+        if self.hang_timeout <= 0:
+            raise ConfigError(f"--engine-hang-timeout must be positive, got {self.hang_timeout}")
+        self.sup = Supervisor("engine core", num_engines, self._spawn,
+                              startup_timeout=config.parallel.engine_startup_timeout,
+                              restart_limit=self.restart_limit, backoff=RESTART_BACKOFF_S, exit_grace=EXIT_GRACE_S,
+                              on_died=self._engine_died, on_restart_failed=self._restore_failed)
         self.engine_info = [{} for _ in range(num_engines)]
         self.stats = [None] * num_engines
         self.routed_since_stats = [0] * num_engines
         self.request_engine: dict[str, int] = {}  # core request id -> engine index
-        self.restarts = [0] * num_engines
-        self._restart_at: dict[int, float] = {}  # dead engine -> when to spawn it again
-        self._starting: dict[int, float] = {}  # spawned after a death, not ready yet -> start-up deadline
-        self._exiting: dict[int, float] = {}  # reported its failure, process not gone yet -> when to kill it
+        self._outbox: list[collections.deque] = [collections.deque() for _ in range(num_engines)]
+        self._outbox_ready: asyncio.Event | None = None
+        self._last_seen = [0.0] * num_engines  # when each engine last sent anything (heartbeats included)
+        self._progress = [(0, 0.0)] * num_engines  # (steps finished, when that count last moved or it was idle)
+        self._last_check = 0.0
         self._tasks: list[asyncio.Task] = []
         self._restores: set[asyncio.Task] = set()
         self._closing = False
         self._dir: str | None = None
 
+    @property
+    def procs(self) -> list:
+        return self.sup.procs
+
     def engine_state(self, i: int) -> str:
+        if i in self.stalled:
+            return "unresponsive"
         if i not in self.dead:
             return "ready"
-        if i in self._starting or i in self._restart_at:
+        state = self.sup.state(i)
+        if state in ("starting", "waiting"):
             return "restarting"
-        if i in self._exiting and self.restarts[i] < self.restart_limit:
+        if state == "exiting" and self.sup.children[i].restarts < self.restart_limit:
             return "restarting"
         return "dead"
 
@@ -246,13 +279,10 @@ class MPClient(EngineCoreClient):
         devices = [d.strip() for d in visible.split(",")][:n] if visible else [str(d) for d in range(n)]
         return engine_devices(i, self.config.parallel.tensor_parallel_size, devices)
 
-    def _spawn(self, i: int) -> None:
-        p = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name=f"kestrel-engine-{i}", daemon=True,
-            args=(self.config.to_dict(), self._in_addr, self._out_addr, i, os.getpid(), self._device_for(i),
-                  logging.getLogger("kestrel").getEffectiveLevel()))
-        p.start()
-        self.procs[i] = p
+    def _spawn(self, i: int):
+        return spawn_process(run_engine_core, f"kestrel-engine-{i}",
+                             (self.config.to_dict(), self._in_addr, self._out_addr, i, os.getpid(),
+                              self._device_for(i), logging.getLogger("kestrel").getEffectiveLevel()))
 
     async def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="kestrel-")
@@ -263,18 +293,27 @@ class MPClient(EngineCoreClient):
         self._output = self._actx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self._out_addr)
-        for i in range(self.num_engines):
-            self._spawn(i)
+        self._outbox_ready = asyncio.Event()
+        self.sup.start_all()
         try:
-            await self._wait_ready()
+            await self.sup.wait_ready(" (raise --engine-startup-timeout)", poll=self._read_handshakes)
+        except StartupError as e:
+            await self.shutdown()
+            raise EngineStartupError(str(e)) from None
         except BaseException:
             await self.shutdown()
             raise
+        now = time.monotonic()
+        self._last_seen = [now] * self.num_engines
+        self._progress = [(0, now)] * self.num_engines
+        self._last_check = now
         self._tasks = [asyncio.create_task(self._output_loop(), name="kestrel-output-loop"),
-                       asyncio.create_task(self._watch_engines(), name="kestrel-engine-watch")]
+                       asyncio.create_task(self._send_loop(), name="kestrel-send-loop"),
+                       asyncio.create_task(self.sup.run_watch(WATCH_INTERVAL_S, self._before_watch),
+                                           name="kestrel-engine-watch")]
 
-    def _handshakes(self):
-        """(engine index, hand-shake message) for every hand-shake queued on the input socket."""
+    def _read_handshakes(self) -> None:
+        """Handle every hand-shake queued on the input socket (msgpack {"status": "ready" | "error", ...})."""
         while self._input.poll(0):
             frames = self._input.recv_multipart()
             idx = int.from_bytes(frames[0], "little")
@@ -283,45 +322,79 @@ class MPClient(EngineCoreClient):
                 assert isinstance(msg, dict)
             except Exception:
                 msg = {"status": "error", "message": "undecodable hand-shake"}
-            yield idx, msg
-
-    async def _wait_ready(self) -> None:
-        ready: set[int] = set()
-        deadline = time.monotonic() + self.startup_timeout
-        while len(ready) < self.num_engines:
-            for idx, msg in self._handshakes():
-                if msg.get("status") != "ready":
-                    raise EngineStartupError(f"engine core {idx} failed to start: {msg.get('message')}")
-                self.engine_info[idx] = msg
-                ready.add(idx)
-            for i, p in enumerate(self.procs):
-                if i not in ready and not p.is_alive():
-                    raise EngineStartupError(f"engine core {i} exited with code {p.exitcode} before it was ready; "
-                                             f"see its log above")
-            if time.monotonic() > deadline:
-                raise EngineStartupError(f"engine cores not ready after {self.startup_timeout:.0f} s "
-                                         f"(ready: {sorted(ready)}); raise --engine-startup-timeout")
-            await asyncio.sleep(0.05)
+            if not 0 <= idx < self.num_engines or self.sup.state(idx) != "starting" or idx in self.restoring:
+                continue
+            if msg.get("status") != "ready":
+                self.sup.start_failed(idx, str(msg.get("message")))
+                continue
+            self.engine_info[idx] = msg
+            if not self.sup.started:  # the first start: every engine serves once all are ready
+                self.sup.ready(idx)
+            elif self.on_engine_restarted is None:
+                self._serve_again(idx, self.procs[idx])
+            else:
+                self.restoring.add(idx)
+                task = asyncio.create_task(self._restore(idx, self.procs[idx]), name=f"kestrel-restore-{idx}")
+                self._restores.add(task)
+                task.add_done_callback(self._restores.discard)
 
     # ---- sending
-    def _send(self, engine: int, rtype: P.RequestType, payload: bytes) -> None:
+    def _send(self, engine: int, rtype: P.RequestType, payload: bytes, request_id: str | None = None) -> None:
         if engine in self.dead and not (engine in self.restoring and rtype == P.RequestType.UTILITY):
             raise self.dead[engine]
+        box = self._outbox[engine]
+        if not box:  # nothing waits before it: try now
+            try:
+                self._input.send_multipart([engine_identity(engine), rtype.value, payload], flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # the engine is busy (its queue is full): the sender task delivers it later
+                pass
+            except zmq.ZMQError as e:  # not connected: it is dying (the watcher finds out)
+                raise EngineDead(f"engine core {engine} is unreachable: {e}") from e
+        box.append((rtype, payload, request_id))
+        self._outbox_ready.set()
+
+    async def _send_loop(self) -> None:
+        """Deliver the outboxes, each in order, as the engines make room."""
         try:
-            self._input.send_multipart([engine_identity(engine), rtype.value, payload], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            raise EngineDead(f"engine core {engine} is unreachable: {e}") from e
+            while not self._closing:
+                if not any(self._outbox):
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                moved = False
+                for engine, box in enumerate(self._outbox):
+                    while box:
+                        rtype, payload, _ = box[0]
+                        try:
+                            self._input.send_multipart([engine_identity(engine), rtype.value, payload],
+                                                       flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except zmq.ZMQError as e:  # gone: its death fails these requests
+                            logger.warning("engine core %d is unreachable (%s); %d queued message(s) dropped",
+                                           engine, e, len(box))
+                            box.clear()
+                            break
+                        box.popleft()
+                        moved = True
+                if not moved:
+                    await asyncio.sleep(SEND_RETRY_S)
+        except asyncio.CancelledError:
+            return
 
     def _choose_engine(self, request: P.EngineCoreRequest) -> int:
         if 0 in self.dead:
             raise self.dead[0]
+        if 0 in self.stalled:
+            raise self.stalled[0]
         return 0
 
     def add_request(self, request: P.EngineCoreRequest) -> int:
         engine = self._choose_engine(request)
         self.request_engine[request.request_id] = engine
         try:
-            self._send(engine, P.RequestType.ADD, P.encoder.encode(request))
+            self._send(engine, P.RequestType.ADD, P.encoder.encode(request), request.request_id)
         except BaseException:
             self.request_engine.pop(request.request_id, None)
             raise
@@ -329,14 +402,24 @@ class MPClient(EngineCoreClient):
         return engine
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        by_engine: dict[int, list[str]] = {}
+        by_engine: dict[int, set[str]] = {}
         for rid in request_ids:
             e = self.request_engine.pop(rid, None)
             if e is not None and e not in self.dead:
-                by_engine.setdefault(e, []).append(rid)
+                by_engine.setdefault(e, set()).add(rid)
         for e, ids in by_engine.items():
+            box = self._outbox[e]
+            if box:  # adds that never left are dropped, not aborted
+                unsent = {m[2] for m in box if m[0] is P.RequestType.ADD and m[2] in ids}
+                if unsent:
+                    kept = [m for m in box if m[2] not in unsent]
+                    box.clear()
+                    box.extend(kept)
+                    ids -= unsent
+            if not ids:
+                continue
             try:
-                self._send(e, P.RequestType.ABORT, P.encoder.encode(ids))
+                self._send(e, P.RequestType.ABORT, P.encoder.encode(sorted(ids)))
             except EngineDead as exc:
                 logger.warning("abort not delivered: %s", exc)
 
@@ -368,9 +451,13 @@ class MPClient(EngineCoreClient):
                 if idx in self.restoring and outs.utility_output is not None:  # its state restore's replies
                     self._deliver_utility(idx, outs.utility_output)
                 continue  # a dead engine's last words: its requests have already failed
+            self._last_seen[idx] = time.monotonic()
+            if outs.heartbeat is not None:
+                if outs.heartbeat != self._progress[idx][0]:
+                    self._progress[idx] = (outs.heartbeat, self._last_seen[idx])
+                continue
             if outs.engine_error is not None:  # it failed a step and exits: fail its requests now
-                self._engine_died(idx, f"failed: {outs.engine_error}")
-                self._exiting[idx] = time.monotonic() + EXIT_GRACE_S
+                self.sup.failing(idx, f"failed: {outs.engine_error}")
                 continue
             if outs.utility_output is not None:
                 self._deliver_utility(idx, outs.utility_output)
@@ -386,97 +473,83 @@ class MPClient(EngineCoreClient):
                 except Exception:
                     logger.exception("output handler failed")
 
-    # ---- deaths and restarts (one task: it alone spawns, reaps and reads hand-shakes after start-up)
-    async def _watch_engines(self) -> None:
-        try:
-            while not self._closing:
-                self._watch_once(time.monotonic())
-                await asyncio.sleep(WATCH_INTERVAL_S)
-        except asyncio.CancelledError:
+    # ---- liveness (from the watch task, before each supervisor pass)
+    def _before_watch(self, now: float) -> None:
+        self._read_handshakes()
+        self._check_engines(now)
+
+    def _check_engines(self, now: float) -> None:
+        """Stalled (no heartbeat for HEALTH_STALE_S): out of service until it answers. Silent, or busy without
+        finishing a step, for engine_hang_timeout: replaced (killed and restarted like a dead engine)."""
+        late = now - self._last_check - WATCH_INTERVAL_S
+        self._last_check = now
+        if late > 1.0:  # this event loop was blocked: the engines' messages wait unread, they are not silent
+            self._last_seen = [t + late for t in self._last_seen]
+            self._progress = [(s, t + late) for s, t in self._progress]
             return
-
-    def _watch_once(self, now: float) -> None:
-        for idx, msg in self._handshakes():
-            if idx not in self._starting:
+        busy = set(self.request_engine.values())
+        for i in range(self.num_engines):
+            if i in self.dead:
+                self.stalled.pop(i, None)
                 continue
-            if msg.get("status") == "ready":
-                self.engine_info[idx] = msg
-                if self.on_engine_restarted is None:
-                    self._serve_again(idx, self.procs[idx])
-                else:
-                    self.restoring.add(idx)
-                    task = asyncio.create_task(self._restore(idx, self.procs[idx]), name=f"kestrel-restore-{idx}")
-                    self._restores.add(task)
-                    task.add_done_callback(self._restores.discard)
-            else:
-                logger.error("engine core %d failed to restart: %s", idx, msg.get("message"))
-        for i, p in enumerate(self.procs):
-            if i in self._starting:
-                if not p.is_alive() or now > self._starting[i]:
-                    del self._starting[i]
-                    if p.is_alive():
-                        p.kill()
-                    if i in self.restoring:  # its state restore's calls fail now
-                        self.restoring.discard(i)
-                        self.utility.fail_engine(i, self.dead[i])
-                    logger.error("engine core %d did not come back (exit code %s)", i, p.exitcode)
-                    self._schedule_restart(i, now)
-            elif i in self._restart_at:
-                if now >= self._restart_at[i]:
-                    del self._restart_at[i]
-                    self.restarts[i] += 1
-                    logger.info("restarting engine core %d (%d of %d)", i, self.restarts[i], self.restart_limit)
-                    self._spawn(i)
-                    self._starting[i] = now + self.startup_timeout
-            elif i in self._exiting:
-                if not p.is_alive() or now > self._exiting[i]:
-                    del self._exiting[i]
-                    if p.is_alive():
-                        logger.warning("engine core %d did not exit %.0f s after its failure; killed", i,
-                                       EXIT_GRACE_S)
-                        p.kill()
-                    p.join(1)
-                    self._schedule_restart(i, now)
-            elif i not in self.dead and not p.is_alive():
-                self._engine_died(i, f"died with exit code {p.exitcode}")
-                self._schedule_restart(i, now)
+            silent = now - self._last_seen[i]
+            steps, since = self._progress[i]
+            if i not in busy:
+                self._progress[i] = (steps, now)
+            if silent > self.hang_timeout:
+                self.stalled.pop(i, None)
+                self.sup.replace(i, f"sent no heartbeat for {silent:.0f} s (--engine-hang-timeout)")
+            elif i in busy and now - since > self.hang_timeout:
+                self.stalled.pop(i, None)
+                self.sup.replace(i, f"finished no step for {now - since:.0f} s while it had requests "
+                                    f"(--engine-hang-timeout)")
+            elif silent > HEALTH_STALE_S:
+                if i not in self.stalled:
+                    logger.warning("engine core %d sent no heartbeat for %.0f s: no new requests go to it", i,
+                                   silent)
+                exc = EngineDead(f"engine core {i} is not responding (no heartbeat for {silent:.0f} s)")
+                exc.engine_index = i
+                self.stalled[i] = exc
+            elif self.stalled.pop(i, None) is not None:
+                logger.info("engine core %d responds again", i)
 
+    # ---- restarts
     async def _restore(self, i: int, proc) -> None:
         """Give a restarted engine the server's state (on_engine_restarted), which calls serve() when done; a
-        failure kills the engine, and the watcher restarts it again (within --engine-restart-limit)."""
+        failure kills the engine, and the supervisor restarts it again (within --engine-restart-limit)."""
         try:
             await self.on_engine_restarted(i, lambda: self._serve_again(i, proc))
             problem = "the state restore did not call serve()"
         except Exception as e:
             problem = f"it could not get the server's state back: {e}"
         if self.procs[i] is proc and i in self.restoring:
-            logger.error("engine core %d: %s; restarting it", i, problem)
-            proc.kill()  # the watcher reaps it and schedules the next restart
+            self.sup.replace(i, problem)
+
+    def _restore_failed(self, i: int) -> None:
+        """A restarted engine did not come back: its state restore's calls fail now."""
+        if i in self.restoring:
+            self.restoring.discard(i)
+            self.utility.fail_engine(i, self.dead[i])
 
     def _serve_again(self, i: int, proc) -> None:
         """A restarted engine (with its state back) joins the live engines."""
-        if self.procs[i] is not proc or i not in self._starting:
+        if self.procs[i] is not proc or not self.sup.ready(i):
             raise self.dead.get(i) or EngineDead(f"engine core {i} is not the one that was restarted")
-        del self._starting[i]
         self.restoring.discard(i)
         self.stats[i] = None
         self.routed_since_stats[i] = 0
+        now = time.monotonic()
+        self._last_seen[i], self._progress[i] = now, (0, now)
         del self.dead[i]
-        logger.info("engine core %d is back (restart %d of %d)", i, self.restarts[i], self.restart_limit)
-
-    def _schedule_restart(self, i: int, now: float) -> None:
-        if self.restarts[i] >= self.restart_limit:
-            logger.error("engine core %d stays down: it was restarted %d times (--engine-restart-limit)", i,
-                         self.restarts[i])
-            return
-        first, cap = RESTART_BACKOFF_S
-        self._restart_at[i] = now + min(cap, first * 2 ** self.restarts[i])
+        logger.info("engine core %d is back (restart %d of %d)", i, self.sup.children[i].restarts,
+                    self.restart_limit)
 
     def _engine_died(self, i: int, why: str) -> None:
         exc = EngineDead(f"engine core {i} {why}")
         exc.engine_index = i
         self.dead[i] = exc
         self.stats[i] = None
+        self._outbox[i].clear()
         logger.error("%s; failing its requests", exc)
         self.utility.fail_engine(i, exc)
         ids = [rid for rid, e in self.request_engine.items() if e == i]
@@ -495,21 +568,9 @@ class MPClient(EngineCoreClient):
         for t in [*self._tasks, *self._restores]:
             t.cancel()
         self.utility.fail_engine(None, EngineDead("the engine client was shut down"))
-        procs = [p for p in self.procs if p is not None]
-        for i, p in enumerate(self.procs):
-            if p is not None and p.is_alive():
-                try:
-                    self._input.send_multipart([engine_identity(i), P.RequestType.SHUTDOWN.value, b""],
-                                               flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        deadline = time.monotonic() + 5
-        for p in procs:
-            while p.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if p.is_alive():
-                p.kill()
-            p.join(1)
+        if hasattr(self, "_input"):
+            await self.sup.astop(lambda i: self._input.send_multipart(
+                [engine_identity(i), P.RequestType.SHUTDOWN.value, b""], flags=zmq.NOBLOCK), grace=5.0)
         for s in (getattr(self, "_input", None), getattr(self, "_output", None)):
             if s is not None:
                 s.close(0)
@@ -524,14 +585,14 @@ class DPClient(MPClient):
     def _choose_engine(self, request: P.EngineCoreRequest) -> int:
         best, best_load = None, None
         for i in range(self.num_engines):
-            if i in self.dead:
+            if i in self.dead or i in self.stalled:
                 continue
             s = self.stats[i]
             load = (s.num_running + s.num_waiting if s is not None else 0) + self.routed_since_stats[i]
             if best_load is None or load < best_load:
                 best, best_load = i, load
         if best is None:
-            raise EngineDead("no engine core can serve: " + "; ".join(str(e) for e in self.dead.values()))
+            raise EngineDead("no engine core can serve: " + "; ".join(str(e) for e in self.out_of_service().values()))
         return best
 
 

@@ -13,22 +13,30 @@ scheduler stats); when idle, block on the input (and check the tensor-parallel w
 is logged and dropped (a utility call gets a failure reply); only SHUTDOWN, a dead parent or a failed step ends the
 process. A step that raises (a worker died: WorkerError names its rank) or a worker found dead while idle is
 reported at once in a last EngineCoreOutputs with `engine_error` set; the workers are stopped and the process exits,
-so the client fails the in-flight requests without waiting for the exit."""
+so the client fails the in-flight requests without waiting for the exit.
+
+Heartbeat: once ready, a thread of the process sends EngineCoreOutputs(heartbeat=steps finished so far) every
+HEARTBEAT_INTERVAL_S on its own PUSH socket. A thread, not the loop, so that a long step (a big prefill, a first
+CUDA-graph capture) is not silence: the client tells a stopped or frozen process (no heartbeat) from a loop that
+is stuck (heartbeats whose step count does not move while it has requests), see MPClient._check_engines."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
 import traceback
 
 import msgspec
 import zmq
 
+from kestrel.core.supervisor import parent_gone
 from kestrel.ipc import protocol as P
 
 logger = logging.getLogger("kestrel.ipc.core_proc")
 
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent is still alive
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 def router_socket(ctx, addr: str):
@@ -84,7 +92,12 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
             raise SystemExit(1)
         inp.send(P.encoder.encode({"status": "ready", **engine_facts(core, engine_index)}))
         loop = EngineCoreLoop(core, inp, out, engine_index, parent_pid)
-        loop.run()
+        heartbeat = Heartbeat(ctx, output_addr, engine_index, lambda: loop.steps)
+        heartbeat.start()
+        try:
+            loop.run()
+        finally:
+            heartbeat.stop()
     finally:
         inp.close()
         out.close()
@@ -94,6 +107,32 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
         # which would only delay the restart
         logging.shutdown()
         os._exit(1)
+
+
+class Heartbeat(threading.Thread):
+    """Sends EngineCoreOutputs(heartbeat=steps()) every HEARTBEAT_INTERVAL_S until stop()."""
+
+    def __init__(self, ctx, output_addr: str, engine_index: int, steps):
+        super().__init__(name="kestrel-heartbeat", daemon=True)
+        self.sock = ctx.socket(zmq.PUSH)  # its own socket: ZeroMQ sockets are not shared between threads
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(output_addr)
+        self.engine_index = engine_index
+        self.steps = steps
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self.sock.send(P.encoder.encode(P.EngineCoreOutputs(self.engine_index, heartbeat=self.steps())),
+                               zmq.NOBLOCK)
+            except zmq.ZMQError:  # the client is not reading: nothing to tell it
+                pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(2 * HEARTBEAT_INTERVAL_S)
+        self.sock.close(0)
 
 
 class EngineCoreLoop:
@@ -108,6 +147,7 @@ class EngineCoreLoop:
         self.running = True
         self.stats_dirty = False
         self.failed: str | None = None
+        self.steps = 0  # steps finished: the heartbeat reports it
 
     def send(self, outputs: P.EngineCoreOutputs) -> None:
         self.out.send(P.encoder.encode(outputs), copy=False)
@@ -122,7 +162,7 @@ class EngineCoreLoop:
                 events = dict(self.poller.poll(0))
             if not self.running:
                 break
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            if parent_gone(self.parent_pid):
                 logger.warning("parent process %d is gone; engine core %d exits", self.parent_pid, self.engine_index)
                 break
             if self.core.has_unfinished_requests():
@@ -131,6 +171,7 @@ class EngineCoreLoop:
                 except Exception as e:
                     self.fail(e)
                     break
+                self.steps += 1
                 self.send(outputs)
                 self.stats_dirty = False
             elif self.stats_dirty:  # e.g. the last request was aborted: tell the client the engine is idle

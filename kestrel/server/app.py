@@ -163,12 +163,13 @@ admin = APIRouter(dependencies=[Depends(check_key), Depends(check_admin)])
 
 @open_routes.get("/health")
 async def health(request: Request):
-    """200 while some engine core can serve; each engine's state (ready, restarting, dead)."""
+    """200 while some engine core can serve; each engine's state (ready, unresponsive, restarting, dead)."""
     client = _state(request).engine.client
-    engines = [{"index": i, "state": client.engine_state(i),
-                **({"error": str(client.dead[i])} if i in client.dead else {})} for i in range(client.num_engines)]
+    down = client.out_of_service()
+    engines = [{"index": i, "state": client.engine_state(i), **({"error": str(down[i])} if i in down else {})}
+               for i in range(client.num_engines)]
     if client.is_dead:
-        body = error_body("no engine core can serve: " + "; ".join(str(e) for e in client.dead.values()),
+        body = error_body("no engine core can serve: " + "; ".join(str(e) for e in down.values()),
                           "engine_dead", None, 503)
         return JSONResponse({**body, "engines": engines}, status_code=503)
     return {"status": "ok", "engines": engines}

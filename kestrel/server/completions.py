@@ -69,8 +69,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         return ids, [p if isinstance(p, str) else (tok.decode(p) if req.echo else "") for p in prompts]
 
     prompt_ids, prompt_texts = await engine.run_tokenizer(tokenize_all)
-    gens = [engine.generate(ids, params, f"{rid}-{i}", req.priority, timeout=state.timeout(req), lora_request=lora)
-            for i, ids in enumerate(prompt_ids)]
+    window = engine.admission_window()  # the prompts' sequences share it: --max-seqs-per-request
+    gens = [engine.generate(ids, params, f"{rid}-{i}", req.priority, timeout=state.timeout(req), lora_request=lora,
+                            window=window) for i, ids in enumerate(prompt_ids)]
     created = int(time.time())
     n = req.n
     if req.stream:

@@ -18,7 +18,7 @@ def req(i: int) -> P.EngineCoreRequest:
 def dp():
     c = DPClient(EngineConfig(), 3)
     c.sent = []
-    c._send = lambda e, t, payload: c.sent.append((e, t))
+    c._send = lambda e, t, payload, request_id=None: c.sent.append((e, t))
     return c
 
 
@@ -68,3 +68,16 @@ def test_device_for_reads_cuda_visible_devices(monkeypatch, visible, want):
     client = DPClient(EngineConfig.create(tensor_parallel_size=tp, data_parallel_size=2), 2)
     assert [client._device_for(i) for i in range(2)] == want
     assert DPClient(EngineConfig.create(device="cpu", data_parallel_size=2), 2)._device_for(1) is None
+
+
+def test_stalled_engines_are_skipped_until_they_answer(dp):
+    dp.stalled = {1: EngineDead("engine core 1 is not responding (no heartbeat for 6 s)")}
+    dp.stats = [P.SchedulerStats(num_running=9), P.SchedulerStats(), P.SchedulerStats(num_running=9)]
+    assert dp.add_request(req(0)) in (0, 2)  # engine 1 is idle but silent: routed around it
+    assert dp.live_engines == [0, 2] and not dp.is_dead
+    dp.dead = {0: EngineDead("engine core 0 died"), 2: EngineDead("engine core 2 died")}
+    assert dp.is_dead
+    with pytest.raises(EngineDead, match="engine core 1 is not responding"):
+        dp.add_request(req(1))
+    dp.stalled.clear()
+    assert dp.add_request(req(2)) == 1

@@ -104,3 +104,25 @@ async def test_dp_kill_one_engine(dp_server):
     await asyncio.gather(*(c.completions.create(model="llama", prompt=p, max_tokens=2) for p in PROMPTS))
     assert engine_counts(dp_server.url).get("1", 0) > before  # the restarted engine gets traffic again
     await c.close()
+
+
+def test_dp_engine_restarted_while_the_fleet_sleeps_comes_back_asleep(dp_server):
+    """Issue 33 item 5: a restarted engine joins in the fleet's state; a sleeping server answers 503 at once."""
+    u = dp_server.url
+    assert http("POST", u + "/sleep") == (200, {"ok": True})
+    t0 = time.monotonic()
+    s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert s == 503 and r["error"]["type"] == "engine_sleeping" and "/wake_up" in r["error"]["message"]
+    assert time.monotonic() - t0 < 2
+    pids = dp_server.engine_pids()
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not (dp_server.health()[1]["engines"][1]["state"] == "ready" and dp_server.engine_pids()[1] != pids[1]):
+        assert time.monotonic() < deadline, "engine 1 did not come back"
+        time.sleep(0.3)
+    assert http("GET", u + "/is_sleeping") == (200, {"is_sleeping": True})  # both engines asleep: one answer
+    assert http("POST", u + "/wake_up") == (200, {"ok": True})
+    assert http("GET", u + "/is_sleeping") == (200, {"is_sleeping": False})
+    for p in PROMPTS:  # both engines serve (least-loaded routing alternates)
+        s, r = http("POST", u + "/v1/completions", {"prompt": p, "max_tokens": 2}, timeout=20)
+        assert s == 200 and r["usage"]["completion_tokens"] == 2
