@@ -21,5 +21,5 @@ fi
 # only for the interpreter run. Never install fla-core here: transformers 5.17 binds its Triton kernels on CPU.
 .venv/bin/python -m pip install -q -c constraints.txt triton
 if [ ! -d .kernels-np/numpy ]; then
-  .venv/bin/python -m pip install -q --target .kernels-np "numpy==2.3.5"
+  .venv/bin/python -m pip install -q --no-deps --target .kernels-np "numpy==2.3.5"
 fi
