@@ -366,3 +366,25 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
     ids2, reqs2 = inp.process("r", prompts[0], SamplingParams(max_tokens=4))
     assert ids == ids2 and reqs[0].mm_features == reqs2[0].mm_features
     assert reqs[0].bidirectional_len == reqs2[0].bidirectional_len
+
+
+def test_paligemma_with_siglip_pooling_head_flag_matches_transformers(tmp_path, images):
+    """A PaliGemma checkpoint whose SigLIP config has `vision_use_head` on (SigLIP's default) also holds the pooling
+    head's weights. PaliGemma never runs that head: the checkpoint loads, the head's tensors are dropped, and the
+    greedy tokens are transformers'."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from kestrel.models.multimodal import rename_checkpoint
+    from tests.mm_tiny import make_paligemma
+
+    path = make_paligemma(tmp_path, name="paligemma_head", vision_use_head=True)
+    assert AutoConfig.from_pretrained(path).vision_config.vision_use_head is True
+    names = [rename_checkpoint(k) for f in path.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
+    assert any(k.startswith("vision_tower.head.") for k in names), names  # the tensors the loader must drop
+    model, proc = hf_model(path)
+    llm = LLM(str(path), progress=False)
+    for text, idx in PROMPTS["paligemma"][:3]:
+        enc = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")
+        ref = model.generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        assert llm.generate(request(text, idx, images), GREEDY)[0].outputs[0].token_ids == ref.tolist(), text
