@@ -87,11 +87,11 @@ def make_llava_next(root: Path, seed: int = 0, name: str = "llava_next", decoder
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     vocab = len(tok)
     text_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[decoder]
-    text = text_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    for k, v in text_overrides.items():
-        setattr(text, k, v)
+    # overrides go to the constructor: the config derives head_dim there (hidden_size set afterwards left it 16)
+    text = text_cls(**{**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id), **text_overrides})
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=28, patch_size=7, projection_dim=32)
     cfg = LlavaNextConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_grid_pinpoints=PINPOINTS,
