@@ -27,7 +27,9 @@ def _randomize(model, seed: int, norm_offset: float) -> None:
                 p.normal_(0, 0.05)
 
 
-def make_paligemma(root: Path, seed: int = 0) -> Path:
+def make_paligemma(root: Path, seed: int = 0, name: str = "paligemma", vision_use_head: bool = False) -> Path:
+    """vision_use_head=True: SigLIP's attention-pooling head is built and saved too (transformers' default flag),
+    though PaliGemma never runs it."""
     from transformers import (GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
                               SiglipVisionConfig)
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
@@ -42,13 +44,13 @@ def make_paligemma(root: Path, seed: int = 0) -> Path:
                        max_position_embeddings=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                image_size=28, patch_size=7, vision_use_head=False)
+                                image_size=28, patch_size=7, vision_use_head=vision_use_head)
     cfg = PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=64,
                           hidden_size=64, image_token_index=processor.image_token_id, vocab_size=vocab)
     cfg.text_config.vocab_size = vocab
     model = PaliGemmaForConditionalGeneration(cfg)
     _randomize(model, seed, norm_offset=0.0)
-    out = root / "paligemma"
+    out = root / name
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out

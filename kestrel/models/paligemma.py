@@ -18,7 +18,7 @@ from kestrel.models.gemma import GemmaForCausalLM
 from kestrel.models.llama import head_dim_of
 from kestrel.models.multimodal import ImageTextModel, mm_weights, tie_output_embeddings
 from kestrel.models.vision.encoder import vision_linear
-from kestrel.models.vision.siglip import SiglipVisionTransformer
+from kestrel.models.vision.siglip import HEAD_PREFIX, SiglipVisionTransformer
 from kestrel.models.weights import load_named_weights
 
 
@@ -65,4 +65,6 @@ class PaliGemmaForConditionalGeneration(ImageTextModel):
         return self.multi_modal_projector.linear(features).view(n, -1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, mm_weights(self, weights, self.tied), self.packed_modules, strip="")
+        head = f"vision_tower.{HEAD_PREFIX}"  # SigLIP's pooling head: saved with vision_use_head, never run
+        kept = ((name, t) for name, t in mm_weights(self, weights, self.tied) if not name.startswith(head))
+        return load_named_weights(self, kept, self.packed_modules, strip="")

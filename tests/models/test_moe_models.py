@@ -207,8 +207,9 @@ def test_mixed_fse_state_raises_naming_the_layers():
 def test_fp8_block_checkpoint_with_fused_quantized_shared_experts(tmp_path, tiny_tokenizer):
     """A DeepSeek-style FP8 checkpoint (128x128 block scales on experts, shared experts and attention) through the
     real loader on the CPU: the experts run dequantized (fp8_dequant_moe), the quantized shared expert is fused
-    into the FP8 expert tensors with its scales, and the greedy tokens match the same weights dequantized into a
-    plain checkpoint."""
+    into the FP8 expert tensors with its scales, and the bf16 engine agrees, teacher-forced, with transformers on
+    the same weights dequantized into a plain checkpoint (one position may carry a router near-tie flip)."""
+    from tests.agreement import assert_teacher_forced
     from tests.fp8_utils import make_fp8_checkpoint
     from tests.kernels.test_fp8_end_to_end import dequantized_copy
 
@@ -216,17 +217,11 @@ def test_fp8_block_checkpoint_with_fused_quantized_shared_experts(tmp_path, tiny
                           intermediate_size=256, moe_intermediate_size=128, num_attention_heads=2,
                           num_key_value_heads=1, n_shared_experts=1)
     fp8 = make_fp8_checkpoint(src, tmp_path / "glm_fp8", fmt="block")
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     llm = LLM(str(fp8), dtype="bfloat16", progress=False)
     blocks = blocks_of(llm)
     assert {b.experts.kernel_name for b in blocks.values()} == {"fp8_dequant_moe"}
     assert all(b.fse.fused and b.fse.slots == 1 for b in blocks.values())
-    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    ref_llm = LLM(str(dequantized_copy(fp8, tmp_path / "glm_deq")), dtype="bfloat16", progress=False)
-    assert {b.experts.kernel_name for b in blocks_of(ref_llm).values()} == {"torch_moe"}
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, params)]
-    for a, b in zip(ours, ref):
-        assert sum(x == y for x, y in zip(a, b)) >= 30
+    assert_teacher_forced(llm, dequantized_copy(fp8, tmp_path / "glm_deq"), PROMPTS, NUM_TOKENS, spare=1)
 
 
 # ---- DeepSeek-V2/V3: the MoE block at module level (their attention is MLA: a later issue)

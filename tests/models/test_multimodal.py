@@ -9,6 +9,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
+from kestrel.platform.testing import requires_triton_interpreter
 from tests.mm_tiny import make_image, sample_images
 
 NUM_TOKENS = 24
@@ -380,3 +381,43 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
     ids2, reqs2 = inp.process("r", prompts[0], SamplingParams(max_tokens=4))
     assert ids == ids2 and reqs[0].mm_features == reqs2[0].mm_features
     assert reqs[0].bidirectional_len == reqs2[0].bidirectional_len
+
+
+def test_paligemma_with_siglip_pooling_head_flag_matches_transformers(tmp_path, images):
+    """A PaliGemma checkpoint whose SigLIP config has `vision_use_head` on (SigLIP's default) also holds the pooling
+    head's weights. PaliGemma never runs that head: the checkpoint loads, the head's tensors are dropped, and the
+    greedy tokens are transformers'."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from kestrel.models.multimodal import rename_checkpoint
+    from tests.mm_tiny import make_paligemma
+
+    path = make_paligemma(tmp_path, name="paligemma_head", vision_use_head=True)
+    assert AutoConfig.from_pretrained(path).vision_config.vision_use_head is True
+    names = [rename_checkpoint(k) for f in path.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()]
+    assert any(k.startswith("vision_tower.head.") for k in names), names  # the tensors the loader must drop
+    model, proc = hf_model(path)
+    llm = LLM(str(path), progress=False)
+    for text, idx in PROMPTS["paligemma"][:3]:
+        enc = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")
+        ref = model.generate(**enc, max_new_tokens=NUM_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        assert llm.generate(request(text, idx, images), GREEDY)[0].outputs[0].token_ids == ref.tolist(), text
+
+
+@requires_triton_interpreter  # the Triton backend class imports triton (installed by scripts/setup.sh)
+def test_wide_llava_gets_head_dim_64_and_the_triton_backend_on_a_gpu(tmp_path):
+    """tests/gpu widens LLaVA-NeXT's decoder (hidden 256, 4 heads) for head dim 64, which the Triton backend takes.
+    The width must reach the config's constructor, which derives head_dim: set afterwards, head_dim stayed 16 and
+    the GPU picked the reference backend. Selection on a fake H200 from the loaded model's cache spec."""
+    from kestrel.attention.selector import select_attention_backend
+    from kestrel.core.kv_spec import group_layers
+    from kestrel.platform import fake_platform
+    from tests.mm_tiny import make_llava_next
+
+    path = make_llava_next(tmp_path, name="llava_wide", hidden_size=256, intermediate_size=512)
+    llm = LLM(str(path), dtype="bfloat16", progress=False)
+    (group,) = group_layers(llm.engine.core.runner.loaded.context.kv_cache_specs)
+    assert group.spec.head_dim == 64
+    h200 = fake_platform("sm_90", triton_available=True)
+    assert select_attention_backend(group.spec, 16, platform=h200).name == "triton"

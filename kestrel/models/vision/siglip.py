@@ -1,5 +1,7 @@
 """SigLIP vision transformer (PaliGemma's tower): patch conv with bias + learned position embeddings, the shared
-pre-norm encoder, and a final LayerNorm. No attention-pooling head (PaliGemma reads every patch)."""
+pre-norm encoder, and a final LayerNorm. The attention-pooling head (`vision_use_head`, on by default in SigLIP's
+config) is never built, whatever the flag: it pools one vector per image and PaliGemma reads every patch, so a
+checkpoint's head tensors (under HEAD_PREFIX) are dropped on load."""
 from __future__ import annotations
 
 import torch
@@ -7,12 +9,12 @@ from torch import nn
 
 from kestrel.models.vision.encoder import VisionEncoder
 
+HEAD_PREFIX = "head."  # the pooling head's tensors, relative to the tower
+
 
 class SiglipVisionTransformer(nn.Module):
     def __init__(self, ctx, prefix: str, cfg):
         super().__init__()
-        if getattr(cfg, "vision_use_head", False):
-            raise NotImplementedError("SigLIP with the attention-pooling head (vision_use_head) is not supported")
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, cfg.patch_size,
                                          dtype=ctx.dtype)
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
