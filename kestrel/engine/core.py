@@ -224,7 +224,7 @@ class EngineCore:
             if req is None or req.is_finished:
                 continue
             logger.warning("request %s: %s; aborted", rid, why)
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self.scheduler.abort_requests([rid])
             self._rejected.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=why))
 
     def stats(self) -> SchedulerStats:
