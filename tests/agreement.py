@@ -59,6 +59,18 @@ def teacher_forced_errors(llm, hf_model, prompt: list[int], n: int, device: str)
     return agree, errors, tol, ties
 
 
+def same_dtype_reference_errors(hf_exact, hf_same_dtype, prompt: list[int], n: int, device: str) -> list[float]:
+    """What the engine's dtype alone costs the model: at each position of the exact model's greedy continuation,
+    |logprob of its token under transformers run in the engine's dtype - under the exact model|."""
+    ids = torch.tensor([prompt], device=device)
+    seq = hf_exact.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0].tolist()
+    with torch.no_grad():
+        exact = hf_exact(torch.tensor([seq], device=device)).logits[0].float().log_softmax(-1)
+        same = hf_same_dtype(torch.tensor([seq], device=device)).logits[0].float().log_softmax(-1)
+    return [abs(same[j - 1, seq[j]].item() - exact[j - 1, seq[j]].item()) for j in range(len(prompt), len(seq))]
+
+
 def assert_teacher_forced(llm, ref_path, prompts: list[list[int]], n: int = 32, spare: int = 0,
                           device: str = "cpu") -> None:
     """A bf16 engine against transformers in float32 (the exact model) on `ref_path`, teacher-forced per prompt:
