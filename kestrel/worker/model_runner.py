@@ -18,6 +18,7 @@ from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInp
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
+from kestrel.worker import kv_allocation
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.core.device import to_device
@@ -85,14 +86,14 @@ class ModelRunner:
     def _bind_attention(self) -> None:
         """Group the attention layers by cache spec, pick a backend per group and give each layer its impl."""
         ctx = self.loaded.context
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs)
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size)
         self.backends, self.builders = [], []
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
                                                what=what)
             self.backends.append(backend)
-            self.builders.append(backend.builder_cls(g.spec, self.block_size, self.device))
+            self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
             for name in g.layer_names:
                 layer = ctx.attention_layers[name]
                 layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
@@ -133,8 +134,8 @@ class ModelRunner:
     # ---- KV cache
     @property
     def bytes_per_block(self) -> int:
-        """One block id holds a page in each cache slot (layer i of every group shares slot i)."""
-        return self.num_cache_slots * self.kv_cache_groups[0].spec.page_bytes(self.block_size)
+        """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
+        return kv_allocation.bytes_per_block(self.kv_cache_groups)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -158,17 +159,8 @@ class ModelRunner:
         return max(1, cache.kv_cache_memory // self.bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One byte tensor per cache slot; each layer views its slot through its spec's shape."""
-        page = self.kv_cache_groups[0].spec.page_bytes(self.block_size)
-        slots = [torch.zeros(num_blocks * page, dtype=torch.uint8, device=self.device)
-                 for _ in range(self.num_cache_slots)]
-        layers = self.loaded.context.attention_layers
-        self.kv_caches = []
-        for g in self.kv_cache_groups:
-            shape = g.spec.cache_shape(num_blocks, self.block_size)
-            for i, name in enumerate(g.layer_names):
-                layers[name].kv_cache = g.spec.layer_view(slots[i].view(g.spec.dtype).view(shape))
-        self.kv_caches = slots
+        self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
+                                                         num_blocks, self.device)
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
