@@ -114,6 +114,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         # the one admission rule: the engine announces this number, the frontend compares prompts against it
         self.max_prompt_tokens = kv.max_prompt_tokens(config.max_num_batched_tokens, max_model_len)
+        if not config.enable_chunked_prefill:  # a prompt is then computed in one step
+            self.max_prompt_tokens = min(self.max_prompt_tokens, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
