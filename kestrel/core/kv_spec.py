@@ -30,27 +30,53 @@ class KVCacheSpec:
         """(dtype, shape) of each part of one block's page, in page order."""
         raise NotImplementedError
 
+    def state_parts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each part of one request's state, for a kind that keeps a fixed-size state per
+        request (a recurrent state) in `num_state_slots` slots outside the block pool; none for paged kinds."""
+        return []
+
+    @property
+    def num_state_slots(self) -> int:
+        return 0
+
     @property
     def page_bytes(self) -> int:
         """What one block costs in one layer."""
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.page_parts())
+        return parts_bytes(self.page_parts())
+
+    @property
+    def state_bytes(self) -> int:
+        """What one state slot costs in one layer."""
+        return parts_bytes(self.state_parts())
 
     def part_views(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Each part as a [num_blocks, *shape] view of `rows`: uint8 [num_blocks, row_bytes], one row per block
-        id, whose first page_bytes are this layer's page (a row may be wider: see kv_allocation.py)."""
-        views, offset = [], 0
-        for dtype, shape in self.page_parts():
-            size = math.prod(shape) * dtype.itemsize
-            if offset % dtype.itemsize or rows.stride(0) % dtype.itemsize:
-                raise ValueError(f"part {dtype}{list(shape)} of {type(self).__name__} is not aligned in its page")
-            views.append(rows[:, offset:offset + size].view(dtype).view(rows.shape[0], *shape))
-            offset += size
-        return views
+        """Each page part as a [num_blocks, *shape] view of `rows`: uint8 [num_blocks, row_bytes], one row per
+        block id, whose first page_bytes are this layer's page (a row may be wider: see kv_allocation.py)."""
+        return views_of_parts(self.page_parts(), rows, type(self).__name__)
 
-    def layer_view(self, rows: torch.Tensor):
-        """What the layer's attention impl receives as its cache: the parts, or the one part alone."""
+    def layer_view(self, rows: torch.Tensor, state: torch.Tensor | None = None):
+        """What the layer's impl receives as its cache: the page parts, or the one part alone. `state` (uint8
+        [num_state_slots, state_bytes]) is the layer's state slots, for kinds with state_parts (which override
+        this to view them with views_of_parts)."""
         views = self.part_views(rows)
         return views[0] if len(views) == 1 else tuple(views)
+
+
+def parts_bytes(parts: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in parts)
+
+
+def views_of_parts(parts: list[tuple[torch.dtype, tuple[int, ...]]], rows: torch.Tensor,
+                   what: str = "a spec") -> list[torch.Tensor]:
+    """`parts` laid out one after the other in each row of `rows` (uint8 [n, row_bytes]): [n, *shape] views."""
+    views, offset = [], 0
+    for dtype, shape in parts:
+        size = math.prod(shape) * dtype.itemsize
+        if offset % dtype.itemsize or rows.stride(0) % dtype.itemsize:
+            raise ValueError(f"part {dtype}{list(shape)} of {what} is not aligned in its row")
+        views.append(rows[:, offset:offset + size].view(dtype).view(rows.shape[0], *shape))
+        offset += size
+    return views
 
 
 @dataclass(frozen=True)

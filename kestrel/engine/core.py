@@ -40,6 +40,9 @@ class EngineCore:
                                  groups=ex.kv_cache_groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    config.lora.max_loras if config.lora.enable_lora else 0)
+        if self.scheduler.max_prompt_tokens < self.max_model_len - 1:
+            logger.warning("the KV cache admits prompts of at most %d tokens (max_model_len %d): longer ones are "
+                           "refused", self.scheduler.max_prompt_tokens, self.max_model_len)
         self.eos_token_id = self.model_config.eos_token_id
         self._sleeping = False
         self._paused = False

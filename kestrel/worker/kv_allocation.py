@@ -25,12 +25,22 @@ def bytes_per_block(groups: list[KVCacheGroup]) -> int:
     return sum(slot_row_bytes(groups))
 
 
+def state_bytes(groups: list[KVCacheGroup]) -> int:
+    """Memory outside the block pool: the state slots of kinds that keep a fixed-size state per request."""
+    return sum(len(g.layer_names) * g.spec.num_state_slots * g.spec.state_bytes for g in groups)
+
+
 def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
                       device: torch.device) -> list[torch.Tensor]:
-    """Zeroed slots of `num_blocks` rows; sets each layer's `kv_cache` to its spec's view of its slot. Returns
-    the slots (uint8 [num_blocks, row bytes])."""
+    """Zeroed slots of `num_blocks` rows (and each stateful layer's state slots); sets each layer's `kv_cache`
+    to its spec's view of them. Returns the tensors allocated."""
     slots = [torch.zeros((num_blocks, row), dtype=torch.uint8, device=device) for row in slot_row_bytes(groups)]
+    tensors = list(slots)
     for g in groups:
         for i, name in enumerate(g.layer_names):
-            layers[name].kv_cache = g.spec.layer_view(slots[i])
-    return slots
+            state = None
+            if g.spec.state_bytes:
+                state = torch.zeros((g.spec.num_state_slots, g.spec.state_bytes), dtype=torch.uint8, device=device)
+                tensors.append(state)
+            layers[name].kv_cache = g.spec.layer_view(slots[i], state)
+    return tensors

@@ -137,6 +137,11 @@ class ModelRunner:
         """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
         return kv_allocation.bytes_per_block(self.kv_cache_groups)
 
+    @property
+    def kv_state_bytes(self) -> int:
+        """Per-request state slots beside the pool (kinds with state_parts), allocated whatever the pool size."""
+        return kv_allocation.state_bytes(self.kv_cache_groups)
+
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_kv_blocks:
@@ -145,7 +150,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
             peak = self._profile_peak_bytes()
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak
+            budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.kv_state_bytes
             blocks = int(budget // self.bytes_per_block)
             needed = cdiv(self.max_model_len, self.block_size)
             if blocks < needed:
@@ -156,7 +161,7 @@ class ModelRunner:
                     f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
                     f"--max-model-len, or set --num-kv-blocks")
             return blocks
-        return max(1, cache.kv_cache_memory // self.bytes_per_block)
+        return max(1, (cache.kv_cache_memory - self.kv_state_bytes) // self.bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,

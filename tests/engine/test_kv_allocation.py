@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec, group_layers
-from kestrel.worker.kv_allocation import allocate_kv_cache, bytes_per_block, slot_row_bytes
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec, group_layers, views_of_parts
+from kestrel.worker.kv_allocation import allocate_kv_cache, bytes_per_block, slot_row_bytes, state_bytes
 
 BS = 4
 
@@ -100,3 +100,41 @@ def test_reference_cache_writers_honour_a_wider_row():
     assert torch.equal(latent[4, 1], torch.cat([kv_c[1], k_pe[1]]).bfloat16())
     assert int((latent[[0, 4]] != 0).sum()) == 2 * 24
     assert torch.equal(k_cache[1, 2], key[0]) and torch.equal(v_cache[3, 1], value[1])  # still there
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec(KVCacheSpec):
+    """Test-only: a per-request state (a heads x dim x dim matrix and a short convolution state) in slots of its
+    own, no pages: the shape of a linear-attention layer's cache."""
+    heads: int = 2
+    dim: int = 4
+    slots: int = 3
+
+    def page_parts(self):
+        return []
+
+    def state_parts(self):
+        return [(torch.float32, (self.heads, self.dim, self.dim)), (torch.bfloat16, (3, self.heads * self.dim))]
+
+    @property
+    def num_state_slots(self):
+        return self.slots
+
+    def layer_view(self, rows, state=None):
+        return tuple(views_of_parts(self.state_parts(), state))
+
+
+def test_state_slots_are_allocated_beside_the_pool():
+    state_spec = RecurrentStateSpec(torch.float32, block_size=BS)
+    assert (state_spec.page_bytes, state_spec.state_bytes) == (0, 2 * 4 * 4 * 4 + 3 * 8 * 2)
+    groups = group_layers({"a0": FULL, "s0": state_spec, "s1": state_spec, "a1": FULL})
+    assert slot_row_bytes(groups) == [512, 512]  # the attention layers alone: state adds no bytes to a block
+    assert state_bytes(groups) == 2 * 3 * 176
+    layers = {name: SimpleNamespace(kv_cache=None) for name in ("a0", "s0", "s1", "a1")}
+    tensors = allocate_kv_cache(groups, layers, 4, torch.device("cpu"))
+    assert [tuple(t.shape) for t in tensors] == [(4, 512), (4, 512), (3, 176), (3, 176)]
+    (m0, c0), (m1, c1) = layers["s0"].kv_cache, layers["s1"].kv_cache
+    assert tuple(m0.shape) == (3, 2, 4, 4) and tuple(c0.shape) == (3, 3, 8) and c0.dtype == torch.bfloat16
+    m0.fill_(1.0)
+    c0.fill_(2.0)
+    assert not m1.any() and not c1.any() and (m0 == 1).all()  # each layer's state is its own

@@ -9,7 +9,9 @@ FullAttentionManager. A kind that holds a fixed-size state per request instead o
 `uniform_table = False`, `blocks_needed` and `num_new_blocks` 0 (it takes nothing from the block pool),
 `can_add` says whether its own slot pool has room, `add` takes a slot and records it as the request's one table
 entry (`req_block_ids[rid] = [slot]`), `free` gives it back, and `max_hit` returns 0 unless it keeps state
-snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one)."""
+snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one). Its spec declares
+`state_parts` and `num_state_slots` (the slot pool's size, null slot included) and views its state in
+`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
 from __future__ import annotations
 
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
