@@ -100,7 +100,6 @@ class ModelRunner:
                                               sliding_window=layer.sliding_window,
                                               logits_soft_cap=layer.logits_soft_cap)
                 layer.group_id = g.group_id
-        self.num_cache_slots = max(len(g.layer_names) for g in self.kv_cache_groups)
 
     def _init_lora(self):
         """--enable-lora: wrap the model's LoRA-capable linears (kestrel/lora/manager.py)."""
