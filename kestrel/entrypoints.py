@@ -68,8 +68,15 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0, lora_request=loras[i])
-               for i, (p, sp) in enumerate(zip(prompts, plist))]
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist)):
+                ids.append(self.engine.add_request(p, sp, priority=priority[i] if priority else 0,
+                                                   lora_request=loras[i]))
+        except BaseException:  # a bad prompt (too long, say) fails the call; the prompts before it do not run
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
     def load_lora(self, name: str, path: str):

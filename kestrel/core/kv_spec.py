@@ -1,12 +1,16 @@
 """What each attention-like layer keeps per token: its KV-cache spec. Layers with equal specs form a group; each
-group has its own block table and its own manager (kestrel/engine/kv_cache.py) under one coordinator, and the
-model runner allocates every layer's cache from its spec.
+group has its own block table and its own manager (kestrel/engine/kv/) under one coordinator, and the runner
+allocates every layer's cache from its spec (kestrel/worker/kv_allocation.py).
 
-A new kind of cache (MLA latent, indexer keys, recurrent state) is a new spec class here, a manager for it in the
-KV manager, and a backend that reads it: never a special case in the runner or the scheduler."""
+A spec knows its block size and what one block of one layer holds (its page): a list of parts, each a dtype and
+a per-block shape, laid out one after the other. A layer keeping two kinds of per-token data under one block
+table (an MLA latent and its indexer keys) is one spec with two parts. A new kind of cache is a spec class here
+(or beside its layer), a manager for it and one line in the engine's spec -> manager table
+(kestrel/engine/kv/managers.py): never a special case in the runner, the scheduler or the coordinator."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,38 +21,77 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Base of all cache kinds: `page_bytes` is what one block of `block_size` tokens costs in one layer."""
+    """Base of all cache kinds. `block_size` tokens share a block id; `page_parts` is what one block of one layer
+    holds. A kind without per-block data (a per-request state slot) has no parts and a page of 0 bytes."""
     dtype: torch.dtype
+    block_size: int = field(default=16, kw_only=True)
 
-    def page_bytes(self, block_size: int) -> int:
+    def page_parts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each part of one block's page, in page order."""
         raise NotImplementedError
 
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        raise NotImplementedError
+    def state_parts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each part of one request's state, for a kind that keeps a fixed-size state per
+        request (a recurrent state) in `num_state_slots` slots outside the block pool; none for paged kinds."""
+        return []
 
-    def layer_view(self, cache: torch.Tensor):
-        """What a layer holds of its slot (viewed as `cache_shape`): a (k_cache, v_cache) pair by default."""
-        return cache[0], cache[1]
+    @property
+    def num_state_slots(self) -> int:
+        return 0
+
+    @property
+    def page_bytes(self) -> int:
+        """What one block costs in one layer."""
+        return parts_bytes(self.page_parts())
+
+    @property
+    def state_bytes(self) -> int:
+        """What one state slot costs in one layer."""
+        return parts_bytes(self.state_parts())
+
+    def part_views(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each page part as a [num_blocks, *shape] view of `rows`: uint8 [num_blocks, row_bytes], one row per
+        block id, whose first page_bytes are this layer's page (a row may be wider: see kv_allocation.py)."""
+        return views_of_parts(self.page_parts(), rows, type(self).__name__)
+
+    def layer_view(self, rows: torch.Tensor, state: torch.Tensor | None = None):
+        """What the layer's impl receives as its cache: the page parts, or the one part alone. `state` (uint8
+        [num_state_slots, state_bytes]) is the layer's state slots, for kinds with state_parts (which override
+        this to view them with views_of_parts)."""
+        views = self.part_views(rows)
+        return views[0] if len(views) == 1 else tuple(views)
+
+
+def parts_bytes(parts: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in parts)
+
+
+def views_of_parts(parts: list[tuple[torch.dtype, tuple[int, ...]]], rows: torch.Tensor,
+                   what: str = "a spec") -> list[torch.Tensor]:
+    """`parts` laid out one after the other in each row of `rows` (uint8 [n, row_bytes]): [n, *shape] views."""
+    views, offset = [], 0
+    for dtype, shape in parts:
+        size = math.prod(shape) * dtype.itemsize
+        if offset % dtype.itemsize or rows.stride(0) % dtype.itemsize:
+            raise ValueError(f"part {dtype}{list(shape)} of {what} is not aligned in its row")
+        views.append(rows[:, offset:offset + size].view(dtype).view(rows.shape[0], *shape))
+        offset += size
+    return views
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
-    """K and V for every token, paged: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    """K and V for every token, paged: a (k_cache, v_cache) pair per layer, each [num_blocks, block_size,
+    num_kv_heads, head_dim] (one block's K and V sit side by side in its page)."""
     num_kv_heads: int = 1
     head_dim: int = 1
     # queries and keys inside a request's bidirectional prefix see each other both ways (PaliGemma's image +
     # prompt); a backend must declare supports_bidirectional_prefix to serve it
     bidirectional_prefix: bool = False
 
-    def page_bytes(self, block_size: int) -> int:
-        return 2 * block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        """Most blocks one request of `num_tokens` tokens holds at once (admission checks)."""
-        return cdiv(num_tokens, block_size)
+    def page_parts(self):
+        kv = (self.dtype, (self.block_size, self.num_kv_heads, self.head_dim))
+        return [kv, kv]
 
 
 @dataclass(frozen=True)
@@ -56,9 +99,6 @@ class SlidingWindowSpec(FullAttentionSpec):
     """Paged like full attention, but a query at position p reads only keys p - window + 1 .. p: blocks that fall
     out of every future query's window are freed while the request runs."""
     sliding_window: int = 0
-
-    def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        return min(cdiv(num_tokens, block_size), cdiv(self.sliding_window - 1 + max_chunk, block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -73,39 +113,33 @@ class MLASpec(KVCacheSpec):
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def page_bytes(self, block_size: int) -> int:
-        return block_size * self.latent_dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.latent_dim)
-
-    def layer_view(self, cache: torch.Tensor):
-        return cache
-
-    def blocks_needed(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
-        return cdiv(num_tokens, block_size)
+    def page_parts(self):
+        return [(self.dtype, (self.block_size, self.latent_dim))]
 
 
 @dataclass
 class KVCacheGroup:
     """Layers (by name) sharing one spec, one block table and one manager. Layer i of every group shares cache
-    tensor i (`slot`): one block id then costs the same memory in every group, so all groups draw on one pool."""
+    slot i (kestrel/worker/kv_allocation.py): one block id is then a page in every group, and all groups draw on
+    one pool."""
     group_id: int
     spec: KVCacheSpec
     layer_names: list[str]
 
 
-def group_layers(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
-    """Group layers by spec, in model order. With several specs, each spec's layers are cut into groups of the
-    smallest spec's layer count, so every group has (at most) the same number of layers: Gemma 3's 4 full and 22
-    sliding layers become 1 + 6 groups of 4 layers that share 4 cache tensors."""
+def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None) -> list[KVCacheGroup]:
+    """Group layers by spec, in model order (`block_size`, when given, is stamped on every spec: the configured
+    one). With several specs, each spec's layers are cut into groups of the smallest spec's layer count, so every
+    group has (at most) the same number of layers: Gemma 3's 4 full and 22 sliding layers become 1 + 6 groups of
+    4 layers that share 4 cache slots. Specs may differ in page size: a slot's rows are as wide as its widest."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
+        if block_size is not None:
+            spec = replace(spec, block_size=block_size)
         by_spec.setdefault(spec, []).append(name)
-    pages = {s.page_bytes(16) for s in by_spec}
-    if len(pages) > 1:
-        raise NotImplementedError(f"layers with different page sizes in one model ({sorted(pages)} bytes a block): "
-                                  "not supported yet")
+    sizes = {s.block_size for s in by_spec}
+    if len(sizes) > 1:
+        raise ValueError(f"KV-cache specs with different block sizes in one model: {sorted(sizes)}")
     size = min(len(v) for v in by_spec.values())
     groups: list[KVCacheGroup] = []
     for spec, names in by_spec.items():

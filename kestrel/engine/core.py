@@ -8,7 +8,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 
 from kestrel.config import EngineConfig
-from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
@@ -36,10 +36,13 @@ class EngineCore:
         except BaseException:
             ex.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                 ex.kv_cache_groups)
+        self.kv = KVCacheManager(num_blocks, enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 groups=ex.kv_cache_groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    config.lora.max_loras if config.lora.enable_lora else 0)
+        if self.scheduler.max_prompt_tokens < self.max_model_len - 1:
+            logger.warning("the KV cache admits prompts of at most %d tokens (max_model_len %d): longer ones are "
+                           "refused", self.scheduler.max_prompt_tokens, self.max_model_len)
         self.eos_token_id = self.model_config.eos_token_id
         self._sleeping = False
         self._paused = False

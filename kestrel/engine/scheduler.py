@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.step import NewRequestData, ScheduledChunk, StepInput
-from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -112,6 +112,10 @@ class Scheduler:
         self.max_loras = max_loras  # most distinct LoRA adapters among running requests (0: no LoRA)
         self.kv = kv
         self.max_model_len = max_model_len
+        # the one admission rule: the engine announces this number, the frontend compares prompts against it
+        self.max_prompt_tokens = kv.max_prompt_tokens(config.max_num_batched_tokens, max_model_len)
+        if not config.enable_chunked_prefill:  # a prompt is then computed in one step
+            self.max_prompt_tokens = min(self.max_prompt_tokens, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -123,8 +127,9 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if self.kv.blocks_needed(req.num_prompt_tokens + 1, self.config.max_num_batched_tokens) > self.kv.num_blocks:
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache")
+        if req.num_prompt_tokens > self.max_prompt_tokens:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache (at most "
+                             f"{self.max_prompt_tokens} tokens)")
         if req.bidirectional_len > self.config.max_num_batched_tokens:
             raise ValueError(f"the prompt's bidirectional prefix ({req.bidirectional_len} tokens) is computed in one "
                              f"step and exceeds --max-num-batched-tokens {self.config.max_num_batched_tokens}")

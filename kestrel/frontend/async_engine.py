@@ -24,7 +24,7 @@ from kestrel.frontend.admission import AdmissionWindow
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
-                                     display_prompt, make_mm_processor, mm_model_class)
+                                     check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.ipc.utility import WaiterGuard
@@ -73,7 +73,7 @@ class AsyncEngine:
         self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
         self.max_model_len = 0
         self.num_kv_blocks = 0
-        self.block_size = config.cache.block_size
+        self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
@@ -112,7 +112,7 @@ class AsyncEngine:
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
-        self.block_size = info["block_size"]
+        self.max_prompt_tokens = min(i["max_prompt_tokens"] for i in self.client.engine_info)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                               self.config.model.max_logprobs, mm=mm,
                                               max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
@@ -250,10 +250,7 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0)
-        need = -(-(len(ids) + 1) // self.block_size)
-        if need > self.num_kv_blocks:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens and needs {need} KV blocks; the KV cache has "
-                                 f"{self.num_kv_blocks}", param="prompt", code="context_length_exceeded")
+        check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window())
 

@@ -60,6 +60,14 @@ def display_prompt(prompt) -> str | None:
     return prompt if isinstance(prompt, str) else None
 
 
+def check_fits_kv_cache(num_prompt_tokens: int, max_prompt_tokens: int) -> None:
+    """The frontend's side of the one admission rule: the engine announces the longest prompt its KV cache
+    admits (engine facts "max_prompt_tokens", from the scheduler's own rule over every KV-cache group)."""
+    if num_prompt_tokens > max_prompt_tokens:
+        raise InvalidRequest(f"the prompt has {num_prompt_tokens} tokens; the KV cache admits prompts of at most "
+                             f"{max_prompt_tokens} tokens", param="prompt", code="context_length_exceeded")
+
+
 def mm_model_class(config, hf_config=None):
     """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
     from kestrel.frontend.mm_processor import is_multimodal

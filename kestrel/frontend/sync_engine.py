@@ -6,7 +6,8 @@ import itertools
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import InputProcessor, OutputProcessor, display_prompt, make_mm_processor
+from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_fits_kv_cache, display_prompt,
+                                       make_mm_processor)
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
 
@@ -54,6 +55,7 @@ class LLMEngine:
             lora_request = self.loras[lora_request]
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0)
+        check_fits_kv_cache(len(ids), self.core.scheduler.max_prompt_tokens)
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream)
         for r in core_reqs:

@@ -263,7 +263,7 @@ def engine_facts(core, engine_index: int) -> dict:
     return {"engine_index": engine_index, "max_model_len": core.max_model_len,
             "vocab_size": int(core.model_config.vocab_size),
             "num_kv_blocks": core.kv.num_blocks, "block_size": core.config.cache.block_size,
-            "device": str(core.device)}
+            "max_prompt_tokens": core.scheduler.max_prompt_tokens, "device": str(core.device)}
 
 
 def _set_cpu_threads(config) -> None:

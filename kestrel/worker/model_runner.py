@@ -18,6 +18,7 @@ from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInp
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
+from kestrel.worker import kv_allocation
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.core.device import to_device
@@ -85,21 +86,20 @@ class ModelRunner:
     def _bind_attention(self) -> None:
         """Group the attention layers by cache spec, pick a backend per group and give each layer its impl."""
         ctx = self.loaded.context
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs)
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size)
         self.backends, self.builders = [], []
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
                                                what=what)
             self.backends.append(backend)
-            self.builders.append(backend.builder_cls(g.spec, self.block_size, self.device))
+            self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
             for name in g.layer_names:
                 layer = ctx.attention_layers[name]
                 layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                               sliding_window=layer.sliding_window,
                                               logits_soft_cap=layer.logits_soft_cap)
                 layer.group_id = g.group_id
-        self.num_cache_slots = max(len(g.layer_names) for g in self.kv_cache_groups)
 
     def _init_lora(self):
         """--enable-lora: wrap the model's LoRA-capable linears (kestrel/lora/manager.py)."""
@@ -140,8 +140,13 @@ class ModelRunner:
     # ---- KV cache
     @property
     def bytes_per_block(self) -> int:
-        """One block id holds a page in each cache slot (layer i of every group shares slot i)."""
-        return self.num_cache_slots * self.kv_cache_groups[0].spec.page_bytes(self.block_size)
+        """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
+        return kv_allocation.bytes_per_block(self.kv_cache_groups)
+
+    @property
+    def kv_state_bytes(self) -> int:
+        """Per-request state slots beside the pool (kinds with state_parts), allocated whatever the pool size."""
+        return kv_allocation.state_bytes(self.kv_cache_groups)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -151,7 +156,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
             peak = self._profile_peak_bytes()
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak
+            budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.kv_state_bytes
             blocks = int(budget // self.bytes_per_block)
             needed = cdiv(self.max_model_len, self.block_size)
             if blocks < needed:
@@ -162,20 +167,11 @@ class ModelRunner:
                     f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
                     f"--max-model-len, or set --num-kv-blocks")
             return blocks
-        return max(1, cache.kv_cache_memory // self.bytes_per_block)
+        return max(1, (cache.kv_cache_memory - self.kv_state_bytes) // self.bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One byte tensor per cache slot; each layer views its slot through its spec's shape."""
-        page = self.kv_cache_groups[0].spec.page_bytes(self.block_size)
-        slots = [torch.zeros(num_blocks * page, dtype=torch.uint8, device=self.device)
-                 for _ in range(self.num_cache_slots)]
-        layers = self.loaded.context.attention_layers
-        self.kv_caches = []
-        for g in self.kv_cache_groups:
-            shape = g.spec.cache_shape(num_blocks, self.block_size)
-            for i, name in enumerate(g.layer_names):
-                layers[name].kv_cache = g.spec.layer_view(slots[i].view(g.spec.dtype).view(shape))
-        self.kv_caches = slots
+        self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
+                                                         num_blocks, self.device)
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:

@@ -7,8 +7,8 @@ import torch
 from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchMLABackend
 from kestrel.attention.selector import select_attention_backend
 from kestrel.core.kv_spec import MLASpec
-from kestrel.engine.kv_cache import FullAttentionManager, manager_class
 from kestrel.bench.mla_inputs import make_batch, make_layer, rel_err, run_backend
+from kestrel.engine.kv import FullAttentionManager, manager_class
 
 # decodes first (one query token), then prefill chunks over cached prefixes
 REQS = [(1, 1), (1, 777), (1, 32768), (1, 4100), (5, 300), (3, 3)]
@@ -40,9 +40,9 @@ def test_builder_routes_by_declared_capability():
 
 
 def test_mla_spec_and_selection():
-    spec = MLASpec(torch.bfloat16, 512, 64)
-    assert spec.page_bytes(16) == 16 * 576 * 2  # vs Llama-8B's 2 * 8 * 128 * 2 = 4096 bytes a token a layer
-    assert spec.cache_shape(10, 16) == (10, 16, 576)
+    spec = MLASpec(torch.bfloat16, 512, 64, block_size=16)
+    assert spec.page_bytes == 16 * 576 * 2  # vs Llama-8B's 2 * 8 * 128 * 2 = 4096 bytes a token a layer
+    assert spec.layer_view(torch.zeros(10, spec.page_bytes, dtype=torch.uint8)).shape == (10, 16, 576)
     assert manager_class(spec) is FullAttentionManager  # prefix caching as full attention
     assert select_attention_backend(MLASpec(torch.float32, 32, 8), 16) is TorchMLABackend
     assert select_attention_backend(MLASpec(torch.float32, 32, 8), 16, "torch_mla_absorbed") is TorchMLAAbsorbedBackend

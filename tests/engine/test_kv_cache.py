@@ -1,7 +1,7 @@
 """Block pool and prefix cache, without a model."""
 from hypothesis import given, settings, strategies as st
 
-from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import Request
 from kestrel.core.sampling_params import SamplingParams
 

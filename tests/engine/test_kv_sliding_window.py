@@ -4,13 +4,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers
-from kestrel.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
+from kestrel.engine.kv import NULL_BLOCK_ID, KVCacheManager
 from kestrel.engine.request import Request
 from kestrel.core.sampling_params import SamplingParams
 
 BS, WINDOW = 4, 6  # a query needs the 5 keys before it: ceil(5 / 4) = 2 blocks before its own
-FULL = FullAttentionSpec(torch.float32, 2, 8)
-SLIDING = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=WINDOW)
+FULL = FullAttentionSpec(torch.float32, 2, 8, block_size=BS)
+SLIDING = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=WINDOW, block_size=BS)
 
 
 def hybrid(num_blocks, caching=True):
@@ -126,7 +126,7 @@ def test_hits_of_every_group_are_taken_before_new_blocks():
 
 def mixed_windows(num_blocks):
     """Groups in the order full, window 6, window 10, window 6: two windows interleaved."""
-    wide = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=10)
+    wide = SlidingWindowSpec(torch.float32, 2, 8, sliding_window=10, block_size=BS)
     specs = [FULL, SLIDING, wide, SLIDING]
     return KVCacheManager(num_blocks, BS, True, [KVCacheGroup(i, s, [f"l{i}"]) for i, s in enumerate(specs)])
 

@@ -13,7 +13,7 @@ from kestrel.attention.ops.reference import paged_attention_ref
 from kestrel.attention.selector import select_attention_backend
 from kestrel.core.kv_spec import FullAttentionSpec
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
-from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.kv import KVCacheManager
 from kestrel.ipc.protocol import EngineCoreRequest, add_decoder, encoder
 from kestrel.engine.request import Request
 from kestrel.core.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from kestrel.config import SchedulerConfig
-from kestrel.engine.kv_cache import KVCacheManager
+from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import Request, RequestStatus
 from kestrel.core.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
-from kestrel.engine.kv_cache import NULL_BLOCK_ID
+from kestrel.engine.kv import NULL_BLOCK_ID
 from tests.agreement import hf_greedy
 
 NUM_TOKENS = 32

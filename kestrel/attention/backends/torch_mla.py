@@ -10,10 +10,11 @@ from kestrel.attention.mla import MLABackend, MLAImpl, MLAMetadata
 
 
 def write_latent_ref(kv_c, k_pe, cache, slot_mapping) -> None:
-    n = kv_c.shape[0]
-    flat = cache.view(-1, cache.shape[-1])
+    n, bs = kv_c.shape[0], cache.shape[1]
     valid = slot_mapping[:n] >= 0
-    flat.index_copy_(0, slot_mapping[:n][valid], torch.cat([kv_c, k_pe], dim=-1)[valid].to(cache.dtype))
+    slots = slot_mapping[:n][valid]
+    # indexed by (block, offset): the cache may be a view with a block stride wider than a block (kv_allocation)
+    cache[slots // bs, slots % bs] = torch.cat([kv_c, k_pe], dim=-1)[valid].to(cache.dtype)
 
 
 def _causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:

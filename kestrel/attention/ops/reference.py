@@ -20,12 +20,13 @@ import torch
 def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write token t's K/V to slot slot_mapping[t] (slot = block * block_size + offset); slot < 0 skips.
     key/value may be longer than slot_mapping (CUDA-graph padding): the extra rows are ignored."""
-    nb, bs, h, d = k_cache.shape
+    bs = k_cache.shape[1]
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(nb * bs, h, d).index_copy_(0, slots, key[:n][keep].to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slots, value[:n][keep].to(v_cache.dtype))
+    # indexed by (block, offset): the caches may be views with a block stride wider than a block (kv_allocation)
+    k_cache[slots // bs, slots % bs] = key[:n][keep].to(k_cache.dtype)
+    v_cache[slots // bs, slots % bs] = value[:n][keep].to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:

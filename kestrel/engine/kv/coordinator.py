@@ -1,0 +1,201 @@
+"""The coordinator: one manager per KV-cache group (managers.py) over one shared block pool (pool.py); which
+blocks each request holds in every group, prefix-cache lookups, the admission limit and statistics. It reads
+only the managers' interface: a new cache kind never edits this file."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
+from kestrel.core.step import PLACEHOLDER
+from kestrel.engine.kv.managers import manager_class
+from kestrel.engine.kv.pool import BlockPool, KVBlock, hash_block
+from kestrel.engine.request import Request
+
+
+class KVCacheManager:
+    """Without groups (tests), one full-attention group of `block_size` tokens a block; with groups, the block
+    size is the specs' own."""
+
+    def __init__(self, num_blocks: int, block_size: int | None = None, enable_prefix_caching: bool = True,
+                 groups: list[KVCacheGroup] | None = None):
+        if not groups:
+            groups = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=block_size or 16), [])]
+        specs = [g.spec for g in groups]
+        self.block_size = specs[0].block_size
+        if block_size is not None and block_size != self.block_size or any(
+                s.block_size != self.block_size for s in specs):
+            raise ValueError(f"KV-cache groups of block sizes {sorted({s.block_size for s in specs})} under one "
+                             f"coordinator of block size {block_size or self.block_size}")
+        self.enable_prefix_caching = enable_prefix_caching
+        classes = [manager_class(s) for s in specs]
+        self.pool = BlockPool(num_blocks, reserve_null=any(c.needs_null_block for c in classes))
+        self.managers = [c(i, s, self.pool) for i, (c, s) in enumerate(zip(classes, specs))]
+        self._hit_order = sorted(self.managers, key=lambda m: m.hit_order)  # stable: group order within a rank
+        # The decode fast path (allocate_slots): groups that free during a request, one representative per
+        # release key; groups with uniform tables, whose new-block count is computed once; the others.
+        self._releasing = [m for m in self.managers if m.release_key is not None]
+        self._release_reps = list({m.release_key: m for m in reversed(self._releasing)}.items())
+        self._uniform = [m for m in self.managers if m.uniform_table]
+        self._others = [m for m in self.managers if not m.uniform_table]
+        self._held_ids = self._uniform[0].req_block_ids if self._uniform else {}
+        self._hit_group = self.managers.index(self._uniform[0]) if self._uniform else None  # counts hit blocks
+        self._cached_counts = self._uniform[0].num_cached if self._uniform else None
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of them, served from the cache
+        # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
+        self.grown: set[str] = set()
+
+    # ---- capacity
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock]]:
+        """Blocks held per request in group 0 (tests and statistics)."""
+        return self.managers[0].req_blocks
+
+    def blocks_needed(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """Most pool blocks one request of `num_tokens` tokens holds at once, over all groups."""
+        chunk = max_chunk or num_tokens
+        return sum(m.blocks_needed(num_tokens, chunk) for m in self.managers)
+
+    def max_prompt_tokens(self, max_chunk: int, max_model_len: int) -> int:
+        """The admission limit: the longest prompt (below max_model_len) whose request, with the first token
+        generated after it, fits the pool on its own, computed `max_chunk` tokens at a time. The scheduler admits
+        by this number and the engine announces it to the frontend."""
+        fits = lambda n: self.blocks_needed(n + 1, max_chunk) <= self.num_blocks  # noqa: E731
+        lo, hi = 0, max(0, max_model_len - 1)  # blocks_needed grows with the length: the largest n that fits
+        if not fits(0):
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    # ---- hashing
+    def _block_hashes(self, req: Request) -> list[bytes]:
+        bs, hashes = self.block_size, req.block_hashes
+        known = req.num_tokens - (1 if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER else 0)
+        while (len(hashes) + 1) * bs <= known:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.tokens_slice(i * bs, (i + 1) * bs),
+                                     req.block_extra(i * bs, (i + 1) * bs)))
+        return hashes
+
+    # ---- allocation
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[KVBlock]], int]:
+        """Longest cached prefix every group can serve, in full blocks, leaving at least one token to compute
+        (for its logits). Returns the hit blocks per group and the number of tokens they cover."""
+        empty = [[] for _ in self.managers]
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return empty, 0
+        hashes = self._block_hashes(req)
+        n = min(len(hashes), (req.num_tokens - 1) // self.block_size)
+        while True:  # each group can only shorten the hit; stop when no group does
+            shorter = n
+            for m in self._hit_order:
+                shorter = m.max_hit(hashes, shorter)
+            if shorter == n:
+                break
+            n = shorter
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += n * self.block_size
+        return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (plus cache hits), after
+        freeing what no query reads any more. Returns False, changing nothing, when the pool is short.
+
+        Every uniform-table group holds the same number of entries per request, so without hits (every step but
+        a request's first) they all need the same number of new blocks: computed once, not per group, and most
+        decode steps free nothing and allocate nothing. Hits, or a group of another kind, take
+        _allocate_per_group (the plain form)."""
+        if self._others or (computed and any(computed)):
+            return self._allocate_per_group(req, num_new_tokens, computed)
+        rid, bs = req.request_id, self.block_size
+        num_computed = req.num_computed_tokens
+        due = None  # release keys with something to free this step
+        for key, rep in self._release_reps:
+            if rep.frees_due(rid, num_computed):
+                due = due or set()
+                due.add(key)
+        if due:
+            for m in self._releasing:  # group order, as the per-group form releases them
+                if m.release_key in due:
+                    m.remove_skipped(rid, num_computed)
+        held = self._held_ids.get(rid)
+        need = (num_computed + num_new_tokens + bs - 1) // bs - (len(held) if held else 0)
+        if need <= 0:
+            return True  # fits in the blocks it holds (most decode steps)
+        if need * len(self._uniform) > self.pool.num_free:
+            return False
+        for m in self._uniform:
+            m.add(rid, (), self.pool.allocate(need))
+        self.grown.add(rid)
+        return True
+
+    def _allocate_per_group(self, req: Request, num_new_tokens: int,
+                            computed: list[list[KVBlock]] | None = None) -> bool:
+        """allocate_slots, asking each group on its own."""
+        rid = req.request_id
+        hits = computed if computed and any(computed) else [[] for _ in self.managers]
+        num_hit_tokens = len(hits[self._hit_group]) * self.block_size if self._uniform else 0
+        for m in self.managers:
+            m.remove_skipped(rid, req.num_computed_tokens + num_hit_tokens)
+        total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
+        need = [m.num_new_blocks(rid, total, h) for m, h in zip(self.managers, hits)]
+        if not any(need) and not any(hits) and all(rid in m.req_block_ids for m in self._others):
+            return True  # fits in what it holds (most decode steps)
+        reclaimed = len({b.block_id for h in hits for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
+        if sum(need) + reclaimed > self.pool.num_free or not all(m.can_add(rid) for m in self._others):
+            return False
+        for h in hits:  # every group's hits leave the free list before any new block is taken from it
+            self.pool.touch(h)
+        for m, h, n in zip(self.managers, hits, need):
+            m.add(rid, h, self.pool.allocate(n))
+        self.grown.add(rid)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's fully computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        if self._cached_counts is not None and num_full <= self._cached_counts.get(req.request_id, 0):
+            return  # no block filled since the last call (most decode steps); every group has cached as many
+        hashes = self._block_hashes(req)
+        for m in self.managers:
+            m.cache_blocks(req.request_id, hashes, min(num_full, len(hashes)))
+
+    def free(self, req: Request) -> None:
+        """Release a finished, aborted or preempted request's blocks in every group."""
+        for m in self.managers:
+            m.free(req.request_id)
+        self.grown.discard(req.request_id)
+
+    def block_ids(self, req: Request) -> list[list[int]]:
+        """The request's block ids per group (live lists owned by the managers: read, don't modify)."""
+        return [m.req_block_ids.get(req.request_id, []) for m in self.managers]
+
+    def reset_prefix_cache(self) -> bool:
+        self.pool.reset_prefix_cache()
+        for m in self.managers:
+            m.num_cached = {k: 0 for k in m.num_cached}
+        return True

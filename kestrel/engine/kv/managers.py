@@ -1,0 +1,208 @@
+"""One manager per KV-cache group: which pool blocks each request holds in that group. The coordinator
+(coordinator.py) drives every manager through the `KVManager` interface and the spec -> manager table
+`MANAGERS`; it knows no cache kind by name.
+
+How to add a cache kind: a spec (kestrel/core/kv_spec.py, or beside its layer), a manager here (subclass
+KVManager, or the manager whose block rules it shares), and one line in MANAGERS. A kind whose page is several
+per-token parts under one block table (an MLA latent and its indexer keys) is only a spec: its manager is
+FullAttentionManager. A kind that holds a fixed-size state per request instead of blocks (a recurrent state):
+`uniform_table = False`, `blocks_needed` and `num_new_blocks` 0 (it takes nothing from the block pool),
+`can_add` says whether its own slot pool has room, `add` takes a slot and records it as the request's one table
+entry (`req_block_ids[rid] = [slot]`), `free` gives it back, and `max_hit` returns 0 unless it keeps state
+snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one). Its spec declares
+`state_parts` and `num_state_slots` (the slot pool's size, null slot included) and views its state in
+`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
+from __future__ import annotations
+
+from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
+from kestrel.engine.kv.pool import BlockPool, KVBlock
+
+
+class KVManager:
+    """The interface. Class attributes the coordinator reads once, at start-up:
+
+    * needs_null_block: the pool reserves block 0 for table entries that no query reads (freed ones).
+    * hit_order: managers are asked for the longest prefix hit in ascending order; a kind whose hit can only
+      shorten the others' (a sliding window needs the blocks under its window) asks after those that bound it.
+    * release_key: None for a kind that frees nothing while a request runs. Otherwise managers with equal keys
+      free the same table positions at the same step: the coordinator asks one of them (`frees_due`) per request
+      and step, and only when it says yes asks every one of them to `remove_skipped`.
+    * uniform_table: the request's table holds one entry per `block_size` tokens from position 0 (entries freed
+      early stay, as the null block), so every such group needs the same number of new blocks in a step: the
+      coordinator computes it once for all of them (the decode fast path). False: asked on its own."""
+    needs_null_block = False
+    hit_order = 0
+    release_key = None
+    uniform_table = True
+
+    def __init__(self, group_id: int, spec: KVCacheSpec, pool: BlockPool):
+        self.group_id, self.spec, self.pool, self.block_size = group_id, spec, pool, spec.block_size
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids (kept in step: read every step)
+        self.num_cached: dict[str, int] = {}  # leading blocks already registered in the prefix cache
+
+    # ---- admission
+    def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        """Most pool blocks one request of `num_tokens` tokens holds at once, computed `max_chunk` at a time."""
+        raise NotImplementedError
+
+    # ---- prefix cache
+    def max_hit(self, hashes: list[bytes], limit: int) -> int:
+        """Longest prefix (in blocks, <= limit) this group can serve from the cache."""
+        raise NotImplementedError
+
+    def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
+        """The table entries of a hit of `n` blocks."""
+        raise NotImplementedError
+
+    def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:
+        """Register the request's first `num_full` blocks (now fully computed) in the prefix cache."""
+
+    # ---- allocation
+    def frees_due(self, rid: str, num_computed: int) -> bool:
+        """Whether remove_skipped would free anything now (cheap: asked for every request at every step)."""
+        return False
+
+    def remove_skipped(self, rid: str, num_computed: int) -> None:
+        """Free the blocks no query after `num_computed` tokens reads."""
+
+    def num_new_blocks(self, rid: str, total_tokens: int, hits: list[KVBlock]) -> int:
+        """Pool blocks to add so the request holds `total_tokens` tokens (after `hits`)."""
+        raise NotImplementedError
+
+    def can_add(self, rid: str) -> bool:
+        """Whether add() can succeed beyond the pool blocks it is given (a kind with its own slot pool)."""
+        return True
+
+    def add(self, rid: str, hits: list[KVBlock], new: list[KVBlock]) -> None:
+        raise NotImplementedError
+
+    def free(self, rid: str) -> None:
+        """Release everything the request holds."""
+        raise NotImplementedError
+
+
+class FullAttentionManager(KVManager):
+    """The blocks one group holds per request, for layers that read every earlier token."""
+
+    def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def max_hit(self, hashes: list[bytes], limit: int) -> int:
+        n = 0
+        while n < limit and self.pool.lookup((self.group_id, hashes[n])) is not None:
+            n += 1
+        return n
+
+    def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
+        return [self.pool.lookup((self.group_id, h)) for h in hashes[:n]]
+
+    def num_new_blocks(self, rid: str, total_tokens: int, hits: list[KVBlock]) -> int:
+        have = len(self.req_blocks.get(rid, ())) + len(hits)
+        return max(0, cdiv(total_tokens, self.block_size) - have)
+
+    def add(self, rid: str, hits: list[KVBlock], new: list[KVBlock]) -> None:
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
+        blocks.extend(hits)
+        blocks.extend(new)
+        ids.extend(b.block_id for b in hits)
+        ids.extend(b.block_id for b in new)
+        if hits:
+            self.num_cached[rid] = len(hits)
+
+    def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        num_full = min(num_full, len(blocks))
+        start = self.num_cached.get(rid, 0)
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], (self.group_id, hashes[i]))
+        self.num_cached[rid] = max(start, num_full)
+
+    def free(self, rid: str) -> None:
+        """Release a request's blocks, tail first (so shared prefixes outlive tails)."""
+        blocks = self.req_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)
+        self.num_cached.pop(rid, None)
+        self.pool.release(reversed(blocks))
+
+
+class SlidingWindowManager(FullAttentionManager):
+    """Blocks of a sliding-window group: those wholly before every future query's window go back to the pool
+    during the request, and their entries become the null block. A prefix hit needs only the blocks under the
+    window before the hit point, so a full-attention group's hit bounds this one's (asked after it)."""
+    needs_null_block = True
+    hit_order = 1
+
+    def __init__(self, group_id: int, spec: SlidingWindowSpec, pool: BlockPool):
+        super().__init__(group_id, spec, pool)
+        self.window = spec.sliding_window
+        self.release_key = ("window", spec.sliding_window)  # every group of one window frees in the same step
+        self.window_blocks = cdiv(spec.sliding_window - 1, self.block_size)  # blocks a query needs before its own
+        self.first_live: dict[str, int] = {}
+
+    def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        return min(cdiv(num_tokens, self.block_size), cdiv(self.window - 1 + max_chunk, self.block_size) + 1)
+
+    def max_hit(self, hashes: list[bytes], limit: int) -> int:
+        """Largest n <= limit such that the `window_blocks` blocks before n are all cached (n = 0 always is)."""
+        n = limit
+        while n > 0:
+            start = max(0, n - self.window_blocks)
+            miss = next((i for i in range(n - 1, start - 1, -1)
+                         if self.pool.lookup((self.group_id, hashes[i])) is None), None)
+            if miss is None:
+                return n
+            n = miss  # no window ending after a miss can be complete
+        return 0
+
+    def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
+        start = max(0, n - self.window_blocks)
+        return [self.pool.null_block] * start + [self.pool.lookup((self.group_id, h)) for h in hashes[start:n]]
+
+    def first_needed(self, num_computed: int) -> int:
+        """The first block a query after `num_computed` tokens still reads."""
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def frees_due(self, rid: str, num_computed: int) -> bool:
+        # first_needed without its max(0, .): a negative value is never due
+        return (num_computed - self.window + 1) // self.block_size > self.first_live.get(rid, 0)
+
+    def remove_skipped(self, rid: str, num_computed: int) -> None:
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return
+        start = self.first_live.get(rid, 0)
+        end = min(self.first_needed(num_computed), len(blocks))
+        if end <= start:
+            return
+        ids = self.req_block_ids[rid]
+        freed = blocks[start:end]
+        null = self.pool.null_block
+        for i in range(start, end):
+            blocks[i], ids[i] = null, null.block_id
+        self.first_live[rid] = end
+        self.pool.release(reversed(freed))
+
+    def free(self, rid: str) -> None:
+        self.first_live.pop(rid, None)
+        super().free(rid)
+
+
+# spec class -> its manager, looked up along the spec's MRO (a subclass without a line of its own takes its
+# base's manager): adding a cache kind adds one line here
+MANAGERS: dict[type[KVCacheSpec], type[KVManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    MLASpec: FullAttentionManager,
+}
+
+
+def manager_class(spec: KVCacheSpec) -> type[KVManager]:
+    for cls in type(spec).__mro__:
+        if cls in MANAGERS:
+            return MANAGERS[cls]
+    raise NotImplementedError(f"no KV manager for {type(spec).__name__}: add one to "
+                              "kestrel.engine.kv.managers.MANAGERS")

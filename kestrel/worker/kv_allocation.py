@@ -1,0 +1,46 @@
+"""The KV cache's memory: one byte tensor per cache slot, shared by the groups' layers, and each layer's view of
+its slot through its spec.
+
+Layer i of every KV-cache group shares slot i. A block id is one row of every slot, and a request's block ids
+are disjoint across groups (one pool), so two layers sharing a slot never own the same row at once. A row is as
+wide as the widest page among the layers sharing the slot; a layer's page is the row's first page_bytes bytes,
+its spec's parts one after the other (kestrel/core/kv_spec.py). Where every page of a slot is as wide, a layer's
+parts are plain strided views of one contiguous tensor; a narrower page leaves the rest of its rows unused (the
+price of one pool for every group: the padding is counted in bytes_per_block, so it is never over-committed)."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.core.kv_spec import KVCacheGroup
+
+
+def slot_row_bytes(groups: list[KVCacheGroup]) -> list[int]:
+    """Bytes of one block in each cache slot: the widest page among the layers sharing it."""
+    num_slots = max(len(g.layer_names) for g in groups)
+    return [max(g.spec.page_bytes for g in groups if i < len(g.layer_names)) for i in range(num_slots)]
+
+
+def bytes_per_block(groups: list[KVCacheGroup]) -> int:
+    """What one block id costs: a row in every slot."""
+    return sum(slot_row_bytes(groups))
+
+
+def state_bytes(groups: list[KVCacheGroup]) -> int:
+    """Memory outside the block pool: the state slots of kinds that keep a fixed-size state per request."""
+    return sum(len(g.layer_names) * g.spec.num_state_slots * g.spec.state_bytes for g in groups)
+
+
+def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
+                      device: torch.device) -> list[torch.Tensor]:
+    """Zeroed slots of `num_blocks` rows (and each stateful layer's state slots); sets each layer's `kv_cache`
+    to its spec's view of them. Returns the tensors allocated."""
+    slots = [torch.zeros((num_blocks, row), dtype=torch.uint8, device=device) for row in slot_row_bytes(groups)]
+    tensors = list(slots)
+    for g in groups:
+        for i, name in enumerate(g.layer_names):
+            state = None
+            if g.spec.state_bytes:
+                state = torch.zeros((g.spec.num_state_slots, g.spec.state_bytes), dtype=torch.uint8, device=device)
+                tensors.append(state)
+            layers[name].kv_cache = g.spec.layer_view(slots[i], state)
+    return tensors
