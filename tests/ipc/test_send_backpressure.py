@@ -39,7 +39,7 @@ class FullSocket:
 
 
 def req(i: int) -> P.EngineCoreRequest:
-    return P.EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(), None, 4, 0.0)
+    return P.EngineCoreRequest(f"r{i}", [1, 2, 3], SamplingParams(), 4, 0.0)
 
 
 def test_full_engine_queues_in_order_and_abort_drops_unsent_adds():

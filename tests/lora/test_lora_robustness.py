@@ -59,8 +59,8 @@ def test_unload_while_a_request_waits_for_its_grammar(llm, base_and_adapter):
 def test_request_for_an_unloaded_adapter_aborts_with_a_reason(llm, base_and_adapter):
     core = llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.add_request(EngineCoreRequest("late", PROMPT, params, None, 4, 0.0, lora_id=777))
-    core.add_request(EngineCoreRequest("base", PROMPT, params, None, 4, 0.0))
+    core.add_request(EngineCoreRequest("late", PROMPT, params, 4, 0.0, lora_id=777))
+    core.add_request(EngineCoreRequest("base", PROMPT, params, 4, 0.0))
     outs = {}
     while core.has_unfinished_requests():
         for o in core.step().outputs:
