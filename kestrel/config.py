@@ -49,15 +49,15 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = _f(8192, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _f(256, "most requests running at once")
-    max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
-                                      "once; the rest wait in the server and go in as earlier ones finish, so "
-                                      "one huge request leaves room for others (0: half of --max-num-seqs)")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
     async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
                                        "(auto: on for CUDA)", choices=["auto", "on", "off"])
     structured_output_threads: int = _f(0, "host threads that fill a step's grammar bitmasks (structured outputs) "
                                            "while the device runs; 0: the usable CPUs less two, at most 16")
+    max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
+                                      "once; the rest wait in the server and go in as earlier ones finish, so "
+                                      "one huge request leaves room for others (0: half of --max-num-seqs)")
 
 
 @dataclass
