@@ -49,7 +49,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
             config.scheduler.max_num_seqs, pin=self.device.type == "cuda",
-            fill_threads=config.scheduler.structured_output_threads)
+            fill_threads=config.scheduler.structured_output_threads,
+            compile_timeout=config.scheduler.grammar_compile_timeout)
         self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
         self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)

@@ -321,6 +321,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         try:
             yield
         finally:
+            state.grammar.shutdown()
             await engine.shutdown()
 
     app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.errors import InvalidRequest
@@ -94,6 +94,7 @@ class _SamplingRequest(_Base):
                                                           "'timeout') and its KV cache freed")
 
     # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older guided_* fields)
+    _constraint_param: str = PrivateAttr("structured_outputs")  # the field the constraint came from
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None
@@ -131,10 +132,16 @@ class _SamplingRequest(_Base):
             raise InvalidRequest(f"give one output constraint, not {' and '.join(n for n, _ in sources)}",
                                  param=sources[1][0])
         param, spec = sources[0]
+        self._constraint_param = param
         known = {"json", "regex", "choice", "grammar", "json_object"}
         if not isinstance(spec, dict) or set(spec) - known:
             raise InvalidRequest(f"{param} takes the fields {sorted(known)}", param=param)
-        return StructuredOutputsParams(**spec).validate(param)
+        return StructuredOutputsParams(**spec).validate(param, parse=False)  # parsed off the loop: grammar_check.py
+
+    @property
+    def constraint_param(self) -> str:
+        """The field the output constraint came from (after sampling_params())."""
+        return self._constraint_param
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                   defaults: dict | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
