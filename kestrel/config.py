@@ -122,6 +122,9 @@ class MultiModalConfig:
                                                        "URLs are refused)")
     allowed_local_media_path: str | None = _f(None, "folder whose files image_url file:// URLs may read (default: "
                                                     "local files are refused)")
+    allow_private_media_addresses: bool = _f(False, "let image URLs reach private, loopback and link-local "
+                                                    "addresses (refused by default, at every redirect too)")
+    media_fetch_timeout: float = _f(10.0, "seconds to fetch one image URL in all (connecting, redirects, body)")
     max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
     max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
     image_render_processes: int | None = _f(None, "server processes that load and preprocess images, each with "

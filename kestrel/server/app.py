@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kestrel
 from kestrel.config import EngineConfig, ServerConfig
 from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
@@ -206,6 +207,7 @@ async def tokenize(req: TokenizeRequest, raw: Request):
     state.check_model(req.model)
     if req.messages:
         ids = await render_prompt(state, req)
+        ids = ids.token_ids if isinstance(ids, ProcessedPrompt) else ids  # with images: their placeholder tokens
     elif req.prompt is not None:
         ids = await engine.run_tokenizer(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
