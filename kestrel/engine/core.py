@@ -108,6 +108,11 @@ class EngineCore:
         return compiling + [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether step() has work now. Asleep or paused, only what is owed (the step in flight, requests that
+        finished before running): the queued ones wait for wake_up, and the engine loop idles instead of
+        spinning out empty outputs that flooded the server (issue 33: /health took 30 s)."""
+        if self._paused or self._sleeping:
+            return self._inflight is not None or bool(self._rejected)
         return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
                 or bool(self._compiling))
 
