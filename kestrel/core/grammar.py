@@ -36,6 +36,7 @@ def build_grammar(kind: str, spec: str):
 # 66 s, from a 41-byte schema), so a larger count is refused before parsing; the parse budget
 # (kestrel/server/grammar_check.py, --grammar-parse-timeout) catches what gets past this.
 MAX_REPEAT = 1000
+MAX_SPEC_CHARS = 256 * 1024  # a constraint's text (a schema of many tools stays well under)
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
@@ -70,6 +71,9 @@ def _check_schema(node, param: str, path: str = "schema") -> None:
 
 def check_limits(kind: str, spec: str, param: str = "structured_outputs") -> None:
     """The cheap checks before xgrammar parses a constraint (milliseconds, fine on an event loop)."""
+    if len(spec) > MAX_SPEC_CHARS:
+        raise InvalidRequest(f"{param}: the {kind} constraint has {len(spec)} characters; at most {MAX_SPEC_CHARS} "
+                             f"are allowed", param=param)
     if kind == "json":
         _check_schema(json.loads(spec), param)
     elif kind == "regex":

@@ -31,6 +31,7 @@ def test_bad_constraints_raise_invalid_request(so, field):
      r"schema\.properties\.x\.pattern repeats 50000"),
     (SO(json={"type": "object", "patternProperties": {"^b{5000}$": {}}}), "patternProperties repeats 5000"),
     (SO(regex="x{1001}"), "the regex repeats 1001 times"),
+    (SO(regex="a" * 300_000), "the regex constraint has 300000 characters; at most 262144"),
     (SO(json={"$ref": "https://example.com/schema.json"}), r"\$ref 'https://example.com/schema.json' points outside"),
     (SO(json={"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}), "points outside the schema"),
 ])
