@@ -37,6 +37,7 @@ def build_grammar(kind: str, spec: str):
 # (kestrel/server/grammar_check.py, --grammar-parse-timeout) catches what gets past this.
 MAX_REPEAT = 1000
 MAX_SPEC_CHARS = 256 * 1024  # a constraint's text (a schema of many tools stays well under)
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema (each level is a recursion here and in xgrammar)
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
@@ -48,14 +49,17 @@ def _check_repeats(regex: str, param: str, where: str) -> None:
                                  f"are allowed", param=param)
 
 
-def _check_schema(node, param: str, path: str = "schema") -> None:
-    """Refuse what a schema may not hold: a $ref outside the document (never fetched) and patterns with
-    repeat counts over MAX_REPEAT."""
+def _check_schema(node, param: str, path: str = "schema", depth: int = 0) -> None:
+    """Refuse what a schema may not hold: a $ref outside the document (never fetched), patterns with repeat
+    counts over MAX_REPEAT, nesting deeper than MAX_SCHEMA_DEPTH."""
+    if not isinstance(node, (list, dict)):
+        return
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {path[:200]})",
+                             param=param)
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _check_schema(v, param, f"{path}[{i}]")
-        return
-    if not isinstance(node, dict):
+            _check_schema(v, param, f"{path}[{i}]", depth + 1)
         return
     for key, value in node.items():
         if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
@@ -66,7 +70,7 @@ def _check_schema(node, param: str, path: str = "schema") -> None:
         if key == "patternProperties" and isinstance(value, dict):
             for pattern in value:
                 _check_repeats(pattern, param, f"{path}.patternProperties")
-        _check_schema(value, param, f"{path}.{key}")
+        _check_schema(value, param, f"{path}.{key}", depth + 1)
 
 
 def check_limits(kind: str, spec: str, param: str = "structured_outputs") -> None:
