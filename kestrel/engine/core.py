@@ -287,7 +287,8 @@ class EngineCore:
         return sorted([i, n] for i, n in lora.list().items()) if lora is not None else []
 
     def shutdown(self) -> None:
-        """Stop the workers (tensor parallelism); the in-process runner needs nothing."""
+        """Stop the workers (tensor parallelism) and the grammar threads; the in-process runner needs nothing."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",

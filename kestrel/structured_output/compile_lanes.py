@@ -9,11 +9,13 @@ small grammar compiles next to slow ones instead of queueing behind them (the OS
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 
 LANES = 4
 MAX_OVERDUE = 8
+SHUTDOWN_WAIT_S = 10.0  # a thread still inside xgrammar when the interpreter finalizes can crash the exit
 
 
 class CompileTimeout(TimeoutError):
@@ -35,6 +37,7 @@ class CompileLanes:
         self._queue: deque[_Job] = deque()
         self._running = 0  # compiles within their budget
         self._overdue = 0  # compiles past it, still running
+        self._threads: set[threading.Thread] = set()
         self._closed = False
 
     def submit(self, fn, *args) -> Future:
@@ -53,7 +56,9 @@ class CompileLanes:
             self._running += 1
             timer = threading.Timer(self.budget, self._expire, (job,))
             timer.daemon = True
-            threading.Thread(target=self._run, args=(job, timer), daemon=True, name="kestrel-grammar").start()
+            thread = threading.Thread(target=self._run, args=(job, timer), daemon=True, name="kestrel-grammar")
+            self._threads.add(thread)
+            thread.start()
             timer.start()
 
     def _run(self, job: _Job, timer: threading.Timer) -> None:
@@ -64,6 +69,7 @@ class CompileLanes:
         timer.cancel()
         with self._lock:
             job.finished = True
+            self._threads.discard(threading.current_thread())
             if job.overdue:
                 self._overdue -= 1
             else:
@@ -88,9 +94,15 @@ class CompileLanes:
         except InvalidStateError:
             pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Cancel the queued compiles and wait (at most ``wait_s``) for the running ones, overdue included: a
+        process that exits while xgrammar still works on a thread may abort instead of exiting cleanly."""
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
+            running = list(self._threads)
         for job in queued:
             job.future.cancel()
+        deadline = time.monotonic() + wait_s
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
