@@ -74,8 +74,26 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel.server.app import run_server
 
-    args.api_key = args.api_key or os.environ.get("KESTREL_API_KEY")  # the documented fallback of --api-key
+    args.api_key = resolve_api_key(args.api_key, args.api_key_file)
     return run_server(args)
+
+
+def resolve_api_key(key: str | None, key_file: str | None) -> str | None:
+    """--api-key, else --api-key-file, else $KESTREL_API_KEY, else vLLM's $VLLM_API_KEY. A key on the command
+    line is visible to every user of the machine (ps, /proc/PID/cmdline); the file and the environment are not."""
+    from kestrel.errors import ConfigError
+
+    if key and key_file:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if key_file:
+        try:
+            key = open(key_file).read().strip()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {key_file}: {e.strerror}") from e
+        if not key:
+            raise ConfigError(f"--api-key-file {key_file} is empty")
+        return key
+    return key or os.environ.get("KESTREL_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def cmd_bench(args) -> int:
@@ -130,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
-                                                   "/health (default: $KESTREL_API_KEY if set)")
+                                                   "/health (default: $KESTREL_API_KEY, else $VLLM_API_KEY); other "
+                                                   "users of the machine can read it from the process list: prefer "
+                                                   "--api-key-file or the environment")
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the path's name)")
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off: ids and sizes only)")
     add_section_args(s, ServerConfig, "server")

@@ -55,6 +55,9 @@ class SchedulerConfig:
                                        "(auto: on for CUDA)", choices=["auto", "on", "off"])
     structured_output_threads: int = _f(0, "host threads that fill a step's grammar bitmasks (structured outputs) "
                                            "while the device runs; 0: the usable CPUs less two, at most 16")
+    grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile in the engine core; a slower "
+                                              "one fails its request (finish_reason abort) and leaves the compile "
+                                              "threads to others")
     max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
                                       "one huge request leaves room for others (0: half of --max-num-seqs)")
@@ -125,6 +128,9 @@ class MultiModalConfig:
                                                        "URLs are refused)")
     allowed_local_media_path: str | None = _f(None, "folder whose files image_url file:// URLs may read (default: "
                                                     "local files are refused)")
+    allow_private_media_addresses: bool = _f(False, "let image URLs reach private, loopback and link-local "
+                                                    "addresses (refused by default, at every redirect too)")
+    media_fetch_timeout: float = _f(10.0, "seconds to fetch one image URL in all (connecting, redirects, body)")
     max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
     max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
     image_render_processes: int | None = _f(None, "server processes that load and preprocess images, each with "
@@ -182,6 +188,8 @@ class ServerConfig:
     request_timeout: float | None = _f(None, "seconds after which a request is aborted and its KV cache freed "
                                              "(a request's own 'timeout' field wins)")
     max_request_body_bytes: int = _f(8 * 2**20, "largest request body; larger ones get 413")
+    grammar_parse_timeout: float = _f(5.0, "seconds a request's output constraint (JSON schema, regex, grammar) "
+                                           "may take to parse before it is refused with a 400")
     allowed_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser (off "
                                                  "by default; '*' for any)")
     tool_call_parser: str | None = _f(None, "how tool calls appear in this model's output (hermes: <tool_call> "

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "kestrel"
 
 # file -> environment variables it may read, and why
 ENV_READS = {
-    "cli.py": {"KESTREL_API_KEY"},  # --api-key's documented fallback (CLI code)
+    "cli.py": {"KESTREL_API_KEY", "VLLM_API_KEY"},  # --api-key's documented fallbacks, ours and vLLM's (CLI code)
     "bench/serve.py": {"KESTREL_API_KEY"},  # the same fallback for `kestrel bench serve --api-key` (CLI code)
     "ipc/core_client.py": {"CUDA_VISIBLE_DEVICES"},  # honours the user's device mask when placing engine cores
     "ipc/core_proc.py": {"CUDA_VISIBLE_DEVICES"},  # sets the engine core's own GPU (written, not a switch)

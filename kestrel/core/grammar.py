@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 from kestrel.errors import InvalidRequest
 
@@ -31,9 +32,62 @@ def build_grammar(kind: str, spec: str):
     raise ValueError(f"unknown structured output kind {kind!r}")
 
 
-@functools.lru_cache(maxsize=512)
+# xgrammar's JSON-schema converter takes time quadratic in a pattern's repeat count (a{10000}: 5 s, a{30000}:
+# 66 s, from a 41-byte schema), so a larger count is refused before parsing; the parse budget
+# (kestrel/server/grammar_check.py, --grammar-parse-timeout) catches what gets past this.
+MAX_REPEAT = 1000
+MAX_SPEC_CHARS = 256 * 1024  # a constraint's text (a schema of many tools stays well under)
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema (each level is a recursion here and in xgrammar)
+_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def _check_repeats(regex: str, param: str, where: str) -> None:
+    for m in _REPEAT.finditer(regex):
+        count = max(int(g) for g in m.groups() if g)
+        if count > MAX_REPEAT:
+            raise InvalidRequest(f"{param}: {where} repeats {count} times ({m.group(0)}); at most {MAX_REPEAT} "
+                                 f"are allowed", param=param)
+
+
+def _check_schema(node, param: str, path: str = "schema", depth: int = 0) -> None:
+    """Refuse what a schema may not hold: a $ref outside the document (never fetched), patterns with repeat
+    counts over MAX_REPEAT, nesting deeper than MAX_SCHEMA_DEPTH."""
+    if not isinstance(node, (list, dict)):
+        return
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {path[:200]})",
+                             param=param)
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_schema(v, param, f"{path}[{i}]", depth + 1)
+        return
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            raise InvalidRequest(f"{param}: {path}.$ref {value!r} points outside the schema; only local "
+                                 f"references ('#/...') are allowed", param=param)
+        if key == "pattern" and isinstance(value, str):
+            _check_repeats(value, param, f"{path}.pattern")
+        if key == "patternProperties" and isinstance(value, dict):
+            for pattern in value:
+                _check_repeats(pattern, param, f"{path}.patternProperties")
+        _check_schema(value, param, f"{path}.{key}", depth + 1)
+
+
+def check_limits(kind: str, spec: str, param: str = "structured_outputs") -> None:
+    """The cheap checks before xgrammar parses a constraint (milliseconds, fine on an event loop)."""
+    if len(spec) > MAX_SPEC_CHARS:
+        raise InvalidRequest(f"{param}: the {kind} constraint has {len(spec)} characters; at most {MAX_SPEC_CHARS} "
+                             f"are allowed", param=param)
+    if kind == "json":
+        _check_schema(json.loads(spec), param)
+    elif kind == "regex":
+        _check_repeats(spec, param, "the regex")
+
+
+@functools.lru_cache(maxsize=2048)
 def check_grammar(kind: str, spec: str, param: str = "structured_outputs") -> None:
-    """Raise InvalidRequest naming `param` when xgrammar cannot parse the constraint."""
+    """Raise InvalidRequest naming `param` when xgrammar cannot parse the constraint (or it is over the limits)."""
+    check_limits(kind, spec, param)
     try:
         build_grammar(kind, spec)
     except ImportError as e:

@@ -38,7 +38,9 @@ class StructuredOutputsParams:
         v = getattr(self, self.kind)
         return _json.dumps(v) if self.kind == "choice" else ("" if self.kind == "json_object" else v)
 
-    def validate(self, param: str = "structured_outputs") -> "StructuredOutputsParams":
+    def validate(self, param: str = "structured_outputs", parse: bool = True) -> "StructuredOutputsParams":
+        """``parse``: also have xgrammar parse it (seconds for a hostile schema); the server passes False and
+        parses on a thread with a time budget (kestrel/server/grammar_check.py)."""
         def bad(field_, msg):
             raise InvalidRequest(f"{param}{field_} {msg}", param=param)
 
@@ -59,9 +61,9 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             bad(".choice", "must be a non-empty list of non-empty strings")
-        from kestrel.core.grammar import check_grammar  # xgrammar parses it: a 400, not a crash
+        from kestrel.core.grammar import check_grammar, check_limits  # xgrammar parses it: a 400, not a crash
 
-        check_grammar(self.kind, self.spec, param)
+        (check_grammar if parse else check_limits)(self.kind, self.spec, param)
         return self
 
 

@@ -65,13 +65,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK = ("127.0.0.1", "localhost")
+RENDEZVOUS_TIMEOUT_S = 600
+_listeners: list[socket.socket] = []
+
+
+def loopback_store(rank: int, size: int, init_method: str):
+    """The rendezvous store of a tcp://127.0.0.1:PORT init method, listening on loopback only (torch's own
+    TCPStore listens on every interface, unauthenticated: anyone who reaches the machine could read and write
+    it); None for any other init method (a Ray group spans machines)."""
+    import datetime
+    import urllib.parse
+
+    import torch.distributed as dist
+
+    url = urllib.parse.urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname not in LOOPBACK:
+        return None
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", url.port, size, False, timeout=timeout)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", url.port))
+    listener.listen()
+    store = dist.TCPStore("127.0.0.1", url.port, size, True, timeout=timeout, master_listen_fd=listener.fileno(),
+                          wait_for_workers=False)
+    _listeners.append(listener)  # the store serves on this socket: keep it open for the process's life
+    return store
+
+
 def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> ParallelInfo:
     """Join the tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kw)
+    store = loopback_store(rank, size, init_method)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kw)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kw)
     # one collective now: a broken group fails at start-up, not at the first step (and NCCL runs even at size 1)
     probe = torch.ones(1, device=device)
     dist.all_reduce(probe)

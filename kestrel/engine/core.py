@@ -52,7 +52,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, int(self.model_config.vocab_size), self.eos_token_id,
             config.scheduler.max_num_seqs, pin=self.device.type == "cuda",
-            fill_threads=config.scheduler.structured_output_threads)
+            fill_threads=config.scheduler.structured_output_threads,
+            compile_timeout=config.scheduler.grammar_compile_timeout)
         self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
         self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
@@ -111,6 +112,11 @@ class EngineCore:
         return compiling + [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether step() has work now. Asleep or paused, only what is owed (the step in flight, requests that
+        finished before running): the queued ones wait for wake_up, and the engine loop idles instead of
+        spinning out empty outputs that flooded the server (issue 33: /health took 30 s)."""
+        if self._paused or self._sleeping:
+            return self._inflight is not None or bool(self._rejected)
         return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
                 or bool(self._compiling))
 
@@ -316,7 +322,8 @@ class EngineCore:
         return per_rank[0]
 
     def shutdown(self) -> None:
-        """Stop the workers (tensor parallelism); the in-process runner needs nothing."""
+        """Stop the workers (tensor parallelism) and the grammar threads; the in-process runner needs nothing."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",

@@ -1,5 +1,5 @@
 """Images named by URL in chat messages: `data:` URLs always; http(s) URLs only for hosts in
---allowed-media-domains; file:// URLs only under --allowed-local-media-path. Every refusal is an InvalidRequest
+--allowed-media-domains, at every redirect, and never to internal addresses (media_fetch.py); file:// URLs only under --allowed-local-media-path. Every refusal is an InvalidRequest
 (HTTP 400) naming the content part."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import binascii
 import io
 import os
 import urllib.parse
-import urllib.request
 
 import pybase64
 
 from kestrel.errors import InvalidRequest
+from kestrel.frontend.media_fetch import fetch_image
 
 
 def decode_image(raw: bytes, cfg, param: str):
@@ -57,17 +57,6 @@ def _local_file(url: str, cfg, param: str) -> bytes:
         raise InvalidRequest(f"cannot read {path}: {e.strerror}", param=param) from e
 
 
-def _remote(url: str, cfg, param: str) -> bytes:
-    host = urllib.parse.urlparse(url).hostname or ""
-    if host not in (cfg.allowed_media_domains or []):
-        raise InvalidRequest(f"image URLs on {host!r} are not allowed (--allowed-media-domains)", param=param)
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.read(cfg.max_image_bytes + 1)
-    except Exception as e:  # unreachable host, HTTP error, timeout: the caller's URL
-        raise InvalidRequest(f"cannot fetch the image: {e}", param=param) from e
-
-
 def load_image_url(url: str, cfg, param: str):
     """The PIL image (RGB) behind an image_url, under the server's media policy (kestrel.config.MultiModalConfig)."""
     head, colon, _ = url[:16].partition(":")  # not urlparse: a data URL is megabytes
@@ -77,7 +66,7 @@ def load_image_url(url: str, cfg, param: str):
     elif scheme == "file":
         raw = _local_file(url, cfg, param)
     elif scheme in ("http", "https"):
-        raw = _remote(url, cfg, param)
+        raw = fetch_image(url, cfg, param)
     else:
         raise InvalidRequest(f"unsupported image URL scheme {scheme!r}", param=param)
     return decode_image(raw, cfg, param)

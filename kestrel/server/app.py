@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kestrel
 from kestrel.config import EngineConfig, ServerConfig
 from kestrel.frontend.async_engine import AsyncEngine
+from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
@@ -175,6 +176,21 @@ async def health(request: Request):
     return {"status": "ok", "engines": engines}
 
 
+@api.get("/openapi.json", include_in_schema=False)
+async def openapi_schema(request: Request):
+    """Behind the key when one is set (FastAPI's own route answers anyone)."""
+    return JSONResponse(request.app.openapi())
+
+
+@api.get("/docs", include_in_schema=False)
+async def docs_page(request: Request):
+    """Swagger UI; with an API key, the page's own fetch of /openapi.json needs the key too (use a client that
+    sends it, or read /openapi.json with the header)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="Kestrel")
+
+
 @api.get("/version")
 async def version():
     return {"version": kestrel.__version__}
@@ -207,6 +223,7 @@ async def tokenize(req: TokenizeRequest, raw: Request):
     state.check_model(req.model)
     if req.messages:
         ids = await render_prompt(state, req)
+        ids = ids.token_ids if isinstance(ids, ProcessedPrompt) else ids  # with images: their placeholder tokens
     elif req.prompt is not None:
         ids = await engine.run_tokenizer(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     else:
@@ -322,9 +339,11 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         try:
             yield
         finally:
+            state.grammar.shutdown()
             await engine.shutdown()
 
-    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan)
+    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)  # /openapi.json and /docs are served behind the key (routes above)
     app.state.kestrel = state
     install_error_handlers(app)
     for router in (open_routes, api, admin):

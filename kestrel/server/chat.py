@@ -66,6 +66,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     params = req.sampling_params(state.sampling_defaults, plan.structured)
+    await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
     gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora)

@@ -15,6 +15,7 @@ from kestrel.config import ServerConfig
 from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.errors import InvalidRequest, KestrelError, ModelNotFound
+from kestrel.server.grammar_check import GrammarCheck
 from kestrel.server.openai_protocol import MAX_CLIENT_REQUEST_ID, error_body
 
 logger = logging.getLogger("kestrel.server")
@@ -32,6 +33,11 @@ class ServerState:
     tool_parser: Any = None  # kestrel.server.tool_parsers.ToolParser (--tool-call-parser)
     enable_auto_tool_choice: bool = False
     reasoning_parser: Any = None  # kestrel.server.reasoning.ReasoningParser (--reasoning-parser)
+    grammar: GrammarCheck = None  # parses output constraints off the event loop (--grammar-parse-timeout)
+
+    def __post_init__(self):
+        if self.grammar is None:
+            self.grammar = GrammarCheck(self.server.grammar_parse_timeout)
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""

@@ -61,6 +61,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     engine = state.engine
     tok = engine.tokenizer
     params = req.sampling_params(state.sampling_defaults)
+    await state.grammar.check(params.structured_outputs, req.constraint_param)
     prompts = req.prompts()
     rid, public_id = request_ids("cmpl", req.request_id, raw)
 

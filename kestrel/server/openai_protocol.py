@@ -2,13 +2,14 @@
 
 Unknown fields are ignored, except the parameters in UNSUPPORTED_PARAMS, which are refused with a 400 naming
 them (ignoring them would silently change what the client asked for). A field of the wrong type, a NaN or
-infinite number, an integer beyond 64 bits or a lone surrogate in any string is a 400 naming the field."""
+infinite number, an integer beyond 64 bits, a string where a boolean belongs ("stream": "yes") or a lone
+surrogate in any string is a 400 naming the field."""
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
 from kestrel.errors import InvalidRequest
@@ -62,7 +63,7 @@ class _Base(BaseModel):
 
 
 class StreamOptions(_Base):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingRequest(_Base):
@@ -73,7 +74,7 @@ class _SamplingRequest(_Base):
     max_tokens: Int64 | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -82,11 +83,11 @@ class _SamplingRequest(_Base):
     top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: Int64 = 0
     stop_token_ids: TokenIds | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: Int64 = 0
     prompt_logprobs: Int64 | None = None
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
@@ -94,6 +95,7 @@ class _SamplingRequest(_Base):
                                                           "'timeout') and its KV cache freed")
 
     # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (and its older guided_* fields)
+    _constraint_param: str = PrivateAttr("structured_outputs")  # the field the constraint came from
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None
@@ -131,10 +133,16 @@ class _SamplingRequest(_Base):
             raise InvalidRequest(f"give one output constraint, not {' and '.join(n for n, _ in sources)}",
                                  param=sources[1][0])
         param, spec = sources[0]
+        self._constraint_param = param
         known = {"json", "regex", "choice", "grammar", "json_object"}
         if not isinstance(spec, dict) or set(spec) - known:
             raise InvalidRequest(f"{param} takes the fields {sorted(known)}", param=param)
-        return StructuredOutputsParams(**spec).validate(param)
+        return StructuredOutputsParams(**spec).validate(param, parse=False)  # parsed off the loop: grammar_check.py
+
+    @property
+    def constraint_param(self) -> str:
+        """The field the output constraint came from (after sampling_params())."""
+        return self._constraint_param
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                   defaults: dict | None = None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -167,7 +175,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Int64 | None = 16
     best_of: Int64 | None = None
     logprobs: Int64 | None = None
-    echo: bool = False
+    echo: StrictBool = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -205,11 +213,22 @@ class ContentPart(_Base):
     image_url: ImageURL | None = None
 
 
+class AssistantFunctionCall(_Base):
+    name: str
+    arguments: str | dict = "{}"  # OpenAI sends JSON text
+
+
+class AssistantToolCall(_Base):
+    id: str | None = None
+    type: str = "function"
+    function: AssistantFunctionCall
+
+
 class ChatMessage(_Base):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant turn that called tools
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result
 
     def as_dict(self) -> dict:
@@ -227,7 +246,7 @@ class ChatMessage(_Base):
         if self.tool_call_id:
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+            d["tool_calls"] = [_template_tool_call(c.model_dump(exclude_none=True)) for c in self.tool_calls]
         return d
 
     def has_non_text_parts(self) -> bool:
@@ -242,7 +261,7 @@ class ChatMessage(_Base):
 
 def _template_tool_call(call: dict) -> dict:
     """An OpenAI tool call as chat templates expect it: the arguments as a dict (OpenAI sends JSON text)."""
-    fn = dict(call.get("function") or {})
+    fn = dict(call["function"])
     args = fn.get("arguments")
     if isinstance(args, str):
         try:
@@ -255,15 +274,15 @@ def _template_tool_call(call: dict) -> dict:
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Int64 | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     def sampling_params(self, defaults: dict | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -284,8 +303,8 @@ class TokenizeRequest(_Base):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

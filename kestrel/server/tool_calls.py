@@ -71,7 +71,12 @@ def plan_tools(tools: list | None, tool_choice, parser: ToolParser | None, auto_
             schema["maxItems"] = 1
         return ToolPlan("required", tools, structured=_constraint(schema))
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type", "function") == "function" else None
+        fn = choice.get("function")
+        if (choice.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)):
+            raise InvalidRequest('tool_choice must be {"type": "function", "function": {"name": ...}} to name a '
+                                 'function', param="tool_choice")
+        name = fn["name"]
         match = [t for t in tools if t["function"]["name"] == name]
         if not match:
             raise InvalidRequest(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
@@ -81,7 +86,7 @@ def plan_tools(tools: list | None, tool_choice, parser: ToolParser | None, auto_
 
 
 def _constraint(schema: dict) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=schema).validate("tools")
+    return StructuredOutputsParams(json=schema).validate("tools", parse=False)  # parsed off the loop: grammar_check.py
 
 
 def _required_calls(text: str) -> list[ToolCall]:

@@ -21,11 +21,11 @@ import torch
 
 from kestrel.core.sampling_params import StructuredOutputsParams
 from kestrel.structured_output.bitmask import StepBitmask, bitmask_width
+from kestrel.structured_output.compile_lanes import CompileLanes, CompileTimeout
 from kestrel.core.grammar import build_grammar
 
 logger = logging.getLogger(__name__)
 
-COMPILE_THREADS = 2
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used out)
 MIN_SLICE_ROWS = 4  # a fill thread's share of a step's rows is at least this (a row costs ~20-100 us)
 
@@ -86,7 +86,7 @@ class FillJob:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, max_rows: int, pin: bool = False,
-                 fill_threads: int = 0):
+                 fill_threads: int = 0, compile_timeout: float = 30.0):
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         # The grammar's vocabulary: the tokenizer's ids, not the model's padding beyond them (xgrammar would treat
@@ -97,7 +97,7 @@ class StructuredOutputManager:
         self.fill_threads = fill_threads or default_fill_threads()
         self._max_rows = max_rows
         self._pin = pin
-        self._executor: ThreadPoolExecutor | None = None
+        self._lanes = CompileLanes(compile_timeout)
         self._compiler = None
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -128,13 +128,13 @@ class StructuredOutputManager:
         return compiled
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of a constraint, as a future (the same future for the same constraint)."""
+        """The compiled grammar of a constraint, as a future (the same future for the same constraint; one that
+        ran out of its compile budget stays failed, so sending it again costs no thread)."""
         key = (params.kind, params.spec)
         fut = self._cache.get(key)
-        if fut is None or (fut.done() and fut.exception() is not None):
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kestrel-grammar")
-            fut = self._cache[key] = self._executor.submit(self._compile, *key)
+        error = fut.exception() if fut is not None and fut.done() else None
+        if fut is None or (error is not None and not isinstance(error, CompileTimeout)):
+            fut = self._cache[key] = self._lanes.submit(self._compile, *key)
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
@@ -207,6 +207,6 @@ class StructuredOutputManager:
         return job.result() if job is not None else None
 
     def shutdown(self) -> None:
-        for pool in (self._executor, self._pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        self._lanes.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

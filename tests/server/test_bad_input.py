@@ -69,6 +69,20 @@ CASES = [
     ("timeout_zero", C, {**OK, "timeout": 0}, 400, "timeout", "greater than 0"),
     ("prompt_logprobs_streaming", C, {**OK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs", "stream"),
     ("prompt_logprobs_too_many", C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs", "max-logprobs"),
+    # issue 33: were 500s or wrong acceptances
+    ("assistant_tool_call_function_string", CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": "get_weather"}]}, *MSG]}, 400, "messages", "function"),
+    ("assistant_tool_call_function_int", CH, {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": 7}]}, *MSG]}, 400, "messages", "function"),
+    ("assistant_tool_call_not_object", CH, {"messages": [{"role": "assistant", "tool_calls": ["call"]}, *MSG]},
+     400, "messages", "tool_calls"),
+    ("tool_choice_function_not_object", CH, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": "f"}}, 400, "tool_choice", "name"),
+    ("stream_yes", C, {**OK, "stream": "yes"}, 400, "stream", "boolean"),
+    ("echo_string_true", C, {**OK, "echo": "true"}, 400, "echo", "boolean"),
+    ("chat_logprobs_int", CH, {"messages": MSG, "logprobs": 1}, 400, "logprobs", "boolean"),
+    ("json_schema_remote_ref", C, {**OK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "https://example.com/s.json"}}}}, 400, "response_format", "$ref"),
     # parameters Kestrel does not implement: refused by name, never silently ignored
     ("guided_decoding_backend", C, {**OK, "guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend",
      "not supported"),
@@ -100,3 +114,26 @@ def test_still_serving_after_bad_requests(server):
     assert s == 200, r
     s, r = http("POST", server.url + CH, {"messages": MSG, "max_tokens": 2})
     assert s == 200 and r["choices"][0]["message"]["role"] == "assistant"
+    # a well-formed assistant tool call (arguments as JSON text or an object) still renders
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {"b": 2}}}]
+    s, r = http("POST", server.url + CH, {"messages": [*MSG, {"role": "assistant", "tool_calls": calls}, *MSG],
+                                          "max_tokens": 2})
+    assert s == 200, r
+
+
+def test_tokenize_with_an_image_answers_like_chat(server):
+    """A text-only model: an image message is the chat route's 400 (before: a 500)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    msg = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                        {"type": "image_url", "image_url": {"url": url}}]}]
+    s, r = http("POST", server.url + "/tokenize", {"messages": msg})
+    s2, r2 = http("POST", server.url + CH, {"messages": msg, "max_tokens": 2})
+    assert s == s2 == 400 and r["error"] == r2["error"] and "images" in r["error"]["message"], (r, r2)

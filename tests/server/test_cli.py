@@ -120,3 +120,27 @@ def test_llm_generate_takes_vllm_prompt_dicts(offline_llm):
     assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
         offline_llm.generate({"prompt": "x", "prompt_embeds": []}, p)
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    """Issue 33: --api-key-file and vLLM's VLLM_API_KEY besides --api-key and KESTREL_API_KEY."""
+    from kestrel.cli import resolve_api_key
+    from kestrel.errors import ConfigError
+
+    monkeypatch.delenv("KESTREL_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    (tmp_path / "key").write_text("  s3cret\n")
+    assert resolve_api_key(None, str(tmp_path / "key")) == "s3cret"
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert resolve_api_key(None, None) == "from-vllm"
+    monkeypatch.setenv("KESTREL_API_KEY", "from-kestrel")
+    assert resolve_api_key(None, None) == "from-kestrel"
+    assert resolve_api_key("flag", None) == "flag"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key("flag", str(tmp_path / "key"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve_api_key(None, str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="No such file"):
+        resolve_api_key(None, str(tmp_path / "missing"))

@@ -108,6 +108,15 @@ def test_concurrent_image_requests_on_render_threads(mm_server):
     assert len({n for _, n in one_by_one}) > 1  # the image sizes give different placeholder counts
 
 
+def test_tokenize_with_an_image_counts_like_chat(mm_server):
+    """Issue 33: /tokenize with an image message was a 500; it gives the chat prompt's ids, placeholders included."""
+    msg = image_message(data_url(sample_images()[0]))
+    status, tok = http("POST", mm_server.url + "/tokenize", {"messages": msg})
+    assert status == 200, tok
+    status, body = http("POST", mm_server.url + CH, {"messages": msg, "max_tokens": 1})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) == body["usage"]["prompt_tokens"] > 40
+
+
 BAD = [
     # (id, content parts, status, param, words in the message)
     ("undecodable", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],

@@ -1,5 +1,6 @@
-"""`kestrel serve` options of issue 17 on one server: --enable-admin-api with --api-key, --chat-template FILE,
---trust-request-chat-template, --generation-config, --max-logprobs, --default-max-tokens, --allowed-origins."""
+"""`kestrel serve` options of issue 17 on one server: --enable-admin-api with an API key (from --api-key-file:
+issue 33), --chat-template FILE, --trust-request-chat-template, --generation-config, --max-logprobs,
+--default-max-tokens, --allowed-origins."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ def opts_server(server_model, tmp_path_factory):
     gen = tmp / "gen"
     gen.mkdir()
     (gen / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 3}))
+    (tmp / "key").write_text(KEY + "\n")
     s = Server(server_model, tmp / "server.log", extra=[
-        "--enable-admin-api", "--api-key", KEY, "--chat-template", str(tmp / "template.jinja"),
+        "--enable-admin-api", "--api-key-file", str(tmp / "key"), "--chat-template", str(tmp / "template.jinja"),
         "--trust-request-chat-template", "--generation-config", str(gen), "--max-logprobs", "30",
         "--default-max-tokens", "5", "--allowed-origins", "http://example.com"])
     yield s.wait_ready()
@@ -37,6 +39,57 @@ def test_admin_api_needs_the_key(opts_server):
     assert http("POST", u + "/reset_prefix_cache", headers=AUTH) == (200, {"ok": True})
     s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=AUTH)
     assert s == 200 and r["usage"]["completion_tokens"] == 2
+
+
+def test_key_from_a_file_is_not_in_the_process_list_and_guards_the_docs(opts_server):
+    """Issue 33: the key was only on the command line (visible in ps) and /docs, /openapi.json answered anyone."""
+    import psutil
+
+    assert not any(KEY in " ".join(p.cmdline()) for p in [psutil.Process(opts_server.proc.pid),
+                                                          *psutil.Process(opts_server.proc.pid).children(True)])
+    assert http("GET", opts_server.url + "/redoc")[0] == 404  # not served
+    for path in ("/docs", "/openapi.json", "/v1/models"):
+        s, r = http("GET", opts_server.url + path)
+        assert s == 401 and r["error"]["code"] == "invalid_api_key", (path, r)
+    s, schema = http("GET", opts_server.url + "/openapi.json", headers=AUTH)
+    assert s == 200 and "/v1/chat/completions" in schema["paths"] and "/docs" not in schema["paths"]
+    s, page = http("GET", opts_server.url + "/docs", headers=AUTH)
+    assert s == 200 and "swagger-ui" in page and "/openapi.json" in page
+    assert http("GET", opts_server.url + "/health")[0] == 200  # the probe stays open
+
+
+def test_sleep_with_queued_requests_idles_the_engine(opts_server):
+    """Issue 33: asleep with requests queued, the engine core spun, sending empty outputs as fast as it could
+    (/health took 30 s). Now it idles, the server answers at once, and the requests finish after /wake_up."""
+    import threading
+    import time
+
+    import psutil
+
+    u = opts_server.url
+    assert http("POST", u + "/sleep", headers=AUTH) == (200, {"ok": True})
+    results = []
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    clients = [threading.Thread(target=lambda: results.append(http("POST", u + "/v1/completions", body,
+                                                                   headers=AUTH, timeout=60)))
+               for _ in range(6)]
+    for t in clients:
+        t.start()
+    time.sleep(0.5)  # queued in the sleeping engine
+    core = psutil.Process(opts_server.engine_pids()[-1])
+    core.cpu_percent()
+    worst = 0.0
+    for _ in range(20):
+        t0 = time.perf_counter()
+        assert opts_server.health()[0] == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.05)
+    assert core.cpu_percent() < 30 and worst < 0.1, worst  # spinning took a whole core
+    assert not results  # nothing ran while asleep
+    assert http("POST", u + "/wake_up", headers=AUTH) == (200, {"ok": True})
+    for t in clients:
+        t.join(60)
+    assert [s for s, _ in results] == [200] * 6 and all(r["usage"]["completion_tokens"] == 4 for _, r in results)
 
 
 def test_server_and_trusted_request_chat_templates(opts_server):

@@ -4,6 +4,7 @@ request waiting for its compile while others run."""
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -144,3 +145,36 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
     assert re.fullmatch("[a-z]{20}", out.text) and out.finish_reason == "stop"
     # one fill a token; the first step samples at once (nothing in flight to overlap with), every later one overlaps
     assert count["fills"] == len(out.token_ids) > 3 and count["overlapped"] == count["fills"] - 1
+
+
+def test_slow_compiles_time_out_and_do_not_starve_a_small_grammar(tiny_llama):
+    """Issue 33: two hostile constraints (a pattern xgrammar parses for seconds; sent to the core directly, past
+    the frontend's limits) used to hold both compile threads while a trivial structured request waited 251 s.
+    Now the small one compiles beside them and answers at once, and each slow one fails its own request with
+    the budget as the reason when the budget runs out, on a thread that no longer counts."""
+    llm = LLM(str(tiny_llama), progress=False, num_kv_blocks=128, max_model_len=256, grammar_compile_timeout=1.0)
+    core = llm.engine.core
+    slow = [SamplingParams(max_tokens=4, structured_outputs=SO(json={"type": "string", "pattern": f"a{{{n}}}"}))
+            for n in (8000, 8001)]  # ~3 s each to parse
+    for i, p in enumerate(slow):
+        core.add_request(EngineCoreRequest(f"slow{i}", [1, 5, 7], p, None, 4, 0.0))
+    small = SamplingParams(max_tokens=3, temperature=0, structured_outputs=SO(choice=["yes", "no"]))
+    t0 = time.monotonic()
+    core.add_request(EngineCoreRequest("small", [1, 5, 7], small, None, 3, 0.0))
+    finished = {}
+    while len(finished) < 3 and time.monotonic() - t0 < 20:
+        for o in core.step().outputs:
+            if o.finish_reason:
+                finished[o.request_id] = (o, time.monotonic() - t0)
+    small_out, small_s = finished["small"]
+    assert small_out.finish_reason == "stop" and small_s < 2.0
+    for i in range(2):
+        out, seconds = finished[f"slow{i}"]
+        assert out.finish_reason == "abort" and "--grammar-compile-timeout" in out.stop_reason
+        assert seconds < 5.0
+    # the same hostile constraint again fails at once, without a new compile thread
+    t1 = time.monotonic()
+    core.add_request(EngineCoreRequest("again", [1, 5, 7], slow[0], None, 4, 0.0))
+    out = next(o for _ in range(100) for o in core.step().outputs if o.finish_reason)
+    assert out.request_id == "again" and "budget" in out.stop_reason and time.monotonic() - t1 < 0.5
+    core.structured.shutdown()
