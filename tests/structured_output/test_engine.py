@@ -157,10 +157,10 @@ def test_slow_compiles_time_out_and_do_not_starve_a_small_grammar(tiny_llama):
     slow = [SamplingParams(max_tokens=4, structured_outputs=SO(json={"type": "string", "pattern": f"a{{{n}}}"}))
             for n in (8000, 8001)]  # ~3 s each to parse
     for i, p in enumerate(slow):
-        core.add_request(EngineCoreRequest(f"slow{i}", [1, 5, 7], p, None, 4, 0.0))
+        core.add_request(EngineCoreRequest(f"slow{i}", [1, 5, 7], p, 4, 0.0))
     small = SamplingParams(max_tokens=3, temperature=0, structured_outputs=SO(choice=["yes", "no"]))
     t0 = time.monotonic()
-    core.add_request(EngineCoreRequest("small", [1, 5, 7], small, None, 3, 0.0))
+    core.add_request(EngineCoreRequest("small", [1, 5, 7], small, 3, 0.0))
     finished = {}
     while len(finished) < 3 and time.monotonic() - t0 < 20:
         for o in core.step().outputs:
@@ -174,7 +174,7 @@ def test_slow_compiles_time_out_and_do_not_starve_a_small_grammar(tiny_llama):
         assert seconds < 5.0
     # the same hostile constraint again fails at once, without a new compile thread
     t1 = time.monotonic()
-    core.add_request(EngineCoreRequest("again", [1, 5, 7], slow[0], None, 4, 0.0))
+    core.add_request(EngineCoreRequest("again", [1, 5, 7], slow[0], 4, 0.0))
     out = next(o for _ in range(100) for o in core.step().outputs if o.finish_reason)
     assert out.request_id == "again" and "budget" in out.stop_reason and time.monotonic() - t1 < 0.5
     core.structured.shutdown()
