@@ -1,5 +1,5 @@
 """Pick, for each KV-cache group, the first attention backend whose declared flags and validate() fit the group's
-spec, the model's dtype and the platform."""
+spec, the model's dtype, the platform and what the model declares (a bidirectional prefix)."""
 from __future__ import annotations
 
 import logging
@@ -33,7 +33,9 @@ def backend_candidates() -> list[type[AttentionBackend]]:
 
 
 def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "auto",
-                             platform: Platform | None = None, what: str = "attention") -> type[AttentionBackend]:
+                             platform: Platform | None = None, what: str = "attention",
+                             bidirectional_prefix: bool = False) -> type[AttentionBackend]:
+    """`bidirectional_prefix`: the model declares HasBidirectionalPrefix, so the backend must support it."""
     platform = platform or current_platform()
     cands = backend_candidates()
     if forced != "auto":
@@ -47,6 +49,8 @@ def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "
         ok, why = cls.validate(platform, spec.dtype, head_size, block_size)
         if ok:
             ok, why = cls.validate_spec(spec)
+        if ok and bidirectional_prefix and not cls.supports_bidirectional_prefix:
+            ok, why = False, "no bidirectional prefix attention"
         if ok:
             logger.info("Selected attention backend %s for %s%s", cls.name, what,
                         f" (skipped: {'; '.join(skipped)})" if skipped else "")

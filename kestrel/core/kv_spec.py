@@ -36,9 +36,6 @@ class FullAttentionSpec(KVCacheSpec):
     """K and V for every token, paged: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
     num_kv_heads: int = 1
     head_dim: int = 1
-    # queries and keys inside a request's bidirectional prefix see each other both ways (PaliGemma's image +
-    # prompt); a backend must declare supports_bidirectional_prefix to serve it
-    bidirectional_prefix: bool = False
 
     def page_bytes(self, block_size: int) -> int:
         return 2 * block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()

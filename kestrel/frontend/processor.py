@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
+from kestrel.core.extras import RequestExtras
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
@@ -62,7 +63,7 @@ def display_prompt(prompt) -> str | None:
 
 def mm_model_class(config, hf_config=None):
     """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
-    from kestrel.frontend.mm_processor import is_multimodal
+    from kestrel.models.interfaces import supports_images
     from kestrel.loader import default_model_path, load_hf_config
     from kestrel.models.registry import get_model_class
 
@@ -72,7 +73,7 @@ def mm_model_class(config, hf_config=None):
         return None
     hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
     model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
-    return (path, hf_config, model_cls) if is_multimodal(model_cls) else None
+    return (path, hf_config, model_cls) if supports_images(model_cls) else None
 
 
 def make_mm_processor(config, hf_config=None):
@@ -187,10 +188,8 @@ class InputProcessor:
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
         ids, features, bidirectional_len = self.mm.process(text, images, add_special_tokens)
-        if self.max_num_batched_tokens and bidirectional_len > self.max_num_batched_tokens:
-            raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {bidirectional_len} tokens) "
-                                 f"is computed in one step and exceeds --max-num-batched-tokens "
-                                 f"{self.max_num_batched_tokens}", param="prompt")
+        if self.max_num_batched_tokens:  # the engine's rule, checked here too to answer 400 before sending
+            RequestExtras(bidirectional_len=bidirectional_len).check_step_budget(self.max_num_batched_tokens)
         return ProcessedPrompt(ids, features, bidirectional_len, text)
 
     def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
@@ -227,13 +226,13 @@ class InputProcessor:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
                                  f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.default_max_tokens or room)
+        extras = RequestExtras(lora_id, features, bidirectional_len)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_id, max_tokens,
-                                          arrival, priority, lora_id, mm_features=features,
-                                          bidirectional_len=bidirectional_len))
+                                          arrival, priority, extras))
         return ids, reqs
 
 

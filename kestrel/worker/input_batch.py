@@ -8,12 +8,12 @@ from it). Each KV-cache group has its own block table and slot mapping (slot = b
 all groups' are staged together, gathered from the rows in one numpy pass, and copied in one transfer each."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kestrel.core.multimodal import MMFeature
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
 from kestrel.core.sampling_params import SamplingParams
 
@@ -25,18 +25,13 @@ class RequestState(TokenSequence):
     output_token_ids: list[int]  # PLACEHOLDER where a launched step's token is not collected yet
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]
-    lora_id: int = 0  # 0: no adapter
-    mm_features: list[MMFeature] = field(default_factory=list)
-    bidirectional_len: int = 0
-    # encoder cache: image index -> its embeddings, kept from the step that first needs them until the step that
-    # computes its last placeholder (chunked prefill across an image runs the encoder once)
-    encoder_outputs: dict = field(default_factory=dict)
+    extras: RequestExtras = NO_EXTRAS  # the request's features (the runner's add-ons read them)
     table_row: int = -1  # its row of the runner's BlockTableRows
 
     @classmethod
     def from_new(cls, r: NewRequestData, table_row: int) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, r.lora_id, list(r.mm_features), r.bidirectional_len, table_row=table_row)
+                   r.min_tokens_stop_ids, r.extras, table_row=table_row)
 
 
 class BlockTableRows:

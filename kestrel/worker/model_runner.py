@@ -1,6 +1,8 @@
 """Runs one scheduled step on the model. It keeps its own batch state from the scheduler's per-step deltas
 (kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
-that group's attention metadata, runs the forward (or replays a CUDA graph) and samples."""
+that group's attention metadata, runs the forward (or replays a CUDA graph) and samples. Per-request features
+(LoRA, images, a bidirectional prefix, grammar bitmasks) are add-ons (kestrel/worker/addons/): the runner calls
+their hooks and knows none by name."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +19,9 @@ from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
-from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
+from kestrel.models.interfaces import has_bidirectional_prefix
+from kestrel.structured_output.bitmask import StepBitmask
+from kestrel.worker.addons import build_addons, lora_manager, overriding
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.core.device import to_device
@@ -38,6 +42,7 @@ class InFlight:
     logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
     sample_pending: bool = False
     states: list = field(default_factory=list)  # the sampling rows' RequestStates (sample() may come after a pop)
+    bitmask: StepBitmask | None = None  # structured outputs: the constrained rows' token masks (sample())
 
     @property
     def samples(self) -> bool:
@@ -70,7 +75,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = self.model_config.max_model_len
         self._bind_attention()
-        self.lora = self._init_lora()
+        self.addons = build_addons(self.model, config, self.device, self.dtype)
+        self._hooks = {h: overriding(self.addons, h) for h in ("add_request", "remove_request", "prepare",
+                       "attention_fields", "inputs_embeds", "step_graph_ok", "before_sample")}
+        # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
+        self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
@@ -90,7 +99,7 @@ class ModelRunner:
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what)
+                                               what=what, bidirectional_prefix=has_bidirectional_prefix(self.model))
             self.backends.append(backend)
             self.builders.append(backend.builder_cls(g.spec, self.block_size, self.device))
             for name in g.layer_names:
@@ -100,30 +109,6 @@ class ModelRunner:
                                               logits_soft_cap=layer.logits_soft_cap)
                 layer.group_id = g.group_id
         self.num_cache_slots = max(len(g.layer_names) for g in self.kv_cache_groups)
-
-    def _init_lora(self):
-        """--enable-lora: wrap the model's LoRA-capable linears (kestrel/lora/manager.py)."""
-        if not self.config.lora.enable_lora:
-            return None
-        from kestrel.lora.manager import LoRAManager
-        sc = self.config.scheduler
-        return LoRAManager(self.model, self.config.lora, self.device, self.dtype,
-                           max(sc.max_num_batched_tokens, sc.max_num_seqs), self.config.kernel.lora_backend)
-
-    def _prepare_lora(self, chunks: list[ScheduledChunk], states: list[RequestState]) -> None:
-        """This step's token -> adapter slot mapping (device buffers the LoRA kernels and CUDA graphs read)."""
-        if self.lora is None:
-            return
-        self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], self._live_loras())
-
-    def _prepare_encoder_lora(self, st: RequestState, image: dict[str, torch.Tensor]) -> None:
-        """The vision tower's and connector's adapter mappings for one image: its request's adapter on every row,
-        the row counts from the image's processed inputs (the model's lora_encoder_tokens)."""
-        if self.lora is not None and self.lora.encoder_mappings:
-            self.lora.set_encoder_mapping(st.lora_id, self.model.lora_encoder_tokens(image), self._live_loras())
-
-    def _live_loras(self) -> set[int]:
-        return {st.lora_id for st in self.requests.values() if st.lora_id}
 
     @property
     def backend(self):
@@ -178,13 +163,13 @@ class ModelRunner:
 
     # ---- metadata
     def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
-                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False,
-                 bidirectional_lens: list[int] | None = None) -> ForwardContext:
-        """Every group's attention metadata over the buffers' first rows, from its backend's builder."""
+                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False, **fields) -> ForwardContext:
+        """Every group's attention metadata over the buffers' first rows, from its backend's builder. `fields`:
+        the add-ons' extra common fields (attention_fields)."""
         buf = self.buffers
         common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
                                          buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
-                                         bidirectional_lens)
+                                         **fields)
         metas = []
         for g, builder in enumerate(self.builders):
             build = builder.build_for_capture if capture else builder.build
@@ -235,17 +220,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 
-    @torch.inference_mode()
-    def _encode_dummy_image(self) -> torch.Tensor | None:
-        """Image models: the vision encoder on the largest image the model takes (None for text models), so that
-        the memory profile counts its activations and the first requests do not pay its kernels' first calls."""
-        make = getattr(self.model, "dummy_image_inputs", None)
-        if make is None:
-            return None
-        image = {k: v.to(self.device) for k, v in make().items()}
-        if self.lora is not None and self.lora.encoder_mappings:
-            self.lora.set_encoder_mapping(0, self.model.lora_encoder_tokens(image), set())
-        return self.model.embed_image(image)
+    def _encode_dummy_image(self) -> list:
+        """Every add-on's start-up warm-up (an image model's encoder on its largest image), so that the memory
+        profile counts its activations (the caller keeps the returned list alive through its forward)."""
+        return [a.warm_up() for a in self.addons]
 
     @torch.inference_mode()
     def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
@@ -273,7 +251,7 @@ class ModelRunner:
         comp, sc = self.config.compilation, self.config.scheduler
         if self.device.type != "cuda" or comp.enforce_eager or not all(b.supports_cuda_graphs for b in self.backends):
             return []
-        if self.lora is not None and self.lora.backend != "triton":  # the reference reads the mapping on the host
+        if not all(a.supports_graphs() for a in self.addons):  # e.g. LoRA's PyTorch reference
             return []
         return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
 
@@ -345,19 +323,27 @@ class ModelRunner:
         for rid in step.finished_ids:
             st = self.requests.pop(rid, None)
             if st is not None:
-                self.block_rows.free(st.table_row)
+                self._forget(st)
             self.prompt_logprobs_done.pop(rid, None)
         for r in step.new_requests:
             old = self.requests.get(r.request_id)
             if old is not None:
-                self.block_rows.free(old.table_row)
-            self.requests[r.request_id] = RequestState.from_new(r, self.block_rows.add(r.block_ids))
+                self._forget(old)
+            self.requests[r.request_id] = st = RequestState.from_new(r, self.block_rows.add(r.block_ids))
+            for add in self._hooks["add_request"]:
+                add(st)
         for c in step.chunks:
             if c.new_block_ids:
                 self.block_rows.append(self.requests[c.request_id].table_row, c.new_block_ids)
 
+    def _forget(self, st: RequestState) -> None:
+        self.block_rows.free(st.table_row)
+        for remove in self._hooks["remove_request"]:
+            remove(st)
+
     # ---- one step
-    def _prepare(self, chunks: list[ScheduledChunk], prev: "InFlight | None") -> ForwardContext:
+    def _prepare(self, chunks: list[ScheduledChunk], states: list[RequestState],
+                 prev: "InFlight | None") -> ForwardContext:
         """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
         buf = self.buffers
         if self._copy_done is not None:
@@ -367,7 +353,6 @@ class ModelRunner:
         if n_tok > buf.max_tokens or len(chunks) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(chunks)} requests exceeds the runner's buffers")
         qsl, sl, ids, pos = buf.qsl_np, buf.sl_np, buf.ids_np, buf.pos_np
-        states = [self.requests[c.request_id] for c in chunks]
         nr = len(chunks)
         req_rows = np.fromiter((st.table_row for st in states), dtype=np.intp, count=nr)
         width = max(1, int(self.block_rows.lens[req_rows].max()))
@@ -396,7 +381,8 @@ class ModelRunner:
             sl[b] = start + n
         tables = buf.stage_block_tables(self.block_rows, req_rows, width)
         buf.stage_slots(tables, qsl[:nr + 1], pos[:t])
-        self._prepare_lora(chunks, states)
+        for prepare in self._hooks["prepare"]:
+            prepare(chunks, states)
         buf.copy_to_device(t, nr, width)
         self._num_fills = k = len(fills_dst)
         if k:
@@ -406,11 +392,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
-        # a chunk inside a request's bidirectional prefix attends both ways there
-        bidir = [st.bidirectional_len if c.num_computed_tokens < st.bidirectional_len else 0
-                 for c, st in zip(chunks, states)]
+        fields = {}
+        for attention_fields in self._hooks["attention_fields"]:
+            fields.update(attention_fields(chunks, states))
         return self.metadata(t, nr, num_decodes, max(c.num_new_tokens for c in chunks), int(sl[:nr].max()), width,
-                             qsl[:nr + 1].tolist(), sl[:nr].tolist(), bidirectional_lens=bidir if any(bidir) else None)
+                             qsl[:nr + 1].tolist(), sl[:nr].tolist(), **fields)
 
     @torch.inference_mode()
     def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True,
@@ -425,7 +411,8 @@ class ModelRunner:
         if step.is_empty:
             return inf
         chunks = sorted(step.chunks, key=lambda c: c.num_new_tokens != 1)  # decodes first
-        ctx = self._prepare(chunks, prev)
+        states = [self.requests[c.request_id] for c in chunks]
+        ctx = self._prepare(chunks, states, prev)
         if before_forward is not None:
             before_forward()
         if self._num_fills:
@@ -434,10 +421,12 @@ class ModelRunner:
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
         samplers = [c for c in chunks if c.samples]
-        hidden = None
-        inputs_embeds = self._merged_embeddings(chunks, meta.num_tokens)
-        padded = (self.graphs.padded_size(meta.num_reqs)
-                  if self.graphs and meta.num_decodes == meta.num_reqs and inputs_embeds is None else None)
+        hidden = inputs_embeds = None
+        for embeds in self._hooks["inputs_embeds"]:
+            out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
+            inputs_embeds = out if out is not None else inputs_embeds
+        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
+                  and all(ok() for ok in self._hooks["step_graph_ok"]) else None)
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         else:
@@ -451,8 +440,7 @@ class ModelRunner:
             inf.states = [self.requests[c.request_id] for c in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
-            for b, c in enumerate(chunks):
-                st = self.requests[c.request_id]
+            for b, (c, st) in enumerate(zip(chunks, states)):
                 if st.sampling_params.prompt_logprobs is not None:
                     self._prompt_logprobs(c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
         if sample and inf.sample_pending:
@@ -462,10 +450,10 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, inf: "InFlight", bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
-        row in inf.rows order) masks the logits on the device first (kestrel/structured_output)."""
-        logits, inf.logits, inf.sample_pending = inf.logits, None, False
-        if bitmask is not None:
-            apply_token_bitmask(logits, bitmask.mask, bitmask.rows)
+        row in inf.rows order) masks the logits on the device first (the grammar add-on)."""
+        logits, inf.logits, inf.sample_pending, inf.bitmask = inf.logits, None, False, bitmask
+        for before_sample in self._hooks["before_sample"]:
+            before_sample(logits, inf)
         states = inf.states
         rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
                 for st in states]
@@ -483,41 +471,6 @@ class ModelRunner:
             inf.tokens_host = host
             inf.event = torch.cuda.Event()
             inf.event.record()
-
-    # ---- images
-    def _merged_embeddings(self, chunks: list[ScheduledChunk], num_tokens: int) -> torch.Tensor | None:
-        """The step's input embeddings with each scheduled image placeholder replaced by the image's embedding
-        row (None when no placeholder is in the step: the model embeds the ids itself). An image is encoded
-        whole the first time any of its placeholders is scheduled and kept in its request's encoder cache until
-        the step that computes its last placeholder."""
-        spans = []
-        t = 0
-        for c in chunks:
-            st = self.requests[c.request_id]
-            start, end = c.num_computed_tokens, c.num_computed_tokens + c.num_new_tokens
-            for i, f in enumerate(st.mm_features):
-                if f.offset >= end or f.end <= start:
-                    continue
-                emb = st.encoder_outputs.get(i)
-                if emb is None:
-                    image = f.tensors(self.device)
-                    self._prepare_encoder_lora(st, image)
-                    emb = self.model.embed_image(image)
-                    if emb.shape[0] != f.length:
-                        raise RuntimeError(f"image {i} of {c.request_id}: {emb.shape[0]} embeddings for "
-                                           f"{f.length} placeholders")
-                    st.encoder_outputs[i] = emb
-                lo, hi = max(start, f.offset), min(end, f.end)
-                spans.append((t + lo - start, emb[lo - f.offset:hi - f.offset]))
-                if hi == f.end:
-                    del st.encoder_outputs[i]  # every placeholder is computed by this step
-            t += c.num_new_tokens
-        if not spans:
-            return None
-        embeds = self.model.embed_input_ids(self.buffers.input_ids[:num_tokens])
-        for row, emb in spans:
-            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
-        return embeds
 
     def collect(self, inf: "InFlight") -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
