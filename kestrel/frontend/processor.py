@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+
+import msgspec
 from dataclasses import dataclass, field
 
 from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
-from kestrel.core.extras import RequestExtras
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
@@ -45,11 +47,11 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
 @dataclass
 class ProcessedPrompt:
     """A prompt whose images the image processor has already expanded: token ids with one placeholder run per
-    image, the images' features in prompt order and the bidirectional prefix length. The server's render threads
-    build it (InputProcessor.process_images) so that image work never runs on the event loop."""
+    image, and the request's extras (the images' features in prompt order, the bidirectional prefix length). The
+    server's render threads build it (InputProcessor.process_images) so that image work never runs on the event
+    loop."""
     token_ids: list[int]
-    features: list
-    bidirectional_len: int = 0
+    extras: RequestExtras = NO_EXTRAS
     text: str | None = None
 
 
@@ -187,19 +189,19 @@ class InputProcessor:
             raise InvalidRequest("this model does not take images", param="multi_modal_data")
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-        ids, features, bidirectional_len = self.mm.process(text, images, add_special_tokens)
+        ids, extras = self.mm.process(text, images, add_special_tokens)
         if self.max_num_batched_tokens:  # the engine's rule, checked here too to answer 400 before sending
-            RequestExtras(bidirectional_len=bidirectional_len).check_step_budget(self.max_num_batched_tokens)
-        return ProcessedPrompt(ids, features, bidirectional_len, text)
+            extras.check_step_budget(self.max_num_batched_tokens)
+        return ProcessedPrompt(ids, extras, text)
 
     def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
                 priority: int = 0, arrival_time: float | None = None, lora_id: int = 0
                 ) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
         prompt = self.process_images(prompt)
-        features, bidirectional_len = [], 0
+        extras = NO_EXTRAS
         if isinstance(prompt, ProcessedPrompt):
-            ids, features, bidirectional_len = prompt.token_ids, prompt.features, prompt.bidirectional_len
+            ids, extras = prompt.token_ids, prompt.extras
             prompt = prompt.text or ""  # the processor's ids: not re-checked as client token ids below
         else:
             add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
@@ -213,7 +215,7 @@ class InputProcessor:
                                          param="prompt")
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        if self.mm is not None and not features and self.mm.image_token_id in ids:
+        if self.mm is not None and not extras.mm_features and self.mm.image_token_id in ids:
             raise InvalidRequest(f"the prompt holds image placeholder tokens ({self.mm.image_token!r}) but no image",
                                  param="prompt")
         room = self.max_model_len - len(ids)
@@ -226,7 +228,8 @@ class InputProcessor:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
                                  f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.default_max_tokens or room)
-        extras = RequestExtras(lora_id, features, bidirectional_len)
+        if lora_id:
+            extras = msgspec.structs.replace(extras, lora_id=lora_id)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):

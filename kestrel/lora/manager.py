@@ -5,10 +5,11 @@ LoRAKernel and `fusable = False` for the model's whole life: a CUDA graph is cap
 adapters, so the unfused path must be the one captured whether or not a step has adapters.
 
 A model declares SupportsLoRA (kestrel/models/interfaces.py) and its parts (`lora_stages`: module prefix ->
-"decoder", "tower" or "connector"; a text model is all decoder) and each part has its own mapping: the decoder's covers the step's tokens, a vision tower's and a
-connector's the rows of the image being encoded, counted from its processed inputs (the model's
-`lora_encoder_tokens(image)`: tiles x patches, never the decoder's placeholders). Linears outside every declared
-part (a vision tower the model does not declare) get no LoRA, and adapters targeting them are refused."""
+"decoder", "tower" or "connector"; a text model is all decoder) and each part has its own mapping: the decoder's
+covers the step's tokens, a vision tower's and a connector's the rows of the image being encoded, counted from
+its processed inputs (the model's `lora_encoder_tokens(image)`: tiles x patches, never the decoder's
+placeholders). Linears outside every declared part (a vision tower the model does not declare) get no LoRA, and
+adapters targeting them are refused."""
 from __future__ import annotations
 
 import logging

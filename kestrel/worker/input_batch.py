@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
-from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
+from kestrel.core.step import PLACEHOLDER, NewRequestData, ScheduledChunk, TokenSequence
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -97,6 +97,35 @@ class InputBuffers:
         self.fill_dst_h, self.fill_dst_np, self.fill_dst = _pair(max_reqs, torch.int64, device, pin)  # placeholder rows
         self.fill_src_h, self.fill_src_np, self.fill_src = _pair(max_reqs, torch.int64, device, pin)
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks_per_req
+
+    def stage_tokens(self, chunks: list[ScheduledChunk], states: list[RequestState], prev_rows: dict | None):
+        """Token ids, positions, query starts and sequence lengths of a step (batch order, decodes first) into the
+        host staging. A decode row's input token may be sampled by the step in flight (a placeholder, or not
+        there yet where that step samples after this one's inputs are staged): it is copied on the device before
+        the forward, from row `prev_rows[request id]` of that step's tokens (staged in fill_dst/fill_src).
+        Returns (num_tokens, num_decodes, num_fills)."""
+        qsl, sl, ids, pos = self.qsl_np, self.sl_np, self.ids_np, self.pos_np
+        k = t = num_decodes = 0
+        qsl[0] = 0
+        for b, (c, st) in enumerate(zip(chunks, states)):
+            start, n = c.num_computed_tokens, c.num_new_tokens
+            if n == 1:
+                tok = st.token_at(start) if start < st.num_prompt_tokens + len(st.output_token_ids) else PLACEHOLDER
+                if tok == PLACEHOLDER:
+                    self.fill_dst_np[k], self.fill_src_np[k] = t, prev_rows[c.request_id]
+                    k += 1
+                    tok = 0
+                ids[t] = tok
+                pos[t] = start
+                if num_decodes == b:
+                    num_decodes += 1
+            else:
+                ids[t:t + n] = st.tokens_slice(start, start + n)
+                pos[t:t + n] = np.arange(start, start + n)
+            t += n
+            qsl[b + 1] = t
+            sl[b] = start + n
+        return t, num_decodes, k
 
     def staged_slots(self, num_tokens: int) -> np.ndarray:
         """[groups, num_tokens] host staging of this step's slot mappings."""

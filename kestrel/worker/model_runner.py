@@ -6,7 +6,6 @@ their hooks and knows none by name."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,38 +14,19 @@ from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
-from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInput
+from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.models.interfaces import has_bidirectional_prefix
 from kestrel.structured_output.bitmask import StepBitmask
-from kestrel.worker.addons import build_addons, lora_manager, overriding
-from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
-from kestrel.core.device import to_device
-from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
+from kestrel.worker.step_outputs import InFlight, StepOutputs
+from kestrel.worker.warm_up import capture_graphs, precompile_kernels
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A launched step: its sampled tokens on the device, and where they land on the host."""
-    out: "RunnerOutput"
-    samplers: list[tuple[str, int]] = field(default_factory=list)  # (request id, index in its outputs)
-    tokens: torch.Tensor | None = None
-    rows: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
-    tokens_host: torch.Tensor | None = None
-    event: object = None
-    logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
-    sample_pending: bool = False
-    states: list = field(default_factory=list)  # the sampling rows' RequestStates (sample() may come after a pop)
-    bitmask: StepBitmask | None = None  # structured outputs: the constrained rows' token masks (sample())
-
-    @property
-    def samples(self) -> bool:
-        return self.tokens is not None
 
 
 def pick_device(name: str) -> torch.device:
@@ -76,15 +56,14 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self._bind_attention()
         self.addons = build_addons(self.model, config, self.device, self.dtype)
-        self._hooks = {h: overriding(self.addons, h) for h in ("add_request", "remove_request", "prepare",
-                       "attention_fields", "inputs_embeds", "step_graph_ok", "before_sample")}
+        self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        self.sampler = Sampler(config.model.seed)
-        self.prompt_logprobs_done: dict[str, int] = {}
+        self.outputs = StepOutputs(config.model.seed, config.scheduler.max_num_seqs, self.device,
+                                   self._hooks["before_sample"])
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
@@ -221,8 +200,8 @@ class ModelRunner:
         return int(peak * 1.1)
 
     def _encode_dummy_image(self) -> list:
-        """Every add-on's start-up warm-up (an image model's encoder on its largest image), so that the memory
-        profile counts its activations (the caller keeps the returned list alive through its forward)."""
+        """Every add-on's start-up warm-up (the image add-on encodes the model's largest image), so that the
+        memory profile counts its activations (the caller keeps the returned list alive through its forward)."""
         return [a.warm_up() for a in self.addons]
 
     @torch.inference_mode()
@@ -230,93 +209,15 @@ class ModelRunner:
         hidden = self.model(ids, positions, ctx)
         self.model.compute_logits(hidden[-min(ids.shape[0], self.config.scheduler.max_num_seqs):])
 
-    # ---- CUDA graphs
+    # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
-        """Persistent buffers, then (on CUDA with graph-capable backends) decode graphs."""
-        sc = self.config.scheduler
+        """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
         self.buffers = self._new_buffers()
-        self.graphs = None
-        if self.device.type == "cuda":
-            self._warm_up_kernels()
-        sizes = self._graph_sizes()
-        if sizes:
-            self.graphs = DecodeGraphs(self, sizes)
-            self.graph_capture_seconds = self.graphs.capture()
-        pin = self.device.type == "cuda"
-        self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._token_flip = 0
-
-    def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, a backend without)."""
-        comp, sc = self.config.compilation, self.config.scheduler
-        if self.device.type != "cuda" or comp.enforce_eager or not all(b.supports_cuda_graphs for b in self.backends):
-            return []
-        if not all(a.supports_graphs() for a in self.addons):  # e.g. LoRA's PyTorch reference
-            return []
-        return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
+        self.graphs = capture_graphs(self)
 
     def precompile_kernels(self) -> None:
-        """Compile, in parallel, every Triton variant that the profile run, the kernel warm-up and the graph
-        capture will launch: the same forwards run once with launches turned into compilations (see
-        kestrel/kernels/triton_ops/precompile.py). Decode forwards read only the layout of the KV cache, so the
-        profile batch's small cache serves them. CUDA only; --no-precompile skips it."""
-        if self.device.type != "cuda" or not self.config.compilation.precompile:
-            return
-        try:
-            from kestrel.kernels.triton_ops.precompile import precompile
-        except ImportError:  # no triton: nothing to compile
-            return
-
-        def dry_run():
-            ids, positions, ctx = self.dummy_prefill_batch(self.config.scheduler.max_num_batched_tokens)
-            self._profile_forward(ids, positions, ctx)
-            self.buffers = self._new_buffers()
-            self._warm_up_kernels()
-            graphs = DecodeGraphs(self, self._graph_sizes())
-            for b in graphs.sizes:
-                graphs.run(b)
-
-        try:
-            precompile(dry_run)
-        finally:
-            self.free_kv_cache()
-            self.buffers = None
-            torch.cuda.empty_cache()
-
-    @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
-        """Compile, at start-up, the kernel variants that mixed prefill/decode steps use (short and long query
-        tiles, decode rows by batch size), so that the first requests do not wait ~1 s per Triton compilation.
-        The batches read block 0 and write nothing (slots -1)."""
-        buf = self.buffers
-        for q_len in (min(24, buf.max_tokens // 2), 4):  # two prefills each
-            hidden = self._warm_up_forward(2, q_len)
-            self.model.compute_logits(hidden[[q_len - 1, 2 * q_len - 1]])
-        # Decode rows outside the graphs (mixed steps): one-token contexts, so the unsplit variants of each batch
-        # size class's decode kernel (the graphs compile the split ones); else each compiles in the first mixed
-        # steps of a run, ~1 s apiece.
-        for b in sorted({min(x, buf.max_reqs) for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, buf.max_reqs)}):
-            self._warm_up_forward(b, 1, decodes=True)
-        self._encode_dummy_image()
-        torch.cuda.synchronize()
-
-    def _warm_up_forward(self, num_reqs: int, q_len: int, decodes: bool = False) -> torch.Tensor:
-        """A forward of num_reqs requests of q_len new tokens each, their whole contexts (decodes: one token
-        each, sent as decode rows)."""
-        buf = self.buffers
-        n = num_reqs * q_len
-        width = cdiv(q_len, self.block_size)
-        qsl = list(range(0, n + 1, q_len))
-        buf.qsl_np[:num_reqs + 1] = qsl
-        buf.sl_np[:num_reqs] = q_len
-        buf.ids_np[:n] = 0
-        buf.pos_np[:n] = np.tile(np.arange(q_len), num_reqs)
-        buf.staged_slots(n)[:] = -1
-        buf.staged_block_tables(num_reqs, width)[:] = 0
-        buf.copy_to_device(n, num_reqs, width)
-        ctx = self.metadata(n, num_reqs, num_reqs if decodes else 0, q_len, q_len, width, qsl,
-                            [q_len] * num_reqs)
-        return self.model(buf.input_ids[:n], buf.positions[:n], ctx)
+        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
+        precompile_kernels(self)
 
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
@@ -324,7 +225,7 @@ class ModelRunner:
             st = self.requests.pop(rid, None)
             if st is not None:
                 self._forget(st)
-            self.prompt_logprobs_done.pop(rid, None)
+            self.outputs.prompt_logprobs_done.pop(rid, None)
         for r in step.new_requests:
             old = self.requests.get(r.request_id)
             if old is not None:
@@ -343,52 +244,26 @@ class ModelRunner:
 
     # ---- one step
     def _prepare(self, chunks: list[ScheduledChunk], states: list[RequestState],
-                 prev: "InFlight | None") -> ForwardContext:
+                 prev: InFlight | None) -> ForwardContext:
         """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
         buf = self.buffers
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the last step's host->device copies have left the staging buffers
-        fills_dst, fills_src = [], []
         n_tok = sum(c.num_new_tokens for c in chunks)
         if n_tok > buf.max_tokens or len(chunks) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(chunks)} requests exceeds the runner's buffers")
-        qsl, sl, ids, pos = buf.qsl_np, buf.sl_np, buf.ids_np, buf.pos_np
         nr = len(chunks)
         req_rows = np.fromiter((st.table_row for st in states), dtype=np.intp, count=nr)
         width = max(1, int(self.block_rows.lens[req_rows].max()))
-        qsl[0] = 0
-        t = 0
-        num_decodes = 0
-        for b, (c, st) in enumerate(zip(chunks, states)):
-            start, n = c.num_computed_tokens, c.num_new_tokens
-            if n == 1:
-                # the token at `start` is sampled by the step in flight (a placeholder, or not there yet where
-                # that step samples after this one's inputs are staged): copied on the device before the forward
-                tok = st.token_at(start) if start < st.num_prompt_tokens + len(st.output_token_ids) else PLACEHOLDER
-                if tok == PLACEHOLDER:
-                    fills_dst.append(t)
-                    fills_src.append(prev.rows[c.request_id])
-                    tok = 0
-                ids[t] = tok
-                pos[t] = start
-                if num_decodes == b:
-                    num_decodes += 1
-            else:
-                ids[t:t + n] = st.tokens_slice(start, start + n)
-                pos[t:t + n] = np.arange(start, start + n)
-            t += n
-            qsl[b + 1] = t
-            sl[b] = start + n
+        t, num_decodes, self._num_fills = buf.stage_tokens(chunks, states, prev.rows if prev is not None else None)
+        qsl, sl, pos = buf.qsl_np, buf.sl_np, buf.pos_np
         tables = buf.stage_block_tables(self.block_rows, req_rows, width)
         buf.stage_slots(tables, qsl[:nr + 1], pos[:t])
         for prepare in self._hooks["prepare"]:
             prepare(chunks, states)
         buf.copy_to_device(t, nr, width)
-        self._num_fills = k = len(fills_dst)
-        if k:
-            buf.fill_dst_np[:k] = fills_dst
-            buf.fill_src_np[:k] = fills_src
-            buf.copy_fills(k)
+        if self._num_fills:
+            buf.copy_fills(self._num_fills)
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
@@ -399,8 +274,8 @@ class ModelRunner:
                              qsl[:nr + 1].tolist(), sl[:nr].tolist(), **fields)
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True,
-               before_forward=None) -> "InFlight":
+    def launch(self, step: StepInput, prev: InFlight | None = None, sample: bool = True,
+               before_forward=None) -> InFlight:
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
         placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode). With sample=False
         only the forward (to the logits) is queued: the caller fills a token bitmask on the host meanwhile, then
@@ -420,7 +295,7 @@ class ModelRunner:
             buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        samplers = [c for c in chunks if c.samples]
+        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
         hidden = inputs_embeds = None
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
@@ -436,69 +311,22 @@ class ModelRunner:
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
-            inf.rows = {c.request_id: i for i, c in enumerate(samplers)}
-            inf.states = [self.requests[c.request_id] for c in samplers]
+            inf.rows = {c.request_id: i for i, (c, _) in enumerate(samplers)}
+            inf.states = [st for _, st in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
             for b, (c, st) in enumerate(zip(chunks, states)):
                 if st.sampling_params.prompt_logprobs is not None:
-                    self._prompt_logprobs(c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
+                    self.outputs.prompt_logprobs(self.model, c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
         if sample and inf.sample_pending:
             self.sample(inf)
         return inf
 
-    @torch.inference_mode()
-    def sample(self, inf: "InFlight", bitmask: StepBitmask | None = None) -> None:
+    def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
         row in inf.rows order) masks the logits on the device first (the grammar add-on)."""
-        logits, inf.logits, inf.sample_pending, inf.bitmask = inf.logits, None, False, bitmask
-        for before_sample in self._hooks["before_sample"]:
-            before_sample(logits, inf)
-        states = inf.states
-        rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
-                for st in states]
-        res = self.sampler(logits, rows)
-        inf.tokens = res.tokens
-        for rid, st, lp in zip(inf.rows, states, res.logprobs):
-            if lp is not None:
-                inf.out.logprobs[rid] = lp
-            inf.samplers.append((rid, len(st.output_token_ids)))
-            st.output_token_ids.append(PLACEHOLDER)
-        if self.device.type == "cuda":
-            host = self._token_host[self._token_flip][: len(states)]
-            self._token_flip ^= 1
-            host.copy_(res.tokens, non_blocking=True)
-            inf.tokens_host = host
-            inf.event = torch.cuda.Event()
-            inf.event.record()
+        self.outputs.sample(inf, bitmask)
 
-    def collect(self, inf: "InFlight") -> RunnerOutput:
+    def collect(self, inf: InFlight) -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
-        if inf.tokens is None:
-            return inf.out
-        if inf.event is not None:
-            inf.event.synchronize()
-            tokens = inf.tokens_host.tolist()
-        else:
-            tokens = inf.tokens.tolist()
-        for (rid, index), tok in zip(inf.samplers, tokens):
-            inf.out.sampled[rid] = tok
-            st = self.requests.get(rid)
-            if st is not None and index < len(st.output_token_ids):
-                st.output_token_ids[index] = tok
-        return inf.out
-
-    def _prompt_logprobs(self, c: ScheduledChunk, st: RequestState, hidden: torch.Tensor, out: RunnerOutput) -> None:
-        """Logprobs of prompt tokens 1..P-1, each given its prefix; collected chunk by chunk, once."""
-        start, n = c.num_computed_tokens, c.num_new_tokens
-        done = self.prompt_logprobs_done.get(c.request_id, 0)  # prompt positions (targets) already reported
-        first_target = max(start + 1, done + 1)
-        last_target = min(start + n, st.num_prompt_tokens - 1)
-        if first_target > last_target:
-            return
-        rows = torch.arange(first_target - 1 - start, last_target - start, device=hidden.device)
-        logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-        targets = torch.tensor(st.prompt_token_ids[first_target:last_target + 1], device=hidden.device)
-        entries = compute_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs)
-        out.prompt_logprobs[c.request_id] = [(int(t), *e) for t, e in zip(targets.tolist(), entries)]
-        self.prompt_logprobs_done[c.request_id] = last_target
+        return self.outputs.collect(inf, self.requests)

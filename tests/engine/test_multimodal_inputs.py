@@ -30,7 +30,8 @@ def test_tensor_roundtrip_over_msgspec(dtype):
     back = add_decoder.decode(encoder.encode(req)).extras
     got = back.mm_features[0].data["pixel_values"].to_tensor()
     assert got.dtype == dtype and torch.equal(got, t)
-    assert (back.mm_features[0].offset, back.mm_features[0].length, back.bidirectional_len, back.lora_id) == (4, 7, 3, 2)
+    feature = back.mm_features[0]
+    assert (feature.offset, feature.length, back.bidirectional_len, back.lora_id) == (4, 7, 3, 2)
     assert b"pickle" not in encoder.encode(req)  # plain msgpack
     assert isinstance(msgspec.msgpack.decode(encoder.encode(req)), dict)
 
@@ -82,7 +83,21 @@ def test_block_hashes_follow_image_content():
 def test_plain_requests_send_no_extras():
     """A text request's extras are the shared default and cost nothing on the wire."""
     plain = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 4, 0.0)
-    assert b"extras" not in encoder.encode(plain) and add_decoder.decode(encoder.encode(plain)).extras == RequestExtras()
+    assert b"extras" not in encoder.encode(plain)
+    assert add_decoder.decode(encoder.encode(plain)).extras == RequestExtras()
+
+
+def test_extras_reach_tensor_parallel_workers_whole():
+    """The scheduler's deltas carry the extras to every worker rank (msgpack, executor/messages.py)."""
+    from kestrel.core.step import NewRequestData, StepInput
+    from kestrel.executor.messages import step_decoder
+
+    t = torch.randn(2, 3)
+    extras = RequestExtras(lora_id=3, mm_features=[MMFeature(1, 2, "h", {"pixel_values": TensorData.from_tensor(t)})],
+                           bidirectional_len=5, cache_salt="s")
+    step = StepInput([NewRequestData("r", [1, 2], [], SamplingParams(), [0], [[1]], extras)])
+    back = step_decoder.decode(msgspec.msgpack.encode(step)).new_requests[0].extras
+    assert back == extras and torch.equal(back.mm_features[0].data["pixel_values"].to_tensor(), t)
 
 
 def test_block_hashes_follow_adapter_and_cache_salt():

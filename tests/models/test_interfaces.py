@@ -46,7 +46,8 @@ def test_registered_model_declares_consistently(arch):
 def test_image_models_are_declared():
     declared = {a for a in supported_architectures() if supports_images(get_model_class(a))}
     assert declared == {"PaliGemmaForConditionalGeneration", "LlavaNextForConditionalGeneration"}
-    assert [a for a in declared if has_bidirectional_prefix(get_model_class(a))] == ["PaliGemmaForConditionalGeneration"]
+    prefixed = [a for a in declared if has_bidirectional_prefix(get_model_class(a))]
+    assert prefixed == ["PaliGemmaForConditionalGeneration"]
 
 
 def test_the_check_catches_an_inconsistent_declaration():

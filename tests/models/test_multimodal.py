@@ -350,13 +350,14 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
         procs = set(pool.map(lambda _: id(mm._thread_processor()), range(12)))
     assert id(mm.processor) not in procs and 1 <= len(procs) <= 3
     for a, b in zip(here, there):
-        assert a.token_ids == b.token_ids and a.bidirectional_len == b.bidirectional_len
-        assert [f.mm_hash for f in a.features] == [f.mm_hash for f in b.features]
-        assert [f.data == g.data for f, g in zip(a.features, b.features)] == [True] * len(a.features)
+        assert a.token_ids == b.token_ids and a.extras.bidirectional_len == b.extras.bidirectional_len
+        fa, fb = a.extras.mm_features, b.extras.mm_features
+        assert [f.mm_hash for f in fa] == [f.mm_hash for f in fb]
+        assert [f.data == g.data for f, g in zip(fa, fb)] == [True] * len(fa)
     mm.pixel_dtype = torch.bfloat16  # a GPU server's model dtype: float pixels travel in it (the towers cast first)
     half = inp.process_images(prompts[0])
     mm.pixel_dtype = None
-    for f, g in zip(half.features, here[0].features):
+    for f, g in zip(half.extras.mm_features, here[0].extras.mm_features):
         assert f.data.keys() == g.data.keys() and f.mm_hash != g.mm_hash
         for name, td in f.data.items():
             ref, got = g.data[name].to_tensor(), td.to_tensor()

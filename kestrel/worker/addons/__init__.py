@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kestrel.lora.manager import LoRAManager
 from kestrel.models.interfaces import has_bidirectional_prefix, supports_images
-from kestrel.worker.addons.base import StepAddon, overriding
+from kestrel.worker.addons.base import HOOKS, StepAddon, overriding
 from kestrel.worker.addons.grammar import GrammarBitmask
 from kestrel.worker.addons.images import ImageEncoderCache
 from kestrel.worker.addons.lora import LoRAAddon
@@ -32,4 +32,4 @@ def lora_manager(addons: list[StepAddon]):
     return next((a.manager for a in addons if isinstance(a, LoRAAddon)), None)
 
 
-__all__ = ["StepAddon", "build_addons", "lora_manager", "overriding"]
+__all__ = ["HOOKS", "StepAddon", "build_addons", "lora_manager", "overriding"]

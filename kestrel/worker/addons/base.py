@@ -12,8 +12,9 @@ import torch
 from kestrel.core.step import ScheduledChunk
 from kestrel.worker.input_batch import RequestState
 
+# the hooks the runner calls through per-hook lists (supports_graphs and warm_up are asked of every add-on once)
 HOOKS = ("add_request", "remove_request", "prepare", "attention_fields", "inputs_embeds", "step_graph_ok",
-         "before_sample", "warm_up")
+         "before_sample")
 
 
 class StepAddon:
