@@ -1,5 +1,5 @@
 """Pick, for each KV-cache group, the first attention backend whose declared flags and validate() fit the group's
-spec, the model's dtype, the platform and what the model declares (a bidirectional prefix)."""
+spec, the model's dtype, the platform and the flags the model's request features require."""
 from __future__ import annotations
 
 import logging
@@ -34,8 +34,9 @@ def backend_candidates() -> list[type[AttentionBackend]]:
 
 def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "auto",
                              platform: Platform | None = None, what: str = "attention",
-                             bidirectional_prefix: bool = False) -> type[AttentionBackend]:
-    """`bidirectional_prefix`: the model declares HasBidirectionalPrefix, so the backend must support it."""
+                             requires: tuple[str, ...] = ()) -> type[AttentionBackend]:
+    """`requires`: capability flags the backend must declare True for the model's request features (the runner's
+    add-ons name them, e.g. supports_bidirectional_prefix)."""
     platform = platform or current_platform()
     cands = backend_candidates()
     if forced != "auto":
@@ -49,8 +50,9 @@ def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "
         ok, why = cls.validate(platform, spec.dtype, head_size, block_size)
         if ok:
             ok, why = cls.validate_spec(spec)
-        if ok and bidirectional_prefix and not cls.supports_bidirectional_prefix:
-            ok, why = False, "no bidirectional prefix attention"
+        missing = [flag for flag in requires if not getattr(cls, flag)]
+        if ok and missing:
+            ok, why = False, f"lacks {', '.join(missing)}"
         if ok:
             logger.info("Selected attention backend %s for %s%s", cls.name, what,
                         f" (skipped: {'; '.join(skipped)})" if skipped else "")

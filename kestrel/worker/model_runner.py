@@ -19,7 +19,6 @@ from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
-from kestrel.models.interfaces import has_bidirectional_prefix
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
@@ -54,8 +53,8 @@ class ModelRunner:
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = self.model_config.max_model_len
-        self._bind_attention()
         self.addons = build_addons(self.model, config, self.device, self.dtype)
+        self._bind_attention()
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
@@ -71,14 +70,16 @@ class ModelRunner:
         self.buffers = None
 
     def _bind_attention(self) -> None:
-        """Group the attention layers by cache spec, pick a backend per group and give each layer its impl."""
+        """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
+        features require) and give each layer its impl."""
         ctx = self.loaded.context
         self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs)
         self.backends, self.builders = [], []
+        requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what, bidirectional_prefix=has_bidirectional_prefix(self.model))
+                                               what=what, requires=requires)
             self.backends.append(backend)
             self.builders.append(backend.builder_cls(g.spec, self.block_size, self.device))
             for name in g.layer_names:

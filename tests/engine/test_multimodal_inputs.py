@@ -14,6 +14,7 @@ from kestrel.attention.selector import select_attention_backend
 from kestrel.core.extras import RequestExtras
 from kestrel.core.kv_spec import FullAttentionSpec
 from kestrel.errors import ConfigError, InvalidRequest
+from kestrel.worker.addons.prefix_mask import BidirectionalPrefix
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
 from kestrel.engine.kv_cache import KVCacheManager
 from kestrel.ipc.protocol import EngineCoreRequest, add_decoder, encoder
@@ -143,7 +144,8 @@ def test_reference_attention_bidirectional_prefix():
 
 
 def test_selection_needs_bidirectional_support(monkeypatch):
-    """A model that declares a bidirectional prefix gets only a backend that declares support for it."""
+    """A model that declares a bidirectional prefix (its runner gets the prefix-mask add-on) gets only a backend
+    that declares support for it."""
     import kestrel.attention.selector as selector
 
     spec = FullAttentionSpec(torch.float32, 2, 16)
@@ -154,7 +156,8 @@ def test_selection_needs_bidirectional_support(monkeypatch):
 
     monkeypatch.setattr(selector, "backend_candidates", lambda: [CausalOnly, TorchRefBackend])
     assert select_attention_backend(spec, 16) is CausalOnly
-    assert select_attention_backend(spec, 16, bidirectional_prefix=True) is TorchRefBackend
-    with pytest.raises(ConfigError, match="causal_only: no bidirectional prefix attention"):
-        select_attention_backend(spec, 16, forced="causal_only", bidirectional_prefix=True)
+    needs = BidirectionalPrefix.backend_requires
+    assert select_attention_backend(spec, 16, requires=needs) is TorchRefBackend
+    with pytest.raises(ConfigError, match="causal_only: lacks supports_bidirectional_prefix"):
+        select_attention_backend(spec, 16, forced="causal_only", requires=needs)
     assert not AttentionBackend.supports_bidirectional_prefix  # backends opt in (Triton does not)

@@ -18,6 +18,9 @@ HOOKS = ("add_request", "remove_request", "prepare", "attention_fields", "inputs
 
 
 class StepAddon:
+    # attention-backend capability flags this add-on's feature needs (the selector skips backends without them)
+    backend_requires: tuple[str, ...] = ()
+
     def add_request(self, st: RequestState) -> None:
         """A request the runner starts tracking (new, or resumed after a preemption)."""
 

@@ -9,6 +9,8 @@ from kestrel.worker.input_batch import RequestState
 
 
 class BidirectionalPrefix(StepAddon):
+    backend_requires = ("supports_bidirectional_prefix",)
+
     def attention_fields(self, chunks: list[ScheduledChunk], states: list[RequestState]) -> dict:
         lens = [st.extras.bidirectional_len if c.num_computed_tokens < st.extras.bidirectional_len else 0
                 for c, st in zip(chunks, states)]
