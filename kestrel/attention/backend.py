@@ -129,6 +129,4 @@ class AttentionBackend:
             return False, f"reads no {type(spec).__name__}"
         if getattr(spec, "sliding_window", 0) and not cls.supports_sliding_window:
             return False, "no sliding window"
-        if getattr(spec, "bidirectional_prefix", False) and not cls.supports_bidirectional_prefix:
-            return False, "no bidirectional prefix attention"
         return True, ""

@@ -24,8 +24,6 @@ class Attention(nn.Module):
         self._qk_norms = (q_norm, k_norm)  # registered by the model's attention module (checkpoint names)
         spec_cls = SlidingWindowSpec if self.sliding_window else FullAttentionSpec
         extra = {"sliding_window": self.sliding_window} if self.sliding_window else {}
-        if getattr(ctx, "bidirectional_prefix", False):
-            extra["bidirectional_prefix"] = True
         self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix

@@ -1,5 +1,5 @@
 """Pick, for each KV-cache group, the first attention backend whose declared flags and validate() fit the group's
-spec, the model's dtype and the platform."""
+spec, the model's dtype, the platform and the flags the model's request features require."""
 from __future__ import annotations
 
 import logging
@@ -33,7 +33,10 @@ def backend_candidates() -> list[type[AttentionBackend]]:
 
 
 def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "auto",
-                             platform: Platform | None = None, what: str = "attention") -> type[AttentionBackend]:
+                             platform: Platform | None = None, what: str = "attention",
+                             requires: tuple[str, ...] = ()) -> type[AttentionBackend]:
+    """`requires`: capability flags the backend must declare True for the model's request features (the runner's
+    add-ons name them, e.g. supports_bidirectional_prefix)."""
     platform = platform or current_platform()
     cands = backend_candidates()
     if forced != "auto":
@@ -47,6 +50,9 @@ def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "
         ok, why = cls.validate(platform, spec.dtype, head_size, block_size)
         if ok:
             ok, why = cls.validate_spec(spec)
+        missing = [flag for flag in requires if not getattr(cls, flag)]
+        if ok and missing:
+            ok, why = False, f"lacks {', '.join(missing)}"
         if ok:
             logger.info("Selected attention backend %s for %s%s", cls.name, what,
                         f" (skipped: {'; '.join(skipped)})" if skipped else "")

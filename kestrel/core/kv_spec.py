@@ -85,9 +85,6 @@ class FullAttentionSpec(KVCacheSpec):
     num_kv_heads, head_dim] (one block's K and V sit side by side in its page)."""
     num_kv_heads: int = 1
     head_dim: int = 1
-    # queries and keys inside a request's bidirectional prefix see each other both ways (PaliGemma's image +
-    # prompt); a backend must declare supports_bidirectional_prefix to serve it
-    bidirectional_prefix: bool = False
 
     def page_parts(self):
         kv = (self.dtype, (self.block_size, self.num_kv_heads, self.head_dim))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kestrel.core.multimodal import MMFeature
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
@@ -46,9 +46,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]  # eos (unless ignore_eos) + stop ids: masked until min_tokens outputs exist
     block_ids: list[list[int]]  # per KV-cache group
-    lora_id: int = 0  # the request's LoRA adapter (0: none)
-    mm_features: list[MMFeature] = field(default_factory=list)  # images: the runner encodes them when scheduled
-    bidirectional_len: int = 0
+    extras: RequestExtras = NO_EXTRAS  # the request's features, read by the runner's add-ons when it arrives
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 
 from kestrel.config import EngineConfig
+from kestrel.engine.grammar_steps import GrammarSteps
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request
@@ -54,8 +54,7 @@ class EngineCore:
             config.scheduler.max_num_seqs, pin=self.device.type == "cuda",
             fill_threads=config.scheduler.structured_output_threads,
             compile_timeout=config.scheduler.grammar_compile_timeout)
-        self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
-        self._compiling: list[Request] = []  # structured-output requests waiting for their grammar
+        self.grammars = GrammarSteps(self.structured, ex)
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
         self.loras: dict[int, str] = {}  # lora id -> name: the adapters every rank holds (set when call_all succeeds)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
@@ -65,50 +64,23 @@ class EngineCore:
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, self.eos_token_id, r.max_tokens,
-                      r.priority, r.arrival_time,
-                      mm_features=list(r.mm_features), bidirectional_len=r.bidirectional_len)
-        if r.lora_id:
-            if r.lora_id not in self.loras:
+                      r.priority, r.arrival_time, extras=r.extras)
+        if req.lora_id:
+            if req.lora_id not in self.loras:
                 # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it
-                logger.warning("request %s: LoRA id %d is not loaded; aborted", r.request_id, r.lora_id)
+                logger.warning("request %s: LoRA id %d is not loaded; aborted", r.request_id, req.lora_id)
                 self._rejected.append(EngineCoreOutput(r.request_id, [], finish_reason="abort",
-                                                       stop_reason=f"LoRA adapter id {r.lora_id} is not loaded"))
+                                                       stop_reason=f"LoRA adapter id {req.lora_id} is not loaded"))
                 return
-            req.lora_id = r.lora_id
-            req.cache_salt = f"lora:{r.lora_id}".encode()  # two adapters never share KV blocks
-        so = r.sampling_params.structured_outputs
-        if so is None:
+        if r.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req)
             return
-        if req.request_id in self.scheduler.requests or any(c.request_id == req.request_id for c in self._compiling):
+        if req.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        req.grammar = self.structured.submit(so)  # a future until compiled; scheduled once it is done
-        self._compiling.append(req)
-
-    def _admit_compiled(self) -> None:
-        """Hand requests whose grammar compiled to the scheduler (a failed compile finishes the request)."""
-        if not self._compiling:
-            return
-        if not self.scheduler.has_unfinished() and self._inflight is None:
-            wait([r.grammar for r in self._compiling], timeout=0.01, return_when=FIRST_COMPLETED)  # idle: no spin
-        waiting = []
-        for req in self._compiling:
-            if not req.grammar.done():
-                waiting.append(req)
-                continue
-            try:
-                req.grammar = self.structured.new_request_grammar(req.grammar.result(), req.eos_token_id)
-                self.scheduler.add_request(req)
-            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-                logger.warning("request %s failed before running: %s", req.request_id, e)
-                self._rejected.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
-                                                       stop_reason=f"structured output failed: {e}"))
-        self._compiling = waiting
+        self.grammars.submit(req)  # scheduled once its grammar compiled
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        ids = set(request_ids)
-        compiling = [r.request_id for r in self._compiling if r.request_id in ids]
-        self._compiling = [r for r in self._compiling if r.request_id not in ids]
+        compiling = self.grammars.abort(set(request_ids))
         return compiling + [r.request_id for r in self.scheduler.abort_requests(request_ids)]
 
     def has_unfinished_requests(self) -> bool:
@@ -118,7 +90,7 @@ class EngineCore:
         if self._paused or self._sleeping:
             return self._inflight is not None or bool(self._rejected)
         return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self._rejected)
-                or bool(self._compiling))
+                or bool(self.grammars.compiling))
 
     # ---- one step
     def _pipeline_ok(self) -> bool:
@@ -128,11 +100,11 @@ class EngineCore:
         return self.pipelined and self.scheduler.num_sync_requests == 0
 
     def step(self) -> EngineCoreOutputs:
-        """Pipelined, a constrained step N+1 is launched without sampling: once step N's tokens are on the host
-        its grammars take them and the pool fills N+1's bitmask, while the engine loop returns N's outputs and
-        prepares N+2; N+1 samples when N+2 needs its tokens (ModelRunner.launch's before_forward), after N+2's
-        inputs are staged, so the device waits for the fill only if the fill outlasts N+1's forward."""
-        self._admit_compiled()
+        """Schedule, launch, collect. Pipelined (see _pipeline_ok), step N+1 is scheduled and launched before
+        step N's tokens are collected; grammar-constrained steps sample late (engine/grammar_steps.py)."""
+        grammars = self.grammars
+        self._rejected += grammars.admit(self.scheduler, idle=not self.scheduler.has_unfinished()
+                                         and self._inflight is None)
         if self._inflight is not None:
             prev_sched, prev = self._inflight
             self._inflight = None
@@ -142,62 +114,29 @@ class EngineCore:
                 if not sched.is_empty:
                     self._inflight = (sched, inf)
                     self.scheduler.on_launch(sched)
-            self._sample(prev)
+            grammars.sample(prev)
             result = self.executor.collect(prev)
-            self._advance(prev_sched, result, self._inflight)
+            grammars.advance(prev_sched, result, self._inflight)
             return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         sched = self.scheduler.schedule()
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
-        self._advance(None, None, (sched, inf))
-        self._sample(inf)
+        grammars.advance(None, None, (sched, inf))
+        grammars.sample(inf)
         if self._pipeline_ok() and inf.samples:
             self._inflight = (sched, inf)
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         result = self.executor.collect(inf)
-        self._advance(sched, result, None)
+        grammars.advance(sched, result, None)
         return self._outputs(sched, result)
 
     def _launch(self, sched, prev=None):
-        """Queue the forward; a step with grammar-constrained rows samples later (_sample), once the host has
-        filled the bitmask. `prev` samples before this step's forward, which reads its tokens."""
-        constrained = any(s.samples and s.request.grammar is not None for s in sched.scheduled)
-        return self.executor.launch(sched.step, prev, sample=not constrained,
-                                    before_forward=(lambda: self._sample(prev)) if prev is not None else None)
-
-    def _advance(self, done, result, pending) -> None:
-        """The grammars take the tokens of a collected step (`done`, its `result`), then the bitmask of `pending`
-        (sched, handle: a launched step whose sampling waits for it) starts filling (kept in self._fill)."""
-        accepts = []
-        if done is not None:
-            for s in done.scheduled:
-                req = s.request
-                if req.grammar is not None and not req.is_finished:  # not finished or aborted meanwhile
-                    tok = result.sampled.get(req.request_id)
-                    if tok is not None:
-                        accepts.append((req.grammar, tok))
-        rows = []
-        if pending is not None and pending[1].sample_pending:
-            sched, inf = pending
-            rows = [(inf.rows[s.request.request_id], s.request.grammar) for s in sched.scheduled
-                    if s.request.grammar is not None and not s.request.is_finished
-                    and s.request.request_id in inf.rows]
-        if accepts or rows:
-            job = self.structured.start_step(accepts, rows)
-            if job is not None:
-                self._fill = (pending[1], job)
-
-    def _sample(self, inf) -> None:
-        """Queue the sampling of a launched step whose sampling waits for its bitmask (no-op otherwise)."""
-        if not inf.sample_pending:
-            return
-        bitmask = None
-        if self._fill is not None and self._fill[0] is inf:
-            bitmask = self._fill[1].result()
-            self._fill = None
-        self.executor.sample(inf, bitmask)
+        """Queue the forward; a step with grammar-constrained rows samples later, once the host has filled the
+        bitmask. `prev` samples before this step's forward, which reads its tokens."""
+        return self.executor.launch(sched.step, prev, sample=not GrammarSteps.samples_later(sched),
+                                    before_forward=(lambda: self.grammars.sample(prev)) if prev is not None else None)
 
     def _take_rejected(self) -> list[EngineCoreOutput]:
         out, self._rejected = self._rejected, []
@@ -305,7 +244,7 @@ class EngineCore:
         """Refused while a request of this engine uses the adapter (its KV and device slot depend on it), counting
         requests still waiting for their grammar (not yet scheduled)."""
         self._check_lora_enabled()
-        users = sum(1 for r in (*self.scheduler.requests.values(), *self._compiling) if r.lora_id == lora_id)
+        users = sum(1 for r in (*self.scheduler.requests.values(), *self.grammars.compiling) if r.lora_id == lora_id)
         if users:
             raise InvalidRequest(f"LoRA id {lora_id} is in use by {users} request(s) on engine {self.engine_index}")
         removed = self.executor.call_all("remove_lora", lora_id)

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from kestrel.core.multimodal import MMFeature
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -18,9 +18,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     max_tokens: int
     arrival_time: float
     priority: int = 0
-    lora_id: int = 0  # the adapter registered under this id on every engine core (0: the base model)
-    mm_features: list[MMFeature] = []  # images: encoder inputs, placeholder ranges, content hashes
-    bidirectional_len: int = 0  # leading prompt tokens that attend to each other both ways (PaliGemma)
+    extras: RequestExtras = NO_EXTRAS  # per-request features: adapter, images, attention-mask policy, cache salt
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

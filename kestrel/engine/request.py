@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import hashlib
 
-from kestrel.core.multimodal import MMFeature, block_extra
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.multimodal import block_extra
 from kestrel.core.step import PLACEHOLDER, TokenSequence  # noqa: F401  (PLACEHOLDER re-exported)
 from kestrel.core.sampling_params import SamplingParams
 
@@ -41,25 +42,26 @@ class Request(TokenSequence):
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list = field(default_factory=list)  # hash chain of this request's full blocks
-    grammar: object = None  # structured outputs: a compile future, then the request's RequestGrammar
-    cache_salt: bytes = b""  # mixed into every block hash (what else the KV depends on: adapter, images)
+    extras: RequestExtras = NO_EXTRAS  # per-request features, passed whole to the runner (kestrel/core/extras.py)
+    grammar: object = None  # structured outputs (engine-side only): a compile future, then its RequestGrammar
     num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
-    lora_id: int = 0  # LoRA adapter (0: none)
-    mm_features: list[MMFeature] = field(default_factory=list)  # images, by placeholder offset
-    bidirectional_len: int = 0  # leading tokens attended both ways: scheduled in one chunk
     _prefix_digest: bytes | None = None
 
+    @property
+    def lora_id(self) -> int:
+        """The request's adapter (0: none): the scheduler's LoRA-slot rule and remove_lora read it."""
+        return self.extras.lora_id
+
     def block_extra(self, start: int, end: int) -> bytes:
-        """What the KV of tokens [start, end) depends on beyond the tokens and the earlier blocks: the cache salt,
-        the images overlapping it, and for blocks inside a bidirectional prefix the whole prefix (its K/V saw
-        every prefix token)."""
-        extra = self.cache_salt
-        if self.mm_features:
-            extra += block_extra(self.mm_features, start, end)
-        if start < self.bidirectional_len:
+        """What the KV of tokens [start, end) depends on beyond the tokens and the earlier blocks: the extras'
+        salt (cache salt, adapter, images overlapping it) and for blocks inside a bidirectional prefix the whole
+        prefix (its K/V saw every prefix token)."""
+        x = self.extras
+        extra = x.block_salt(start, end)
+        if start < x.bidirectional_len:
             if self._prefix_digest is None:
-                h = hashlib.blake2b(repr(self.prompt_token_ids[:self.bidirectional_len]).encode(), digest_size=16)
-                h.update(block_extra(self.mm_features, 0, self.bidirectional_len))
+                h = hashlib.blake2b(repr(self.prompt_token_ids[:x.bidirectional_len]).encode(), digest_size=16)
+                h.update(block_extra(x.mm_features, 0, x.bidirectional_len))
                 self._prefix_digest = h.digest()
             extra += self._prefix_digest
         return extra

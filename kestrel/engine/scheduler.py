@@ -130,9 +130,7 @@ class Scheduler:
         if req.num_prompt_tokens > self.max_prompt_tokens:
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens does not fit the KV cache (at most "
                              f"{self.max_prompt_tokens} tokens)")
-        if req.bidirectional_len > self.config.max_num_batched_tokens:
-            raise ValueError(f"the prompt's bidirectional prefix ({req.bidirectional_len} tokens) is computed in one "
-                             f"step and exceeds --max-num-batched-tokens {self.config.max_num_batched_tokens}")
+        req.extras.check_step_budget(self.config.max_num_batched_tokens)
         self.requests[req.request_id] = req
         if needs_sync(req):
             self.num_sync_requests += 1
@@ -226,7 +224,7 @@ class Scheduler:
             num_new = req.num_tokens - num_hit
             if num_new > budget:
                 # a bidirectional prefix is one chunk: its first tokens attend to its last ones
-                if not self.config.enable_chunked_prefill or num_hit + budget < req.bidirectional_len:
+                if not self.config.enable_chunked_prefill or num_hit + budget < req.extras.bidirectional_len:
                     break
                 num_new = budget
             if not self.kv.allocate_slots(req, num_new, computed):
@@ -259,8 +257,7 @@ class Scheduler:
                 stop = ([req.eos_token_id] if req.eos_token_id is not None and not sp.ignore_eos else [])
                 step.new_requests.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, [t for t in req.output_token_ids if t != PLACEHOLDER], sp,
-                    stop + list(sp.stop_token_ids), [list(ids) for ids in block_ids], req.lora_id,
-                    req.mm_features, req.bidirectional_len))
+                    stop + list(sp.stop_token_ids), [list(ids) for ids in block_ids], req.extras))
                 req.num_sent_blocks = [len(ids) for ids in block_ids]
             elif req.request_id in grown:
                 block_ids = self.kv.block_ids(req)

@@ -226,7 +226,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
             self.metrics.on_frontend("render", res.seconds)
-        return ProcessedPrompt(res.token_ids, res.features, res.bidirectional_len, res.prompt)
+        return ProcessedPrompt(res.token_ids, res.extras, res.prompt)
 
     # ---- requests
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -15,15 +15,13 @@ import threading
 
 import torch
 
+from kestrel.core.extras import RequestExtras
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
 from kestrel.errors import InvalidRequest
+from kestrel.models.interfaces import has_bidirectional_prefix
 from kestrel.models.multimodal import image_token_id
 
 logger = logging.getLogger(__name__)
-
-
-def is_multimodal(model_cls) -> bool:
-    return hasattr(model_cls, "embed_image")
 
 
 def as_image_list(images, param: str = "multi_modal_data") -> list:
@@ -42,6 +40,7 @@ class MultiModalProcessor:
 
         self.hf_config = hf_config
         self.model_cls = model_cls
+        self.bidirectional_prefix = has_bidirectional_prefix(model_cls)  # the prefix length comes from token types
         self.limit_per_prompt = limit_per_prompt
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = image_token_id(hf_config)
@@ -66,8 +65,9 @@ class MultiModalProcessor:
         self.process(f"{self.image_token}\ndescribe", [Image.new("RGB", (64, 48), (127, 127, 127))])
 
     def process(self, prompt: str, images: list, add_special_tokens: bool = True
-                ) -> tuple[list[int], list[MMFeature], int]:
-        """(token ids, one feature per image in prompt order, bidirectional prefix length)."""
+                ) -> tuple[list[int], RequestExtras]:
+        """(token ids, the request's extras: one feature per image in prompt order, the bidirectional prefix
+        length)."""
         if len(images) > self.limit_per_prompt:
             raise InvalidRequest(f"{len(images)} images in one prompt; at most {self.limit_per_prompt} are allowed "
                                  f"(--limit-mm-per-prompt)", param="multi_modal_data")
@@ -81,11 +81,11 @@ class MultiModalProcessor:
         if images:
             features = self._features(ids, enc, len(images))
         bidir = 0
-        if getattr(self.model_cls, "bidirectional_prefix", False) and "token_type_ids" in enc:
+        if self.bidirectional_prefix and "token_type_ids" in enc:
             types = enc["token_type_ids"][0]
             nonzero = (types != 0).nonzero()
             bidir = int(nonzero[0]) if len(nonzero) else len(ids)  # the prefix: token type 0 (image + prompt)
-        return ids, features, bidir
+        return ids, RequestExtras(mm_features=features, bidirectional_len=bidir)
 
     def _features(self, ids: list[int], enc, num_images: int) -> list[MMFeature]:
         per_image = self.model_cls.split_images(self.hf_config, enc)

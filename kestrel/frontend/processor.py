@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+
+import msgspec
 from dataclasses import dataclass, field
 
 from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
@@ -44,11 +47,11 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
 @dataclass
 class ProcessedPrompt:
     """A prompt whose images the image processor has already expanded: token ids with one placeholder run per
-    image, the images' features in prompt order and the bidirectional prefix length. The server's render threads
-    build it (InputProcessor.process_images) so that image work never runs on the event loop."""
+    image, and the request's extras (the images' features in prompt order, the bidirectional prefix length). The
+    server's render threads build it (InputProcessor.process_images) so that image work never runs on the event
+    loop."""
     token_ids: list[int]
-    features: list
-    bidirectional_len: int = 0
+    extras: RequestExtras = NO_EXTRAS
     text: str | None = None
 
 
@@ -70,7 +73,7 @@ def check_fits_kv_cache(num_prompt_tokens: int, max_prompt_tokens: int) -> None:
 
 def mm_model_class(config, hf_config=None):
     """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
-    from kestrel.frontend.mm_processor import is_multimodal
+    from kestrel.models.interfaces import supports_images
     from kestrel.loader import default_model_path, load_hf_config
     from kestrel.models.registry import get_model_class
 
@@ -80,7 +83,7 @@ def mm_model_class(config, hf_config=None):
         return None
     hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
     model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
-    return (path, hf_config, model_cls) if is_multimodal(model_cls) else None
+    return (path, hf_config, model_cls) if supports_images(model_cls) else None
 
 
 def make_mm_processor(config, hf_config=None):
@@ -192,21 +195,19 @@ class InputProcessor:
             raise InvalidRequest("this model does not take images", param="multi_modal_data")
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-        ids, features, bidirectional_len = self.mm.process(text, images, add_special_tokens)
-        if self.max_num_batched_tokens and bidirectional_len > self.max_num_batched_tokens:
-            raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {bidirectional_len} tokens) "
-                                 f"is computed in one step and exceeds --max-num-batched-tokens "
-                                 f"{self.max_num_batched_tokens}", param="prompt")
-        return ProcessedPrompt(ids, features, bidirectional_len, text)
+        ids, extras = self.mm.process(text, images, add_special_tokens)
+        if self.max_num_batched_tokens:  # the engine's rule, checked here too to answer 400 before sending
+            extras.check_step_budget(self.max_num_batched_tokens)
+        return ProcessedPrompt(ids, extras, text)
 
     def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
                 priority: int = 0, arrival_time: float | None = None, lora_id: int = 0
                 ) -> tuple[list[int], list[EngineCoreRequest]]:
         params.validate(self.vocab_size, self.max_logprobs)
         prompt = self.process_images(prompt)
-        features, bidirectional_len = [], 0
+        extras = NO_EXTRAS
         if isinstance(prompt, ProcessedPrompt):
-            ids, features, bidirectional_len = prompt.token_ids, prompt.features, prompt.bidirectional_len
+            ids, extras = prompt.token_ids, prompt.extras
             prompt = prompt.text or ""  # the processor's ids: not re-checked as client token ids below
         else:
             add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
@@ -220,7 +221,7 @@ class InputProcessor:
                                          param="prompt")
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        if self.mm is not None and not features and self.mm.image_token_id in ids:
+        if self.mm is not None and not extras.mm_features and self.mm.image_token_id in ids:
             raise InvalidRequest(f"the prompt holds image placeholder tokens ({self.mm.image_token!r}) but no image",
                                  param="prompt")
         room = self.max_model_len - len(ids)
@@ -233,13 +234,14 @@ class InputProcessor:
             raise InvalidRequest(f"max_tokens ({params.max_tokens}) + prompt ({len(ids)} tokens) exceeds the context "
                                  f"length {self.max_model_len}", param="max_tokens", code="context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.default_max_tokens or room)
+        if lora_id:
+            extras = msgspec.structs.replace(extras, lora_id=lora_id)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, max_tokens,
-                                          arrival, priority, lora_id, mm_features=features,
-                                          bidirectional_len=bidirectional_len))
+                                          arrival, priority, extras))
         return ids, reqs
 
 

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kestrel.core.multimodal import MMFeature
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.supervisor import StartupError, Supervisor, parent_gone, spawn_process
 from kestrel.ipc.core_proc import dealer_socket, router_socket
 from kestrel.errors import InvalidRequest, KestrelError
@@ -56,8 +56,7 @@ class RenderResult(msgspec.Struct, omit_defaults=True, tag="result"):
     job_id: int
     prompt: str = ""  # the chat template's text
     token_ids: list[int] = []
-    features: list[MMFeature] = []
-    bidirectional_len: int = 0
+    extras: RequestExtras = NO_EXTRAS  # the images' features and the bidirectional prefix length
     seconds: float = 0.0  # the worker's time on the job
     error: str | None = None
     error_param: str | None = None
@@ -132,9 +131,8 @@ def _make_renderer(config_dict: dict):
                                         job.template_kwargs, job.tools)
             out = inputs.process_images(prompt)
             if not isinstance(out, ProcessedPrompt):  # no image after all: the template's text alone
-                out = ProcessedPrompt(inputs.tokenize(out, add_special_tokens=False), [], 0, out)
-            return RenderResult(job.job_id, out.text or "", out.token_ids, out.features, out.bidirectional_len,
-                                time.perf_counter() - t0)
+                out = ProcessedPrompt(inputs.tokenize(out, add_special_tokens=False), text=out)
+            return RenderResult(job.job_id, out.text or "", out.token_ids, out.extras, time.perf_counter() - t0)
         except InvalidRequest as e:
             return RenderResult(job.job_id, error=e.message, error_param=e.param)
         except Exception as e:  # noqa: BLE001 - the request fails with a 500; the worker serves the next one

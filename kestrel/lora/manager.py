@@ -4,11 +4,12 @@ slots no live request uses), and the token -> slot mappings. Every LoRA-capable 
 LoRAKernel and `fusable = False` for the model's whole life: a CUDA graph is captured once for any mix of
 adapters, so the unfused path must be the one captured whether or not a step has adapters.
 
-A model declares its parts (`lora_stages`: module prefix -> "decoder", "tower" or "connector"; a text model is all
-decoder) and each part has its own mapping: the decoder's covers the step's tokens, a vision tower's and a
-connector's the rows of the image being encoded, counted from its processed inputs (the model's
-`lora_encoder_tokens(image)`: tiles x patches, never the decoder's placeholders). Linears outside every declared
-part (a vision tower the model does not declare) get no LoRA, and adapters targeting them are refused."""
+A model declares SupportsLoRA (kestrel/models/interfaces.py) and its parts (`lora_stages`: module prefix ->
+"decoder", "tower" or "connector"; a text model is all decoder) and each part has its own mapping: the decoder's
+covers the step's tokens, a vision tower's and a connector's the rows of the image being encoded, counted from
+its processed inputs (the model's `lora_encoder_tokens(image)`: tiles x patches, never the decoder's
+placeholders). Linears outside every declared part (a vision tower the model does not declare) get no LoRA, and
+adapters targeting them are refused."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,7 @@ from kestrel.errors import ConfigError
 from kestrel.layers.linear import Linear
 from kestrel.lora.adapter import STAGE_TARGETS, LoRAAdapter, LoRAAdapterError, load_adapter
 from kestrel.lora.layers import LoRAKernel, LoRAMapping
+from kestrel.models.interfaces import supports_lora
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +55,15 @@ class LoRAManager:
             raise LoRAAdapterError(f"--max-loras ({cfg.max_loras}) must be >= 1 and --max-cpu-loras "
                                    f"({cfg.max_cpu_loras}) >= --max-loras")
         self.backend = pick_backend(device, backend)
-        self.stages = tuple(getattr(model, "lora_stages", (("", "decoder"),)))
+        if not supports_lora(model):
+            raise ConfigError(f"--enable-lora: {type(model).__name__} does not declare SupportsLoRA")
+        self.stages = tuple(model.lora_stages)
         self.mapping = LoRAMapping(max_tokens, self.num_slots, device, self.backend)  # the decoder's
         # the vision parts' mappings: one image's rows at a time, grown for larger images
         self.encoder_mappings = {stage: LoRAMapping(64, self.num_slots, device, self.backend, exact_rows=True)
                                  for _, stage in self.stages if stage != "decoder"}
-        self.rename = getattr(model, "lora_module_name", None)  # adapter module paths -> ours (multimodal models)
-        self.packed = dict(getattr(model, "packed_modules", {}))
+        self.rename = model.lora_module_name  # adapter module paths -> ours
+        self.packed = dict(model.packed_modules)
         self.linears: dict[str, Linear] = {}
         self.kernels: dict[str, LoRAKernel] = {}
         for module in model.modules():

@@ -23,8 +23,6 @@ class ModelContext:
     parallel: ParallelInfo = field(default_factory=ParallelInfo)  # tensor-parallel rank and group
     kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)  # attention layer prefix -> its spec
     attention_layers: dict[str, Any] = field(default_factory=dict)  # attention layer prefix -> the layer
-    # attention layers built from here on let a request's prefix (Request.bidirectional_len) attend both ways
-    bidirectional_prefix: bool = False
     _shared: dict[str, Any] = field(default_factory=dict)
 
     @property

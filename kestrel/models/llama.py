@@ -14,6 +14,7 @@ from kestrel.layers.linear import Linear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.norm_linear import NormLinear
 from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.interfaces import SupportsLoRA
 from kestrel.models.context import ModelContext
 from kestrel.models.weights import load_named_weights
 
@@ -109,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden, residual)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, SupportsLoRA):
     decoder_layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
     # our merged module -> the checkpoint's modules it stacks, in shard order

@@ -43,7 +43,6 @@ def _check_config(hf) -> None:
 
 
 class LlavaNextForConditionalGeneration(ImageTextModel):
-    bidirectional_prefix = False
     # LoRA: the decoder per step token, the CLIP tower and the projector per image row (kestrel/lora/manager.py)
     lora_stages = (("language_model.", "decoder"), ("vision_tower.", "tower"), ("multi_modal_projector.", "connector"))
 

@@ -1,21 +1,8 @@
 """What image-text models share: checkpoint names mapped onto our modules, the text token embedding with image
-tokens out of the vocabulary kept in range, and the interface the frontend and the runner call.
-
-A multimodal model class provides, besides the text model's interface:
-- `split_images(hf_config, processed) -> list[dict[str, Tensor]]`: the HF processor's batch output cut into each
-  image's encoder inputs (frontend);
-- `num_image_tokens(hf_config, image_inputs) -> int`: how many embeddings one image becomes, computed forward
-  from its processed inputs (frontend: checked against the processor's placeholders);
-- `embed_image(image_inputs) -> [num_image_tokens, hidden]`: the embeddings that go into the placeholder rows of
-  `forward(inputs_embeds=...)`, at the magnitude the decoder expects there (runner);
-- `dummy_image_inputs() -> dict[str, Tensor]`: encoder inputs of the largest image the model takes (runner: the
-  start-up memory profile and kernel warm-up encode it once);
-- `bidirectional_prefix`: prompt tokens attend to each other both ways (PaliGemma), see docs/architecture.md.
-For LoRA (kestrel/lora/manager.py): `lora_module_name(path)` maps an adapter's module paths like checkpoint names,
-`lora_stages` says which parts take adapters, and a model whose vision tower and connector take them gives
-`lora_encoder_tokens(image_inputs) -> {"tower": rows, "connector": rows}`, counted from the processed inputs.
-`ImageTextModel` is their common base: the text-side interface over the decoder in `self.language_model`, and
-`lora_module_name`."""
+tokens out of the vocabulary kept in range, and `ImageTextModel`, their common base: the text-side interface over
+the decoder in `self.language_model`, `lora_module_name`, and the declared `SupportsImages` + `SupportsLoRA`
+interfaces (kestrel/models/interfaces.py) each model class implements. `embed_image` returns the embeddings at
+the magnitude the decoder expects in the placeholder rows of `forward(inputs_embeds=...)`."""
 from __future__ import annotations
 
 import re
@@ -23,6 +10,8 @@ from typing import Iterable
 
 import torch
 from torch import nn
+
+from kestrel.models.interfaces import SupportsImages, SupportsLoRA
 
 # checkpoint prefixes (legacy and transformers 5 layouts) -> our module names
 _RENAMES = [
@@ -86,7 +75,7 @@ def image_token_id(hf_config) -> int:
     return getattr(hf_config, "image_token_index", None) if tid is None else tid
 
 
-class ImageTextModel(nn.Module):
+class ImageTextModel(nn.Module, SupportsLoRA, SupportsImages):
     """The text side of an image-text model: token embeddings, forward and logits go to `self.language_model`;
     `self.config` is the decoder's config, `self.tied` whether its lm_head is its embedding. `position_offset` is
     added to the positions the decoder sees (PaliGemma counts them from 1)."""

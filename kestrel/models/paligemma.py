@@ -1,7 +1,8 @@
 """PaliGemma: SigLIP tower -> one linear projector -> the Gemma decoder.
 
 As transformers 5 runs generation: the image and prompt tokens (the prefix) attend to each other bidirectionally
-and generated tokens causally (the attention layers declare it; the scheduler computes the prefix in one chunk);
+and generated tokens causally (the class declares HasBidirectionalPrefix: the request's extras carry the prefix
+length, the backend's metadata the per-row lengths, and the scheduler computes the prefix in one chunk);
 positions are 1-based. The projector's output goes into the placeholder rows as is: Gemma's sqrt(hidden) scaling
 belongs to the token embedding (`embed_input_ids`), so nothing rescales image embeddings either way (a legacy
 inverse scaling, dividing them by sqrt(hidden), gave wrong magnitudes; tests/models/test_multimodal.py guards it)."""
@@ -14,6 +15,7 @@ from torch import nn
 
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.context import ModelContext
+from kestrel.models.interfaces import HasBidirectionalPrefix
 from kestrel.models.gemma import GemmaForCausalLM
 from kestrel.models.llama import head_dim_of
 from kestrel.models.multimodal import ImageTextModel, mm_weights, tie_output_embeddings
@@ -22,8 +24,7 @@ from kestrel.models.vision.siglip import HEAD_PREFIX, SiglipVisionTransformer
 from kestrel.models.weights import load_named_weights
 
 
-class PaliGemmaForConditionalGeneration(ImageTextModel):
-    bidirectional_prefix = True
+class PaliGemmaForConditionalGeneration(ImageTextModel, HasBidirectionalPrefix):
     position_offset = 1
     packed_modules = GemmaForCausalLM.packed_modules
     lora_stages = (("language_model.", "decoder"),)  # LoRA on the decoder only (not on the SigLIP tower)
@@ -32,7 +33,6 @@ class PaliGemmaForConditionalGeneration(ImageTextModel):
         super().__init__()
         hf, text = ctx.config.hf, ctx.text
         self.config = text
-        ctx.bidirectional_prefix = True
         # 1-based positions: the rotary table needs one row more than the context
         ctx.shared("rotary", lambda: RotaryEmbedding(text, head_dim_of(text), ctx.max_positions + 1, ctx.dtype))
         vcfg = hf.vision_config

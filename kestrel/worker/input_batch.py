@@ -8,13 +8,13 @@ from it). Each KV-cache group has its own block table and slot mapping (slot = b
 all groups' are staged together, gathered from the rows in one numpy pass, and copied in one transfer each."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kestrel.core.multimodal import MMFeature
-from kestrel.core.step import PLACEHOLDER, NewRequestData, TokenSequence
+from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.step import PLACEHOLDER, NewRequestData, ScheduledChunk, TokenSequence
 from kestrel.core.sampling_params import SamplingParams
 
 
@@ -25,18 +25,13 @@ class RequestState(TokenSequence):
     output_token_ids: list[int]  # PLACEHOLDER where a launched step's token is not collected yet
     sampling_params: SamplingParams
     min_tokens_stop_ids: list[int]
-    lora_id: int = 0  # 0: no adapter
-    mm_features: list[MMFeature] = field(default_factory=list)
-    bidirectional_len: int = 0
-    # encoder cache: image index -> its embeddings, kept from the step that first needs them until the step that
-    # computes its last placeholder (chunked prefill across an image runs the encoder once)
-    encoder_outputs: dict = field(default_factory=dict)
+    extras: RequestExtras = NO_EXTRAS  # the request's features (the runner's add-ons read them)
     table_row: int = -1  # its row of the runner's BlockTableRows
 
     @classmethod
     def from_new(cls, r: NewRequestData, table_row: int) -> "RequestState":
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, r.lora_id, list(r.mm_features), r.bidirectional_len, table_row=table_row)
+                   r.min_tokens_stop_ids, r.extras, table_row=table_row)
 
 
 class BlockTableRows:
@@ -102,6 +97,35 @@ class InputBuffers:
         self.fill_dst_h, self.fill_dst_np, self.fill_dst = _pair(max_reqs, torch.int64, device, pin)  # placeholder rows
         self.fill_src_h, self.fill_src_np, self.fill_src = _pair(max_reqs, torch.int64, device, pin)
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks_per_req
+
+    def stage_tokens(self, chunks: list[ScheduledChunk], states: list[RequestState], prev_rows: dict | None):
+        """Token ids, positions, query starts and sequence lengths of a step (batch order, decodes first) into the
+        host staging. A decode row's input token may be sampled by the step in flight (a placeholder, or not
+        there yet where that step samples after this one's inputs are staged): it is copied on the device before
+        the forward, from row `prev_rows[request id]` of that step's tokens (staged in fill_dst/fill_src).
+        Returns (num_tokens, num_decodes, num_fills)."""
+        qsl, sl, ids, pos = self.qsl_np, self.sl_np, self.ids_np, self.pos_np
+        k = t = num_decodes = 0
+        qsl[0] = 0
+        for b, (c, st) in enumerate(zip(chunks, states)):
+            start, n = c.num_computed_tokens, c.num_new_tokens
+            if n == 1:
+                tok = st.token_at(start) if start < st.num_prompt_tokens + len(st.output_token_ids) else PLACEHOLDER
+                if tok == PLACEHOLDER:
+                    self.fill_dst_np[k], self.fill_src_np[k] = t, prev_rows[c.request_id]
+                    k += 1
+                    tok = 0
+                ids[t] = tok
+                pos[t] = start
+                if num_decodes == b:
+                    num_decodes += 1
+            else:
+                ids[t:t + n] = st.tokens_slice(start, start + n)
+                pos[t:t + n] = np.arange(start, start + n)
+            t += n
+            qsl[b + 1] = t
+            sl[b] = start + n
+        return t, num_decodes, k
 
     def staged_slots(self, num_tokens: int) -> np.ndarray:
         """[groups, num_tokens] host staging of this step's slot mappings."""

@@ -1,10 +1,11 @@
 """Runs one scheduled step on the model. It keeps its own batch state from the scheduler's per-step deltas
 (kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
-that group's attention metadata, runs the forward (or replays a CUDA graph) and samples."""
+that group's attention metadata, runs the forward (or replays a CUDA graph) and samples. Per-request features
+(LoRA, images, a bidirectional prefix, grammar bitmasks) are add-ons (kestrel/worker/addons/): the runner calls
+their hooks and knows none by name."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,36 +14,19 @@ from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
-from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, StepInput
+from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
-from kestrel.structured_output.bitmask import StepBitmask, apply_token_bitmask
+from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
-from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
-from kestrel.core.device import to_device
-from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
+from kestrel.worker.step_outputs import InFlight, StepOutputs
+from kestrel.worker.warm_up import capture_graphs, precompile_kernels
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A launched step: its sampled tokens on the device, and where they land on the host."""
-    out: "RunnerOutput"
-    samplers: list[tuple[str, int]] = field(default_factory=list)  # (request id, index in its outputs)
-    tokens: torch.Tensor | None = None
-    rows: dict[str, int] = field(default_factory=dict)  # request id -> row of `tokens`
-    tokens_host: torch.Tensor | None = None
-    event: object = None
-    logits: torch.Tensor | None = None  # launched with sample=False: the logits until sample() runs
-    sample_pending: bool = False
-    states: list = field(default_factory=list)  # the sampling rows' RequestStates (sample() may come after a pop)
-
-    @property
-    def samples(self) -> bool:
-        return self.tokens is not None
 
 
 def pick_device(name: str) -> torch.device:
@@ -70,13 +54,16 @@ class ModelRunner:
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = self.model_config.max_model_len
+        self.addons = build_addons(self.model, config, self.device, self.dtype)
         self._bind_attention()
-        self.lora = self._init_lora()
+        self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
+        # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
+        self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        self.sampler = Sampler(config.model.seed)
-        self.prompt_logprobs_done: dict[str, int] = {}
+        self.outputs = StepOutputs(config.model.seed, config.scheduler.max_num_seqs, self.device,
+                                   self._hooks["before_sample"])
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
@@ -84,14 +71,16 @@ class ModelRunner:
         self.buffers = None
 
     def _bind_attention(self) -> None:
-        """Group the attention layers by cache spec, pick a backend per group and give each layer its impl."""
+        """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
+        features require) and give each layer its impl."""
         ctx = self.loaded.context
         self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size)
         self.backends, self.builders = [], []
+        requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what)
+                                               what=what, requires=requires)
             self.backends.append(backend)
             self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
             for name in g.layer_names:
@@ -100,37 +89,6 @@ class ModelRunner:
                                               sliding_window=layer.sliding_window,
                                               logits_soft_cap=layer.logits_soft_cap)
                 layer.group_id = g.group_id
-
-    def _init_lora(self):
-        """--enable-lora: wrap the model's LoRA-capable linears (kestrel/lora/manager.py)."""
-        if not self.config.lora.enable_lora:
-            return None
-        from kestrel.lora.manager import LoRAManager
-        sc = self.config.scheduler
-        return LoRAManager(self.model, self.config.lora, self.device, self.dtype,
-                           max(sc.max_num_batched_tokens, sc.max_num_seqs), self.config.kernel.lora_backend)
-
-    def _prepare_lora(self, chunks: list[ScheduledChunk], states: list[RequestState]) -> None:
-        """This step's token -> adapter slot mapping (device buffers the LoRA kernels and CUDA graphs read)."""
-        if self.lora is None:
-            return
-        self.lora.set_mapping([st.lora_id for st in states], [c.num_new_tokens for c in chunks], self._live_loras())
-
-    def _lora_failures(self, chunks: list[ScheduledChunk]) -> dict[str, str]:
-        """The step's requests whose adapter could not be read (they ran without it): request id -> why."""
-        if self.lora is None or not self.lora.unreadable:
-            return {}
-        lora_of = {c.request_id: self.requests[c.request_id].lora_id for c in chunks}
-        return {rid: self.lora.unreadable[i] for rid, i in lora_of.items() if i in self.lora.unreadable}
-
-    def _prepare_encoder_lora(self, st: RequestState, image: dict[str, torch.Tensor]) -> None:
-        """The vision tower's and connector's adapter mappings for one image: its request's adapter on every row,
-        the row counts from the image's processed inputs (the model's lora_encoder_tokens)."""
-        if self.lora is not None and self.lora.encoder_mappings:
-            self.lora.set_encoder_mapping(st.lora_id, self.model.lora_encoder_tokens(image), self._live_loras())
-
-    def _live_loras(self) -> set[int]:
-        return {st.lora_id for st in self.requests.values() if st.lora_id}
 
     @property
     def backend(self):
@@ -181,13 +139,13 @@ class ModelRunner:
 
     # ---- metadata
     def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
-                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False,
-                 bidirectional_lens: list[int] | None = None) -> ForwardContext:
-        """Every group's attention metadata over the buffers' first rows, from its backend's builder."""
+                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False, **fields) -> ForwardContext:
+        """Every group's attention metadata over the buffers' first rows, from its backend's builder. `fields`:
+        the add-ons' extra common fields (attention_fields)."""
         buf = self.buffers
         common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
                                          buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
-                                         bidirectional_lens)
+                                         **fields)
         metas = []
         for g, builder in enumerate(self.builders):
             build = builder.build_for_capture if capture else builder.build
@@ -238,186 +196,83 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 
-    @torch.inference_mode()
-    def _encode_dummy_image(self) -> torch.Tensor | None:
-        """Image models: the vision encoder on the largest image the model takes (None for text models), so that
-        the memory profile counts its activations and the first requests do not pay its kernels' first calls."""
-        make = getattr(self.model, "dummy_image_inputs", None)
-        if make is None:
-            return None
-        image = {k: v.to(self.device) for k, v in make().items()}
-        if self.lora is not None and self.lora.encoder_mappings:
-            self.lora.set_encoder_mapping(0, self.model.lora_encoder_tokens(image), set())
-        return self.model.embed_image(image)
+    def _encode_dummy_image(self) -> list:
+        """Every add-on's start-up warm-up (the image add-on encodes the model's largest image), so that the
+        memory profile counts its activations (the caller keeps the returned list alive through its forward)."""
+        return [a.warm_up() for a in self.addons]
 
     @torch.inference_mode()
     def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
         hidden = self.model(ids, positions, ctx)
         self.model.compute_logits(hidden[-min(ids.shape[0], self.config.scheduler.max_num_seqs):])
 
-    # ---- CUDA graphs
+    # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
-        """Persistent buffers, then (on CUDA with graph-capable backends) decode graphs."""
-        sc = self.config.scheduler
+        """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
         self.buffers = self._new_buffers()
-        self.graphs = None
-        if self.device.type == "cuda":
-            self._warm_up_kernels()
-        sizes = self._graph_sizes()
-        if sizes:
-            self.graphs = DecodeGraphs(self, sizes)
-            self.graph_capture_seconds = self.graphs.capture()
-        pin = self.device.type == "cuda"
-        self._token_host = [torch.zeros(sc.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._token_flip = 0
-
-    def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture; empty where graphs are off (CPU, --enforce-eager, a backend without)."""
-        comp, sc = self.config.compilation, self.config.scheduler
-        if self.device.type != "cuda" or comp.enforce_eager or not all(b.supports_cuda_graphs for b in self.backends):
-            return []
-        if self.lora is not None and self.lora.backend != "triton":  # the reference reads the mapping on the host
-            return []
-        return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
+        self.graphs = capture_graphs(self)
 
     def precompile_kernels(self) -> None:
-        """Compile, in parallel, every Triton variant that the profile run, the kernel warm-up and the graph
-        capture will launch: the same forwards run once with launches turned into compilations (see
-        kestrel/kernels/triton_ops/precompile.py). Decode forwards read only the layout of the KV cache, so the
-        profile batch's small cache serves them. CUDA only; --no-precompile skips it."""
-        if self.device.type != "cuda" or not self.config.compilation.precompile:
-            return
-        try:
-            from kestrel.kernels.triton_ops.precompile import precompile
-        except ImportError:  # no triton: nothing to compile
-            return
-
-        def dry_run():
-            ids, positions, ctx = self.dummy_prefill_batch(self.config.scheduler.max_num_batched_tokens)
-            self._profile_forward(ids, positions, ctx)
-            self.buffers = self._new_buffers()
-            self._warm_up_kernels()
-            graphs = DecodeGraphs(self, self._graph_sizes())
-            for b in graphs.sizes:
-                graphs.run(b)
-
-        try:
-            precompile(dry_run)
-        finally:
-            self.free_kv_cache()
-            self.buffers = None
-            torch.cuda.empty_cache()
-
-    @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
-        """Compile, at start-up, the kernel variants that mixed prefill/decode steps use (short and long query
-        tiles, decode rows by batch size), so that the first requests do not wait ~1 s per Triton compilation.
-        The batches read block 0 and write nothing (slots -1)."""
-        buf = self.buffers
-        for q_len in (min(24, buf.max_tokens // 2), 4):  # two prefills each
-            hidden = self._warm_up_forward(2, q_len)
-            self.model.compute_logits(hidden[[q_len - 1, 2 * q_len - 1]])
-        # Decode rows outside the graphs (mixed steps): one-token contexts, so the unsplit variants of each batch
-        # size class's decode kernel (the graphs compile the split ones); else each compiles in the first mixed
-        # steps of a run, ~1 s apiece.
-        for b in sorted({min(x, buf.max_reqs) for x in (1, 2, 4, 8, 16, 32, 64, 128, 256, buf.max_reqs)}):
-            self._warm_up_forward(b, 1, decodes=True)
-        self._encode_dummy_image()
-        torch.cuda.synchronize()
-
-    def _warm_up_forward(self, num_reqs: int, q_len: int, decodes: bool = False) -> torch.Tensor:
-        """A forward of num_reqs requests of q_len new tokens each, their whole contexts (decodes: one token
-        each, sent as decode rows)."""
-        buf = self.buffers
-        n = num_reqs * q_len
-        width = cdiv(q_len, self.block_size)
-        qsl = list(range(0, n + 1, q_len))
-        buf.qsl_np[:num_reqs + 1] = qsl
-        buf.sl_np[:num_reqs] = q_len
-        buf.ids_np[:n] = 0
-        buf.pos_np[:n] = np.tile(np.arange(q_len), num_reqs)
-        buf.staged_slots(n)[:] = -1
-        buf.staged_block_tables(num_reqs, width)[:] = 0
-        buf.copy_to_device(n, num_reqs, width)
-        ctx = self.metadata(n, num_reqs, num_reqs if decodes else 0, q_len, q_len, width, qsl,
-                            [q_len] * num_reqs)
-        return self.model(buf.input_ids[:n], buf.positions[:n], ctx)
+        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
+        precompile_kernels(self)
 
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
         for rid in step.finished_ids:
             st = self.requests.pop(rid, None)
             if st is not None:
-                self.block_rows.free(st.table_row)
-            self.prompt_logprobs_done.pop(rid, None)
+                self._forget(st)
+            self.outputs.prompt_logprobs_done.pop(rid, None)
         for r in step.new_requests:
             old = self.requests.get(r.request_id)
             if old is not None:
-                self.block_rows.free(old.table_row)
-            self.requests[r.request_id] = RequestState.from_new(r, self.block_rows.add(r.block_ids))
+                self._forget(old)
+            self.requests[r.request_id] = st = RequestState.from_new(r, self.block_rows.add(r.block_ids))
+            for add in self._hooks["add_request"]:
+                add(st)
         for c in step.chunks:
             if c.new_block_ids:
                 self.block_rows.append(self.requests[c.request_id].table_row, c.new_block_ids)
 
+    def _forget(self, st: RequestState) -> None:
+        self.block_rows.free(st.table_row)
+        for remove in self._hooks["remove_request"]:
+            remove(st)
+
     # ---- one step
-    def _prepare(self, chunks: list[ScheduledChunk], prev: "InFlight | None") -> ForwardContext:
+    def _prepare(self, chunks: list[ScheduledChunk], states: list[RequestState],
+                 prev: InFlight | None) -> ForwardContext:
         """Flatten the batch into the persistent buffers (numpy on the host, one copy each to the device)."""
         buf = self.buffers
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the last step's host->device copies have left the staging buffers
-        fills_dst, fills_src = [], []
         n_tok = sum(c.num_new_tokens for c in chunks)
         if n_tok > buf.max_tokens or len(chunks) > buf.max_reqs:
             raise RuntimeError(f"batch of {n_tok} tokens / {len(chunks)} requests exceeds the runner's buffers")
-        qsl, sl, ids, pos = buf.qsl_np, buf.sl_np, buf.ids_np, buf.pos_np
-        states = [self.requests[c.request_id] for c in chunks]
         nr = len(chunks)
         req_rows = np.fromiter((st.table_row for st in states), dtype=np.intp, count=nr)
         width = max(1, int(self.block_rows.lens[req_rows].max()))
-        qsl[0] = 0
-        t = 0
-        num_decodes = 0
-        for b, (c, st) in enumerate(zip(chunks, states)):
-            start, n = c.num_computed_tokens, c.num_new_tokens
-            if n == 1:
-                # the token at `start` is sampled by the step in flight (a placeholder, or not there yet where
-                # that step samples after this one's inputs are staged): copied on the device before the forward
-                tok = st.token_at(start) if start < st.num_prompt_tokens + len(st.output_token_ids) else PLACEHOLDER
-                if tok == PLACEHOLDER:
-                    fills_dst.append(t)
-                    fills_src.append(prev.rows[c.request_id])
-                    tok = 0
-                ids[t] = tok
-                pos[t] = start
-                if num_decodes == b:
-                    num_decodes += 1
-            else:
-                ids[t:t + n] = st.tokens_slice(start, start + n)
-                pos[t:t + n] = np.arange(start, start + n)
-            t += n
-            qsl[b + 1] = t
-            sl[b] = start + n
+        t, num_decodes, self._num_fills = buf.stage_tokens(chunks, states, prev.rows if prev is not None else None)
+        qsl, sl, pos = buf.qsl_np, buf.sl_np, buf.pos_np
         tables = buf.stage_block_tables(self.block_rows, req_rows, width)
         buf.stage_slots(tables, qsl[:nr + 1], pos[:t])
-        self._prepare_lora(chunks, states)
+        for prepare in self._hooks["prepare"]:
+            prepare(chunks, states)
         buf.copy_to_device(t, nr, width)
-        self._num_fills = k = len(fills_dst)
-        if k:
-            buf.fill_dst_np[:k] = fills_dst
-            buf.fill_src_np[:k] = fills_src
-            buf.copy_fills(k)
+        if self._num_fills:
+            buf.copy_fills(self._num_fills)
         if self.device.type == "cuda":
             self._copy_done = torch.cuda.Event()
             self._copy_done.record()
-        # a chunk inside a request's bidirectional prefix attends both ways there
-        bidir = [st.bidirectional_len if c.num_computed_tokens < st.bidirectional_len else 0
-                 for c, st in zip(chunks, states)]
+        fields = {}
+        for attention_fields in self._hooks["attention_fields"]:
+            fields.update(attention_fields(chunks, states))
         return self.metadata(t, nr, num_decodes, max(c.num_new_tokens for c in chunks), int(sl[:nr].max()), width,
-                             qsl[:nr + 1].tolist(), sl[:nr].tolist(), bidirectional_lens=bidir if any(bidir) else None)
+                             qsl[:nr + 1].tolist(), sl[:nr].tolist(), **fields)
 
     @torch.inference_mode()
-    def launch(self, step: StepInput, prev: "InFlight | None" = None, sample: bool = True,
-               before_forward=None) -> "InFlight":
+    def launch(self, step: StepInput, prev: InFlight | None = None, sample: bool = True,
+               before_forward=None) -> InFlight:
         """Queue a step on the device and return without waiting for it. Decode rows whose input token is a
         placeholder take it from `prev`'s sampled tokens, on the device (pipelined decode). With sample=False
         only the forward (to the logits) is queued: the caller fills a token bitmask on the host meanwhile, then
@@ -428,8 +283,10 @@ class ModelRunner:
         if step.is_empty:
             return inf
         chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)
-        ctx = self._prepare(chunks, prev)
-        inf.out.failed = self._lora_failures(chunks)
+        states = [self.requests[c.request_id] for c in chunks]
+        ctx = self._prepare(chunks, states, prev)
+        for failed in self._hooks["failed_requests"]:
+            inf.out.failed.update(failed(chunks, states))
         if before_forward is not None:
             before_forward()
         if self._num_fills:
@@ -437,11 +294,13 @@ class ModelRunner:
             buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        samplers = [c for c in chunks if c.samples]
-        hidden = None
-        inputs_embeds = self._merged_embeddings(chunks, meta.num_tokens)
-        padded = (self.graphs.padded_size(meta.num_reqs)
-                  if self.graphs and meta.num_decodes == meta.num_reqs and inputs_embeds is None else None)
+        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
+        hidden = inputs_embeds = None
+        for embeds in self._hooks["inputs_embeds"]:
+            out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
+            inputs_embeds = out if out is not None else inputs_embeds
+        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
+                  and all(ok() for ok in self._hooks["step_graph_ok"]) else None)
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         else:
@@ -451,105 +310,22 @@ class ModelRunner:
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
-            inf.rows = {c.request_id: i for i, c in enumerate(samplers)}
-            inf.states = [self.requests[c.request_id] for c in samplers]
+            inf.rows = {c.request_id: i for i, (c, _) in enumerate(samplers)}
+            inf.states = [st for _, st in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
-            for b, c in enumerate(chunks):
-                st = self.requests[c.request_id]
+            for b, (c, st) in enumerate(zip(chunks, states)):
                 if st.sampling_params.prompt_logprobs is not None:
-                    self._prompt_logprobs(c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
+                    self.outputs.prompt_logprobs(self.model, c, st, hidden[qsl[b]:qsl[b + 1]], inf.out)
         if sample and inf.sample_pending:
             self.sample(inf)
         return inf
 
-    @torch.inference_mode()
-    def sample(self, inf: "InFlight", bitmask: StepBitmask | None = None) -> None:
+    def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
-        row in inf.rows order) masks the logits on the device first (kestrel/structured_output)."""
-        logits, inf.logits, inf.sample_pending = inf.logits, None, False
-        if bitmask is not None:
-            apply_token_bitmask(logits, bitmask.mask, bitmask.rows)
-        states = inf.states
-        rows = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.min_tokens_stop_ids)
-                for st in states]
-        res = self.sampler(logits, rows)
-        inf.tokens = res.tokens
-        for rid, st, lp in zip(inf.rows, states, res.logprobs):
-            if lp is not None:
-                inf.out.logprobs[rid] = lp
-            inf.samplers.append((rid, len(st.output_token_ids)))
-            st.output_token_ids.append(PLACEHOLDER)
-        if self.device.type == "cuda":
-            host = self._token_host[self._token_flip][: len(states)]
-            self._token_flip ^= 1
-            host.copy_(res.tokens, non_blocking=True)
-            inf.tokens_host = host
-            inf.event = torch.cuda.Event()
-            inf.event.record()
+        row in inf.rows order) masks the logits on the device first (the grammar add-on)."""
+        self.outputs.sample(inf, bitmask)
 
-    # ---- images
-    def _merged_embeddings(self, chunks: list[ScheduledChunk], num_tokens: int) -> torch.Tensor | None:
-        """The step's input embeddings with each scheduled image placeholder replaced by the image's embedding
-        row (None when no placeholder is in the step: the model embeds the ids itself). An image is encoded
-        whole the first time any of its placeholders is scheduled and kept in its request's encoder cache until
-        the step that computes its last placeholder."""
-        spans = []
-        t = 0
-        for c in chunks:
-            st = self.requests[c.request_id]
-            start, end = c.num_computed_tokens, c.num_computed_tokens + c.num_new_tokens
-            for i, f in enumerate(st.mm_features):
-                if f.offset >= end or f.end <= start:
-                    continue
-                emb = st.encoder_outputs.get(i)
-                if emb is None:
-                    image = f.tensors(self.device)
-                    self._prepare_encoder_lora(st, image)
-                    emb = self.model.embed_image(image)
-                    if emb.shape[0] != f.length:
-                        raise RuntimeError(f"image {i} of {c.request_id}: {emb.shape[0]} embeddings for "
-                                           f"{f.length} placeholders")
-                    st.encoder_outputs[i] = emb
-                lo, hi = max(start, f.offset), min(end, f.end)
-                spans.append((t + lo - start, emb[lo - f.offset:hi - f.offset]))
-                if hi == f.end:
-                    del st.encoder_outputs[i]  # every placeholder is computed by this step
-            t += c.num_new_tokens
-        if not spans:
-            return None
-        embeds = self.model.embed_input_ids(self.buffers.input_ids[:num_tokens])
-        for row, emb in spans:
-            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
-        return embeds
-
-    def collect(self, inf: "InFlight") -> RunnerOutput:
+    def collect(self, inf: InFlight) -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
-        if inf.tokens is None:
-            return inf.out
-        if inf.event is not None:
-            inf.event.synchronize()
-            tokens = inf.tokens_host.tolist()
-        else:
-            tokens = inf.tokens.tolist()
-        for (rid, index), tok in zip(inf.samplers, tokens):
-            inf.out.sampled[rid] = tok
-            st = self.requests.get(rid)
-            if st is not None and index < len(st.output_token_ids):
-                st.output_token_ids[index] = tok
-        return inf.out
-
-    def _prompt_logprobs(self, c: ScheduledChunk, st: RequestState, hidden: torch.Tensor, out: RunnerOutput) -> None:
-        """Logprobs of prompt tokens 1..P-1, each given its prefix; collected chunk by chunk, once."""
-        start, n = c.num_computed_tokens, c.num_new_tokens
-        done = self.prompt_logprobs_done.get(c.request_id, 0)  # prompt positions (targets) already reported
-        first_target = max(start + 1, done + 1)
-        last_target = min(start + n, st.num_prompt_tokens - 1)
-        if first_target > last_target:
-            return
-        rows = torch.arange(first_target - 1 - start, last_target - start, device=hidden.device)
-        logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-        targets = torch.tensor(st.prompt_token_ids[first_target:last_target + 1], device=hidden.device)
-        entries = compute_logprobs(logprobs, targets, st.sampling_params.prompt_logprobs)
-        out.prompt_logprobs[c.request_id] = [(int(t), *e) for t, e in zip(targets.tolist(), entries)]
-        self.prompt_logprobs_done[c.request_id] = last_target
+        return self.outputs.collect(inf, self.requests)

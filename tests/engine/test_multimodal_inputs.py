@@ -11,7 +11,10 @@ from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
 from kestrel.attention.ops.reference import paged_attention_ref
 from kestrel.attention.selector import select_attention_backend
+from kestrel.core.extras import RequestExtras
 from kestrel.core.kv_spec import FullAttentionSpec
+from kestrel.errors import ConfigError, InvalidRequest
+from kestrel.worker.addons.prefix_mask import BidirectionalPrefix
 from kestrel.core.multimodal import MMFeature, TensorData, hash_tensors
 from kestrel.engine.kv import KVCacheManager
 from kestrel.ipc.protocol import EngineCoreRequest, add_decoder, encoder
@@ -23,11 +26,13 @@ from kestrel.core.sampling_params import SamplingParams
 def test_tensor_roundtrip_over_msgspec(dtype):
     t = (torch.randn(2, 3, 5) * 100).to(dtype)
     feat = MMFeature(4, 7, hash_tensors({"pixel_values": t}), {"pixel_values": TensorData.from_tensor(t)})
-    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), 4, 0.0, mm_features=[feat], bidirectional_len=3)
-    back = add_decoder.decode(encoder.encode(req))
+    req = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), 4, 0.0,
+                            extras=RequestExtras(lora_id=2, mm_features=[feat], bidirectional_len=3))
+    back = add_decoder.decode(encoder.encode(req)).extras
     got = back.mm_features[0].data["pixel_values"].to_tensor()
     assert got.dtype == dtype and torch.equal(got, t)
-    assert (back.mm_features[0].offset, back.mm_features[0].length, back.bidirectional_len) == (4, 7, 3)
+    feature = back.mm_features[0]
+    assert (feature.offset, feature.length, back.bidirectional_len, back.lora_id) == (4, 7, 3, 2)
     assert b"pickle" not in encoder.encode(req)  # plain msgpack
     assert isinstance(msgspec.msgpack.decode(encoder.encode(req)), dict)
 
@@ -59,9 +64,9 @@ def test_encoder_inputs_to_cuda_through_pinned_memory():
     assert got["image_sizes"].device.type == "cpu" and got["image_sizes"].tolist() == [600, 800]
 
 
-def _request(rid, tokens, features=(), bidir=0):
-    return Request(rid, list(tokens), SamplingParams(), max_tokens=4, mm_features=list(features),
-                   bidirectional_len=bidir)
+def _request(rid, tokens, features=(), bidir=0, **extras):
+    return Request(rid, list(tokens), SamplingParams(), max_tokens=4,
+                   extras=RequestExtras(mm_features=list(features), bidirectional_len=bidir, **extras))
 
 
 def test_block_hashes_follow_image_content():
@@ -74,6 +79,43 @@ def test_block_hashes_follow_image_content():
     assert a == c  # the same image: the same hashes
     plain = kv._block_hashes(_request("d", toks))
     assert plain[0] == a[0] and plain[1] != a[1]
+
+
+def test_plain_requests_send_no_extras():
+    """A text request's extras are the shared default and cost nothing on the wire."""
+    plain = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 4, 0.0)
+    assert b"extras" not in encoder.encode(plain)
+    assert add_decoder.decode(encoder.encode(plain)).extras == RequestExtras()
+
+
+def test_extras_reach_tensor_parallel_workers_whole():
+    """The scheduler's deltas carry the extras to every worker rank (msgpack, executor/messages.py)."""
+    from kestrel.core.step import NewRequestData, StepInput
+    from kestrel.executor.messages import step_decoder
+
+    t = torch.randn(2, 3)
+    extras = RequestExtras(lora_id=3, mm_features=[MMFeature(1, 2, "h", {"pixel_values": TensorData.from_tensor(t)})],
+                           bidirectional_len=5, cache_salt="s")
+    step = StepInput([NewRequestData("r", [1, 2], [], SamplingParams(), [0], [[1]], extras)])
+    back = step_decoder.decode(msgspec.msgpack.encode(step)).new_requests[0].extras
+    assert back == extras and torch.equal(back.mm_features[0].data["pixel_values"].to_tensor(), t)
+
+
+def test_block_hashes_follow_adapter_and_cache_salt():
+    """Two adapters, or two cache salts, never share KV blocks; the same extras share all of them."""
+    kv = KVCacheManager(64, 4)
+    toks = list(range(12))
+    base, lora1, lora2, salted = (kv._block_hashes(_request(r, toks, **x)) for r, x in (
+        ("a", {}), ("b", {"lora_id": 1}), ("c", {"lora_id": 2}), ("d", {"cache_salt": "tenant-7"})))
+    assert len({base[0], lora1[0], lora2[0], salted[0]}) == 4
+    assert kv._block_hashes(_request("e", toks, lora_id=1)) == lora1
+
+
+def test_bidirectional_prefix_must_fit_one_step():
+    """The engine's rule (the frontend runs the same check): a prefix computed in one step fits the step budget."""
+    RequestExtras(bidirectional_len=16).check_step_budget(16)
+    with pytest.raises(InvalidRequest, match="bidirectional prefix .* 17 tokens.*--max-num-batched-tokens 16"):
+        RequestExtras(bidirectional_len=17).check_step_budget(16)
 
 
 def test_bidirectional_prefix_blocks_depend_on_the_whole_prefix():
@@ -101,14 +143,21 @@ def test_reference_attention_bidirectional_prefix():
     assert not torch.allclose(out[:L - 1], causal[:L - 1], atol=1e-3) and torch.allclose(out[L:], causal[L:])
 
 
-def test_selection_needs_bidirectional_support():
-    spec = FullAttentionSpec(torch.float32, 2, 16, bidirectional_prefix=True)
+def test_selection_needs_bidirectional_support(monkeypatch):
+    """A model that declares a bidirectional prefix (its runner gets the prefix-mask add-on) gets only a backend
+    that declares support for it."""
+    import kestrel.attention.selector as selector
+
+    spec = FullAttentionSpec(torch.float32, 2, 16)
 
     class CausalOnly(TorchRefBackend):
         name = "causal_only"
         supports_bidirectional_prefix = False
 
-    assert select_attention_backend(spec, 16) is TorchRefBackend
-    ok, why = CausalOnly.validate_spec(spec)
-    assert not ok and "bidirectional" in why
+    monkeypatch.setattr(selector, "backend_candidates", lambda: [CausalOnly, TorchRefBackend])
+    assert select_attention_backend(spec, 16) is CausalOnly
+    needs = BidirectionalPrefix.backend_requires
+    assert select_attention_backend(spec, 16, requires=needs) is TorchRefBackend
+    with pytest.raises(ConfigError, match="causal_only: lacks supports_bidirectional_prefix"):
+        select_attention_backend(spec, 16, forced="causal_only", requires=needs)
     assert not AttentionBackend.supports_bidirectional_prefix  # backends opt in (Triton does not)

@@ -50,8 +50,9 @@ def test_render_process_matches_in_process_and_survives_a_kill(tiny_mm_models):
         try:
             res, _ = await procs.render(chat(url), True, None, {}, None, None)
             assert res.token_ids == expected.token_ids
-            assert [f.mm_hash for f in res.features] == [f.mm_hash for f in expected.features]
-            assert res.features[0].data["pixel_values"].data == expected.features[0].data["pixel_values"].data
+            got, want = res.extras.mm_features, expected.extras.mm_features
+            assert [f.mm_hash for f in got] == [f.mm_hash for f in want] and got
+            assert got[0].data["pixel_values"].data == want[0].data["pixel_values"].data
 
             with pytest.raises(InvalidRequest) as bad:
                 await procs.render(chat("data:image/png;base64,aGVsbG8="), True, None, {}, None, None)

@@ -43,6 +43,7 @@ def test_mixed_batch_matches_transformers_peft(base_and_adapters):
 def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapters):
     """An adapter's request never reuses the base model's (or another adapter's) KV blocks, but does reuse its own;
     a request whose adapter is gone when it reaches the engine ends as "abort" instead of hanging."""
+    from kestrel.core.extras import RequestExtras
     from kestrel.engine.messages import EngineCoreRequest
 
     base, adapters = base_and_adapters
@@ -59,7 +60,7 @@ def test_prefix_cache_is_per_adapter_and_unknown_adapter_aborts(base_and_adapter
     assert outs["r8"][0] == outs["r8"][1] and outs[None][0] == outs[None][1] != outs["r8"][0]
 
     core = llm.engine.core
-    core.add_request(EngineCoreRequest("gone", prompt, params, 4, 0.0, lora_id=999))
+    core.add_request(EngineCoreRequest("gone", prompt, params, 4, 0.0, extras=RequestExtras(lora_id=999)))
     out = core.step()
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in out.outputs] == [("gone", "abort", [])]
     assert not core.has_unfinished_requests()

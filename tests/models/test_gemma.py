@@ -85,8 +85,8 @@ def test_gemma3_runner_inputs_match_the_kv_manager(tiny_models, reference):
     orig = runner._prepare
     checked = {"tokens": 0, "entries": 0}
 
-    def prepare(chunks, prev):
-        ctx = orig(chunks, prev)
+    def prepare(chunks, states, prev):
+        ctx = orig(chunks, states, prev)
         t = 0
         for b, c in enumerate(chunks):
             kv_ids = core.kv.block_ids(core.scheduler.requests[c.request_id])

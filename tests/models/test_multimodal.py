@@ -10,6 +10,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.platform.testing import requires_triton_interpreter
+from kestrel.worker.addons.images import ImageEncoderCache
 from tests.mm_tiny import make_image, sample_images
 
 NUM_TOKENS = 24
@@ -92,25 +93,25 @@ def test_llava_chunked_prefill_through_images(tiny_mm_models, images, reference)
               enable_prefix_caching=False)
     runs = count_encoder_runs(llm)
     runner = llm.engine.core.executor.runner
+    (images_addon,) = [a for a in runner.addons if isinstance(a, ImageEncoderCache)]
     steps_inside_image = 0
-    orig = runner._merged_embeddings
+    orig = images_addon.inputs_embeds
 
-    def watch(chunks, n):
+    def watch(chunks, states, input_ids):
         nonlocal steps_inside_image
-        out = orig(chunks, n)
-        for c in chunks:
-            st = runner.requests[c.request_id]
+        out = orig(chunks, states, input_ids)
+        for c, st in zip(chunks, states):
             end = c.num_computed_tokens + c.num_new_tokens
-            if any(f.offset < end < f.end for f in st.mm_features):
+            if any(f.offset < end < f.end for f in st.extras.mm_features):
                 steps_inside_image += 1
-                assert st.encoder_outputs  # kept for the image's next chunk
+                assert images_addon.cache[c.request_id]  # kept for the image's next chunk
         return out
-    runner._merged_embeddings = watch
+    runner._hooks["inputs_embeds"] = [watch]
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS["llava_next"]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["llava_next"]
     assert steps_inside_image >= 5
     assert len(runs) == 7
-    assert all(not st.encoder_outputs for st in runner.requests.values())  # every image's cache was released
+    assert not any(images_addon.cache.values())  # every image's cache was released
 
 
 def test_paligemma_prefix_is_one_chunk(tiny_mm_models, images, reference):
@@ -124,8 +125,8 @@ def test_paligemma_prefix_is_one_chunk(tiny_mm_models, images, reference):
         out = orig()
         for s in out.scheduled:
             r = s.request
-            if s.num_computed_tokens < r.bidirectional_len:
-                assert s.num_computed_tokens + s.num_new_tokens >= r.bidirectional_len
+            if s.num_computed_tokens < r.extras.bidirectional_len:
+                assert s.num_computed_tokens + s.num_new_tokens >= r.extras.bidirectional_len
         return out
     sched.schedule = checked
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"]], GREEDY)
@@ -138,8 +139,7 @@ def test_paligemma_prefix_is_one_chunk(tiny_mm_models, images, reference):
 def test_paligemma_prefix_attention_is_bidirectional(tiny_mm_models, images, reference):
     """The same engine with a causal prefix gives other tokens: the bidirectional mask is what matches."""
     llm = LLM(str(tiny_mm_models["paligemma"]), progress=False)
-    llm.engine.input_processor.mm.model_cls = type("Causal", (llm.engine.input_processor.mm.model_cls,),
-                                                   {"bidirectional_prefix": False})
+    llm.engine.input_processor.mm.bidirectional_prefix = False  # the processor sends no prefix length
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS["paligemma"][:3]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] != reference["paligemma"][:3]
 
@@ -172,7 +172,7 @@ def test_dummy_image_is_the_largest(tiny_mm_models, images, kind):
     config = EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8)
     core = EngineCore(config, progress=False)
     runner = core.executor.runner
-    emb = runner._encode_dummy_image()
+    (emb,) = [a.warm_up() for a in runner.addons if isinstance(a, ImageEncoderCache)]
     model_cls = type(runner.model)
     mm = make_mm_processor(config)
     n = model_cls.num_image_tokens(mm.hf_config, runner.model.dummy_image_inputs())
@@ -352,13 +352,14 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
         procs = set(pool.map(lambda _: id(mm._thread_processor()), range(12)))
     assert id(mm.processor) not in procs and 1 <= len(procs) <= 3
     for a, b in zip(here, there):
-        assert a.token_ids == b.token_ids and a.bidirectional_len == b.bidirectional_len
-        assert [f.mm_hash for f in a.features] == [f.mm_hash for f in b.features]
-        assert [f.data == g.data for f, g in zip(a.features, b.features)] == [True] * len(a.features)
+        assert a.token_ids == b.token_ids and a.extras.bidirectional_len == b.extras.bidirectional_len
+        fa, fb = a.extras.mm_features, b.extras.mm_features
+        assert [f.mm_hash for f in fa] == [f.mm_hash for f in fb]
+        assert [f.data == g.data for f, g in zip(fa, fb)] == [True] * len(fa)
     mm.pixel_dtype = torch.bfloat16  # a GPU server's model dtype: float pixels travel in it (the towers cast first)
     half = inp.process_images(prompts[0])
     mm.pixel_dtype = None
-    for f, g in zip(half.features, here[0].features):
+    for f, g in zip(half.extras.mm_features, here[0].extras.mm_features):
         assert f.data.keys() == g.data.keys() and f.mm_hash != g.mm_hash
         for name, td in f.data.items():
             ref, got = g.data[name].to_tensor(), td.to_tensor()
@@ -366,8 +367,7 @@ def test_image_processing_on_render_threads(tiny_mm_models, images, kind):
             assert torch.equal(got, ref.to(got.dtype))
     ids, reqs = inp.process("r", there[0], SamplingParams(max_tokens=4))
     ids2, reqs2 = inp.process("r", prompts[0], SamplingParams(max_tokens=4))
-    assert ids == ids2 and reqs[0].mm_features == reqs2[0].mm_features
-    assert reqs[0].bidirectional_len == reqs2[0].bidirectional_len
+    assert ids == ids2 and reqs[0].extras == reqs2[0].extras and reqs[0].extras.mm_features
 
 
 def test_paligemma_with_siglip_pooling_head_flag_matches_transformers(tmp_path, images):

@@ -116,8 +116,8 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
     count = {"prepared": 0, "fills": 0, "overlapped": 0}
     real_prepare, real_slice = core.executor.runner._prepare, core.structured._fill_slice
 
-    def prepare(chunks, prev):
-        out = real_prepare(chunks, prev)
+    def prepare(chunks, states, prev):
+        out = real_prepare(chunks, states, prev)
         with staged:
             count["prepared"] += 1
             staged.notify_all()
