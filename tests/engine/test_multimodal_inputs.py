@@ -83,7 +83,7 @@ def test_block_hashes_follow_image_content():
 
 def test_plain_requests_send_no_extras():
     """A text request's extras are the shared default and cost nothing on the wire."""
-    plain = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 4, 0.0)
+    plain = EngineCoreRequest("r", [1, 2, 3], SamplingParams(), 4, 0.0)
     assert b"extras" not in encoder.encode(plain)
     assert add_decoder.decode(encoder.encode(plain)).extras == RequestExtras()
 
