@@ -72,6 +72,15 @@ def parent_gone(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
+def wait_while_parent_lives(poll, parent_pid: int | None, timeout_ms: int) -> bool:
+    """For a child's receive loop: block until `poll(timeout_ms)` reports a message (True), or the process that
+    started it has exited (False: the child should exit too)."""
+    while not poll(timeout_ms):
+        if parent_gone(parent_pid):
+            return False
+    return True
+
+
 def die_with_parent() -> None:
     """For a child on Linux: the kernel kills it when its parent exits, even while it waits in a collective. (The
     signal follows the parent *thread* that started it: only for children started from a thread that lives as

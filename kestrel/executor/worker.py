@@ -15,7 +15,7 @@ import traceback
 import msgspec
 import zmq
 
-from kestrel.core.supervisor import die_with_parent, parent_gone
+from kestrel.core.supervisor import die_with_parent, parent_gone, wait_while_parent_lives
 from kestrel.executor import messages as M
 
 logger = logging.getLogger("kestrel.worker")
@@ -82,11 +82,9 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:
-        if not poller.poll(POLL_MS):
-            if parent_gone(parent_pid):
-                logger.warning("engine process %d is gone; worker rank %d exits", parent_pid, rank)
-                return
-            continue
+        if not wait_while_parent_lives(poller.poll, parent_pid, POLL_MS):
+            logger.warning("engine process %d is gone; worker rank %d exits", parent_pid, rank)
+            return
         frames = inp.recv_multipart()
         method, payload = frames[0], frames[1]
         if method == M.STEP:

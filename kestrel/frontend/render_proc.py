@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
-from kestrel.core.supervisor import StartupError, Supervisor, parent_gone, spawn_process
+from kestrel.core.supervisor import StartupError, Supervisor, spawn_process, wait_while_parent_lives
 from kestrel.ipc.core_proc import dealer_socket, router_socket
 from kestrel.errors import InvalidRequest, KestrelError
 
@@ -90,11 +90,9 @@ def run_render_worker(config_dict: dict, addr: str, index: int, parent_pid: int,
         sock.send(_encoder.encode(RenderStatus(True)))
         logger.info("render process %d ready (pid %d)", index, os.getpid())
         while True:
-            if not sock.poll(PARENT_POLL_MS):
-                if parent_gone(parent_pid):
-                    logger.warning("server process %d is gone; render process %d exits", parent_pid, index)
-                    return
-                continue
+            if not wait_while_parent_lives(sock.poll, parent_pid, PARENT_POLL_MS):
+                logger.warning("server process %d is gone; render process %d exits", parent_pid, index)
+                return
             payload = sock.recv()
             if not payload:  # the server's stop message
                 return
