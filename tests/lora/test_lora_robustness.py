@@ -10,6 +10,7 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.sampling_params import StructuredOutputsParams
+from kestrel.core.extras import RequestExtras
 from kestrel.engine.messages import EngineCoreRequest
 from kestrel.errors import InvalidRequest
 from kestrel.executor import ControlCallError
@@ -47,7 +48,7 @@ def test_unload_while_a_request_waits_for_its_grammar(llm, base_and_adapter):
     core = llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="[0-9]{6}"))
     rid = llm.engine.add_request(PROMPT, params, lora_request=req)
-    assert [r.request_id for r in core._compiling] == [rid]  # prepared, not yet in the scheduler
+    assert [r.request_id for r in core.grammars.compiling] == [rid]  # prepared, not yet in the scheduler
     with pytest.raises(InvalidRequest, match=r"LoRA id \d+ is in use by 1 request"):
         llm.unload_lora("a")
     assert core.loras == {req.lora_id: "a"} and "a" in llm.engine.loras
@@ -59,7 +60,7 @@ def test_unload_while_a_request_waits_for_its_grammar(llm, base_and_adapter):
 def test_request_for_an_unloaded_adapter_aborts_with_a_reason(llm, base_and_adapter):
     core = llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.add_request(EngineCoreRequest("late", PROMPT, params, 4, 0.0, lora_id=777))
+    core.add_request(EngineCoreRequest("late", PROMPT, params, 4, 0.0, extras=RequestExtras(lora_id=777)))
     core.add_request(EngineCoreRequest("base", PROMPT, params, 4, 0.0))
     outs = {}
     while core.has_unfinished_requests():
