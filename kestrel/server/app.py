@@ -302,7 +302,8 @@ def load_sampling_defaults(source: str, model_path: str | None) -> dict:
 
 
 def build_app(config: EngineConfig, server: ServerConfig | None = None, model_name: str | None = None,
-              api_key: str | None = None, log_requests: bool = False, client: str = "mp") -> FastAPI:
+              api_key: str | None = None, log_requests: bool = False, client: str = "mp",
+              model_aliases: tuple[str, ...] = (), log_request_lines: bool = True) -> FastAPI:
     server = server or ServerConfig()
     model_name = model_name or default_model_name(config)
     chat_template = load_chat_template(server.chat_template)
@@ -314,17 +315,28 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     except ValueError as e:
         raise ConfigError(str(e)) from e
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests)
+    engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests,
+                         log_request_lines=log_request_lines)
     metrics.bind(engine)
     state = ServerState(engine, model_name, metrics, api_key, server, tool_parser=tool_parser,
-                        enable_auto_tool_choice=server.enable_auto_tool_choice, reasoning_parser=reasoning)
+                        enable_auto_tool_choice=server.enable_auto_tool_choice, reasoning_parser=reasoning,
+                        model_aliases=tuple(model_aliases))
+
+    async def start_engine() -> None:
+        """Start the engine cores (once); a failure shuts them down again and raises."""
+        if engine.input_processor is not None:
+            return
+        try:
+            await engine.start()
+            if engine.tokenizer is None:  # random weights from a config.json alone: the engine takes token ids only
+                raise ConfigError(f"the server needs a tokenizer and {config.model.model} has none: pass --tokenizer")
+        except BaseException:
+            await engine.shutdown()
+            raise
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
-        if engine.tokenizer is None:  # random weights from a config.json alone: the engine takes token ids only
-            await engine.shutdown()
-            raise ConfigError(f"the server needs a tokenizer and {config.model.model} has none: pass --tokenizer")
+        await start_engine()
         from kestrel.loader import default_model_path
 
         state.sampling_defaults = load_sampling_defaults(server.generation_config,
@@ -345,6 +357,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)  # /openapi.json and /docs are served behind the key (routes above)
     app.state.kestrel = state
+    app.state.start_engine = start_engine
     install_error_handlers(app)
     for router in (open_routes, api, admin):
         app.include_router(router)
@@ -359,13 +372,24 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
 
 def run_server(args) -> int:
     import uvicorn
+    from uvicorn._compat import asyncio_run
 
     from kestrel.config import from_cli_args, section_from_cli_args
 
     config = from_cli_args(args)
-    app = build_app(config, section_from_cli_args(ServerConfig, args), args.served_model_name, args.api_key or None,
-                    args.log_requests)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    server.run()
+    names = args.served_model_name or [None]
+    app = build_app(config, section_from_cli_args(ServerConfig, args), names[0], args.api_key or None,
+                    args.log_requests, model_aliases=names[1:], log_request_lines=not args.disable_log_requests)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=5, root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                               ssl_certfile=args.ssl_certfile)
+    server = uvicorn.Server(uv_config)
+
+    async def serve() -> None:
+        # the engine starts before uvicorn's lifespan (which then finds it started), so that a start-up refusal
+        # reaches main() as one line instead of uvicorn's traceback
+        await app.state.start_engine()
+        await server.serve()
+
+    asyncio_run(serve(), loop_factory=uv_config.get_loop_factory())
     return 0 if server.started else 1

@@ -34,6 +34,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     reasoning_parser: Any = None  # kestrel.server.reasoning.ReasoningParser (--reasoning-parser)
     grammar: GrammarCheck = None  # parses output constraints off the event loop (--grammar-parse-timeout)
+    model_aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name A B ...)
 
     def __post_init__(self):
         if self.grammar is None:
@@ -41,7 +42,7 @@ class ServerState:
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model in self.model_aliases:
             return None
         lora = self.engine.loras.adapters.get(model)
         if lora is None:
