@@ -86,7 +86,8 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM compatibility (flags of `vllm serve` that change nothing here or are "
                                       "refused with a reason)")
     for flag in COMPAT_FLAGS:
-        kw = flag.kwargs if "action" in flag.kwargs else {"type": str, **flag.kwargs}
+        kw = flag.kwargs if "action" in flag.kwargs else {
+            "type": str, "metavar": flag.names[0].lstrip("-").upper().replace("-", "_"), **flag.kwargs}
         help_text = flag.why if flag.why.startswith("no effect") else f"refused unless it changes nothing: {flag.why}"
         group.add_argument(*flag.names, dest=flag.dest, default=None, help=help_text, **kw)
 
