@@ -21,7 +21,7 @@ def resolve_model_path(name: str, flag: str = "model", revision: str | None = No
     from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cache_dir = cache_dir or os.environ.get("HF_HUB_CACHE") or HF_HUB_CACHE
+    cache_dir = cache_dir or HF_HUB_CACHE  # huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/...
     try:
         return snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True)
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):

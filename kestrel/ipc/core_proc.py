@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from kestrel.core.supervisor import parent_gone
+from kestrel.errors import KestrelError
 from kestrel.ipc import protocol as P
 
 logger = logging.getLogger("kestrel.ipc.core_proc")
@@ -86,8 +87,9 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
             _set_cpu_threads(config)
             core = EngineCore(config, engine_index=engine_index, progress=engine_index == 0)  # one bar, not N
         except BaseException as e:  # report why start-up failed, then exit non-zero
-            msg = f"{type(e).__name__}: {e}"
-            logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
+            msg = str(e) if isinstance(e, KestrelError) else f"{type(e).__name__}: {e}"
+            if not isinstance(e, KestrelError):  # a refusal (ConfigError) is the server's one line; a crash is not
+                logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
             inp.send(P.encoder.encode({"status": "error", "message": msg}))
             raise SystemExit(1)
         inp.send(P.encoder.encode({"status": "ready", **engine_facts(core, engine_index)}))

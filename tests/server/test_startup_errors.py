@@ -1,0 +1,97 @@
+"""Issue 36: every CLI mistake and start-up refusal of `kestrel serve` is one line on stderr and exit 2, never a
+traceback; a model given as a hub id comes from the local Hugging Face cache (offline) or gets one line saying how
+to point at a folder."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def serve(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", *args, "--port", "1",
+                           "--cpu-threads", "1", "--num-kv-blocks", "16", "--max-model-len", "128"],
+                          capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout)
+
+
+def one_line_refusal(run: subprocess.CompletedProcess, words: str) -> None:
+    err = run.stderr.strip()
+    assert "Traceback" not in run.stderr and "Traceback" not in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 2, (run.returncode, err[-3000:])
+    last = err.splitlines()[-1]
+    assert words in last and last.startswith("kestrel"), err[-3000:]
+    assert sum(line.startswith("kestrel") and "error" in line for line in err.splitlines()) == 1, err[-3000:]
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--lora-modules", "a=/x"], "kestrel: error: --lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "nameonly"], "--lora-modules expects name=path, got 'nameonly'"),
+    (["--enable-lora", "--lora-modules", "a=/no/such/adapter"],
+     "--lora-modules a=/no/such/adapter: not a PEFT adapter folder (no adapter_config.json)"),
+    (["--max-lora-rank", "x"], "kestrel serve: error: argument --max-lora-rank: invalid int value: 'x'"),
+    (["--chat-template", "nofile"], "--chat-template 'nofile' is neither a file nor a Jinja template"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+])
+def test_cli_mistake_is_one_line(flags, words, server_model):
+    one_line_refusal(serve(str(server_model), *flags), words)
+
+
+def test_engine_start_up_refusal_is_one_line(server_model):
+    """The engine core refuses a tensor-parallel size that does not divide the heads (4): before, uvicorn's
+    lifespan printed a 50-line traceback and exited 3."""
+    one_line_refusal(serve(str(server_model), "--tensor-parallel-size", "3"),
+                     "num_attention_heads = 4 is not divisible by --tensor-parallel-size 3")
+
+
+def test_adapter_failing_in_the_engine_is_one_line(server_model, tmp_path):
+    """An adapter folder that passes the CLI check but that the engine refuses (a rank over --max-lora-rank)."""
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 64, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    run = serve(str(server_model), "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                f"big={tmp_path / 'big'}")
+    one_line_refusal(run, "big")
+
+
+def _fake_hub_cache(root, repo: str, checkpoint, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/files}."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(checkpoint, folder / "snapshots" / commit)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return folder / "snapshots" / commit
+
+
+def test_hub_id_resolves_from_the_local_cache(server_model, tmp_path):
+    from kestrel.hub_cache import resolve_model_path
+
+    snapshot = _fake_hub_cache(tmp_path, "tiny-org/tiny-llama", server_model)
+    assert os.path.samefile(resolve_model_path("tiny-org/tiny-llama", cache_dir=str(tmp_path)), snapshot)
+    assert os.path.samefile(resolve_model_path("tiny-org/tiny-llama", revision=snapshot.name,
+                                               cache_dir=str(tmp_path)), snapshot)
+    from kestrel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'tiny-org/other' is not in the local Hugging Face cache .* the hub is "
+                                          r"not reachable from here: .* pass its folder"):
+        resolve_model_path("tiny-org/other", cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="at revision v2 is not in the local Hugging Face cache"):
+        resolve_model_path("tiny-org/tiny-llama", revision="v2", cache_dir=str(tmp_path))
+
+
+def test_generate_with_a_cached_hub_id(server_model, tmp_path):
+    """End to end through the CLI, the cache found through $HF_HUB_CACHE as huggingface_hub finds it."""
+    _fake_hub_cache(tmp_path, "tiny-org/tiny-llama", server_model)
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "kestrel.cli", "generate", "--model", "tiny-org/tiny-llama",
+                          "--max-tokens", "2", "--num-kv-blocks", "16", "--max-model-len", "64", "--cpu-threads", "1",
+                          "hello"], capture_output=True, text=True, env=e, cwd=ROOT, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one_line_refusal(serve("tiny-org/missing", env={"HF_HUB_CACHE": str(tmp_path)}),
+                     "'tiny-org/missing' is not in the local Hugging Face cache")
