@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
@@ -174,6 +175,39 @@ async def health(request: Request):
                           "engine_dead", None, 503)
         return JSONResponse({**body, "engines": engines}, status_code=503)
     return {"status": "ok", "engines": engines}
+
+
+@open_routes.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request):
+    """SageMaker's health check, as vLLM serves it: the answer of /health."""
+    return await health(request)
+
+
+@api.post("/invocations")
+async def invocations(raw: Request):
+    """SageMaker's one endpoint, as vLLM routes it: the body goes to the first API whose request it is (a chat
+    completion, then a completion). Embedding bodies have no endpoint here yet."""
+    try:
+        body = json.loads(await raw.body() or b"null")
+    except ValueError as e:
+        raise InvalidRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    routes = ((ChatCompletionRequest, chat, "messages"), (CompletionRequest, completions, "prompt"))
+    for request_type, endpoint, _ in routes:
+        try:
+            req = request_type.model_validate(body)
+        except ValidationError:
+            continue
+        return await endpoint(req, raw)
+    for request_type, _, key in routes:  # the API the body was meant for: its own 400 names the bad field
+        if key in body:
+            try:
+                request_type.model_validate(body)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors()) from None
+    raise InvalidRequest("/invocations takes a chat completion body (messages) or a completion body (prompt)"
+                         + ("; embeddings are not served" if "input" in body else ""))
 
 
 @api.get("/openapi.json", include_in_schema=False)
