@@ -354,17 +354,17 @@ class AsyncEngine:
             guard.close()
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
-                self.abort(request_id)
+                self.abort(request_id, "its caller went away (client disconnected)")
             else:
                 self.output_processor.abort(request_id)
             self._leave_window(r.request_id for r in core_reqs)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, why: str = "") -> None:
         child_ids = self.output_processor.abort(request_id)
         q = self._queues.get(request_id)
         if child_ids and not self.client.all_dead:
             self.client.abort_requests(child_ids)
-            logger.info("request %s aborted", request_id)
+            logger.info("request %s aborted%s", request_id, f": {why}" if why else "")
         if q is not None:
             q.put_nowait(_ABORTED)  # an external abort ends the stream quietly
 

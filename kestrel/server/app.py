@@ -23,7 +23,7 @@ from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
-from kestrel.server.common import ServerState
+from kestrel.server.common import ClientDisconnected, ServerState
 from kestrel.server.completions import create_completion
 from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
@@ -87,6 +87,10 @@ async def _on_http(request: Request, exc: StarletteHTTPException):
     return _error(exc.status_code, str(exc.detail), kind)
 
 
+async def _on_disconnected(request: Request, exc: ClientDisconnected):
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
 async def _on_internal(request: Request, exc: Exception):
     logger.exception("%s %s failed", request.method, request.url.path)
     return _error(500, "internal server error; see the server log", "internal_error")
@@ -104,7 +108,8 @@ async def _on_unauthorized(request: Request, exc: _Unauthorized):
 def install_error_handlers(app: FastAPI) -> None:
     for exc_type, handler in ((RequestValidationError, _on_validation), (KestrelError, _on_kestrel),
                               (UtilityError, _on_utility), (StarletteHTTPException, _on_http),
-                              (_Unauthorized, _on_unauthorized), (Exception, _on_internal)):
+                              (_Unauthorized, _on_unauthorized), (ClientDisconnected, _on_disconnected),
+                              (Exception, _on_internal)):
         app.add_exception_handler(exc_type, handler)
 
 

@@ -151,13 +151,20 @@ async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
     return [last[i] for i in range(len(gens))]
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request left; its requests were aborted (and that logged, one line each)."""
+
+
 async def unless_disconnected(request: Request, coro):
     """Run a non-streaming handler's work, cancelling it (and so aborting its requests) if the client leaves."""
     task = asyncio.ensure_future(coro)
+    left = False
 
     async def watch():
+        nonlocal left
         while not task.done():
             if await request.is_disconnected():
+                left = True
                 task.cancel()
                 return
             await asyncio.sleep(0.5)
@@ -165,5 +172,9 @@ async def unless_disconnected(request: Request, coro):
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if left:  # not our own cancellation (a shutdown): nobody is left to answer
+            raise ClientDisconnected() from None
+        raise
     finally:
         watcher.cancel()
