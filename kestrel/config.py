@@ -131,8 +131,9 @@ class ParallelConfig:
               "--tensor-parallel-size 1, else mp", choices=[None, "uni", "mp", "ray"])
     ray_address: str | None = _f(None, "Ray cluster to join with --distributed-executor-backend ray "
                                        "(default: the local node's cluster, as `ray start` left it)")
-    cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
-                                       "(default: CPU cores / (data-parallel size + 1), at least 1)")
+    cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU, and of the offline "
+                                       "commands and LLM() (default: served, CPU cores / (data-parallel size + 1); "
+                                       "offline, torch's, less one core on machines of 4 cores or fewer)")
     engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "
                                               "report ready")
     engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
