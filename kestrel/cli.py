@@ -120,6 +120,8 @@ def check_args(args) -> None:
     for field in ("model", "tokenizer"):
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
+    if getattr(args, "model", None) is not None and os.path.isdir(args.model):
+        check_model_folder(args.model)
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
     from kestrel.vllm_flags import check_compat_args
@@ -141,6 +143,28 @@ def check_args(args) -> None:
     procs = getattr(args, "image_render_processes", None)
     if procs is not None and procs < 0:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
+
+
+def check_model_folder(folder: str) -> None:
+    """A checkpoint folder has a config.json naming an architecture Kestrel implements (else the engine cores would
+    fail after seconds of start-up, each with its traceback)."""
+    import json
+
+    from kestrel.errors import ConfigError
+    from kestrel.models.registry import supported_architectures
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        raise ConfigError(f"model folder {folder!r} has no config.json (give a checkpoint folder: config.json + "
+                          f"*.safetensors, or a .gguf file)") from None
+    except ValueError as e:
+        raise ConfigError(f"model folder {folder!r}: config.json is not JSON ({e})") from None
+    arch = ((config.get("architectures") if isinstance(config, dict) else None) or ["LlamaForCausalLM"])[0]
+    if arch not in supported_architectures():
+        raise ConfigError(f"model architecture {arch!r} ({folder}) is not implemented; supported: "
+                          f"{', '.join(supported_architectures())}")
 
 
 def check_lora_args(cfg) -> None:

@@ -95,3 +95,16 @@ def test_generate_with_a_cached_hub_id(server_model, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     one_line_refusal(serve("tiny-org/missing", env={"HF_HUB_CACHE": str(tmp_path)}),
                      "'tiny-org/missing' is not in the local Hugging Face cache")
+
+
+def test_unusable_model_folder_is_one_line(server_model, tmp_path):
+    """Before: 75 and 102 lines, two and four tracebacks (the engine core's and the server's tokenizer load)."""
+    (tmp_path / "empty").mkdir()
+    one_line_refusal(serve(str(tmp_path / "empty")), "has no config.json")
+    shutil.copytree(server_model, tmp_path / "foo")
+    config = json.loads((tmp_path / "foo" / "config.json").read_text())
+    (tmp_path / "foo" / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"],
+                                                              "model_type": "foo"}))
+    one_line_refusal(serve(str(tmp_path / "foo")), "model architecture 'FooForCausalLM'")
+    (tmp_path / "foo" / "config.json").write_text("{nope")
+    one_line_refusal(serve(str(tmp_path / "foo")), "config.json is not JSON")
