@@ -409,6 +409,22 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     return app
 
 
+def check_port_free(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def run_server(args) -> int:
     import uvicorn
     from uvicorn._compat import asyncio_run
@@ -423,6 +439,7 @@ def run_server(args) -> int:
                                timeout_graceful_shutdown=5, root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
                                ssl_certfile=args.ssl_certfile)
     server = uvicorn.Server(uv_config)
+    check_port_free(args.host, args.port)  # before minutes of model loading, not after
 
     async def serve() -> None:
         # the engine starts before uvicorn's lifespan (which then finds it started), so that a start-up refusal

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 
-def serve(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def serve(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
     e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", *args, "--port", "1",
-                           "--cpu-threads", "1", "--num-kv-blocks", "16", "--max-model-len", "128"],
+    defaults = ["--port", str(free_port()), "--cpu-threads", "1", "--num-kv-blocks", "16", "--max-model-len", "128"]
+    return subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", *args[:1], *defaults, *args[1:]],
                           capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout)
 
 
@@ -108,3 +108,15 @@ def test_unusable_model_folder_is_one_line(server_model, tmp_path):
     one_line_refusal(serve(str(tmp_path / "foo")), "model architecture 'FooForCausalLM'")
     (tmp_path / "foo" / "config.json").write_text("{nope")
     one_line_refusal(serve(str(tmp_path / "foo")), "config.json is not JSON")
+
+
+def test_port_in_use_is_one_line_before_the_model_loads(server_model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        run = serve(str(server_model), "--port", port)
+    one_line_refusal(run, f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "engine core" not in run.stderr  # refused before any engine started
