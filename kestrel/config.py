@@ -30,8 +30,18 @@ def parse_token_count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid token count {value!r} (e.g. 4096, 32k, 32K)") from None
 
 
+def image_limit(limits: dict) -> int:
+    """vLLM's per-modality limits {"image": N} -> the image count (other modalities only as 0)."""
+    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
+        raise ValueError('expected {"image": N} with a count of 0 or more')
+    others = sorted(k for k, v in limits.items() if k != "image" and v)
+    if others:
+        raise ValueError(f"only images are served, not {', '.join(others)}")
+    return limits.get("image", MultiModalConfig.limit_mm_per_prompt)
+
+
 def parse_image_limit(value: str) -> int:
-    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}' (other modalities only as 0)."""
+    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}'."""
     import json
 
     if not value.lstrip().startswith("{"):
@@ -40,12 +50,10 @@ def parse_image_limit(value: str) -> int:
         limits = json.loads(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
-        raise argparse.ArgumentTypeError('expected {"image": N} with a count of 0 or more')
-    others = sorted(k for k, v in limits.items() if k != "image" and v)
-    if others:
-        raise argparse.ArgumentTypeError(f"only images are served, not {', '.join(others)}")
-    return limits.get("image", MultiModalConfig.limit_mm_per_prompt)
+    try:
+        return image_limit(limits)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_json_list(value: str) -> str | list:
@@ -215,6 +223,8 @@ class EngineConfig:
     def create(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (max_num_seqs=..., block_size=...), as LLM(...) receives them."""
         cfg = cls()
+        if isinstance(kwargs.get("limit_mm_per_prompt"), dict):  # vLLM's LLM(limit_mm_per_prompt={"image": 2})
+            kwargs["limit_mm_per_prompt"] = image_limit(kwargs["limit_mm_per_prompt"])
         for key, value in kwargs.items():
             for section in cls.SECTIONS:
                 sub = getattr(cfg, section)

@@ -191,3 +191,11 @@ def test_a_launch_script_serves(server_model, tmp_path):
     log = (tmp_path / "vllm.log").read_text()
     assert "Traceback" not in log and "request cmpl" not in log and "finished (" not in log, log[-3000:]
     assert "serving first" in log, log[-3000:]
+
+
+def test_llm_options_take_vllm_forms():
+    from kestrel.config import EngineConfig
+
+    assert EngineConfig.create(limit_mm_per_prompt={"image": 3}).multimodal.limit_mm_per_prompt == 3
+    with pytest.raises(ValueError, match="only images are served, not audio"):
+        EngineConfig.create(limit_mm_per_prompt={"image": 1, "audio": 2})
