@@ -10,12 +10,17 @@ from kestrel.errors import ConfigError
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def is_hub_id(name: str) -> bool:
+    """org/name, not a path that exists here."""
+    return bool(_HUB_ID.match(name)) and not name.startswith(".") and not os.path.exists(name)
+
+
 def resolve_model_path(name: str, flag: str = "model", revision: str | None = None,
                        cache_dir: str | None = None) -> str:
     """A path as given when it exists; else the cached snapshot folder of the hub id ``name``."""
     if os.path.exists(name):
         return name
-    if not _HUB_ID.match(name) or name.startswith("."):
+    if not is_hub_id(name):
         raise ConfigError(f"{flag} path {name!r} does not exist (give a checkpoint folder or a .gguf file)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE

@@ -120,3 +120,17 @@ def test_port_in_use_is_one_line_before_the_model_loads(server_model):
         run = serve(str(server_model), "--port", port)
     one_line_refusal(run, f"cannot listen on 127.0.0.1:{port}: Address already in use")
     assert "engine core" not in run.stderr  # refused before any engine started
+
+
+def test_llm_takes_a_cached_hub_id(server_model, tmp_path):
+    from kestrel import LLM
+    from kestrel.core.sampling_params import SamplingParams
+    from kestrel.errors import ConfigError
+
+    snapshot = _fake_hub_cache(tmp_path, "tiny-org/tiny-llama", server_model)
+    llm = LLM("tiny-org/tiny-llama", progress=False, download_dir=str(tmp_path), num_kv_blocks=16, max_model_len=64,
+              cpu_threads=1)
+    assert os.path.samefile(llm.config.model.model, snapshot)
+    assert len(llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
+    with pytest.raises(ConfigError, match="'tiny-org/nope' is not in the local Hugging Face cache"):
+        LLM("tiny-org/nope", download_dir=str(tmp_path))
