@@ -32,7 +32,8 @@ def one_line_refusal(run: subprocess.CompletedProcess, words: str) -> None:
 
 @pytest.mark.parametrize("flags,words", [
     (["--lora-modules", "a=/x"], "kestrel: error: --lora-modules needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "nameonly"], "--lora-modules expects name=path, got 'nameonly'"),
+    (["--enable-lora", "--lora-modules", "nameonly"],
+     """--lora-modules expects name=path or {"name": ..., "path": ...}, got 'nameonly'"""),
     (["--enable-lora", "--lora-modules", "a=/no/such/adapter"],
      "--lora-modules a=/no/such/adapter: not a PEFT adapter folder (no adapter_config.json)"),
     (["--max-lora-rank", "x"], "kestrel serve: error: argument --max-lora-rank: invalid int value: 'x'"),

@@ -76,6 +76,8 @@ ACCEPTED = [
     (["--api-server-count", "1"], lambda a, c: True),
     (["--max-cpu-loras", "8"], lambda a, c: c.lora.max_cpu_loras == 8),
     (["--revision", "main"], lambda a, c: c.model.revision == "main"),
+    (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
+    (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
 ]
 
 # (flags, what the one line must say)
@@ -100,7 +102,9 @@ REFUSED = [
     (["--kv-transfer-config", "{}"], "--kv-transfer-config {}: disaggregated prefill"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral"),
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "just-a-name"], "--lora-modules expects name=path, got 'just-a-name'"),
+    (["--enable-lora", "--lora-modules", "just-a-name"], "--lora-modules expects name=path or {"),
+    (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/adapter"}'],
+     "--lora-modules sql=/no/adapter: not a PEFT adapter folder"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ]
 
@@ -133,6 +137,7 @@ def test_the_launch_script_table_covers_the_common_vllm_flags():
 def test_vllm_flag_is_accepted(flags, check, server_model, no_server_start, capsys):
     from kestrel.cli import main
 
+    flags = [f.replace("{model}", str(server_model)) for f in flags]
     assert main(["serve", str(server_model), *flags]) == 0, capsys.readouterr().err
     assert check(no_server_start["args"], no_server_start["config"]), flags
 
