@@ -425,6 +425,21 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def load_tls(uv_config, keyfile: str | None, certfile: str | None) -> None:
+    """Load uvicorn's config now, TLS files included, so that a bad one is a clear line before the model loads."""
+    import ssl
+
+    if keyfile and not certfile:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        uv_config.load()
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: {e}") from None
+
+
 def run_server(args) -> int:
     import uvicorn
     from uvicorn._compat import asyncio_run
@@ -440,6 +455,7 @@ def run_server(args) -> int:
                                ssl_certfile=args.ssl_certfile)
     server = uvicorn.Server(uv_config)
     check_port_free(args.host, args.port)  # before minutes of model loading, not after
+    load_tls(uv_config, args.ssl_keyfile, args.ssl_certfile)
 
     async def serve() -> None:
         # the engine starts before uvicorn's lifespan (which then finds it started), so that a start-up refusal

@@ -135,3 +135,16 @@ def test_llm_takes_a_cached_hub_id(server_model, tmp_path):
     assert len(llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
     with pytest.raises(ConfigError, match="'tiny-org/nope' is not in the local Hugging Face cache"):
         LLM("tiny-org/nope", download_dir=str(tmp_path))
+
+
+def test_bad_tls_files_are_one_line_before_the_model_loads(server_model, tmp_path):
+    (tmp_path / "key.pem").write_text("not a key")
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    for flags, words in ((["--ssl-keyfile", str(tmp_path / "missing.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")],
+                          f"--ssl-keyfile {tmp_path / 'missing.pem'}: no such file"),
+                         (["--ssl-keyfile", str(tmp_path / "key.pem")], "--ssl-keyfile needs --ssl-certfile"),
+                         (["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")],
+                          f"--ssl-certfile {tmp_path / 'cert.pem'} / --ssl-keyfile")):
+        run = serve(str(server_model), *flags)
+        one_line_refusal(run, words)
+        assert "engine core" not in run.stderr

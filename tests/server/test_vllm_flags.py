@@ -4,6 +4,7 @@ checks, the config the engine would get) runs without starting 57 servers; a few
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -204,3 +205,37 @@ def test_llm_options_take_vllm_forms():
     assert EngineConfig.create(limit_mm_per_prompt={"image": 3}).multimodal.limit_mm_per_prompt == 3
     with pytest.raises(ValueError, match="only images are served, not audio"):
         EngineConfig.create(limit_mm_per_prompt={"image": 1, "audio": 2})
+
+
+def test_tls_and_root_path_serve(server_model, tmp_path):
+    """--ssl-keyfile/--ssl-certfile serve HTTPS; --root-path is the prefix a proxy strips (the routes answer at /)."""
+    import shutil
+    import ssl
+    import subprocess
+    import urllib.request
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    s = Server(server_model, tmp_path / "tls.log", ["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile",
+                                                    str(tmp_path / "cert.pem"), "--root-path", "/llm"])
+    try:
+        context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+        context.check_hostname = False
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/ping", context=context, timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert s.proc.poll() is None and time.monotonic() < deadline, (tmp_path / "tls.log").read_text()[-3000:]
+                time.sleep(0.3)
+        with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/v1/models", context=context, timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "llama"
+        with pytest.raises(OSError):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/ping", timeout=5)
+    finally:
+        s.stop()
