@@ -8,6 +8,15 @@ import sys
 
 from kestrel.config import ServerConfig, add_cli_args, add_section_args, from_cli_args
 
+USAGE_ERROR = 2  # the exit status of every CLI mistake and start-up refusal (argparse's own)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A flag mistake is one line on stderr (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
@@ -106,9 +115,18 @@ def check_args(args) -> None:
     """Checks that fail in a second with one clear line instead of after minutes of start-up."""
     from kestrel.errors import ConfigError
 
-    model = getattr(args, "model", None)
-    if model is not None and not os.path.exists(model):
-        raise ConfigError(f"model path {model!r} does not exist (give a checkpoint folder or a .gguf file)")
+    from kestrel.hub_cache import resolve_model_path
+
+    for field in ("model", "tokenizer"):
+        if getattr(args, field, None) is not None:
+            setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
+    if getattr(args, "model", None) is not None and os.path.isdir(args.model):
+        check_model_folder(args.model)
+    if hasattr(args, "enable_lora"):
+        check_lora_args(from_cli_args(args).lora)
+    from kestrel.vllm_flags import check_compat_args
+
+    check_compat_args(args)
     from kestrel.attention.selector import backend_candidates
     from kestrel.kernels import backend_names
 
@@ -127,8 +145,40 @@ def check_args(args) -> None:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
 
 
+def check_model_folder(folder: str) -> None:
+    """A checkpoint folder has a config.json naming an architecture Kestrel implements (else the engine cores would
+    fail after seconds of start-up, each with its traceback)."""
+    import json
+
+    from kestrel.errors import ConfigError
+    from kestrel.models.registry import supported_architectures
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except OSError:
+        raise ConfigError(f"model folder {folder!r} has no config.json (give a checkpoint folder: config.json + "
+                          f"*.safetensors, or a .gguf file)") from None
+    except ValueError as e:
+        raise ConfigError(f"model folder {folder!r}: config.json is not JSON ({e})") from None
+    arch = ((config.get("architectures") if isinstance(config, dict) else None) or ["LlamaForCausalLM"])[0]
+    if arch not in supported_architectures():
+        raise ConfigError(f"model architecture {arch!r} ({folder}) is not implemented; supported: "
+                          f"{', '.join(supported_architectures())}")
+
+
+def check_lora_args(cfg) -> None:
+    """--lora-modules: name=path pairs (with --enable-lora) naming PEFT adapter folders."""
+    from kestrel.errors import ConfigError
+    from kestrel.frontend.lora_registry import parse_lora_modules
+
+    for name, path in parse_lora_modules(cfg):
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ConfigError(f"--lora-modules {name}={path}: not a PEFT adapter folder (no adapter_config.json)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kestrel", description="Kestrel: a compact LLM inference and serving engine.")
+    p = OneLineParser(prog="kestrel", description="Kestrel: a compact LLM inference and serving engine.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts (offline, batched)")
@@ -152,10 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "users of the machine can read it from the process list: prefer "
                                                    "--api-key-file or the environment")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
-    s.add_argument("--served-model-name", default=None, help="model name clients use (default: the path's name)")
-    s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off: ids and sizes only)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is the one responses carry (default: the path's name)")
+    s.add_argument("--log-requests", "--enable-log-requests", action="store_true",
+                   help="log prompts and outputs (off: ids and sizes only)")
+    s.add_argument("--disable-log-requests", action="store_true", help="no log line per request at all")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    s.add_argument("--root-path", default="", help="URL prefix the app sits under behind a path-based proxy")
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
+    s.add_argument("--ssl-certfile", default=None, help="the certificate of --ssl-keyfile")
     add_section_args(s, ServerConfig, "server")
     add_cli_args(s)
+    from kestrel.vllm_flags import add_compat_args
+
+    add_compat_args(s)
 
     b = sub.add_parser("bench", help="benchmarks: throughput | latency | serve")
     bsub = b.add_subparsers(dest="which", required=True)
@@ -187,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         print("kestrel: interrupted", file=sys.stderr)
         return 130
     except (KestrelError, FileNotFoundError) as e:
-        print(f"kestrel: error: {e}", file=sys.stderr)
-        return 1
+        print(f"kestrel: error: {one_line(str(e))}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

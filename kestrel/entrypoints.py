@@ -7,6 +7,7 @@ from typing import Sequence, Union
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
+from kestrel.hub_cache import is_hub_id, resolve_model_path
 from kestrel.frontend.sync_engine import LLMEngine
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.core.sampling_params import SamplingParams
@@ -38,6 +39,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, progress: bool = True, **engine_options):
         self.config = EngineConfig.create(model=model, **engine_options)
+        m = self.config.model
+        for field in ("model", "tokenizer"):  # a hub id: its snapshot in the local Hugging Face cache
+            if getattr(m, field) is not None and is_hub_id(getattr(m, field)):
+                setattr(m, field, resolve_model_path(getattr(m, field), field, m.revision, m.download_dir))
         self.engine = LLMEngine(self.config, progress=progress)
 
     @classmethod

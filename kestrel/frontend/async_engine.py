@@ -60,11 +60,13 @@ class _Timing:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, client: EngineCoreClient | str = "mp",
-                 metrics: RequestMetricsSink | None = None, log_requests: bool = False):
+                 metrics: RequestMetricsSink | None = None, log_requests: bool = False,
+                 log_request_lines: bool = True):
         self.config = config
         self.client = client if isinstance(client, EngineCoreClient) else make_client(config, client)
         self.metrics = metrics
         self.log_requests = log_requests
+        self.log_request_lines = log_request_lines  # False: no line when a request arrives or finishes
         self.tokenizer = None
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
@@ -300,7 +302,9 @@ class AsyncEngine:
         timing = self._timing[request_id] = _Timing()
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream=True)
-        if self.log_requests:
+        if not self.log_request_lines:
+            pass
+        elif self.log_requests:
             logger.info("request %s: prompt=%r params=%s", request_id, prompt, params)
         else:
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%s", request_id, len(ids), params.n,
@@ -339,7 +343,8 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     finished = True
-                    self._log_finished(item)
+                    if self.log_request_lines:
+                        self._log_finished(item)
                 yield item
                 if finished:
                     return
@@ -349,17 +354,17 @@ class AsyncEngine:
             guard.close()
             self._timing.pop(request_id, None)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
-                self.abort(request_id)
+                self.abort(request_id, "its caller went away (client disconnected)")
             else:
                 self.output_processor.abort(request_id)
             self._leave_window(r.request_id for r in core_reqs)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, why: str = "") -> None:
         child_ids = self.output_processor.abort(request_id)
         q = self._queues.get(request_id)
         if child_ids and not self.client.all_dead:
             self.client.abort_requests(child_ids)
-            logger.info("request %s aborted", request_id)
+            logger.info("request %s aborted%s", request_id, f": {why}" if why else "")
         if q is not None:
             q.put_nowait(_ABORTED)  # an external abort ends the stream quietly
 

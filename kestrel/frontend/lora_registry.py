@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from dataclasses import dataclass
 
@@ -38,16 +39,27 @@ class LoRAFanoutError(KestrelError):
 
 
 def parse_lora_modules(cfg) -> list[tuple[str, str]]:
-    """--lora-modules name=path ... -> [(name, path), ...] (they need --enable-lora)."""
+    """--lora-modules name=path ... (or vLLM's JSON form '{"name": ..., "path": ...}') -> [(name, path), ...]
+    (they need --enable-lora)."""
     if cfg.lora_modules and not cfg.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
     out = []
     for spec in cfg.lora_modules or []:
-        name, sep, path = spec.partition("=")
+        name, sep, path = _json_lora_module(spec) if spec.lstrip().startswith("{") else spec.partition("=")
         if not sep or not name or not path:
-            raise ConfigError(f"--lora-modules expects name=path, got {spec!r}")
+            raise ConfigError(f"--lora-modules expects name=path or {{\"name\": ..., \"path\": ...}}, got {spec!r}")
         out.append((name, path))
     return out
+
+
+def _json_lora_module(spec: str) -> tuple[str, str, str]:
+    try:
+        module = json.loads(spec)
+    except ValueError:
+        return "", "", ""
+    if not isinstance(module, dict):
+        return "", "", ""
+    return str(module.get("name") or ""), "=", str(module.get("path") or "")
 
 
 class LoRARegistry:

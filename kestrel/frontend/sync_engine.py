@@ -10,11 +10,13 @@ from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_f
                                        make_mm_processor)
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
+from kestrel.platform.cpu_threads import apply_cpu_threads, offline_threads
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
+        apply_cpu_threads(config, offline_threads)
         self.core = EngineCore(config, progress=progress)
         self.tokenizer = self.core.tokenizer
         hf = self.core.model_config.text

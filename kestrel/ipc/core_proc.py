@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from kestrel.core.supervisor import parent_gone
+from kestrel.errors import KestrelError
 from kestrel.ipc import protocol as P
 
 logger = logging.getLogger("kestrel.ipc.core_proc")
@@ -83,11 +84,14 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
             from kestrel.engine.core import EngineCore
 
             config = EngineConfig.from_dict(config_dict)
-            _set_cpu_threads(config)
+            from kestrel.platform.cpu_threads import apply_cpu_threads, engine_core_threads
+
+            apply_cpu_threads(config, engine_core_threads)
             core = EngineCore(config, engine_index=engine_index, progress=engine_index == 0)  # one bar, not N
         except BaseException as e:  # report why start-up failed, then exit non-zero
-            msg = f"{type(e).__name__}: {e}"
-            logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
+            msg = str(e) if isinstance(e, KestrelError) else f"{type(e).__name__}: {e}"
+            if not isinstance(e, KestrelError):  # a refusal (ConfigError) is the server's one line; a crash is not
+                logger.error("engine core %d failed to start: %s\n%s", engine_index, msg, traceback.format_exc())
             inp.send(P.encoder.encode({"status": "error", "message": msg}))
             raise SystemExit(1)
         inp.send(P.encoder.encode({"status": "ready", **engine_facts(core, engine_index)}))
@@ -264,17 +268,6 @@ def engine_facts(core, engine_index: int) -> dict:
             "vocab_size": int(core.model_config.vocab_size),
             "num_kv_blocks": core.kv.num_blocks, "block_size": core.config.cache.block_size,
             "max_prompt_tokens": core.scheduler.max_prompt_tokens, "device": str(core.device)}
-
-
-def _set_cpu_threads(config) -> None:
-    """Oversubscribed CPU threads (several processes each spinning on every core) make decode steps tens of
-    times slower, so each engine core takes its share of the cores."""
-    import torch
-
-    if config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available()):
-        return
-    n = config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // (config.parallel.data_parallel_size + 1))
-    torch.set_num_threads(n)
 
 
 def _request_id_of(payload: bytes) -> str | None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kestrel.config import KernelConfig, ModelConfig
+from kestrel.config import KernelConfig, ModelConfig, parse_dtype
 
 if TYPE_CHECKING:
     from kestrel.models.context import ModelContext
@@ -34,6 +34,7 @@ def default_model_path() -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    name = parse_dtype(name)  # vLLM's half / float
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
@@ -22,7 +23,7 @@ from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.ipc.utility import UtilityError, UtilityFanoutError
 from kestrel.errors import ConfigError, InvalidRequest, KestrelError, NotFound
 from kestrel.server.chat import create_chat_completion, render_prompt
-from kestrel.server.common import ServerState
+from kestrel.server.common import ClientDisconnected, ServerState
 from kestrel.server.completions import create_completion
 from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
@@ -86,6 +87,10 @@ async def _on_http(request: Request, exc: StarletteHTTPException):
     return _error(exc.status_code, str(exc.detail), kind)
 
 
+async def _on_disconnected(request: Request, exc: ClientDisconnected):
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
 async def _on_internal(request: Request, exc: Exception):
     logger.exception("%s %s failed", request.method, request.url.path)
     return _error(500, "internal server error; see the server log", "internal_error")
@@ -103,7 +108,8 @@ async def _on_unauthorized(request: Request, exc: _Unauthorized):
 def install_error_handlers(app: FastAPI) -> None:
     for exc_type, handler in ((RequestValidationError, _on_validation), (KestrelError, _on_kestrel),
                               (UtilityError, _on_utility), (StarletteHTTPException, _on_http),
-                              (_Unauthorized, _on_unauthorized), (Exception, _on_internal)):
+                              (_Unauthorized, _on_unauthorized), (ClientDisconnected, _on_disconnected),
+                              (Exception, _on_internal)):
         app.add_exception_handler(exc_type, handler)
 
 
@@ -174,6 +180,39 @@ async def health(request: Request):
                           "engine_dead", None, 503)
         return JSONResponse({**body, "engines": engines}, status_code=503)
     return {"status": "ok", "engines": engines}
+
+
+@open_routes.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request):
+    """SageMaker's health check, as vLLM serves it: the answer of /health."""
+    return await health(request)
+
+
+@api.post("/invocations")
+async def invocations(raw: Request):
+    """SageMaker's one endpoint, as vLLM routes it: the body goes to the first API whose request it is (a chat
+    completion, then a completion). Embedding bodies have no endpoint here yet."""
+    try:
+        body = json.loads(await raw.body() or b"null")
+    except ValueError as e:
+        raise InvalidRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    routes = ((ChatCompletionRequest, chat, "messages"), (CompletionRequest, completions, "prompt"))
+    for request_type, endpoint, _ in routes:
+        try:
+            req = request_type.model_validate(body)
+        except ValidationError:
+            continue
+        return await endpoint(req, raw)
+    for request_type, _, key in routes:  # the API the body was meant for: its own 400 names the bad field
+        if key in body:
+            try:
+                request_type.model_validate(body)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors()) from None
+    raise InvalidRequest("/invocations takes a chat completion body (messages) or a completion body (prompt)"
+                         + ("; embeddings are not served" if "input" in body else ""))
 
 
 @api.get("/openapi.json", include_in_schema=False)
@@ -302,7 +341,8 @@ def load_sampling_defaults(source: str, model_path: str | None) -> dict:
 
 
 def build_app(config: EngineConfig, server: ServerConfig | None = None, model_name: str | None = None,
-              api_key: str | None = None, log_requests: bool = False, client: str = "mp") -> FastAPI:
+              api_key: str | None = None, log_requests: bool = False, client: str = "mp",
+              model_aliases: tuple[str, ...] = (), log_request_lines: bool = True) -> FastAPI:
     server = server or ServerConfig()
     model_name = model_name or default_model_name(config)
     chat_template = load_chat_template(server.chat_template)
@@ -314,17 +354,28 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     except ValueError as e:
         raise ConfigError(str(e)) from e
     metrics = ServerMetrics(model_name)
-    engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests)
+    engine = AsyncEngine(config, client, metrics=metrics, log_requests=log_requests,
+                         log_request_lines=log_request_lines)
     metrics.bind(engine)
     state = ServerState(engine, model_name, metrics, api_key, server, tool_parser=tool_parser,
-                        enable_auto_tool_choice=server.enable_auto_tool_choice, reasoning_parser=reasoning)
+                        enable_auto_tool_choice=server.enable_auto_tool_choice, reasoning_parser=reasoning,
+                        model_aliases=tuple(model_aliases))
+
+    async def start_engine() -> None:
+        """Start the engine cores (once); a failure shuts them down again and raises."""
+        if engine.input_processor is not None:
+            return
+        try:
+            await engine.start()
+            if engine.tokenizer is None:  # random weights from a config.json alone: the engine takes token ids only
+                raise ConfigError(f"the server needs a tokenizer and {config.model.model} has none: pass --tokenizer")
+        except BaseException:
+            await engine.shutdown()
+            raise
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
-        if engine.tokenizer is None:  # random weights from a config.json alone: the engine takes token ids only
-            await engine.shutdown()
-            raise ConfigError(f"the server needs a tokenizer and {config.model.model} has none: pass --tokenizer")
+        await start_engine()
         from kestrel.loader import default_model_path
 
         state.sampling_defaults = load_sampling_defaults(server.generation_config,
@@ -345,6 +396,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)  # /openapi.json and /docs are served behind the key (routes above)
     app.state.kestrel = state
+    app.state.start_engine = start_engine
     install_error_handlers(app)
     for router in (open_routes, api, admin):
         app.include_router(router)
@@ -357,15 +409,59 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     return app
 
 
+def check_port_free(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def load_tls(uv_config, keyfile: str | None, certfile: str | None) -> None:
+    """Load uvicorn's config now, TLS files included, so that a bad one is a clear line before the model loads."""
+    import ssl
+
+    if keyfile and not certfile:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        uv_config.load()
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: {e}") from None
+
+
 def run_server(args) -> int:
     import uvicorn
+    from uvicorn._compat import asyncio_run
 
     from kestrel.config import from_cli_args, section_from_cli_args
 
     config = from_cli_args(args)
-    app = build_app(config, section_from_cli_args(ServerConfig, args), args.served_model_name, args.api_key or None,
-                    args.log_requests)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
-    server.run()
+    names = args.served_model_name or [None]
+    app = build_app(config, section_from_cli_args(ServerConfig, args), names[0], args.api_key or None,
+                    args.log_requests, model_aliases=names[1:], log_request_lines=not args.disable_log_requests)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=5, root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                               ssl_certfile=args.ssl_certfile)
+    server = uvicorn.Server(uv_config)
+    check_port_free(args.host, args.port)  # before minutes of model loading, not after
+    load_tls(uv_config, args.ssl_keyfile, args.ssl_certfile)
+
+    async def serve() -> None:
+        # the engine starts before uvicorn's lifespan (which then finds it started), so that a start-up refusal
+        # reaches main() as one line instead of uvicorn's traceback
+        await app.state.start_engine()
+        await server.serve()
+
+    asyncio_run(serve(), loop_factory=uv_config.get_loop_factory())
     return 0 if server.started else 1

@@ -34,6 +34,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     reasoning_parser: Any = None  # kestrel.server.reasoning.ReasoningParser (--reasoning-parser)
     grammar: GrammarCheck = None  # parses output constraints off the event loop (--grammar-parse-timeout)
+    model_aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name A B ...)
 
     def __post_init__(self):
         if self.grammar is None:
@@ -41,7 +42,7 @@ class ServerState:
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model in self.model_aliases:
             return None
         lora = self.engine.loras.adapters.get(model)
         if lora is None:
@@ -150,13 +151,20 @@ async def final_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[Reques
     return [last[i] for i in range(len(gens))]
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request left; its requests were aborted (and that logged, one line each)."""
+
+
 async def unless_disconnected(request: Request, coro):
     """Run a non-streaming handler's work, cancelling it (and so aborting its requests) if the client leaves."""
     task = asyncio.ensure_future(coro)
+    left = False
 
     async def watch():
+        nonlocal left
         while not task.done():
             if await request.is_disconnected():
+                left = True
                 task.cancel()
                 return
             await asyncio.sleep(0.5)
@@ -164,5 +172,9 @@ async def unless_disconnected(request: Request, coro):
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if left:  # not our own cancellation (a shutdown): nobody is left to answer
+            raise ClientDisconnected() from None
+        raise
     finally:
         watcher.cancel()

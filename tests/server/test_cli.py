@@ -67,7 +67,7 @@ def test_bad_backend_is_one_clear_line(server_model, args, words, capsys):
     from kestrel.cli import main
 
     for cmd in (["generate", "--model", str(server_model)], ["serve", str(server_model)]):
-        assert main([*cmd, *args]) == 1  # an exception escaping main() would be the traceback
+        assert main([*cmd, *args]) == 2  # an exception escaping main() would be the traceback
         err = capsys.readouterr().err.strip()
         assert err.splitlines() == [err] and err.startswith("kestrel: error: ") and words in err, err
 
@@ -76,7 +76,7 @@ def test_missing_model_path_is_one_clear_line(tmp_path, capsys):
     from kestrel.cli import main
 
     for cmd in (["generate", "--model", str(tmp_path / "nothing")], ["serve", str(tmp_path / "nothing")]):
-        assert main(cmd) == 1
+        assert main(cmd) == 2
         assert capsys.readouterr().err.strip() == (f"kestrel: error: model path '{tmp_path / 'nothing'}' does not "
                                                    f"exist (give a checkpoint folder or a .gguf file)")
 

@@ -1,0 +1,241 @@
+"""Issue 36: a `vllm serve` launch script starts Kestrel or stops with one line naming the flag and why (exit 2,
+no traceback). Each flag is tried through main() with the server start replaced, so the whole path (parsing,
+checks, the config the engine would get) runs without starting 57 servers; a few start a real one below."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import Server, http
+
+# (flags after `serve MODEL`, a check on (args, EngineConfig) of what the flag must have set)
+ACCEPTED = [
+    (["--host", "0.0.0.0"], lambda a, c: a.host == "0.0.0.0"),
+    (["--port", "8123"], lambda a, c: a.port == 8123),
+    (["--api-key", "k"], lambda a, c: a.api_key == "k"),
+    (["--served-model-name", "m1", "m2"], lambda a, c: a.served_model_name == ["m1", "m2"]),
+    (["--max-model-len", "32k"], lambda a, c: c.model.max_model_len == 32000),
+    (["--max-model-len", "4096"], lambda a, c: c.model.max_model_len == 4096),
+    (["--gpu-memory-utilization", "0.8"], lambda a, c: c.cache.gpu_memory_utilization == 0.8),
+    (["--tensor-parallel-size", "2"], lambda a, c: c.parallel.tensor_parallel_size == 2),
+    (["-tp", "2"], lambda a, c: c.parallel.tensor_parallel_size == 2),
+    (["--pipeline-parallel-size", "1"], lambda a, c: True),
+    (["--data-parallel-size", "2"], lambda a, c: c.parallel.data_parallel_size == 2),
+    (["--dtype", "auto"], lambda a, c: c.model.dtype == "auto"),
+    (["--dtype", "half"], lambda a, c: c.model.dtype == "float16"),
+    (["--dtype", "float16"], lambda a, c: c.model.dtype == "float16"),
+    (["--dtype", "bfloat16"], lambda a, c: c.model.dtype == "bfloat16"),
+    (["--dtype", "float32"], lambda a, c: c.model.dtype == "float32"),
+    (["--dtype", "float"], lambda a, c: c.model.dtype == "float32"),
+    (["--kv-cache-dtype", "auto"], lambda a, c: True),
+    (["--max-num-seqs", "64"], lambda a, c: c.scheduler.max_num_seqs == 64),
+    (["--max-num-batched-tokens", "4096"], lambda a, c: c.scheduler.max_num_batched_tokens == 4096),
+    (["--enable-chunked-prefill"], lambda a, c: c.scheduler.enable_chunked_prefill),
+    (["--enable-prefix-caching"], lambda a, c: c.cache.enable_prefix_caching),
+    (["--no-enable-prefix-caching"], lambda a, c: not c.cache.enable_prefix_caching),
+    (["--disable-log-requests"], lambda a, c: a.disable_log_requests),
+    (["--enable-log-requests"], lambda a, c: a.log_requests),
+    (["--disable-log-stats"], lambda a, c: True),
+    (["--enable-sleep-mode"], lambda a, c: True),
+    (["--limit-mm-per-prompt", '{"image": 2}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--limit-mm-per-prompt", '{"image": 3, "video": 0}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 3),
+    (["--swap-space", "4"], lambda a, c: True),
+    (["--trust-remote-code"], lambda a, c: c.model.trust_remote_code),
+    (["--seed", "7"], lambda a, c: c.model.seed == 7),
+    (["--enforce-eager"], lambda a, c: c.compilation.enforce_eager),
+    (["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"],
+     lambda a, c: c.lora.enable_lora and c.lora.max_loras == 2 and c.lora.max_lora_rank == 8),
+    (["--chat-template", "{{ messages }}"], lambda a, c: a.chat_template == "{{ messages }}"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+     lambda a, c: a.enable_auto_tool_choice and a.tool_call_parser == "hermes"),
+    (["--reasoning-parser", "qwen3"], lambda a, c: a.reasoning_parser == "qwen3"),
+    (["--generation-config", "vllm"], lambda a, c: a.generation_config == "vllm"),
+    (["--uvicorn-log-level", "warning"], lambda a, c: a.uvicorn_log_level == "warning"),
+    (["--allowed-origins", '["*"]'], lambda a, c: a.allowed_origins == ["*"]),
+    (["--allowed-origins", "https://a.example"], lambda a, c: a.allowed_origins == ["https://a.example"]),
+    (["--root-path", "/llm"], lambda a, c: a.root_path == "/llm"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], lambda a, c: a.ssl_keyfile == "k.pem"),
+    (["--block-size", "32"], lambda a, c: c.cache.block_size == 32),
+    (["--quantization", "fp8"], lambda a, c: c.model.quantization == "fp8"),
+    (["--load-format", "dummy"], lambda a, c: c.model.load_format == "dummy"),
+    (["--load-format", "safetensors"], lambda a, c: c.model.load_format == "auto"),
+    (["--max-logprobs", "5"], lambda a, c: c.model.max_logprobs == 5),
+    (["--disable-custom-all-reduce"], lambda a, c: True),
+    (["--distributed-executor-backend", "mp"], lambda a, c: c.parallel.distributed_executor_backend == "mp"),
+    (["--scheduling-policy", "priority"], lambda a, c: c.scheduler.scheduling_policy == "priority"),
+    (["--guided-decoding-backend", "xgrammar"], lambda a, c: True),
+    (["--structured-outputs-config", '{"backend": "xgrammar"}'], lambda a, c: True),
+    (["--async-scheduling"], lambda a, c: c.scheduler.async_scheduling == "on"),
+    (["--num-gpu-blocks-override", "64"], lambda a, c: c.cache.num_kv_blocks == 64),
+    (["--compilation-config", '{"level": 3}'], lambda a, c: True),
+    (["-O3"], lambda a, c: True),
+    (["--hf-token", "hf_x"], lambda a, c: True),
+    (["--tokenizer-mode", "auto"], lambda a, c: True),
+    (["--disable-frontend-multiprocessing"], lambda a, c: True),
+    (["--api-server-count", "1"], lambda a, c: True),
+    (["--max-cpu-loras", "8"], lambda a, c: c.lora.max_cpu_loras == 8),
+    (["--revision", "main"], lambda a, c: c.model.revision == "main"),
+    (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
+    (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
+]
+
+# (flags, what the one line must say)
+REFUSED = [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: an FP8 KV cache is not implemented"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
+    (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
+    (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
+    (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),
+    (["--tool-call-parser", "mistral"], "argument --tool-call-parser: invalid choice: 'mistral'"),
+    (["--limit-mm-per-prompt", '{"video": 1}'], "argument --limit-mm-per-prompt: only images are served, not video"),
+    (["--limit-mm-per-prompt", "{image: 2}"], "argument --limit-mm-per-prompt: not JSON"),
+    (["--max-model-len", "lots"], "argument --max-model-len: invalid token count 'lots'"),
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines: structured outputs use xgrammar"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "--structured-outputs-config"),
+    (["--runner", "pooling"], "--runner pooling: only generative models are served"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not implemented"),
+    (["--api-server-count", "4"], "--api-server-count 4: one HTTP server process"),
+    (["--cpu-offload-gb", "10"], "--cpu-offload-gb 10.0: offloading weights"),
+    (["--kv-transfer-config", "{}"], "--kv-transfer-config {}: disaggregated prefill"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "just-a-name"], "--lora-modules expects name=path or {"),
+    (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/adapter"}'],
+     "--lora-modules sql=/no/adapter: not a PEFT adapter folder"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.fixture
+def no_server_start(monkeypatch):
+    """main(["serve", ...]) runs everything up to the server start, then hands back what it would have served."""
+    seen = {}
+
+    def fake_run_server(args):
+        from kestrel.config import from_cli_args
+
+        seen["args"], seen["config"] = args, from_cli_args(args)
+        return 0
+
+    monkeypatch.setattr("kestrel.server.app.run_server", fake_run_server)
+    monkeypatch.delenv("KESTREL_API_KEY", raising=False)
+    return seen
+
+
+def _tried_flags() -> set[str]:
+    return {f for argv, *_ in ACCEPTED + REFUSED for f in argv if f.startswith("-") and not f[1:2].isdigit()}
+
+
+def test_the_launch_script_table_covers_the_common_vllm_flags():
+    assert len(_tried_flags()) >= 57, sorted(_tried_flags())
+
+
+@pytest.mark.parametrize("flags,check", ACCEPTED, ids=[" ".join(a) for a, _ in ACCEPTED])
+def test_vllm_flag_is_accepted(flags, check, server_model, no_server_start, capsys):
+    from kestrel.cli import main
+
+    flags = [f.replace("{model}", str(server_model)) for f in flags]
+    assert main(["serve", str(server_model), *flags]) == 0, capsys.readouterr().err
+    assert check(no_server_start["args"], no_server_start["config"]), flags
+
+
+@pytest.mark.parametrize("flags,words", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_vllm_flag_is_refused_in_one_line(flags, words, server_model, no_server_start, capsys):
+    from kestrel.cli import main
+
+    try:
+        code = main(["serve", str(server_model), *flags])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "args" not in no_server_start, (code, err)
+    assert err.splitlines() == [err] and words in err and "Traceback" not in err, err
+
+
+def test_accepted_without_effect_is_said_in_help(capsys):
+    from kestrel.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("--swap-space SWAP_SPACE no effect: the KV cache lives on the GPU only",
+                  "--enable-sleep-mode no effect: sleep is always available",
+                  "--disable-log-requests no log line per request", "float16 (or half)"):
+        assert words in out, words
+
+
+def test_llm_takes_dtype_half(server_model):
+    import torch
+
+    from kestrel.loader import resolve_dtype
+
+    assert resolve_dtype("half", torch.device("cpu")) is torch.float16
+    assert resolve_dtype("float", torch.device("cpu")) is torch.float32
+
+
+def test_a_launch_script_serves(server_model, tmp_path):
+    """vLLM's flags on a real server: the second served name answers, no per-request log lines, images limited
+    by the JSON form."""
+    s = Server(server_model, tmp_path / "vllm.log",
+               ["--served-model-name", "first", "second", "--disable-log-requests", "--disable-log-stats",
+                "--limit-mm-per-prompt", '{"image": 2}', "--enable-sleep-mode", "--swap-space", "4",
+                "--kv-cache-dtype", "auto", "--dtype", "float", "--uvicorn-log-level", "warning",
+                "--enable-prefix-caching", "--disable-custom-all-reduce", "-tp", "1"])
+    try:
+        s.wait_ready()
+        status, body = http("POST", s.url + "/v1/completions",
+                            {"model": "second", "prompt": "hello", "max_tokens": 3})
+        assert status == 200 and body["model"] == "first", body
+        status, body = http("GET", s.url + "/v1/models")
+        assert body["data"][0]["id"] == "first"
+    finally:
+        s.stop()
+    log = (tmp_path / "vllm.log").read_text()
+    assert "Traceback" not in log and "request cmpl" not in log and "finished (" not in log, log[-3000:]
+    assert "serving first" in log, log[-3000:]
+
+
+def test_llm_options_take_vllm_forms():
+    from kestrel.config import EngineConfig
+
+    assert EngineConfig.create(limit_mm_per_prompt={"image": 3}).multimodal.limit_mm_per_prompt == 3
+    with pytest.raises(ValueError, match="only images are served, not audio"):
+        EngineConfig.create(limit_mm_per_prompt={"image": 1, "audio": 2})
+
+
+def test_tls_and_root_path_serve(server_model, tmp_path):
+    """--ssl-keyfile/--ssl-certfile serve HTTPS; --root-path is the prefix a proxy strips (the routes answer at /)."""
+    import shutil
+    import ssl
+    import subprocess
+    import urllib.request
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    s = Server(server_model, tmp_path / "tls.log", ["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile",
+                                                    str(tmp_path / "cert.pem"), "--root-path", "/llm"])
+    try:
+        context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+        context.check_hostname = False
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/ping", context=context, timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert s.proc.poll() is None and time.monotonic() < deadline, (tmp_path / "tls.log").read_text()[-3000:]
+                time.sleep(0.3)
+        with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/v1/models", context=context, timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "llama"
+        with pytest.raises(OSError):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{s.port}/ping", timeout=5)
+    finally:
+        s.stop()
