@@ -59,37 +59,38 @@ def test_key_from_a_file_is_not_in_the_process_list_and_guards_the_docs(opts_ser
 
 
 def test_sleep_with_queued_requests_idles_the_engine(opts_server):
-    """Issue 33: asleep with requests queued, the engine core spun, sending empty outputs as fast as it could
-    (/health took 30 s). Now it idles, the server answers at once, and the requests finish after /wake_up."""
+    """Issue 33: put to sleep with requests in it, the engine core spun, sending empty outputs as fast as it could
+    (/health took 30 s). Now it idles, the server answers at once, and the requests finish after /wake_up. (A
+    request that arrives while the server sleeps gets a 503 at once: test_data_parallel.)"""
     import threading
     import time
 
     import psutil
 
     u = opts_server.url
-    assert http("POST", u + "/sleep", headers=AUTH) == (200, {"ok": True})
     results = []
-    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True}
     clients = [threading.Thread(target=lambda: results.append(http("POST", u + "/v1/completions", body,
-                                                                   headers=AUTH, timeout=60)))
+                                                                   headers=AUTH, timeout=120)))
                for _ in range(6)]
     for t in clients:
         t.start()
-    time.sleep(0.5)  # queued in the sleeping engine
+    time.sleep(0.2)  # in the engine
+    assert http("POST", u + "/sleep", headers=AUTH) == (200, {"ok": True})
     core = psutil.Process(opts_server.engine_pids()[-1])
     core.cpu_percent()
     worst = 0.0
     for _ in range(20):
         t0 = time.perf_counter()
-        assert opts_server.health()[0] == 200
+        opts_server.health()
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.05)
     assert core.cpu_percent() < 30 and worst < 0.1, worst  # spinning took a whole core
-    assert not results  # nothing ran while asleep
+    assert not results  # nothing finished while asleep
     assert http("POST", u + "/wake_up", headers=AUTH) == (200, {"ok": True})
     for t in clients:
-        t.join(60)
-    assert [s for s, _ in results] == [200] * 6 and all(r["usage"]["completion_tokens"] == 4 for _, r in results)
+        t.join(120)
+    assert [s for s, _ in results] == [200] * 6 and all(r["usage"]["completion_tokens"] == 400 for _, r in results)
 
 
 def test_server_and_trusted_request_chat_templates(opts_server):
