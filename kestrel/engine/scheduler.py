@@ -299,6 +299,7 @@ class Scheduler:
                 req.output_token_ids[s.output_index] = token
                 if self._check_stop(req, token, s.output_index + 1):
                     del req.output_token_ids[s.output_index + 1:]  # a placeholder of a step in flight
+                    self.kv.cache_full_blocks(req)  # what this last step computed serves later prompts too
                     self._remove(req)
                     self._finish(req)
                     finished.append(req)

@@ -82,6 +82,19 @@ def test_step_rows_are_decode_first_once():
     assert sampling_order(out.step) == ["d", "w", "p"]
 
 
+def test_a_request_that_finishes_at_once_fills_the_prefix_cache():
+    """max_tokens=1 (and any request's last step): the blocks its final step computed are registered before its
+    blocks are freed, so the same prompt hits the cache next time (issue 36: they never did)."""
+    s = make(block_size=4)
+    first = req("a", 13, max_tokens=1)
+    s.add_request(first)
+    run_all(s)
+    assert first.status == RequestStatus.FINISHED_LENGTH
+    again = req("b", 13, max_tokens=1)
+    hits, num_hit_tokens = s.kv.get_computed_blocks(again)
+    assert num_hit_tokens == 12  # the 3 full blocks of the 13-token prompt
+
+
 def test_max_num_seqs():
     s = make(max_seqs=2)
     for i in range(5):
