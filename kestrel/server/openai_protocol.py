@@ -7,7 +7,7 @@ surrogate in any string is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
@@ -45,6 +45,8 @@ def _find_lone_surrogate(value: Any) -> bool:
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # this route's own parameters that are not implemented yet (as UNSUPPORTED_PARAMS: name -> unused values)
+    _unsupported_here: ClassVar[dict[str, tuple]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -55,7 +57,7 @@ class _Base(BaseModel):
                 if _find_lone_surrogate(value):
                     raise InvalidRequest(f"{name} contains a lone UTF-16 surrogate; send valid Unicode",
                                          param=str(name))
-                unused = UNSUPPORTED_PARAMS.get(name)
+                unused = UNSUPPORTED_PARAMS.get(name) or cls._unsupported_here.get(name)
                 if unused is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
                                                    for u in unused):
                     raise InvalidRequest(f"{name} is not supported by this server", param=name)
@@ -272,6 +274,9 @@ def _template_tool_call(call: dict) -> dict:
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    # vLLM's chat extras not implemented yet (issue 36): refused, never silently ignored (an assistant prefill with
+    # continue_final_message used to come back empty)
+    _unsupported_here: ClassVar[dict[str, tuple]] = {"echo": (None, False), "continue_final_message": (None, False)}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: StrictBool = False
