@@ -6,6 +6,7 @@ new, new/base.
     mkdir .old && git archive PREV | tar -x -C .old && echo PREV > .old/.commit   # on the dev machine,
     echo /.old/ >> .git/info/exclude                                            # then carry [".old"]
     python -m benchmarks.ab --base .old [--shapes qwen3-0.6b,deepseek-v2-lite] [--budget 575] [--json ab.json]
+    python -m benchmarks.ab --base .old --benches throughput --abba   # base, new, new, base: order cancels out
     python -m benchmarks.suite ab --base .old                                   # the same as a suite stage
 
 A tree whose benchmarks/ is not a package yet (an older commit) runs them as scripts."""
@@ -79,12 +80,18 @@ def run_one(tree: Tree, other: Tree, bench: str, shape: str, timeout: float, scr
     return json.loads(out.read_text())
 
 
+def mean_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def comparison_rows(results: dict) -> list[dict]:
-    """results[(shape, bench)][label] -> rows of shape, metric, base, new, new/base ("-" where a run is missing)."""
+    """results[(shape, bench)][label] -> a list of runs; rows of shape, metric, base, new, new/base (each tree's
+    mean over its runs; "-" where a run is missing)."""
     rows = []
     for (shape, bench), by_tree in results.items():
         for key, name, _ in METRICS[bench]:
-            base, new = (by_tree.get(t, {}).get(key) for t in ("base", "new"))
+            base, new = (mean_of(by_tree.get(t, []), key) for t in ("base", "new"))
             rows.append(dict(shape=shape, metric=name, base="-" if base is None else base,
                              new="-" if new is None else new,
                              ratio=f"{new / base:.3f}" if base and new is not None else "-"))
@@ -108,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, required=True, help="a checkout of the previous commit")
     ap.add_argument("--new", type=Path, default=ROOT, help="the tree under test (default: this one)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--benches", default="throughput,latency", help="comma-separated, of throughput, latency")
+    ap.add_argument("--abba", action="store_true",
+                    help="run each pair four times, base new new base, and compare the means (order drift cancels)")
     ap.add_argument("--budget", type=float, default=575, help="seconds for all runs; later runs are skipped")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -116,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--base {args.base}: no benchmarks/throughput.py there (git archive SHA | tar -x -C DIR)")
     if unknown := [s for s in shapes if s not in SHAPES]:
         ap.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    if bad := [b for b in args.benches.split(",") if b not in METRICS]:
+        ap.error(f"--benches: unknown {', '.join(bad)} (known: {', '.join(METRICS)})")
     deadline = time.monotonic() + args.budget
     base = Tree("base", args.base.resolve(), tree_commit(args.base, "base"))
     new = Tree("new", args.new.resolve(), tree_commit(args.new, "new"))
     results, missing = {}, 0
     with tempfile.TemporaryDirectory(prefix="kestrel-ab-") as scratch:
-        pairs = [(shape, bench) for shape in shapes for bench in ("throughput", "latency")]
+        pairs = [(shape, bench) for shape in shapes for bench in args.benches.split(",")]
         for i, (shape, bench) in enumerate(pairs):
-            for tree, other in ((base, new), (new, base))[:: 1 if i % 2 == 0 else -1]:
+            order = ((base, new), (new, base))[:: 1 if i % 2 == 0 else -1]
+            for tree, other in order + (order[::-1] if args.abba else ()):
                 timeout = min(SHAPES[shape][1 if bench == "throughput" else 2], deadline - time.monotonic())
                 if timeout < MIN_LEFT_S:
                     print(f"--- {tree.label} {bench} {shape}: skipped ({timeout:.0f} s left)", flush=True)
@@ -131,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     result = run_one(tree, other, bench, shape, timeout, Path(scratch))
                 missing += result is None
-                results.setdefault((shape, bench), {})[tree.label] = result or {}
+                results.setdefault((shape, bench), {}).setdefault(tree.label, []).append(result or {})
     rows = comparison_rows(results)
-    print_table(f"A/B: base {base.commit} vs new {new.commit} (new/base; Kestrel alone, bf16 random weights)", rows)
+    runs = "means of base new new base" if args.abba else "one run each"
+    print_table(f"A/B: base {base.commit} vs new {new.commit} (new/base, {runs}; Kestrel alone, bf16 random "
+                f"weights)", rows)
     worse = regressions(rows)
     print(f"\nworse than base by more than {TOLERANCE:.0%}: {', '.join(worse) if worse else 'none'}"
           + (f"; {missing} run(s) missing" if missing else ""))

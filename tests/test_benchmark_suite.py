@@ -188,6 +188,22 @@ def test_ab_runs_both_trees_alternating_and_tabulates_new_over_base(tmp_path):
     assert (res["base"], res["new"], len(res["rows"])) == ("abc1234", "new", 6)
 
 
+def test_ab_abba_runs_base_new_new_base_and_compares_means(tmp_path):
+    base = fake_tree(tmp_path / "old", package=True, tput=100.0, ms=2.0, ttft=10.0)
+    new = fake_tree(tmp_path / "cur", package=True, tput=90.0, ms=2.0, ttft=9.0)
+    order = tmp_path / "order.txt"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--base", str(base), "--new", str(new), "--shapes",
+                          "deepseek-v2-lite", "--benches", "throughput", "--abba"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "AB_ORDER": str(order)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [ln.split()[0] for ln in order.read_text().splitlines()] == ["old", "cur", "cur", "old"]
+    assert "| deepseek-v2-lite | out tok/s | 100.0 | 90.0 | 0.900 |" in run.stdout
+    assert "means of base new new base" in run.stdout and "latency" not in order.read_text()
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--base", str(base), "--benches", "speed"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--benches: unknown speed" in bad.stderr
+
+
 # ---- benchmarks/gpu_tests.py
 def test_gpu_test_files_are_tests_gpu_and_every_file_that_uses_cuda():
     from benchmarks.gpu_tests import gpu_test_files

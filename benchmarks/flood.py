@@ -1,0 +1,130 @@
+"""Issue 33 item 2 at full size on the GPU: one API request of 12,800 sequences (100 prompts x n=128) is in flight
+while a victim sends short requests one after another. Reports the victim's latency on the idle server and under
+the flood (p50, p99, worst), the ratio of the p99s, every non-200 answer the victim got, and how long the engine
+takes to drop the flood's sequences after its client disconnects.
+
+    python -m benchmarks.flood [--shape qwen3-0.6b] [--victims 40] [--json flood.json]
+
+The server runs `kestrel serve --load-format dummy` on the shape with a trained byte-level BPE tokenizer
+(benchmarks/structured.py) and its default --max-seqs-per-request (half of --max-num-seqs)."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.client import HTTPConnection
+from types import SimpleNamespace
+from urllib.parse import urlparse
+
+from benchmarks.common import SHAPES, print_table
+from kestrel.bench.serve import pct, start_server
+
+C = "/v1/completions"
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, float]:
+    req = urllib.request.Request(url + C, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    except OSError:
+        status = -1  # refused or timed out
+    return status, time.perf_counter() - t0
+
+
+def victim(url: str, count: int, max_tokens: int) -> tuple[list[float], list[int]]:
+    latencies, bad = [], []
+    for i in range(count):
+        status, s = post(url, {"prompt": f"victim request number {i}: tell me a story", "max_tokens": max_tokens,
+                               "ignore_eos": True})
+        (latencies if status == 200 else bad).append(s if status == 200 else status)
+    return latencies, bad
+
+
+def in_engine(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines()
+               if ln.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+
+
+def summary(name: str, xs: list[float]) -> dict:
+    return dict(phase=name, requests=len(xs), p50_ms=round(1000 * statistics.median(xs), 1),
+                p99_ms=round(1000 * pct(xs, 99), 1), worst_ms=round(1000 * max(xs), 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=[*SHAPES, "smoke"], help="smoke: a tiny CPU check")
+    ap.add_argument("--prompts", type=int, default=100)
+    ap.add_argument("--n", type=int, default=128, help="sequences per prompt of the flood request")
+    ap.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of each flood sequence")
+    ap.add_argument("--victims", type=int, default=40, help="victim requests per phase")
+    ap.add_argument("--victim-tokens", type=int, default=16)
+    ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags")
+    ap.add_argument("--server-log", default="flood-server.log")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from benchmarks.structured import SMOKE_SHAPE, model_dir
+
+    folder = model_dir(args.shape, (SHAPES.get(args.shape) or SMOKE_SHAPE)["vocab_size"])
+    server_args = f"--load-format dummy {args.server_args}"
+    proc, url = start_server(SimpleNamespace(model=str(folder), server_args=server_args, server_log=args.server_log,
+                                             startup_timeout=300))
+    print(f"started kestrel serve {folder} {shlex.join(shlex.split(server_args))} at {url}", flush=True)
+    try:
+        victim(url, 5, args.victim_tokens)  # warm-up
+        idle, idle_bad = victim(url, args.victims, args.victim_tokens)
+
+        # the flood: one non-streamed request on its own connection, dropped (client gone) after the victims
+        host = urlparse(url)
+        conn = HTTPConnection(host.hostname, host.port, timeout=600)
+        body = json.dumps({"prompt": [f"flood prompt {i} about the sea" for i in range(args.prompts)], "n": args.n,
+                           "max_tokens": args.flood_tokens, "ignore_eos": True})
+        conn.request("POST", C, body, {"Content-Type": "application/json"})
+        t_flood = time.monotonic()
+        while in_engine(url) < 1 and time.monotonic() - t_flood < 30:
+            time.sleep(0.05)
+        busy_at_start = in_engine(url)
+        loaded, loaded_bad = victim(url, args.victims, args.victim_tokens)
+        busy_at_end = in_engine(url)
+        flood_done = conn.sock is None  # the response came back already: the flood was too small
+        conn.sock.close() if conn.sock else None
+        t_drop = time.monotonic()
+        while in_engine(url) > 0 and time.monotonic() - t_drop < 60:
+            time.sleep(0.1)
+        drained_s = time.monotonic() - t_drop
+        left = in_engine(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    rows = [summary("idle", idle), summary("under the flood", loaded)]
+    print_table(f"victim latency, {args.shape}: {args.victim_tokens}-token completions, one at a time; flood "
+                f"{args.prompts} prompts x n={args.n} = {args.prompts * args.n} sequences x {args.flood_tokens} tokens",
+                rows)
+    ratio = rows[1]["p99_ms"] / rows[0]["p99_ms"]
+    print(f"\np99 under the flood / idle: {ratio:.2f} (bar: <= 2.0); victim non-200 answers: idle {idle_bad}, "
+          f"flood {loaded_bad}; sequences in the engine when the victims started {busy_at_start:.0f}, when they "
+          f"ended {busy_at_end:.0f}; after the flood client disconnected, the engine held {left:.0f} sequences "
+          f"{drained_s:.1f} s later" + (" (the flood had already finished)" if flood_done else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, p99_ratio=ratio, idle_bad=idle_bad, flood_bad=loaded_bad,
+                           busy_at_start=busy_at_start, busy_at_end=busy_at_end, drained_s=drained_s,
+                           left_after_drop=left), f, indent=1)
+    return 0 if ratio <= 2.0 and not loaded_bad and left == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
