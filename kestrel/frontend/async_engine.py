@@ -234,12 +234,14 @@ class AsyncEngine:
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
                  lora_request: LoRARequest | None = None,
-                 window: AdmissionWindow | None = None) -> AsyncIterator[RequestOutput]:
+                 window: AdmissionWindow | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
         The request reaches the engine when the stream is first iterated; leaving it early aborts the request.
         ``timeout`` (seconds from now): then the request is aborted and its stream ends with finish_reason
         "abort", stop_reason "timeout". ``window``: the admission window shared by the streams of one API
-        request (a prompt list), see admission_window(); by default the stream has its own."""
+        request (a prompt list), see admission_window(); by default the stream has its own. ``stream=False``:
+        only the final output is yielded (what a caller that waits for the whole answer needs; a request of many
+        sequences then costs no per-step snapshot of all of them)."""
         if self.client.is_dead:
             raise self.unavailable()
         if self.sleep_level is not None:
@@ -254,7 +256,8 @@ class AsyncEngine:
                                                       lora_id=lora_request.lora_id if lora_request else 0)
         check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window())
+        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window(),
+                            stream)
 
     def admission_window(self) -> AdmissionWindow:
         """A new window for one API request: --max-seqs-per-request sequences in the engine at once."""
@@ -291,7 +294,7 @@ class AsyncEngine:
                 w.give(1)
 
     async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline,
-                      window: AdmissionWindow) -> AsyncIterator[RequestOutput]:
+                      window: AdmissionWindow, stream: bool) -> AsyncIterator[RequestOutput]:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         if self.client.is_dead:
@@ -301,7 +304,7 @@ class AsyncEngine:
         guard.register(request_id, queue)
         timing = self._timing[request_id] = _Timing()
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
-                                          core_reqs, stream=True)
+                                          core_reqs, stream=stream)
         if not self.log_request_lines:
             pass
         elif self.log_requests:
@@ -386,18 +389,21 @@ class AsyncEngine:
             self._leave_window(to_stop)
         self._leave_window(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
+        if self.metrics is not None:
+            for rid, new in self.output_processor.progress:
+                self._observe_tokens(rid, new, now)
         for ro in results:
             q = self._queues.get(ro.request_id)
             if q is None:
                 continue
-            self._observe(ro, now)
+            if ro.finished:
+                self._observe_finished(ro, now)
             q.put_nowait(ro)
 
-    def _observe(self, ro: RequestOutput, now: float) -> None:
-        t = self._timing.get(ro.request_id)
-        if t is None or self.metrics is None:
+    def _observe_tokens(self, request_id: str, new: int, now: float) -> None:
+        t = self._timing.get(request_id)
+        if t is None:
             return
-        new = sum(len(c.token_ids_delta) for c in ro.outputs)
         if new:
             if t.first is None:
                 t.first = now
@@ -407,7 +413,10 @@ class AsyncEngine:
             else:
                 self.metrics.on_tokens(t.engine, (now - t.last) / new, new)
             t.last = now
-        if ro.finished:
+
+    def _observe_finished(self, ro: RequestOutput, now: float) -> None:
+        t = self._timing.get(ro.request_id)
+        if t is not None and self.metrics is not None:
             reason = ro.outputs[0].finish_reason if ro.outputs else None
             self.metrics.on_finished(t.engine, now - t.arrival, len(ro.prompt_token_ids),
                                      sum(len(c.token_ids) for c in ro.outputs), reason)

@@ -276,6 +276,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self.progress: list[tuple[str, int]] = []  # set by process(): (request id, tokens gained) this step
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
@@ -328,8 +329,12 @@ class OutputProcessor:
         return d
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (RequestOutputs to deliver, child ids the core must stop because a stop string matched)."""
+        """Returns (RequestOutputs to deliver, child ids the core must stop because a stop string matched). A
+        streamed request gets an output at every step that moved it; any other only its final one, so a request
+        of many sequences costs a step what its new tokens cost. `progress` then holds, for every request this
+        step moved, its id and how many tokens it gained (the metrics' per-step view of every request)."""
         touched: dict[str, _RequestState] = {}
+        gained: dict[str, int] = {}
         to_stop: list[str] = []
         for o in outputs:
             parent = self.child_to_parent.get(o.request_id)
@@ -347,6 +352,7 @@ class OutputProcessor:
                 for t, lp, rank, top in o.prompt_logprobs:
                     st.prompt_logprobs.append(self._logprob_dict((lp, rank, top), int(t)))
             out = child.out
+            before = len(out.token_ids)
             for k, tok in enumerate(o.new_token_ids):
                 out.token_ids.append(tok)
                 out.token_ids_delta.append(tok)
@@ -359,12 +365,14 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = "stop", child.detok.stopped_by
                     to_stop.append(o.request_id)
                     break
+            gained[parent] = gained.get(parent, 0) + len(out.token_ids) - before
             if out.finish_reason is None and o.finish_reason is not None:
                 out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
             child.finished = out.finish_reason is not None
             if child.detok is not None:
                 out.text = child.detok.text
                 out.text_delta += child.detok.take_delta(child.finished)
+        self.progress = list(gained.items())
         results = []
         for rid, st in touched.items():
             if not st.stream and not st.finished:

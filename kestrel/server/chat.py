@@ -69,7 +69,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
-    gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora)
+    gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora,
+                          stream=req.stream)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")
