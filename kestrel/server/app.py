@@ -29,6 +29,7 @@ from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.reasoning import get_reasoning_parser
 from kestrel.server.tool_parsers import get_tool_parser
+from kestrel.server.responses import ResponsesRequest, create_response
 from kestrel.server.pooling import (ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
                                     create_classification, create_embedding, create_rerank, create_score)
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -261,6 +262,12 @@ async def completions(req: CompletionRequest, raw: Request):
 async def chat(req: ChatCompletionRequest, raw: Request):
     _alive(_state(raw))
     return await create_chat_completion(_state(raw), req, raw)
+
+
+@api.post("/v1/responses")
+async def responses(req: ResponsesRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_response(_state(raw), req, raw)
 
 
 @api.post("/v1/embeddings")
