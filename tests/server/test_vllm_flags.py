@@ -79,6 +79,7 @@ ACCEPTED = [
     (["--revision", "main"], lambda a, c: c.model.revision == "main"),
     (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
     (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
+    (["--runner", "pooling"], lambda a, c: c.model.runner == "pooling"),
 ]
 
 # (flags, what the one line must say)
