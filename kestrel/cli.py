@@ -121,7 +121,7 @@ def check_args(args) -> None:
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
     if getattr(args, "model", None) is not None and os.path.isdir(args.model):
-        check_model_folder(args.model)
+        check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"))
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
     from kestrel.vllm_flags import check_compat_args
@@ -145,13 +145,14 @@ def check_args(args) -> None:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
 
 
-def check_model_folder(folder: str) -> None:
-    """A checkpoint folder has a config.json naming an architecture Kestrel implements (else the engine cores would
-    fail after seconds of start-up, each with its traceback)."""
+def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto") -> None:
+    """A checkpoint folder has a config.json naming an architecture Kestrel implements, in a runner it can serve
+    (else the engine cores would fail after seconds of start-up, each with its traceback)."""
     import json
 
     from kestrel.errors import ConfigError
-    from kestrel.models.registry import supported_architectures
+    from kestrel.core.pooling import pooling_task
+    from kestrel.models.registry import is_supported, supported_architectures
 
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -162,9 +163,10 @@ def check_model_folder(folder: str) -> None:
     except ValueError as e:
         raise ConfigError(f"model folder {folder!r}: config.json is not JSON ({e})") from None
     arch = ((config.get("architectures") if isinstance(config, dict) else None) or ["LlamaForCausalLM"])[0]
-    if arch not in supported_architectures():
+    if not is_supported(arch):
         raise ConfigError(f"model architecture {arch!r} ({folder}) is not implemented; supported: "
                           f"{', '.join(supported_architectures())}")
+    pooling_task(arch, runner or "auto", convert or "auto")  # --runner / --convert fit this model
 
 
 def check_lora_args(cfg) -> None:

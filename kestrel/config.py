@@ -87,6 +87,12 @@ class ModelConfig:
     load_format: str = _f("auto", "auto or safetensors (read the weights), or dummy (random weights from "
                                   "config.json: benchmarks)", choices=["auto", "dummy"],
                           parse=lambda v: "auto" if v == "safetensors" else v)
+    runner: str = _f("auto", "generate (an LLM) or pooling (embeddings, classification scores: /v1/embeddings, "
+                             "/classify, /score, /rerank); auto: pooling for *ForSequenceClassification and bare "
+                             "decoder (*Model) checkpoints", choices=["auto", "generate", "pooling"])
+    convert: str = _f("auto", "with --runner pooling: serve the model as an embedder (a *ForCausalLM, last-token "
+                              "pooling) or a classifier (a *ForSequenceClassification checkpoint)",
+                      choices=["auto", "none", "embed", "classify"])
     trust_remote_code: bool = _f(False, "allow custom model code from the checkpoint (off by default)")
     seed: int = _f(0, "global random seed for unseeded sampling")
     device: str = _f("auto", "auto, cpu or cuda", choices=["auto", "cpu", "cuda"])

@@ -1,4 +1,5 @@
-"""The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages)."""
+"""The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages); with a pooling model, LLM.embed,
+LLM.classify and LLM.score."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,10 @@ from kestrel.config import EngineConfig
 from kestrel.hub_cache import is_hub_id, resolve_model_path
 from kestrel.frontend.sync_engine import LLMEngine
 from kestrel.frontend.outputs import RequestOutput
+from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.frontend.pooling import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput,
+                                      plan_scores, pooling_sampling)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,46 @@ class LLM:
                 ids.append(self.engine.add_request(p, sp, priority=priority[i] if priority else 0,
                                                    lora_request=loras[i]))
         except BaseException:  # a bad prompt (too long, say) fails the call; the prompts before it do not run
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    # ---- pooling models (kestrel serve --runner pooling): embeddings, class scores, relevance scores
+    def embed(self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None, normalize: bool = True,
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (outputs.embedding); `dimensions`: Matryoshka truncation where the model
+        supports it."""
+        pooling = PoolingParams(task="embed", normalize=normalize, dimensions=dimensions or 0)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled))
+                for o in self._pool(prompts, pooling, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], activation: bool = True,
+                 use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """Class probabilities per prompt (outputs.probs; raw logits with activation=False)."""
+        pooling = PoolingParams(task="classify", activation=activation)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.pooled))
+                for o in self._pool(prompts, pooling, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """Relevance of each text_2 to text_1 (one query and N documents, or N and N): a cross-encoder's score,
+        or the cosine of an embedding model's two embeddings."""
+        queries = [text_1] if isinstance(text_1, str) else list(text_1)
+        documents = [text_2] if isinstance(text_2, str) else list(text_2)
+        plan = plan_scores(self.engine.input_processor.pooling, self.tokenizer, queries, documents)
+        outs = self._pool(plan.prompts, plan.pooling, use_tqdm)
+        return [PoolingRequestOutput(outs[j].request_id, outs[j].prompt_token_ids, ScoringOutput(score))
+                for (_, j), score in zip(plan.pairs, plan.scores([o.pooled for o in outs]))]
+
+    def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool | None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = []
+        try:
+            for p in prompts:
+                ids.append(self.engine.add_request(_prompt_of(p), pooling_sampling(), pooling=pooling))
+        except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise

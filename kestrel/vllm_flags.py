@@ -64,8 +64,8 @@ COMPAT_FLAGS = (
                lambda v: v in ("auto", "xgrammar")),
     CompatFlag(("--structured-outputs-config",), "structured outputs use xgrammar (backend auto or xgrammar)",
                lambda v: _backend_of(v) in ("auto", "xgrammar")),
-    CompatFlag(("--runner", "--task"), "only generative models are served (no pooling or embedding runner yet)",
-               lambda v: v in ("auto", "generate")),
+    CompatFlag(("--task",), "vLLM's old spelling: use --runner pooling --convert embed|classify (generate is the "
+               "default)", lambda v: v in ("auto", "generate")),
     CompatFlag(("--compilation-config", "-O"), "no effect: Kestrel does not use torch.compile; CUDA graphs follow "
                "--enforce-eager and --cuda-graph-sizes"),
     CompatFlag(("--speculative-config",), "speculative decoding is not implemented", lambda v: False),

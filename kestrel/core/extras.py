@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from kestrel.core.multimodal import MMFeature, block_extra
+from kestrel.core.pooling import PoolingParams
 from kestrel.errors import InvalidRequest
 
 
@@ -20,6 +21,7 @@ class RequestExtras(msgspec.Struct, frozen=True, omit_defaults=True):
     # prompt; 0: causal). The scheduler computes such a prefix in one step.
     bidirectional_len: int = 0
     cache_salt: str = ""  # mixed into every KV block hash: requests with different salts never share blocks
+    pooling: PoolingParams | None = None  # a pooling request (embedding, class scores): no sampling, see core/pooling.py
 
     def block_salt(self, start: int, end: int) -> bytes:
         """What the KV of tokens [start, end) depends on beyond the tokens and the earlier blocks, except a

@@ -82,3 +82,4 @@ class RunnerOutput:
     logprobs: dict[str, tuple] = field(default_factory=dict)  # req id -> (logprob, rank, top list)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # req id -> entries for this chunk
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why it cannot go on (its adapter is unreadable)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # req id -> its pooled vector (pooling requests)

@@ -161,7 +161,8 @@ class EngineCore:
                 new_logprobs=[lp] if lp is not None else None,
                 prompt_logprobs=plp,
                 finish_reason=req.status.value if rid in finished else None,
-                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
+                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+                pooled=result.pooled.get(rid)))
         return EngineCoreOutputs(self.engine_index, outputs, self.stats())
 
     def _fail_requests(self, failed: dict[str, str]) -> None:

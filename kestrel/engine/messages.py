@@ -31,6 +31,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's result (its one token is a placeholder)
 
     @property
     def finished(self) -> bool:

@@ -26,7 +26,9 @@ from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
                                      check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
 from kestrel.engine.messages import EngineCoreOutputs
+from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
+from kestrel.frontend.pooling import pooling_sampling
 from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
@@ -76,6 +78,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
+        self.pooling: dict | None = None  # a pooling model's facts (task, labels, Matryoshka sizes); None: generative
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
         if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
             raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
@@ -115,9 +118,11 @@ class AsyncEngine:
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.max_prompt_tokens = min(i["max_prompt_tokens"] for i in self.client.engine_info)
+        self.pooling = info.get("pooling")
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                               self.config.model.max_logprobs, mm=mm,
-                                              max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens)
+                                              max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                                              pooling=self.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
             await self._start_image_rendering(mm, info["device"])
@@ -234,14 +239,16 @@ class AsyncEngine:
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
                  lora_request: LoRARequest | None = None,
-                 window: AdmissionWindow | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+                 window: AdmissionWindow | None = None, stream: bool = True,
+                 pooling: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (raises InvalidRequest / EngineDead before anything is sent) and return the stream.
         The request reaches the engine when the stream is first iterated; leaving it early aborts the request.
         ``timeout`` (seconds from now): then the request is aborted and its stream ends with finish_reason
         "abort", stop_reason "timeout". ``window``: the admission window shared by the streams of one API
         request (a prompt list), see admission_window(); by default the stream has its own. ``stream=False``:
         only the final output is yielded (what a caller that waits for the whole answer needs; a request of many
-        sequences then costs no per-step snapshot of all of them)."""
+        sequences then costs no per-step snapshot of all of them). ``pooling``: a pooling request (see
+        encode())."""
         if self.client.is_dead:
             raise self.unavailable()
         if self.sleep_level is not None:
@@ -253,11 +260,26 @@ class AsyncEngine:
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
-                                                      lora_id=lora_request.lora_id if lora_request else 0)
+                                                      lora_id=lora_request.lora_id if lora_request else 0,
+                                                      pooling=pooling)
         check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window(),
                             stream)
+
+    async def encode(self, prompt: str | list[int], pooling: PoolingParams, request_id: str | None = None,
+                     priority: int = 0, window: AdmissionWindow | None = None) -> RequestOutput:
+        """A pooling request (embedding, class scores): its finished output, whose `pooled` holds the vector.
+        Raises InvalidRequest (a generative engine, a bad prompt) before anything is sent."""
+        stream = self.generate(prompt, pooling_sampling(), request_id, priority, window=window, stream=False,
+                               pooling=pooling)
+        final = None
+        async for out in stream:
+            final = out
+        if final is None or final.pooled is None:
+            reason = final.outputs[0].stop_reason if final is not None and final.outputs else None
+            raise EngineDead(f"the pooling request ended without a result ({reason or 'aborted'})")
+        return final
 
     def admission_window(self) -> AdmissionWindow:
         """A new window for one API request: --max-seqs-per-request sequences in the engine at once."""

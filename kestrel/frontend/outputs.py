@@ -40,3 +40,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector (embedding, class scores)

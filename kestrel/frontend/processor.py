@@ -12,6 +12,8 @@ from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.pooling import PoolingParams
+from kestrel.frontend.pooling import check_request_kind
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
@@ -112,8 +114,10 @@ class InputProcessor:
     fit."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
-                 mm=None, max_num_batched_tokens: int | None = None):
+                 mm=None, max_num_batched_tokens: int | None = None, pooling: dict | None = None):
+        """`pooling`: a pooling engine's facts (kestrel/core/pooling.py pooling_facts; None: a generative one)."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -201,8 +205,10 @@ class InputProcessor:
         return ProcessedPrompt(ids, extras, text)
 
     def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
-                priority: int = 0, arrival_time: float | None = None, lora_id: int = 0
-                ) -> tuple[list[int], list[EngineCoreRequest]]:
+                priority: int = 0, arrival_time: float | None = None, lora_id: int = 0,
+                pooling: PoolingParams | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
+        """`pooling`: a pooling request (embedding, class scores; its params are pooling_sampling())."""
+        check_request_kind(self.pooling, pooling)
         params.validate(self.vocab_size, self.max_logprobs)
         prompt = self.process_images(prompt)
         extras = NO_EXTRAS
@@ -236,6 +242,8 @@ class InputProcessor:
         max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.default_max_tokens or room)
         if lora_id:
             extras = msgspec.structs.replace(extras, lora_id=lora_id)
+        if pooling is not None:
+            extras = msgspec.structs.replace(extras, pooling=pooling)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):
@@ -265,6 +273,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -348,6 +357,8 @@ class OutputProcessor:
             if st.first_token_time is None and o.new_token_ids:
                 st.first_token_time = time.monotonic()
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            if o.pooled is not None:
+                st.pooled = o.pooled
             if o.prompt_logprobs and st.prompt_logprobs is not None and child.index == 0:  # same for every sample
                 for t, lp, rank, top in o.prompt_logprobs:
                     st.prompt_logprobs.append(self._logprob_dict((lp, rank, top), int(t)))
@@ -391,4 +402,4 @@ class OutputProcessor:
                                          o.token_ids_delta, o.logprobs_delta))
             o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.prompt_logprobs,
-                             st.num_cached_tokens)
+                             st.num_cached_tokens, st.pooled)

@@ -8,6 +8,7 @@ from kestrel.engine.core import EngineCore
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_fits_kv_cache, display_prompt,
                                        make_mm_processor)
+from kestrel.core.pooling import PoolingParams, pooling_facts
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
 from kestrel.platform.cpu_threads import apply_cpu_threads, offline_threads
@@ -23,7 +24,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
                                               config.model.max_logprobs,
                                               mm=make_mm_processor(config, self.core.model_config.hf),
-                                              max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+                                              max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                              pooling=pooling_facts(self.core.model_config, config.model))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
@@ -49,14 +51,17 @@ class LLMEngine:
         return removed
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None) -> str:
+                    priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None,
+                    pooling: PoolingParams | None = None) -> str:
+        """`pooling`: a pooling request (params: kestrel.frontend.pooling.pooling_sampling())."""
         request_id = request_id or f"req-{next(self._ids)}"
         if isinstance(lora_request, str):
             if lora_request not in self.loras:
                 raise ValueError(f"no adapter named {lora_request!r} is loaded")
             lora_request = self.loras[lora_request]
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
-                                                      lora_id=lora_request.lora_id if lora_request else 0)
+                                                      lora_id=lora_request.lora_id if lora_request else 0,
+                                                      pooling=pooling)
         check_fits_kv_cache(len(ids), self.core.scheduler.max_prompt_tokens)
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream)

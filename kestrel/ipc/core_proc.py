@@ -30,6 +30,7 @@ import traceback
 import msgspec
 import zmq
 
+from kestrel.core.pooling import pooling_facts
 from kestrel.core.supervisor import parent_gone
 from kestrel.errors import KestrelError
 from kestrel.ipc import protocol as P
@@ -267,7 +268,8 @@ def engine_facts(core, engine_index: int) -> dict:
     return {"engine_index": engine_index, "max_model_len": core.max_model_len,
             "vocab_size": int(core.model_config.vocab_size),
             "num_kv_blocks": core.kv.num_blocks, "block_size": core.config.cache.block_size,
-            "max_prompt_tokens": core.scheduler.max_prompt_tokens, "device": str(core.device)}
+            "max_prompt_tokens": core.scheduler.max_prompt_tokens, "device": str(core.device),
+            "pooling": pooling_facts(core.model_config, core.config.model)}
 
 
 def _request_id_of(payload: bytes) -> str | None:

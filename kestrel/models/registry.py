@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import importlib
 
+from kestrel.core.pooling import CLASSIFY_ARCH_SUFFIX, base_architecture
+from kestrel.models.pooling import classifier_class
+
 _MODELS = {
     "LlamaForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
@@ -25,7 +28,17 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+def is_supported(architecture: str) -> bool:
+    return architecture in _MODELS or base_architecture(architecture) in _MODELS
+
+
 def get_model_class(architecture: str):
+    """A pooling checkpoint (Qwen3ForSequenceClassification, Qwen3Model) gets its decoder's class, with the
+    classifier head where it has one (kestrel/models/pooling.py)."""
+    base = base_architecture(architecture)
+    if base != architecture and base in _MODELS:
+        decoder = get_model_class(base)
+        return classifier_class(decoder) if architecture.endswith(CLASSIFY_ARCH_SUFFIX) else decoder
     if architecture not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
     module, name = _MODELS[architecture]

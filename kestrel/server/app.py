@@ -29,6 +29,9 @@ from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.reasoning import get_reasoning_parser
 from kestrel.server.tool_parsers import get_tool_parser
+from kestrel.server.responses import ResponsesRequest, create_response
+from kestrel.server.pooling import (ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
+                                    create_classification, create_embedding, create_rerank, create_score)
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest, error_body)
 
@@ -191,7 +194,7 @@ async def ping(request: Request):
 @api.post("/invocations")
 async def invocations(raw: Request):
     """SageMaker's one endpoint, as vLLM routes it: the body goes to the first API whose request it is (a chat
-    completion, then a completion). Embedding bodies have no endpoint here yet."""
+    completion, then a completion; on a pooling model, an embedding or classification body)."""
     try:
         body = json.loads(await raw.body() or b"null")
     except ValueError as e:
@@ -199,6 +202,10 @@ async def invocations(raw: Request):
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     routes = ((ChatCompletionRequest, chat, "messages"), (CompletionRequest, completions, "prompt"))
+    pooling = _state(raw).engine.pooling
+    if pooling is not None:  # a pooling model: its own API takes the body
+        routes = ((EmbeddingRequest, embeddings, "input") if pooling["task"] == "embed"
+                  else (ClassificationRequest, classify, "input"),)
     for request_type, endpoint, _ in routes:
         try:
             req = request_type.model_validate(body)
@@ -211,8 +218,10 @@ async def invocations(raw: Request):
                 request_type.model_validate(body)
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from None
+    if pooling is not None:
+        raise InvalidRequest(f"/invocations on this pooling model ({pooling['task']}) takes a body with `input`")
     raise InvalidRequest("/invocations takes a chat completion body (messages) or a completion body (prompt)"
-                         + ("; embeddings are not served" if "input" in body else ""))
+                         + ("; embeddings need a pooling model" if "input" in body else ""))
 
 
 @api.get("/openapi.json", include_in_schema=False)
@@ -253,6 +262,39 @@ async def completions(req: CompletionRequest, raw: Request):
 async def chat(req: ChatCompletionRequest, raw: Request):
     _alive(_state(raw))
     return await create_chat_completion(_state(raw), req, raw)
+
+
+@api.post("/v1/responses")
+async def responses(req: ResponsesRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_response(_state(raw), req, raw)
+
+
+@api.post("/v1/embeddings")
+async def embeddings(req: EmbeddingRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_embedding(_state(raw), req, raw)
+
+
+@api.post("/classify")
+async def classify(req: ClassificationRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_classification(_state(raw), req, raw)
+
+
+@api.post("/score")
+@api.post("/v1/score")
+async def score(req: ScoreRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_score(_state(raw), req, raw)
+
+
+@api.post("/rerank")
+@api.post("/v1/rerank")
+@api.post("/v2/rerank")
+async def rerank(req: RerankRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_rerank(_state(raw), req, raw)
 
 
 @api.post("/tokenize")

@@ -47,6 +47,8 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     # this route's own parameters that are not implemented yet (as UNSUPPORTED_PARAMS: name -> unused values)
     _unsupported_here: ClassVar[dict[str, tuple]] = {}
+    # UNSUPPORTED_PARAMS names that this route implements (a rerank body's `documents`)
+    _served_here: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +59,8 @@ class _Base(BaseModel):
                 if _find_lone_surrogate(value):
                     raise InvalidRequest(f"{name} contains a lone UTF-16 surrogate; send valid Unicode",
                                          param=str(name))
-                unused = UNSUPPORTED_PARAMS.get(name) or cls._unsupported_here.get(name)
+                unused = (None if name in cls._served_here else UNSUPPORTED_PARAMS.get(name)
+                          ) or cls._unsupported_here.get(name)
                 if unused is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
                                                    for u in unused):
                     raise InvalidRequest(f"{name} is not supported by this server", param=name)

@@ -16,12 +16,14 @@ from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
+from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
+from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.warm_up import capture_graphs, precompile_kernels
@@ -54,7 +56,9 @@ class ModelRunner:
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = self.model_config.max_model_len
-        self.addons = build_addons(self.model, config, self.device, self.dtype)
+        m = config.model
+        self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
+        self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task)
         self._bind_attention()
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
@@ -294,7 +298,6 @@ class ModelRunner:
             buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
         hidden = inputs_embeds = None
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
@@ -302,11 +305,18 @@ class ModelRunner:
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   and all(ok() for ok in self._hooks["step_graph_ok"]) else None)
         if padded is not None:
+            samplers = list(zip(chunks, states))
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)
-            sample_idx = [qsl[b + 1] - 1 for b, c in enumerate(chunks) if c.samples]
+            for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
+                inf.out.pooled.update(pool(chunks, states, hidden, qsl))
+            for rid in inf.out.pooled:
+                inf.out.sampled[rid] = POOLED_TOKEN
+            rows = [b for b, c in enumerate(chunks) if c.samples and c.request_id not in inf.out.pooled]
+            samplers = [(chunks[b], states[b]) for b in rows]
+            sample_idx = [qsl[b + 1] - 1 for b in rows]
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:

@@ -39,7 +39,7 @@ def test_invocations_routes_chat_and_completion_bodies(server):
 @pytest.mark.parametrize("body,status,words", [
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
-    ({"input": "embed me"}, 400, "embeddings are not served"),
+    ({"input": "embed me"}, 400, "embeddings need a pooling model"),
     ({"nothing": 1}, 400, "chat completion body (messages) or a completion body (prompt)"),
     ([1, 2], 400, "must be a JSON object"),
 ])

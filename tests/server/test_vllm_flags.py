@@ -79,6 +79,7 @@ ACCEPTED = [
     (["--revision", "main"], lambda a, c: c.model.revision == "main"),
     (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
     (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
+    (["--runner", "pooling"], lambda a, c: c.model.runner == "pooling"),
 ]
 
 # (flags, what the one line must say)
@@ -96,7 +97,8 @@ REFUSED = [
     (["--max-model-len", "lots"], "argument --max-model-len: invalid token count 'lots'"),
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines: structured outputs use xgrammar"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "--structured-outputs-config"),
-    (["--runner", "pooling"], "--runner pooling: only generative models are served"),
+    (["--task", "embed"], "--task embed: vLLM's old spelling: use --runner pooling"),
+    (["--convert", "classify"], "--convert classify: LlamaForCausalLM has no classification head"),
     (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not implemented"),
     (["--api-server-count", "4"], "--api-server-count 4: one HTTP server process"),
     (["--cpu-offload-gb", "10"], "--cpu-offload-gb 10.0: offloading weights"),

@@ -8,10 +8,12 @@ from kestrel.worker.addons.base import HOOKS, StepAddon, overriding
 from kestrel.worker.addons.grammar import GrammarBitmask
 from kestrel.worker.addons.images import ImageEncoderCache
 from kestrel.worker.addons.lora import LoRAAddon
+from kestrel.worker.addons.pooling import Pooler
 from kestrel.worker.addons.prefix_mask import BidirectionalPrefix
 
 
-def build_addons(model, config, device, dtype) -> list[StepAddon]:
+def build_addons(model, config, device, dtype, pooling_task: str | None = None) -> list[StepAddon]:
+    """`pooling_task` (a pooling runner's, kestrel/core/pooling.py): the pooler ends its requests' steps."""
     addons: list[StepAddon] = []
     lora = None
     if config.lora.enable_lora:
@@ -24,6 +26,8 @@ def build_addons(model, config, device, dtype) -> list[StepAddon]:
     if supports_images(model):
         addons.append(ImageEncoderCache(model, device, lora))
     addons.append(GrammarBitmask())
+    if pooling_task is not None:
+        addons.append(Pooler(model, device))
     return addons
 
 

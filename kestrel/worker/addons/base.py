@@ -14,7 +14,7 @@ from kestrel.worker.input_batch import RequestState
 
 # the hooks the runner calls through per-hook lists (supports_graphs and warm_up are asked of every add-on once)
 HOOKS = ("add_request", "remove_request", "prepare", "failed_requests", "attention_fields", "inputs_embeds",
-         "step_graph_ok", "before_sample")
+         "step_graph_ok", "before_sample", "pool")
 
 
 class StepAddon:
@@ -54,6 +54,12 @@ class StepAddon:
 
     def before_sample(self, logits: torch.Tensor, inf) -> None:
         """Change a launched step's logits (rows in `inf.rows` order) in place before sampling."""
+
+    def pool(self, chunks: list[ScheduledChunk], states: list[RequestState], hidden: torch.Tensor,
+             query_start_loc: list[int]) -> dict[str, list[float]]:
+        """Rows this add-on ends instead of the sampler (a pooling request's last prefill step): request id ->
+        its pooled vector, from the step's final hidden states (rows b of query_start_loc[b]:[b + 1])."""
+        return {}
 
     def warm_up(self) -> object:
         """Start-up: run what the first requests would otherwise compile or allocate (the memory profile keeps

@@ -1,0 +1,153 @@
+"""Pooling models over the server, as vLLM serves them: /v1/embeddings with the real openai client (its default
+base64 encoding and floats), /classify, /score, /rerank and /v1/rerank with vLLM's bodies; every vector equals
+transformers' on the same weights (CPU float32, atol 1e-5). Bad input and generation requests get a 400 with
+the OpenAI error body."""
+from __future__ import annotations
+
+import base64
+import struct
+
+import openai
+import pytest
+import torch
+
+from tests.pooling_tiny import hf_class_logits, hf_embedding, make_classifier, make_embedder
+from tests.server.conftest import Server, http
+
+ATOL = 1e-5
+DOCS = ["the capital is paris", "cats sleep a lot", "paris is a city"]
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory, tiny_tokenizer):
+    return make_embedder(tmp_path_factory.mktemp("emb"), tiny_tokenizer, matryoshka_dimensions=[16, 32])
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory, tiny_tokenizer):
+    return make_classifier(tmp_path_factory.mktemp("ce"), tiny_tokenizer, num_labels=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def embed_server(embedder, tmp_path_factory):
+    s = Server(embedder, tmp_path_factory.mktemp("logs") / "embed.log").wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def rerank_server(cross_encoder, tmp_path_factory):
+    s = Server(cross_encoder, tmp_path_factory.mktemp("logs") / "rerank.log").wait_ready()
+    yield s
+    s.stop()
+
+
+def _ids(tok, *texts):
+    return list(tok(*texts)["input_ids"])
+
+
+def _close(got, ref):
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), ref.float(), atol=ATOL, rtol=0)
+
+
+def test_embeddings_openai_client(embed_server, embedder, tiny_tokenizer):
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    texts = ["hello world", "the cat sat on the mat"]
+    res = client.embeddings.create(model="qwen3_embed", input=texts)  # the client asks for base64
+    assert [d.index for d in res.data] == [0, 1]
+    for d, t in zip(res.data, texts):
+        _close(d.embedding, hf_embedding(embedder, _ids(tiny_tokenizer, t)))
+    assert res.usage.prompt_tokens == sum(len(_ids(tiny_tokenizer, t)) for t in texts)
+    floats = client.embeddings.create(model="qwen3_embed", input=texts[0], encoding_format="float")
+    _close(floats.data[0].embedding, hf_embedding(embedder, _ids(tiny_tokenizer, texts[0])))
+
+
+def test_embeddings_bodies(embed_server, embedder, tiny_tokenizer):
+    ids = _ids(tiny_tokenizer, "a prompt given as token ids")
+    status, body = http("POST", embed_server.url + "/v1/embeddings", {"input": [ids, ids[:3]],
+                                                                       "encoding_format": "base64"})
+    assert status == 200, body
+    vec = struct.unpack(f"<{64}f", base64.b64decode(body["data"][0]["embedding"]))
+    _close(list(vec), hf_embedding(embedder, ids))
+    _close(list(struct.unpack("<64f", base64.b64decode(body["data"][1]["embedding"]))),
+           hf_embedding(embedder, ids[:3]))
+    status, body = http("POST", embed_server.url + "/v1/embeddings", {"input": "hello", "dimensions": 16})
+    assert status == 200 and len(body["data"][0]["embedding"]) == 16
+    assert sum(x * x for x in body["data"][0]["embedding"]) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("path,body,param,message", [
+    ("/v1/embeddings", {"input": "hi", "dimensions": 20}, "dimensions", "dimensions 20 is not one"),
+    ("/v1/embeddings", {"input": 5}, "input", "input"),
+    ("/v1/embeddings", {"input": []}, "input", "input is empty"),
+    ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "encoding_format"),
+    ("/v1/embeddings", {"input": [[10**9]]}, "prompt", "prompt token ids must be integers"),
+    ("/v1/completions", {"prompt": "hi"}, "model", "this server runs a pooling model (embed): it does not "
+                                                   "generate text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "does not generate"),
+    ("/classify", {"input": "hi"}, "model", "pooling task is embed, not classify"),
+])
+def test_embed_server_refusals(embed_server, path, body, param, message):
+    status, res = http("POST", embed_server.url + path, body)
+    assert status == 400, res
+    assert res["error"]["type"] == "invalid_request_error" and message in res["error"]["message"]
+    assert res["error"]["param"] == param
+    assert embed_server.health()[0] == 200  # the engine lives on
+
+
+def test_score_on_embedder_is_cosine(embed_server, embedder, tiny_tokenizer):
+    status, body = http("POST", embed_server.url + "/score", {"text_1": "what is the capital", "text_2": DOCS})
+    assert status == 200, body
+    q = hf_embedding(embedder, _ids(tiny_tokenizer, "what is the capital"))
+    refs = [float(q @ hf_embedding(embedder, _ids(tiny_tokenizer, d))) for d in DOCS]
+    assert [d["score"] for d in body["data"]] == pytest.approx(refs, abs=ATOL)
+
+
+def _pair_scores(cross_encoder, tok, query, docs):
+    return [float(hf_class_logits(cross_encoder, _ids(tok, query, d)).sigmoid()[0]) for d in docs]
+
+
+def test_score_and_rerank(rerank_server, cross_encoder, tiny_tokenizer):
+    refs = _pair_scores(cross_encoder, tiny_tokenizer, "what is the capital", DOCS)
+    status, body = http("POST", rerank_server.url + "/score", {"text_1": "what is the capital", "text_2": DOCS})
+    assert status == 200, body
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["score"] * 3
+    assert [d["score"] for d in body["data"]] == pytest.approx(refs, abs=ATOL)
+    for path in ("/rerank", "/v1/rerank"):
+        status, body = http("POST", rerank_server.url + path, {"query": "what is the capital", "documents": DOCS,
+                                                               "top_n": 2})
+        assert status == 200, body
+        order = sorted(range(3), key=lambda i: refs[i], reverse=True)[:2]
+        assert [r["index"] for r in body["results"]] == order
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([refs[i] for i in order], abs=ATOL)
+        assert [r["document"]["text"] for r in body["results"]] == [DOCS[i] for i in order]
+    status, body = http("POST", rerank_server.url + "/v1/rerank", {"query": "q", "documents": DOCS,
+                                                                   "return_documents": False})
+    assert status == 200 and len(body["results"]) == 3 and "document" not in body["results"][0]
+
+
+def test_classify(rerank_server, cross_encoder, tiny_tokenizer):
+    status, body = http("POST", rerank_server.url + "/classify", {"input": ["hello world", "cats"]})
+    assert status == 200, body
+    for d, t in zip(body["data"], ["hello world", "cats"]):
+        assert d["label"] == "class_0" and d["num_classes"] == 1
+        _close(d["probs"], hf_class_logits(cross_encoder, _ids(tiny_tokenizer, t)).sigmoid())
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/embeddings", {"input": "hi"}, "pooling task is classify, not embed"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "2 queries for 3 documents"),
+    ("/rerank", {"query": "q", "documents": []}, "no documents to score"),
+    ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n must be 0"),
+    ("/v1/completions", {"prompt": "hi"}, "use /classify, /score or /rerank"),
+])
+def test_rerank_server_refusals(rerank_server, path, body, message):
+    status, res = http("POST", rerank_server.url + path, body)
+    assert status == 400, res
+    assert message in res["error"]["message"]
+
+
+def test_generation_server_refuses_pooling(server):
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/rerank", {"query": "q", "documents": ["d"]})):
+        status, res = http("POST", server.url + path, body)
+        assert status == 400 and "this model generates text" in res["error"]["message"], res
