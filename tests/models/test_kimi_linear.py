@@ -1,0 +1,83 @@
+"""Kimi Linear (Kimi Delta Attention + NoPE MLA + MoE with a shared expert and a dense first layer) against
+transformers 5.17 on the same tiny weights (CPU, float32): greedy tokens identical for 24 tokens on mixed-length
+prompts; also with chunked prefill cutting through the KDA layers (a chunk continuing its request's state, asserted
+from the calls) and preemption (asserted from the counter), and with prefix caching asked for (turned off for the
+model, with its log line, and no hit)."""
+import logging
+
+import pytest
+
+from kestrel import LLM, SamplingParams
+from kestrel.attention.backends.torch_kda import TorchKDAImpl
+from kestrel.core.kv_spec import KDAStateSpec, MLASpec
+from tests.agreement import hf_greedy
+from tests.tiny import make_checkpoint
+
+NUM_TOKENS = 24
+PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206, 300, 301]]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory, tiny_tokenizer):
+    return make_checkpoint("kimi_linear", tmp_path_factory.mktemp("kimi"), tokenizer=tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(kimi):
+    return hf_greedy(kimi, PROMPTS, NUM_TOKENS)
+
+
+@pytest.fixture
+def prefills(monkeypatch):
+    """Records (query length, whether it continued a state) of every prefill or chunk a KDA layer ran."""
+    seen = []
+    original = TorchKDAImpl.forward_prefill
+
+    def forward_prefill(self, w, qkv, f, beta_logits, gate, cache, slot, has_initial_state):
+        seen.append((qkv.shape[0], has_initial_state, slot))
+        return original(self, w, qkv, f, beta_logits, gate, cache, slot, has_initial_state)
+
+    monkeypatch.setattr(TorchKDAImpl, "forward_prefill", forward_prefill)
+    return seen
+
+
+def generate(path, prompts, **kw):
+    llm = LLM(str(path), progress=False, max_model_len=256, **kw)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_greedy_matches_transformers(kimi, reference, prefills, caplog):
+    with caplog.at_level(logging.INFO, logger="kestrel.engine.kv.coordinator"):
+        tokens, llm = generate(kimi, PROMPTS)
+    assert tokens == reference
+    core = llm.engine.core
+    runner = core.executor.runner
+    assert sorted(type(g.spec).__name__ for g in runner.kv_cache_groups) == ["KDAStateSpec", "MLASpec"]
+    kda = next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
+    assert len(kda.layer_names) == 3  # every KDA layer in one state group
+    assert kda.spec.num_state_slots == llm.engine.config.scheduler.max_num_seqs + 1  # + the null slot
+    assert {b.name for b in runner.backends} == {"torch_kda", "torch_mla"}
+    assert sorted(q for q, init, _ in prefills) == sorted(len(p) for p in PROMPTS * 3)  # 3 KDA layers
+    assert all(not init and slot != 0 for _, init, slot in prefills)  # fresh state; never the null slot
+    # prefix caching (on by default) is off for this model, said once, and nothing was looked up
+    assert "Prefix caching is off for this model: its KDAStateSpec layers" in caplog.text
+    assert not core.kv.enable_prefix_caching and core.kv.prefix_queries == 0
+    state = core.kv.managers[runner.kv_cache_groups.index(kda)]
+    assert sorted(state.free_slots) == list(range(1, kda.spec.num_state_slots))  # every slot back, 0 never out
+
+
+def test_chunked_prefill_and_preemption(kimi, reference, prefills):
+    tokens, llm = generate(kimi, PROMPTS, block_size=4, num_kv_blocks=20, max_num_batched_tokens=8)
+    core = llm.engine.core
+    assert tokens == reference
+    assert core.scheduler.num_preemptions > 0
+    assert any(init for _, init, _ in prefills)  # a chunk continued its request's state through the KDA layers
+    # every preempted request was recomputed from a zero state: one fresh start per prompt and per preemption
+    fresh = sum(1 for _, init, _ in prefills if not init)
+    assert fresh == 3 * (len(PROMPTS) + core.scheduler.num_preemptions)
+    runner = core.executor.runner
+    assert [type(g.spec) for g in runner.kv_cache_groups].count(MLASpec) == 1
+    again = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))[0]
+    assert again.num_cached_tokens == 0 and core.kv.prefix_hits == 0
+    assert again.outputs[0].token_ids == reference[2]
