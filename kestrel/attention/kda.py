@@ -21,6 +21,17 @@ from kestrel.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata)
 from kestrel.core.kv_spec import KDAStateSpec
 from kestrel.kernels import kda_ref
+from kestrel.platform import Platform
+from kestrel.platform.gates import kernel_available
+
+# the gate-table rows (kestrel/platform/gates.py) of the optional KDA kernels
+KDA_KERNELS = ("triton_kda_fused_decode",)
+
+
+def startup_kernels(platform: Platform, dtype: torch.dtype) -> list[str]:
+    """The optional KDA kernels start-up compiles on `platform` (the warm-up's decode forwards launch them, and
+    --precompile compiles them in parallel first): those whose gate row is open there for `dtype`."""
+    return [k for k in KDA_KERNELS if kernel_available(k, platform, dtype)]
 
 
 @dataclass

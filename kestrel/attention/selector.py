@@ -29,6 +29,11 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         out.append(TritonMLABackend)
     except ImportError:
         pass
+    try:
+        from kestrel.attention.backends.triton_kda import TritonKDABackend
+        out.append(TritonKDABackend)
+    except ImportError:
+        pass
     out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchKDABackend]
     return out
 
