@@ -98,7 +98,7 @@ class KDAImpl(AttentionImpl):
         g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
         beta = torch.sigmoid(beta_logits.float())
         state = recurrent[slot].clone() if has_initial_state else recurrent.new_zeros(h, d, d)
-        o = kda_ref.delta_rule(q, k, v, g, beta, state)
+        o = kda_ref.delta_rule_chunked(q, k, v, g, beta, state)
         recurrent[slot] = state
         conv[slot] = new_conv.to(conv.dtype)
         return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)

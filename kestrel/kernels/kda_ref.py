@@ -40,14 +40,42 @@ def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
 
 
 def delta_rule(q, k, v, g, beta, state: torch.Tensor):
-    """The recurrence over the T tokens of one request. q, k, v, g [T, H, D] float32, beta [T, H] float32, state [H, D, D] float32 (updated in place)
-    -> o [T, H, D] float32."""
+    """The recurrence over the T tokens of one request, token by token (the reference). q, k, v, g [T, H, D]
+    float32, beta [T, H] float32, state [H, D, D] float32 (updated in place) -> o [T, H, D] float32."""
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
         state.mul_(g[t].exp().unsqueeze(-1))
         delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t].unsqueeze(-1)
         state.add_(k[t].unsqueeze(-1) * delta.unsqueeze(-2))
         out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 32):
+    """delta_rule's result `chunk` tokens at a time, with matrix products instead of a token loop (the prefill
+    path). Within a chunk, with G the cumulative decay from its start (G_t = g_1 + ... + g_t) and S_0 the state
+    before it, the deltas d_t = beta_t (v_t - (Diag(exp(g_t)) S_{t-1})^T k_t) solve the unit lower-triangular
+    system (I + Diag(beta) A) D = Diag(beta) (V - (K * exp(G)) S_0), A[t, i] = sum_c k_t k_i exp(G_t - G_i) over
+    i < t; then O = (Q * exp(G)) S_0 + B D with B as A over i <= t and queries, and the state after the chunk
+    is exp(G_C) * S_0 + (K * exp(G_C - G))^T D. Every exponent is <= 0 (the decay only shrinks)."""
+    out = torch.empty_like(v)
+    for s in range(0, q.shape[0], chunk):
+        e = min(s + chunk, q.shape[0])
+        qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, C, D]
+        G = g[s:e].transpose(0, 1).cumsum(1)  # [H, C, D]
+        b = beta[s:e].t().unsqueeze(-1)  # [H, C, 1]
+        c = e - s
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
+        decay = diff.exp()  # [H, C(t), C(i), D]: exp(G_t - G_i) for i <= t, else 0
+        a = torch.einsum("htc,hic,htic->hti", kc, kc, decay).tril(-1)
+        bq = torch.einsum("htc,hic,htic->hti", qc, kc, decay)
+        rhs = b * (vc - (kc * G.exp()) @ state)
+        lower = torch.eye(c, device=q.device) + b * a
+        delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        out[s:e] = ((qc * G.exp()) @ state + bq @ delta).transpose(0, 1)
+        last = G[:, -1:, :]  # [H, 1, D]
+        state.mul_(last.transpose(1, 2).exp()).add_((kc * (last - G).exp()).transpose(1, 2) @ delta)
     return out
 
 

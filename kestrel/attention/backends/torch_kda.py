@@ -1,4 +1,4 @@
-"""Kimi Delta Attention in plain PyTorch (kestrel/kernels/kda_ref.py): the recurrent form for prefills and
+"""Kimi Delta Attention in plain PyTorch (kestrel/kernels/kda_ref.py): the chunked form for prefills and
 chunks, one request at a time, and the unfused decode chain vectorised over requests (graph-safe). Runs
 anywhere; the CPU backend and the fallback where the fused decode kernel's gate is closed."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Kimi Delta Attention with the fused Triton decode (kestrel/kernels/triton_ops/kda_decode.py: one launch per
-layer and step) for the decode rows; prefills and chunks keep the PyTorch recurrent form. Offered only where the
+layer and step) for the decode rows; prefills and chunks keep the PyTorch chunked form. Offered only where the
 gate table's row `triton_kda_fused_decode` (kestrel/platform/gates.py) is open: the same row decides what
 start-up compiles (`startup_kernels`) and which GPU tests run (requires_kernel)."""
 from __future__ import annotations
