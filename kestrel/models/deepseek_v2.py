@@ -15,7 +15,7 @@ from torch import nn
 
 from kestrel.attention.mla import MLAAttention
 from kestrel.layers.linear import Linear
-from kestrel.layers.norm import RMSNorm
+from kestrel.layers.norm import RMSNorm, pre_norm
 from kestrel.layers.rotary import RotaryEmbedding, _rope_params
 from kestrel.models.context import ModelContext, layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router
@@ -71,11 +71,7 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
 
     def forward(self, positions, hidden, residual, ctx):
-        norm = self._input_norm[0]
-        if residual is None:
-            x, residual = norm(hidden), hidden
-        else:
-            x, residual = norm(hidden, residual)
+        x, residual = pre_norm(self._input_norm[0], hidden, residual)
         t = x.shape[0]
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

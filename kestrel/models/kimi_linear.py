@@ -16,6 +16,7 @@ from torch import nn
 from kestrel.attention.kda import DeltaAttention
 from kestrel.errors import ConfigError
 from kestrel.layers.linear import Linear, materialize
+from kestrel.layers.norm import pre_norm
 from kestrel.models.context import ModelContext, layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router
 from kestrel.models.deepseek_v2 import DeepseekV2Attention
@@ -53,11 +54,7 @@ class KimiDeltaAttention(nn.Module):
         self.kda = DeltaAttention(ctx, f"{prefix}.kda", h, d, width)
 
     def forward(self, positions, hidden, residual, ctx):
-        norm = self._input_norm[0]
-        if residual is None:
-            x, residual = norm(hidden), hidden
-        else:
-            x, residual = norm(hidden, residual)
+        x, residual = pre_norm(self._input_norm[0], hidden, residual)
         qkv_size = 3 * self.num_heads * self.head_dim
         qkv, f_a, g_a, beta_logits = self.in_proj(x).split([qkv_size] + self.in_sizes[3:], dim=-1)
         f = self.f_b_proj(f_a.contiguous())
