@@ -50,7 +50,8 @@ def layer_case(batch: int):
     rec = torch.randn(batch + 1, H, D, D, generator=gen).to(dev) * 0.01
     conv = torch.randn(batch + 1, 3 * hd, K - 1, generator=gen).to(dev, bf)
     slots = torch.arange(1, batch + 1, dtype=torch.int32, device=dev)
-    return w, (proj[:, :3 * hd], f, proj[:, 3 * hd:], gate), (rec, conv), slots
+    seq_lens = torch.full((batch,), 1000, dtype=torch.int32, device=dev)
+    return w, (proj[:, :3 * hd], f, proj[:, 3 * hd:], gate), (rec, conv), slots, seq_lens
 
 
 def cuda_kernels(fn) -> int:
@@ -77,8 +78,8 @@ def layer_section(batches) -> dict[int, dict]:
     fused, unfused = TritonKDAImpl(H, D, D ** -0.5, H), KDAImpl(H, D, D ** -0.5, H)
     out = {}
     for b in batches:
-        w, (qkv, f, beta, gate), cache, slots = layer_case(b)
-        runs = {name: (lambda impl=impl: impl.forward_decode(w, qkv, f, beta, gate, cache, slots))
+        w, (qkv, f, beta, gate), cache, slots, seq_lens = layer_case(b)
+        runs = {name: (lambda impl=impl: impl.forward_decode(w, qkv, f, beta, gate, cache, slots, seq_lens))
                 for name, impl in (("unfused", unfused), ("fused", fused))}
         t = {name: time_us(fn) for name, fn in runs.items()}
         n = {name: kernels_per_call(fn) for name, fn in runs.items()}

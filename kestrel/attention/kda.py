@@ -76,11 +76,11 @@ class KDAImpl(AttentionImpl):
         (output-gate projection) -> [T, HD], the gated-normed output."""
         nd = meta.num_decodes
         if nd == qkv.shape[0]:  # decode steps, captured graphs
-            return self.forward_decode(w, qkv, f, beta_logits, gate, cache, meta.state_slots)
+            return self.forward_decode(w, qkv, f, beta_logits, gate, cache, meta.state_slots, meta.seq_lens)
         out = gate.new_zeros(gate.shape)  # zeros for padded tokens
         if nd:
             out[:nd] = self.forward_decode(w, qkv[:nd], f[:nd], beta_logits[:nd], gate[:nd], cache,
-                                           meta.state_slots[:nd])
+                                           meta.state_slots[:nd], meta.seq_lens[:nd])
         qsl = meta.query_start_loc_cpu
         slots = meta.state_slots[nd:meta.num_reqs].tolist()
         for b, slot in zip(range(nd, meta.num_reqs), slots):
@@ -103,18 +103,22 @@ class KDAImpl(AttentionImpl):
         conv[slot] = new_conv.to(conv.dtype)
         return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
 
-    def forward_decode(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor) -> torch.Tensor:
-        """One token per request, every request continuing its slot's state (the unfused chain: conv update,
-        gates, delta-rule step, gated norm); graph-safe (no host reads)."""
+    def forward_decode(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor,
+                       seq_lens: torch.Tensor) -> torch.Tensor:
+        """One token per request (the unfused chain: conv update, gates, delta-rule step, gated norm), graph-safe
+        (no host reads). A one-token row is a decode or a request's first token (a one-token prompt, or a first
+        chunk of one token): rows whose seq_len is 1 start from a zero state, the others continue their slot's."""
         recurrent, conv = cache
         h, d = recurrent.shape[1], recurrent.shape[2]
         idx = slots.long()
-        window = torch.cat([conv[idx].to(qkv.dtype), qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
+        fresh = (seq_lens == 1).view(-1, 1, 1)
+        prev = torch.where(fresh, 0, conv[idx]).to(qkv.dtype)
+        window = torch.cat([prev, qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv[idx] = window[..., 1:].to(conv.dtype)
         y = torch.nn.functional.silu((window.float() * w.conv_weight.float()).sum(-1)).to(qkv.dtype)
         q, k, v = kda_ref.prepare_qkv(y, h, d)
         g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
-        state = recurrent[idx]
+        state = torch.where(fresh.unsqueeze(-1), 0.0, recurrent[idx])
         o = kda_ref.delta_rule_step(q, k, v, g, torch.sigmoid(beta_logits.float()), state)
         recurrent[idx] = state
         return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)

@@ -62,16 +62,35 @@ def test_fused_decode_matches_unfused_chain(h, d, k):
     rec, conv = states(6, h, d, k, dtype, gen)
     slots = torch.tensor([3, 1, 5], dtype=torch.int32, device=DEVICE)
     ref_cache = (rec.clone(), conv.clone())
-    for step in range(3):  # the state carries over steps
+    for step in range(3):  # the state carries over steps; row 1 starts its request at step 0 (slot 1 is stale)
         qkv, f, beta, gate = step_inputs(3, h, d, dtype, gen)
-        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref_cache, slots)
+        seq_lens = torch.tensor([7 + step, 1 + step, 30 + step], dtype=torch.int32, device=DEVICE)
+        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref_cache, slots, seq_lens)
         got = kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight, w.norm_eps,
-                               rec, conv, slots)
+                               rec, conv, slots, seq_lens)
         assert rel_err(got, want) < 1e-5, step
         assert torch.equal(conv, ref_cache[1])  # conv state: the same inputs shifted, bit-exact
         assert rel_err(rec, ref_cache[0]) < 1e-5
     untouched = [0, 2, 4]
     assert torch.equal(rec[untouched], ref_cache[0][untouched])
+
+
+def test_first_token_ignores_the_stale_slot():
+    """A request's first token (seq_len 1: a one-token prompt or first chunk) gives the same output whatever its
+    slot held before, in both paths."""
+    gen = torch.Generator().manual_seed(4)
+    h, d, k, dtype = 2, 16, 4, torch.float32
+    w = layer_weights(h, d, k, dtype, gen)
+    qkv, f, beta, gate = step_inputs(1, h, d, dtype, gen)
+    slots, first = (torch.ones(1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    outs = []
+    for seed in (5, 6):
+        rec, conv = states(2, h, d, k, dtype, torch.Generator().manual_seed(seed))
+        for decode in (lambda c: KDAImpl.forward_decode(None, w, qkv, f, beta, gate, c, slots, first),
+                       lambda c: kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias,
+                                                  w.o_norm_weight, w.norm_eps, *c, slots, first)):
+            outs.append(decode((rec.clone(), conv.clone())))
+    assert all(rel_err(o, outs[0]) < 1e-5 for o in outs[1:])
 
 
 def test_strided_slots_and_null_slot_padding():
@@ -82,12 +101,13 @@ def test_strided_slots_and_null_slot_padding():
     w = layer_weights(h, d, k, dtype, gen)
     rec, conv = states(4, h, d, k, dtype, gen)
     table = torch.tensor([[2, 7], [0, 7], [0, 7]], dtype=torch.int32, device=DEVICE)  # 1 real row + 2 padding
+    seq_lens = torch.tensor([9, 0, 0], dtype=torch.int32, device=DEVICE)  # padding: seq_len 0
     before = rec.clone(), conv.clone()
     qkv, f, beta, gate = step_inputs(3, h, d, dtype, gen)
     ref = (before[0].clone(), before[1].clone())
-    want = KDAImpl.forward_decode(None, w, qkv[:1], f[:1], beta[:1], gate[:1], ref, table[:1, 0])
+    want = KDAImpl.forward_decode(None, w, qkv[:1], f[:1], beta[:1], gate[:1], ref, table[:1, 0], seq_lens[:1])
     got = kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight, w.norm_eps,
-                           rec, conv, table[:, 0])
+                           rec, conv, table[:, 0], seq_lens)
     assert rel_err(got[:1], want) < 1e-5
     assert rel_err(rec[2], ref[0][2]) < 1e-5 and torch.equal(conv[2], ref[1][2])
     for s in (1, 3):
@@ -101,7 +121,7 @@ def test_refuses_a_head_dim_that_is_not_a_power_of_two():
     qkv, f, beta, gate = step_inputs(1, 1, 24, torch.float32, gen)
     with pytest.raises(ValueError, match="head_dim 24 must be a power of two"):
         kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight, w.norm_eps, rec,
-                         conv, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+                         conv, torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.ones(1, dtype=torch.int32))
 
 
 @pytest.mark.gpu
@@ -126,9 +146,10 @@ def test_gpu_bf16_after_long_history(history):
     ref = (rec.clone(), conv.clone())
     for step in range(16):
         qkv, f, beta, gate = step_inputs(b, h, d, dtype, gen)
-        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref, slots)
+        seq_lens = torch.full((b,), history + step + 1, dtype=torch.int32, device=DEVICE)
+        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref, slots, seq_lens)
         got = kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight, w.norm_eps,
-                               rec, conv, slots)
+                               rec, conv, slots, seq_lens)
         assert rel_err(got, want) < 1e-2, step
         assert torch.equal(conv, ref[1]), step
         assert rel_err(rec, ref[0]) < 2e-3, step

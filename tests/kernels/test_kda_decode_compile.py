@@ -10,7 +10,8 @@ from kestrel.kernels.triton_ops import kda_decode  # noqa: E402
 from tests.attention.test_triton_compile import compile_ok  # noqa: E402
 
 PTRS = {"QKV": "*bf16", "F": "*bf16", "BETA": "*bf16", "GATE": "*bf16", "W_CONV": "*bf16", "A_LOG": "*fp32",
-        "DT_BIAS": "*fp32", "W_NORM": "*bf16", "REC": "*fp32", "CONV": "*bf16", "SLOTS": "*i32", "OUT": "*bf16"}
+        "DT_BIAS": "*fp32", "W_NORM": "*bf16", "REC": "*fp32", "CONV": "*bf16", "SLOTS": "*i32", "SEQ_LENS": "*i32",
+        "OUT": "*bf16"}
 
 
 @pytest.mark.parametrize("d,k", [(128, 4), (64, 4), (16, 3)])

@@ -15,10 +15,10 @@ KERNEL = "triton_kda_fused_decode"
 
 
 class TritonKDAImpl(KDAImpl):
-    def forward_decode(self, w, qkv, f, beta_logits, gate, cache, slots):
+    def forward_decode(self, w, qkv, f, beta_logits, gate, cache, slots, seq_lens):
         recurrent, conv = cache
         return kda_fused_decode(qkv, f, beta_logits, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight,
-                                w.norm_eps, recurrent, conv, slots)
+                                w.norm_eps, recurrent, conv, slots, seq_lens)
 
 
 class TritonKDABackend(KDABackend):

@@ -6,7 +6,8 @@ convolution over the slot's last K - 1 inputs and this token (+ SiLU), shifting 
 L2-normalised (q scaled by D^-1/2); the per-channel forget gate -exp(A_log) softplus(f + dt_bias) and beta =
 sigmoid(b); the delta-rule step on the head's D x D float32 state held in registers (written back in place); and
 the output RMSNorm over D times the norm weight times sigmoid(gate). Padding rows of a CUDA graph point at the
-null slot 0, whose contents are never read as a real state. Grids depend on shapes only (graph-capturable)."""
+null slot 0, whose contents are never read as a real state; a request's first token (seq_len 1) reads a zero
+state instead of its slot's. Grids depend on shapes only (graph-capturable)."""
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,11 @@ def num_warps(head_dim: int) -> int:
 
 
 @triton.jit
-def _conv_silu(QKV, CONV, W, row, conv_row, c, cols, K: tl.constexpr):
-    """Channels `c` of this token: conv over [conv state (K - 1 columns) | x] + SiLU; shifts the state by one."""
+def _conv_silu(QKV, CONV, W, row, conv_row, c, cols, fresh, K: tl.constexpr):
+    """Channels `c` of this token: conv over [conv state (K - 1 columns; zeros if `fresh`) | x] + SiLU; shifts the
+    state by one."""
     x = tl.load(QKV + row + c).to(tl.float32)
-    in_state = cols[None, :] < K - 1
+    in_state = (cols[None, :] < K - 1) & (fresh == 0)
     st = tl.load(CONV + conv_row + c[:, None] * (K - 1) + cols[None, :], mask=in_state, other=0.0)
     win = tl.where(cols[None, :] == K - 1, x[:, None], st.to(tl.float32))
     w = tl.load(W + c[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
@@ -39,7 +41,7 @@ def _conv_silu(QKV, CONV, W, row, conv_row, c, cols, K: tl.constexpr):
 
 @triton.jit
 def _kda_decode_kernel(
-    QKV, F, BETA, GATE, W_CONV, A_LOG, DT_BIAS, W_NORM, REC, CONV, SLOTS, OUT,
+    QKV, F, BETA, GATE, W_CONV, A_LOG, DT_BIAS, W_NORM, REC, CONV, SLOTS, SEQ_LENS, OUT,
     stride_qkv, stride_f, stride_beta, stride_gate, stride_slot, stride_rec, stride_conv, stride_out,
     eps, HD, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -47,14 +49,15 @@ def _kda_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + b * stride_slot).to(tl.int64)
+    fresh = (tl.load(SEQ_LENS + b) == 1).to(tl.int32)  # the request's first token: a zero state
     d = tl.arange(0, D)
     cols = tl.arange(0, KP)
     row = b.to(tl.int64) * stride_qkv
     conv_row = slot * stride_conv
     # the token's q, k, v after the short convolution, in the model dtype as the unfused chain rounds them
-    q = _conv_silu(QKV, CONV, W_CONV, row, conv_row, h * D + d, cols, K)
-    k = _conv_silu(QKV, CONV, W_CONV, row, conv_row, HD + h * D + d, cols, K)
-    v = _conv_silu(QKV, CONV, W_CONV, row, conv_row, 2 * HD + h * D + d, cols, K)
+    q = _conv_silu(QKV, CONV, W_CONV, row, conv_row, h * D + d, cols, fresh, K)
+    k = _conv_silu(QKV, CONV, W_CONV, row, conv_row, HD + h * D + d, cols, fresh, K)
+    v = _conv_silu(QKV, CONV, W_CONV, row, conv_row, 2 * HD + h * D + d, cols, fresh, K)
     q = q.to(OUT.dtype.element_ty).to(tl.float32)
     k = k.to(OUT.dtype.element_ty).to(tl.float32)
     v = v.to(OUT.dtype.element_ty).to(tl.float32)
@@ -67,7 +70,7 @@ def _kda_decode_kernel(
     beta = tl.sigmoid(tl.load(BETA + b * stride_beta + h).to(tl.float32))
     # the delta rule on the head's state S [D_k, D_v]
     s_ptr = REC + slot * stride_rec + h * D * D + d[:, None] * D + d[None, :]
-    s = tl.load(s_ptr) * tl.exp(g)[:, None]
+    s = tl.load(s_ptr, mask=(d[:, None] < D) & (fresh == 0), other=0.0) * tl.exp(g)[:, None]
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], axis=0)
@@ -79,10 +82,11 @@ def _kda_decode_kernel(
 
 
 def kda_fused_decode(qkv, f, beta_logits, gate, conv_weight, a_log, dt_bias, norm_weight, norm_eps: float,
-                     recurrent, conv, slots) -> torch.Tensor:
+                     recurrent, conv, slots, seq_lens) -> torch.Tensor:
     """One token per request: qkv [B, 3HD] (before the convolution), f [B, HD], beta_logits [B, H], gate [B, HD],
     conv_weight [3HD, K], a_log [H], dt_bias [HD], norm_weight [D]; the state slots recurrent [S, H, D, D]
-    float32 and conv [S, 3HD, K - 1] (both updated in place at `slots` [B]) -> [B, HD] in qkv's dtype."""
+    float32 and conv [S, 3HD, K - 1] (both updated in place at `slots` [B]); seq_lens [B]: a row of seq_len 1 is
+    its request's first token and starts from a zero state -> [B, HD] in qkv's dtype."""
     B = qkv.shape[0]
     _, H, D, _ = recurrent.shape
     K = conv_weight.shape[1]
@@ -97,7 +101,8 @@ def kda_fused_decode(qkv, f, beta_logits, gate, conv_weight, a_log, dt_bias, nor
     if conv.stride(1) != K - 1 or not conv_weight.is_contiguous():
         raise ValueError("kda_fused_decode: conv state rows [3HD, K - 1] and the conv weight must be contiguous")
     _kda_decode_kernel[(B, H)](
-        qkv, f, beta_logits, gate, conv_weight, a_log, dt_bias, norm_weight, recurrent, conv, slots, out,
+        qkv, f, beta_logits, gate, conv_weight, a_log, dt_bias, norm_weight, recurrent, conv, slots, seq_lens,
+        out,
         qkv.stride(0), f.stride(0), beta_logits.stride(0), gate.stride(0), slots.stride(0), recurrent.stride(0),
         conv.stride(0), out.stride(0), float(norm_eps), H * D,
         H=H, D=D, K=K, KP=triton.next_power_of_2(K), **pdl_launch(B),
