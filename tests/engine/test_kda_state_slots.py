@@ -73,3 +73,10 @@ def test_slots_under_the_coordinator(caplog):
 def test_unsized_state_spec_is_refused():
     with pytest.raises(ValueError, match="has 0 state slots: size the pool"):
         KVCacheManager(8, groups=group_layers({"k": KDA}, block_size=4))
+
+
+def test_groups_cross_the_process_boundary():
+    from kestrel.executor.messages import decode_groups, encode_groups
+
+    groups = group_layers(specs(), block_size=4, max_num_seqs=3)
+    assert decode_groups(encode_groups(groups)) == groups
