@@ -93,3 +93,29 @@ def test_slots_reused_without_leaking_state(kimi, reference):
     runner = llm.engine.core.executor.runner
     kda = next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
     assert kda.spec.num_state_slots == 3
+
+
+def test_embedding_contract_and_profile_batch(kimi):
+    """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)); and the memory profile's dummy
+    batch, whose tables number blocks past the slot pool, runs (those rows read the null slot)."""
+    import torch
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig.create(model=str(kimi), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                          max_num_batched_tokens=600), progress=False)
+    runner = core.executor.runner
+    model, ids = runner.model, torch.tensor([3, 9, 27, 81])
+
+    def run(**kw):
+        _, positions, ctx = runner.dummy_prefill_batch(4)  # a fresh cache and one 4-token sequence
+        with torch.inference_mode():
+            return model(ids, positions, ctx, **kw)
+
+    torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
+    ids600, positions, ctx = runner.dummy_prefill_batch(600)  # 256 + 256 + 88 tokens; tables start at blocks 0, 16, 32
+    kda_meta = next(m for m in ctx.attn_metadata if getattr(m, "state_slots", None) is not None)
+    assert kda_meta.state_slots.tolist() == [0, 0, 0]
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids600, positions, ctx)).all()
