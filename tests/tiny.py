@@ -73,11 +73,23 @@ MLA_MOE_CONFIGS = {
 }
 
 
+# Kimi Linear (its own fixture in tests/models/test_kimi_linear.py): layers 1-3 Kimi Delta Attention, layer 4 MLA
+# without rotary (the checkpoint's 1-indexed lists); layer 1 dense, then 4 routed experts top-2 + 1 shared
+KDA_CONFIGS = {
+    "kimi_linear": ("kimi_linear", dict(num_hidden_layers=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                        num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
+                                        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                                                            "num_heads": 4, "head_dim": 16,
+                                                            "short_conv_kernel_size": 4})),
+}
+
+
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
                     logit_scale: float = 1.0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS}[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -208,7 +208,8 @@ class MLAAttention(nn.Module):
         t = q.shape[0]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         # strided views of the projections' outputs: the CUDA rotary rotates them in place, no copies
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.qk_rope_head_dim))
+        if self.rotary is not None:  # None: no position encoding (NoPE MLA)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.qk_rope_head_dim))
         out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe.reshape(t, self.qk_rope_head_dim), self.kv_cache,
                                     meta, self)
         return out.reshape(t, self.num_heads * self.v_head_dim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from kestrel.attention.backend import AttentionBackend
+from kestrel.attention.backends.torch_kda import TorchKDABackend
 from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchMLABackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
 from kestrel.core.kv_spec import KVCacheSpec
@@ -28,7 +29,12 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         out.append(TritonMLABackend)
     except ImportError:
         pass
-    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend]
+    try:
+        from kestrel.attention.backends.triton_kda import TritonKDABackend
+        out.append(TritonKDABackend)
+    except ImportError:
+        pass
+    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchKDABackend]
     return out
 
 

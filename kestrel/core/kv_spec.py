@@ -114,6 +114,34 @@ class MLASpec(KVCacheSpec):
         return [(self.dtype, (self.block_size, self.latent_dim))]
 
 
+@dataclass(frozen=True)
+class KDAStateSpec(KVCacheSpec):
+    """Kimi Delta Attention (kestrel/layers/kda.py): a fixed-size state per request instead of per-token pages. Per
+    layer and slot: the recurrent state, float32 [num_heads, head_dim, head_dim] (key dim x value dim), and the
+    short convolution's last conv_width - 1 inputs of q, k and v, `dtype` [3 * num_heads * head_dim,
+    conv_width - 1]. `num_slots` is the slot pool, slot 0 (the null slot, read and written by CUDA-graph padding
+    rows) included: group_layers stamps max_num_seqs + 1 on it. The request's one table entry is its slot."""
+    num_heads: int = 1
+    head_dim: int = 1
+    conv_width: int = 4
+    num_slots: int = 0
+
+    def page_parts(self):
+        return []
+
+    def state_parts(self):
+        h, d = self.num_heads, self.head_dim
+        return [(torch.float32, (h, d, d)), (self.dtype, (3 * h * d, self.conv_width - 1))]
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.num_slots
+
+    def layer_view(self, rows, state=None):
+        """(recurrent [num_slots, H, D, D] float32, conv [num_slots, 3 H D, conv_width - 1])."""
+        return tuple(views_of_parts(self.state_parts(), state, type(self).__name__))
+
+
 @dataclass
 class KVCacheGroup:
     """Layers (by name) sharing one spec, one block table and one manager. Layer i of every group shares cache
@@ -124,22 +152,29 @@ class KVCacheGroup:
     layer_names: list[str]
 
 
-def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None) -> list[KVCacheGroup]:
+def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
+                 max_num_seqs: int | None = None) -> list[KVCacheGroup]:
     """Group layers by spec, in model order (`block_size`, when given, is stamped on every spec: the configured
     one). With several specs, each spec's layers are cut into groups of the smallest spec's layer count, so every
     group has (at most) the same number of layers: Gemma 3's 4 full and 22 sliding layers become 1 + 6 groups of
-    4 layers that share 4 cache slots. Specs may differ in page size: a slot's rows are as wide as its widest."""
+    4 layers that share 4 cache slots. Specs may differ in page size: a slot's rows are as wide as its widest.
+    Kinds with a per-request state (state_parts) take no pages: all layers of one such spec form one group, and
+    `max_num_seqs`, when given, sizes their slot pools (their `num_slots` field: one per request + the null slot)."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
         if block_size is not None:
             spec = replace(spec, block_size=block_size)
+        if max_num_seqs is not None and spec.state_parts():
+            spec = replace(spec, num_slots=max_num_seqs + 1)
         by_spec.setdefault(spec, []).append(name)
     sizes = {s.block_size for s in by_spec}
     if len(sizes) > 1:
         raise ValueError(f"KV-cache specs with different block sizes in one model: {sorted(sizes)}")
-    size = min(len(v) for v in by_spec.values())
+    paged = [len(v) for s, v in by_spec.items() if not s.state_parts()]
+    size = min(paged) if paged else None
     groups: list[KVCacheGroup] = []
     for spec, names in by_spec.items():
-        for i in range(0, len(names), size):
-            groups.append(KVCacheGroup(len(groups), spec, names[i:i + size]))
+        step = len(names) if spec.state_parts() or size is None else size
+        for i in range(0, len(names), step):
+            groups.append(KVCacheGroup(len(groups), spec, names[i:i + step]))
     return groups

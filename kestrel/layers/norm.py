@@ -27,6 +27,12 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """A layer's input norm over the residual stream: (norm(hidden + residual), hidden + residual); before the
+    first layer (residual None) the stream is the hidden state itself."""
+    return (norm(hidden), hidden) if residual is None else norm(hidden, residual)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm scales by (1 + weight); the checkpoint stores `weight`, and after loading we keep
     1 + weight so the plain (and fused) RMSNorm kernels apply it."""

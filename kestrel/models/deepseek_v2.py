@@ -15,7 +15,7 @@ from torch import nn
 
 from kestrel.attention.mla import MLAAttention
 from kestrel.layers.linear import Linear
-from kestrel.layers.norm import RMSNorm
+from kestrel.layers.norm import RMSNorm, pre_norm
 from kestrel.layers.rotary import RotaryEmbedding, _rope_params
 from kestrel.models.context import ModelContext, layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router
@@ -39,7 +39,9 @@ def mla_softmax_scale(cfg) -> float:
 
 class DeepseekV2Attention(nn.Module):
     """q (direct, or compressed through q_a_proj -> q_a_layernorm -> q_b_proj), the latent kv_a_proj_with_mqa ->
-    (kv_a_layernorm on the compressed part | the rope key), MLA over the latent cache, o_proj."""
+    (kv_a_layernorm on the compressed part | the rope key), MLA over the latent cache, o_proj. `use_rope` False:
+    the rope dims are never rotated (Kimi Linear's NoPE MLA)."""
+    use_rope = True
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module):
         super().__init__()
@@ -61,7 +63,7 @@ class DeepseekV2Attention(nn.Module):
         kv_b_proj = Linear.from_ctx(ctx, rank, heads * (nope + vdim), f"{prefix}.kv_b_proj")
         interleaved = getattr(cfg, "rope_interleave", True)  # V2 has no flag: always interleaved
         rotary = ctx.shared("rotary", lambda: RotaryEmbedding(cfg, rope, ctx.max_positions, ctx.dtype,
-                                                              interleaved=interleaved))
+                                                              interleaved=interleaved)) if self.use_rope else None
         # registered before kv_b_proj: its post-load step reads kv_b_proj's weights as loaded
         self.mla_attn = MLAAttention(ctx, f"{prefix}.mla_attn", heads, nope, rope, vdim, rank, kv_b_proj, rotary,
                                      mla_softmax_scale(cfg))
@@ -69,11 +71,7 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
 
     def forward(self, positions, hidden, residual, ctx):
-        norm = self._input_norm[0]
-        if residual is None:
-            x, residual = norm(hidden), hidden
-        else:
-            x, residual = norm(hidden, residual)
+        x, residual = pre_norm(self._input_norm[0], hidden, residual)
         t = x.shape[0]
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

@@ -19,6 +19,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "KimiLinearForCausalLM": ("kestrel.models.kimi_linear", "KimiLinearForCausalLM"),
     "PaliGemmaForConditionalGeneration": ("kestrel.models.paligemma", "PaliGemmaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
 }

@@ -84,6 +84,11 @@ TRITON_SKINNY_GEMM_ARCHS = ArchRule(cuda_min_sm=80)
 # (sm_90); Ampere and newer CUDA share its instructions. Not offered on ROCm until run there.
 TRITON_MOE_ARCHS = ArchRule(cuda_min_sm=80)
 
+# The fused Kimi Delta Attention decode (one program per request and head, the D x D float32 state in registers;
+# plain Triton, no arch-specific instructions): written for the H200 (sm_90); Ampere and newer CUDA share what it
+# uses. Not offered on ROCm until run there (vLLM widened its ROCm twin from gfx950 to gfx942 only once checked).
+TRITON_KDA_DECODE_ARCHS = ArchRule(cuda_min_sm=80)
+
 # Architectures whose FP8 e4m3 is the FNUZ variant (bias 8, no negative zero, max 240). gfx950 uses OCP e4m3fn.
 FP8_FNUZ_ARCHS = ArchRule(rocm=("gfx940", "gfx941", "gfx942"))
 
@@ -154,6 +159,10 @@ def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, st
 
 def check_triton_moe(platform: Platform | None = None) -> tuple[bool, str]:
     return _then(check_triton, TRITON_MOE_ARCHS, "fused MoE not validated here", platform)
+
+
+def check_triton_kda_decode(platform: Platform | None = None) -> tuple[bool, str]:
+    return _then(check_triton, TRITON_KDA_DECODE_ARCHS, "fused KDA decode not validated here", platform)
 
 
 def check_triton_fp8(platform: Platform | None = None) -> tuple[bool, str]:

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from kestrel.platform import Platform, current_platform
-from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8, check_triton_moe,
-                                           check_triton_skinny_gemm)
+from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8,
+                                           check_triton_kda_decode, check_triton_moe, check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
 
@@ -28,6 +28,8 @@ class KernelGate:
     # Joint (layer x platform) conditions the kernel checks itself, listed here so the table tells the whole story.
     notes: str = ""
 
+
+KDA_DECODE_HEAD_DIMS = (16, 32, 64, 128)  # the fused KDA decode's head sizes (Kimi-Linear: 128)
 
 GATES: dict[str, KernelGate] = {
     "torch_scaled_mm": KernelGate(
@@ -58,6 +60,12 @@ GATES: dict[str, KernelGate] = {
         requires=(check_triton_moe, check_triton_fp8),
         act_dtypes=(torch.bfloat16, torch.float16),
         notes="block K 128 = activation group; I and H multiples of the weight block",
+    ),
+    "triton_kda_fused_decode": KernelGate(
+        description="Kimi Delta Attention decode in one Triton launch per layer and step: conv-state update, gates, "
+                    "delta-rule step on the float32 state, gated RMSNorm",
+        requires=(check_triton_kda_decode,),
+        notes=f"head_dim in {KDA_DECODE_HEAD_DIMS} (the D x D state in registers); one token per request",
     ),
 }
 

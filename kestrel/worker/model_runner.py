@@ -78,7 +78,8 @@ class ModelRunner:
         """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
         features require) and give each layer its impl."""
         ctx = self.loaded.context
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size)
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size,
+                                                                   self.config.scheduler.max_num_seqs)
         self.backends, self.builders = [], []
         requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
         for g in self.kv_cache_groups:

@@ -3,6 +3,8 @@ blocks each request holds in every group, prefix-cache lookups, the admission li
 only the managers' interface: a new cache kind never edits this file."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
@@ -10,6 +12,8 @@ from kestrel.core.step import PLACEHOLDER
 from kestrel.engine.kv.managers import manager_class
 from kestrel.engine.kv.pool import BlockPool, KVBlock, hash_block
 from kestrel.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -26,8 +30,13 @@ class KVCacheManager:
                 s.block_size != self.block_size for s in specs):
             raise ValueError(f"KV-cache groups of block sizes {sorted({s.block_size for s in specs})} under one "
                              f"coordinator of block size {block_size or self.block_size}")
-        self.enable_prefix_caching = enable_prefix_caching
         classes = [manager_class(s) for s in specs]
+        no_hits = sorted({type(s).__name__ for c, s in zip(classes, specs) if not c.supports_prefix_caching})
+        if enable_prefix_caching and no_hits:
+            logger.info("Prefix caching is off for this model: its %s layers keep a per-request state that a "
+                        "cached prefix cannot restore", ", ".join(no_hits))
+            enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, reserve_null=any(c.needs_null_block for c in classes))
         self.managers = [c(i, s, self.pool) for i, (c, s) in enumerate(zip(classes, specs))]
         self._hit_order = sorted(self.managers, key=lambda m: m.hit_order)  # stable: group order within a rank

@@ -14,7 +14,7 @@ snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny on
 `layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
 from __future__ import annotations
 
-from kestrel.core.kv_spec import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
+from kestrel.core.kv_spec import FullAttentionSpec, KDAStateSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
 from kestrel.engine.kv.pool import BlockPool, KVBlock
 
 
@@ -29,8 +29,11 @@ class KVManager:
       and step, and only when it says yes asks every one of them to `remove_skipped`.
     * uniform_table: the request's table holds one entry per `block_size` tokens from position 0 (entries freed
       early stay, as the null block), so every such group needs the same number of new blocks in a step: the
-      coordinator computes it once for all of them (the decode fast path). False: asked on its own."""
+      coordinator computes it once for all of them (the decode fast path). False: asked on its own.
+    * supports_prefix_caching: False for a kind that can never serve a hit (a per-request state kept without
+      snapshots at block boundaries): the coordinator then turns prefix caching off for the model, saying so once."""
     needs_null_block = False
+    supports_prefix_caching = True
     hit_order = 0
     release_key = None
     uniform_table = True
@@ -191,12 +194,54 @@ class SlidingWindowManager(FullAttentionManager):
         super().free(rid)
 
 
+class StateSlotManager(KVManager):
+    """One state slot per request (a recurrent state: kestrel/core/kv_spec.py KDAStateSpec) from the group's own
+    pool of spec.num_state_slots, slot 0 being the null slot no request gets. It takes no pool blocks; the slot is
+    the request's one table entry. No state snapshots: a prefix hit could not restore the state, so none is
+    offered. A slot's old contents are never read: the runner starts a request without computed tokens (new, or
+    preempted and recomputed) from a zero state."""
+    uniform_table = False
+    supports_prefix_caching = False
+
+    def __init__(self, group_id: int, spec: KVCacheSpec, pool: BlockPool):
+        super().__init__(group_id, spec, pool)
+        if spec.num_state_slots < 2:
+            raise ValueError(f"{type(spec).__name__} has {spec.num_state_slots} state slots: size the pool with "
+                             "group_layers(..., max_num_seqs=...)")
+        self.free_slots = list(range(spec.num_state_slots - 1, 0, -1))  # popped from the end: 1 first
+
+    def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        return 0
+
+    def max_hit(self, hashes: list[bytes], limit: int) -> int:
+        return 0
+
+    def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
+        return []
+
+    def num_new_blocks(self, rid: str, total_tokens: int, hits: list[KVBlock]) -> int:
+        return 0
+
+    def can_add(self, rid: str) -> bool:
+        return rid in self.req_block_ids or bool(self.free_slots)
+
+    def add(self, rid: str, hits: list[KVBlock], new: list[KVBlock]) -> None:
+        if rid not in self.req_block_ids:
+            self.req_block_ids[rid] = [self.free_slots.pop()]
+
+    def free(self, rid: str) -> None:
+        slots = self.req_block_ids.pop(rid, None)
+        if slots:
+            self.free_slots.extend(slots)
+
+
 # spec class -> its manager, looked up along the spec's MRO (a subclass without a line of its own takes its
 # base's manager): adding a cache kind adds one line here
 MANAGERS: dict[type[KVCacheSpec], type[KVManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     MLASpec: FullAttentionManager,
+    KDAStateSpec: StateSlotManager,
 }
 
 

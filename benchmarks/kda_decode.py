@@ -1,0 +1,164 @@
+"""Kimi Delta Attention decode on the GPU, fused (one Triton launch per layer and step) against the unfused
+PyTorch chain, at Kimi-Linear-48B-A3B's shape (32 heads x 128, conv width 4, bf16, float32 state):
+
+  1. one KDA layer's decode step as a CUDA-graph replay per batch size: time, kernels per call (profiler), the
+     state bytes it moves (float32 state read + written, conv state) and the bandwidth that makes;
+  2. the whole model at batch 1 (random weights, 128-token prompt, 128 output tokens, CUDA graphs): ms per
+     output token with each path, the kernels of one eager decode step, and the 20 KDA layers' share of the
+     step (from section 1's batch-1 times).
+
+    python -m benchmarks.kda_decode [--skip-model] [--output-len 128]"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.mla_decode import time_us
+
+H, D, K = 32, 128, 4
+# Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json, via transformers' KimiLinearConfig):
+# 27 layers, KDA at 1-indexed [1, 2, 3, 5, ...], NoPE MLA at [4, 8, ..., 24, 27]; 256 experts of 1024, top-8,
+# 1 shared expert, layer 1 dense (9216)
+KIMI_LINEAR_48B = dict(
+    architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216, moe_intermediate_size=1024, num_experts=256,
+    num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1, moe_renormalize=True,
+    routed_scaling_factor=2.446, num_expert_group=1, topk_group=1, vocab_size=163840, tie_word_embeddings=False,
+    model_max_length=1048576, rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=163584, eos_token_id=163586,
+    pad_token_id=163839, linear_attn_config={
+        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": H, "head_dim": D, "short_conv_kernel_size": K})
+NUM_KDA_LAYERS = len(KIMI_LINEAR_48B["linear_attn_config"]["kda_layers"])
+
+
+def layer_case(batch: int):
+    gen = torch.Generator().manual_seed(0)
+    hd, dev, bf = H * D, "cuda", torch.bfloat16
+    w = SimpleNamespace(conv_weight=(torch.randn(3 * hd, K, generator=gen) * 0.5).to(dev, bf),
+                        A_log=torch.rand(H, generator=gen).to(dev), dt_bias=torch.randn(hd, generator=gen).to(dev),
+                        o_norm_weight=torch.ones(D, device=dev, dtype=bf), norm_eps=1e-5)
+    proj = torch.randn(batch, 3 * hd + H, generator=gen).to(dev, bf)  # the merged projection's q|k|v|beta
+    f, gate = (torch.randn(batch, hd, generator=gen).to(dev, bf) for _ in range(2))
+    rec = torch.randn(batch + 1, H, D, D, generator=gen).to(dev) * 0.01
+    conv = torch.randn(batch + 1, 3 * hd, K - 1, generator=gen).to(dev, bf)
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), 1000, dtype=torch.int32, device=dev)
+    return w, (proj[:, :3 * hd], f, proj[:, 3 * hd:], gate), (rec, conv), slots, seq_lens
+
+
+def cuda_kernels(fn) -> int:
+    """CUDA kernels one call of `fn` launches (profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def kernels_per_call(fn) -> int:
+    fn()  # compiled and warm first
+    torch.cuda.synchronize()
+    return cuda_kernels(fn)
+
+
+def layer_section(batches) -> dict[int, dict]:
+    from kestrel.attention.kda import KDAImpl
+    from kestrel.attention.backends.triton_kda import TritonKDAImpl
+
+    print("\n### One KDA layer's decode step (32 x 128 heads, bf16, float32 state), CUDA-graph replay\n")
+    print("| batch | unfused us | kernels | fused us | kernels | saved us | fused state GB/s | fused / unfused |")
+    print("|---|---|---|---|---|---|---|---|")
+    fused, unfused = TritonKDAImpl(H, D, D ** -0.5, H), KDAImpl(H, D, D ** -0.5, H)
+    out = {}
+    for b in batches:
+        w, (qkv, f, beta, gate), cache, slots, seq_lens = layer_case(b)
+        runs = {name: (lambda impl=impl: impl.forward_decode(w, qkv, f, beta, gate, cache, slots, seq_lens))
+                for name, impl in (("unfused", unfused), ("fused", fused))}
+        t = {name: time_us(fn) for name, fn in runs.items()}
+        n = {name: kernels_per_call(fn) for name, fn in runs.items()}
+        moved = b * (H * D * D * 4 * 2 + 3 * H * D * (K - 1) * 2 * 2)  # state and conv state, read + written
+        print(f"| {b} | {t['unfused']:.1f} | {n['unfused']} | {t['fused']:.1f} | {n['fused']} | "
+              f"{t['unfused'] - t['fused']:.1f} | {moved / t['fused'] / 1e3:.0f} | {t['fused'] / t['unfused']:.2f} |",
+              flush=True)
+        out[b] = {"unfused_us": t["unfused"], "fused_us": t["fused"], "unfused_kernels": n["unfused"],
+                  "fused_kernels": n["fused"]}
+    return out
+
+
+def model_run(model_dir: Path, fused: bool, prompt: list[int], n_out: int) -> dict:
+    from kestrel import LLM, SamplingParams
+    from kestrel.attention.backends.triton_kda import TritonKDAImpl
+    from kestrel.attention.kda import KDAImpl
+
+    saved = TritonKDAImpl.forward_decode
+    if not fused:
+        TritonKDAImpl.forward_decode = KDAImpl.forward_decode  # the unfused chain, captured in the same graphs
+    try:
+        llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=2048,
+                  max_model_len=4096, progress=False)
+        assert "triton_kda" in {b.name for b in llm.engine.core.executor.runner.backends}
+        pn = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+        p1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        llm.generate([prompt], pn, use_tqdm=False)  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate([prompt], p1, use_tqdm=False)
+            ttft = time.perf_counter() - t
+            t = time.perf_counter()
+            llm.generate([prompt], pn, use_tqdm=False)
+            best = min(best, (time.perf_counter() - t - ttft) / (n_out - 1))
+        runner = llm.engine.core.executor.runner
+        graphs, runner.graphs = runner.graphs, None  # eager steps for the kernel count: 2 tokens less 1 token
+        counts = [cuda_kernels(lambda m=m: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=m,
+                                                                                    ignore_eos=True), use_tqdm=False))
+                  for m in (1, 2)]
+        runner.graphs = graphs
+        llm.engine.core.shutdown()
+        llm = None
+    finally:
+        TritonKDAImpl.forward_decode = saved
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms_per_token": best * 1e3, "decode_step_kernels": counts[1] - counts[0]}
+
+
+def model_section(n_out: int, layer: dict[int, dict]) -> dict:
+    d = Path(tempfile.mkdtemp(prefix="kestrel-kimi-linear-48b-"))
+    (d / "config.json").write_text(json.dumps({**KIMI_LINEAR_48B, "torch_dtype": "bfloat16"}))
+    prompt = list(range(1000, 1128))
+    res = {name: model_run(d, name == "fused", prompt, n_out) for name in ("unfused", "fused")}
+    print(f"\n### Kimi-Linear-48B-A3B shape, batch 1, random weights, 128-token prompt, {n_out} tokens, CUDA graphs\n")
+    print("| path | ms / token | kernels in one eager decode step | 20 KDA layers (section 1, us) | KDA share of "
+          "the step |")
+    print("|---|---|---|---|---|")
+    for name, r in res.items():
+        kda_us = NUM_KDA_LAYERS * layer[1][f"{name}_us"]
+        print(f"| {name} | {r['ms_per_token']:.2f} | {r['decode_step_kernels']} | {kda_us:.0f} | "
+              f"{kda_us / (r['ms_per_token'] * 1e3):.0%} |")
+    saved = res["unfused"]["ms_per_token"] - res["fused"]["ms_per_token"]
+    print(f"\nfused saves {saved:.3f} ms/token end to end; section 1 predicts "
+          f"{NUM_KDA_LAYERS * (layer[1]['unfused_us'] - layer[1]['fused_us']) / 1e3:.3f} ms")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-model", action="store_true", help="only the per-layer kernel section")
+    ap.add_argument("--output-len", type=int, default=128)
+    args = ap.parse_args()
+    layer = layer_section([1, 16, 64, 256])
+    if not args.skip_model:
+        model_section(args.output_len, layer)
+
+
+if __name__ == "__main__":
+    main()

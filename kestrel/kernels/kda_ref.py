@@ -1,0 +1,97 @@
+"""Kimi Delta Attention in plain PyTorch: the reference every KDA kernel is compared with, and the CPU path.
+
+Per head, with state S [D_k, D_v] (float32), a token's normalised q, k (q scaled by D^-1/2), v, its per-channel
+decay g [D_k] (log space, <= 0) and its scalar beta:
+    S <- Diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q.
+Before it, q, k and v go through a depthwise causal convolution of width K over the current and the K - 1
+previous inputs (the conv state), then SiLU; after it, a per-head RMSNorm gated by sigmoid(gate)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def forget_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """f [T, H * D] (f_b(f_a(x))) -> g [T, H, D] float32: -exp(A_log[h]) * softplus(f + dt_bias)."""
+    x = (f.float() + dt_bias.float()).view(f.shape[0], -1, head_dim)
+    softplus = torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
+    return -torch.exp(a_log.float().view(1, -1, 1)) * softplus
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (fla's form: eps under the root)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor):
+    """Depthwise causal conv + SiLU over one request's tokens. x [T, C], conv_state [C, K - 1] (the previous
+    inputs, oldest first; None: zeros), weight [C, K] -> (y [T, C] in x's dtype, new conv state [C, K - 1])."""
+    k = weight.shape[1]
+    prev = conv_state if conv_state is not None else x.new_zeros(x.shape[1], k - 1)
+    window = torch.cat([prev.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
+    y = F.conv1d(window.float().unsqueeze(0), weight.float().unsqueeze(1), groups=weight.shape[0])[0]
+    return F.silu(y).t().to(x.dtype), window[:, -(k - 1):]
+
+
+def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
+    """Convolved q|k|v [T, 3 H D] -> float32 q (normalised, scaled), k (normalised), v, each [T, H, D]."""
+    q, k, v = qkv.float().view(qkv.shape[0], 3, num_heads, head_dim).unbind(1)
+    return l2norm(q) * head_dim ** -0.5, l2norm(k), v
+
+
+def delta_rule(q, k, v, g, beta, state: torch.Tensor):
+    """The recurrence over the T tokens of one request, token by token (the reference). q, k, v, g [T, H, D]
+    float32, beta [T, H] float32, state [H, D, D] float32 (updated in place) -> o [T, H, D] float32."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state.mul_(g[t].exp().unsqueeze(-1))
+        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t].unsqueeze(-1)
+        state.add_(k[t].unsqueeze(-1) * delta.unsqueeze(-2))
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out
+
+
+def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 32):
+    """delta_rule's result `chunk` tokens at a time, with matrix products instead of a token loop (the prefill
+    path). Within a chunk, with G the cumulative decay from its start (G_t = g_1 + ... + g_t) and S_0 the state
+    before it, the deltas d_t = beta_t (v_t - (Diag(exp(g_t)) S_{t-1})^T k_t) solve the unit lower-triangular
+    system (I + Diag(beta) A) D = Diag(beta) (V - (K * exp(G)) S_0), A[t, i] = sum_c k_t k_i exp(G_t - G_i) over
+    i < t; then O = (Q * exp(G)) S_0 + B D with B as A over i <= t and queries, and the state after the chunk
+    is exp(G_C) * S_0 + (K * exp(G_C - G))^T D. Every exponent is <= 0 (the decay only shrinks)."""
+    out = torch.empty_like(v)
+    for s in range(0, q.shape[0], chunk):
+        e = min(s + chunk, q.shape[0])
+        qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, C, D]
+        G = g[s:e].transpose(0, 1).cumsum(1)  # [H, C, D]
+        b = beta[s:e].t().unsqueeze(-1)  # [H, C, 1]
+        c = e - s
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        diff = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~causal[None, :, :, None], float("-inf"))
+        decay = diff.exp()  # [H, C(t), C(i), D]: exp(G_t - G_i) for i <= t, else 0
+        a = torch.einsum("htc,hic,htic->hti", kc, kc, decay).tril(-1)
+        bq = torch.einsum("htc,hic,htic->hti", qc, kc, decay)
+        rhs = b * (vc - (kc * G.exp()) @ state)
+        lower = torch.eye(c, device=q.device) + b * a
+        delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        out[s:e] = ((qc * G.exp()) @ state + bq @ delta).transpose(0, 1)
+        last = G[:, -1:, :]  # [H, 1, D]
+        state.mul_(last.transpose(1, 2).exp()).add_((kc * (last - G).exp()).transpose(1, 2) @ delta)
+    return out
+
+
+def delta_rule_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token of each of B requests: q, k, v, g [B, H, D], beta [B, H], state [B, H, D, D] (updated in place)
+    -> o [B, H, D]."""
+    state.mul_(g.exp().unsqueeze(-1))
+    delta = (v - torch.einsum("bhkv,bhk->bhv", state, k)) * beta.unsqueeze(-1)
+    state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """o [T, H, D], gate [T, H * D] -> [T, H * D] in gate's dtype: RMSNorm over D (float32), times the weight,
+    times sigmoid(gate)."""
+    x = o.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    x = x * torch.sigmoid(gate.float().view_as(x))
+    return x.reshape(o.shape[0], -1).to(gate.dtype)
