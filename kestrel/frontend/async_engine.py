@@ -217,14 +217,14 @@ class AsyncEngine:
                 self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
 
     async def render_chat_images(self, messages: list[dict], add_generation_prompt: bool,
-                                 chat_template: str | None, template_kwargs: dict, tools: list[dict] | None
-                                 ) -> ProcessedPrompt:
+                                 chat_template: str | None, template_kwargs: dict, tools: list[dict] | None,
+                                 continue_final_message: bool = False) -> ProcessedPrompt:
         """Chat messages with image_url parts -> token ids and image features, rendered by a render process (the
         template, the images and the image processor)."""
         dtype = self.input_processor.mm.pixel_dtype
         res, seconds = await self.render_procs.render(
             messages, add_generation_prompt, chat_template or self.input_processor.chat_template, template_kwargs,
-            tools, str(dtype).removeprefix("torch.") if dtype is not None else None)
+            tools, str(dtype).removeprefix("torch.") if dtype is not None else None, continue_final_message)
         if self.metrics is not None:
             self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
             self.metrics.on_frontend("render", res.seconds)

@@ -43,18 +43,21 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
 
         parts = [m.as_parts() for m in req.messages]
         if engine.render_procs is not None:  # template, images and image processor in a render process
-            return await engine.render_chat_images(parts, req.add_generation_prompt, template, kwargs, tools)
+            return await engine.render_chat_images(parts, req.add_generation_prompt, template, kwargs, tools,
+                                                   req.continue_final_message)
 
         def render_with_images() -> dict | str:
             messages = resolve_image_parts(parts, engine.config.multimodal)
-            prompt = engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools)
+            prompt = engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools,
+                                                        req.continue_final_message)
             return engine.input_processor.process_images(prompt)
 
         return await engine.run_tokenizer(render_with_images)
     messages = [m.as_dict() for m in req.messages]
 
     def render() -> list[int]:
-        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs, tools)
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs, tools,
+                                                          req.continue_final_message)
         return engine.tokenizer.encode(text, add_special_tokens=False)
 
     return await engine.run_tokenizer(render)
@@ -75,9 +78,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
+    echoed = req.echoed()
     for c in out.outputs:
         lp = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, engine.tokenizer) if req.logprobs else None
         message, finish_reason = build_message(plan, state.reasoning_parser, c.text, c.finish_reason)
+        message["role"] = req.response_role
+        if echoed:
+            message["content"] = echoed + (message.get("content") or "")
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason})
     p = len(out.prompt_token_ids)
@@ -99,6 +106,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
     started: set[int] = set()
     done: set[int] = set()
     messages: dict[int, MessageStream] = {}
+    echoed = req.echoed()
     last = None
     try:
         async for out in gen:
@@ -109,8 +117,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
                 if c.index not in started:
                     started.add(c.index)
                     messages[c.index] = MessageStream(plan, state.reasoning_parser)
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk([{"index": c.index, "delta": {"role": req.response_role, "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                    if echoed:
+                        yield chunk([{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
+                                      "finish_reason": None}])
                 if not c.text_delta and not c.token_ids_delta and c.finish_reason is None:
                     continue
                 lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, req.top_logprobs or 0, tok)

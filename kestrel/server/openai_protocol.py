@@ -7,7 +7,7 @@ surrogate in any string is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
@@ -23,8 +23,8 @@ MAX_CLIENT_REQUEST_ID = 256
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "functions": (None, []), "function_call": (None, "none"),
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logit_bias": (None, {}),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,), "lora_request": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_embeds": (None,),
+    "lora_request": (None,),
     "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
 }
 
@@ -45,8 +45,6 @@ def _find_lone_surrogate(value: Any) -> bool:
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    # this route's own parameters that are not implemented yet (as UNSUPPORTED_PARAMS: name -> unused values)
-    _unsupported_here: ClassVar[dict[str, tuple]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +55,7 @@ class _Base(BaseModel):
                 if _find_lone_surrogate(value):
                     raise InvalidRequest(f"{name} contains a lone UTF-16 surrogate; send valid Unicode",
                                          param=str(name))
-                unused = UNSUPPORTED_PARAMS.get(name) or cls._unsupported_here.get(name)
+                unused = UNSUPPORTED_PARAMS.get(name)
                 if unused is not None and not any(value == u and isinstance(value, bool) == isinstance(u, bool)
                                                    for u in unused):
                     raise InvalidRequest(f"{name} is not supported by this server", param=name)
@@ -92,6 +90,9 @@ class _SamplingRequest(_Base):
     skip_special_tokens: StrictBool = True
     priority: Int64 = 0
     prompt_logprobs: Int64 | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (JSON keys are text) -> bias in [-100, 100]
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
     timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
                                                           "'timeout') and its KV cache freed")
@@ -169,7 +170,22 @@ class _SamplingRequest(_Base):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Token ids from the JSON keys; biases clamped to [-100, 100] as vLLM does."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers), got {key!r}",
+                                     param="logit_bias") from None
+            out[token] = min(max(bias, -100.0), 100.0)
+        return out
 
 
 class CompletionRequest(_SamplingRequest):
@@ -273,17 +289,29 @@ def _template_tool_call(call: dict) -> dict:
     return {**call, "function": fn}
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    # vLLM's chat extras not implemented yet (issue 36): refused, never silently ignored (an assistant prefill with
-    # continue_final_message used to come back empty)
-    _unsupported_here: ClassVar[dict[str, tuple]] = {"echo": (None, False), "continue_final_message": (None, False)}
+class _ChatRendering(_Base):
+    """How the messages become the prompt. continue_final_message (with add_generation_prompt false): the prompt
+    ends inside the final message, which the model continues (an assistant prefill)."""
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true (set "
+                                 "add_generation_prompt to false to continue the final message)",
+                                 param="continue_final_message")
+        return self
+
+
+class ChatCompletionRequest(_ChatRendering, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: StrictBool = False
     top_logprobs: Int64 | None = None
-    add_generation_prompt: StrictBool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool = False  # the reply starts with the final message's content where it has the reply's role
 
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -303,15 +331,22 @@ class ChatCompletionRequest(_SamplingRequest):
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, defaults, own or structured)
 
+    @property
+    def response_role(self) -> str:
+        """The reply's role, as vLLM answers: assistant after a generation prompt, else the final message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
-class TokenizeRequest(_Base):
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the final message's text if it has the reply's role."""
+        last = self.messages[-1]
+        return last.as_dict()["content"] if self.echo and last.role == self.response_role else ""
+
+
+class TokenizeRequest(_ChatRendering):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Base):

@@ -87,11 +87,19 @@ CASES = [
     ("guided_decoding_backend", C, {**OK, "guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend",
      "not supported"),
     ("functions", CH, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
-    ("chat_echo", CH, {"messages": MSG, "echo": True}, 400, "echo", "not supported"),
-    ("chat_continue_final_message", CH, {"messages": MSG, "continue_final_message": True}, 400,
-     "continue_final_message", "not supported"),
     ("use_beam_search", C, {**OK, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
-    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+    # the sampling extras' bad values (issue 36)
+    ("chat_continue_final_message_with_generation_prompt", CH, {"messages": MSG, "continue_final_message": True},
+     400, "continue_final_message", "add_generation_prompt"),
+    ("chat_echo_string", CH, {"messages": MSG, "echo": "yes"}, 400, "echo", "boolean"),
+    ("logit_bias_key_not_int", C, {**OK, "logit_bias": {"the": 10}}, 400, "logit_bias", "integers"),
+    ("logit_bias_out_of_vocab", C, {**OK, "logit_bias": {"100000": 10}}, 400, "logit_bias", "outside the vocabulary"),
+    ("logit_bias_negative_id", CH, {"messages": MSG, "logit_bias": {"-3": 1}}, 400, "logit_bias", "outside"),
+    ("logit_bias_value_string", C, {**OK, "logit_bias": {"5": "high"}}, 400, "logit_bias", "number"),
+    ("allowed_token_ids_empty", C, {**OK, "allowed_token_ids": []}, 400, "allowed_token_ids", "non-empty"),
+    ("allowed_token_ids_out_of_vocab", CH, {"messages": MSG, "allowed_token_ids": [1, 99999]}, 400,
+     "allowed_token_ids", "token ids in [0, 384)"),
+    ("bad_words_empty_word", C, {**OK, "bad_words": ["fox", " "]}, 400, "bad_words", "non-empty"),
     ("suffix", C, {**OK, "suffix": "end"}, 400, "suffix", "not supported"),
 ]
 
