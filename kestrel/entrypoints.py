@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
 from kestrel.hub_cache import is_hub_id, resolve_model_path
+from kestrel.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kestrel.frontend.sync_engine import LLMEngine
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.core.sampling_params import SamplingParams
@@ -83,6 +84,29 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (kestrel/frontend/beam_search.py): per prompt, the best `params.beam_width`
+        sequences (their tokens and text include the prompt's, as in vLLM)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params.validate(self.config.model.max_logprobs)
+        tok = self.tokenizer
+        searches = []
+        for p in map(_prompt_of, prompts):
+            ids = self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p)
+            searches.append(BeamSearch(ids, params, getattr(tok, "eos_token_id", None)))
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm) as bar:
+            while any(not s.done for s in searches):
+                asked = [(s, s.pending()) for s in searches]
+                outs = iter(self.generate([ids for _, seqs in asked for ids in seqs], step, use_tqdm=False))
+                for s, seqs in asked:
+                    if seqs:
+                        s.advance([next(outs).outputs[0].logprobs[0] for _ in seqs])
+                bar.update(1)
+        return [s.result(tok) for s in searches]
 
     def load_lora(self, name: str, path: str):
         """Load a PEFT adapter folder (needs enable_lora=True); returns the LoRARequest to pass to generate."""
