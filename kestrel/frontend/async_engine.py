@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
 from kestrel.frontend.admission import AdmissionWindow
+from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
@@ -252,6 +253,21 @@ class AsyncEngine:
         return ProcessedPrompt(res.token_ids, res.extras, res.prompt)
 
     # ---- requests
+    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
+                    lora_request: LoRARequest | None = None,
+                    want_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+        """vLLM's beam search over this engine (kestrel/frontend/beam_search.py): validated now, then a stream of
+        one finished RequestOutput with the best `params.beam_width` beams."""
+        params.validate(self.config.model.max_logprobs)
+        return self._beam_search(prompt_ids, params, request_id, lora_request, want_logprobs)
+
+    async def _beam_search(self, prompt_ids, params, request_id, lora_request, want_logprobs):
+        def generate(ids, step, rid):
+            return self.generate(ids, step, rid, lora_request=lora_request)
+
+        yield await search_async(generate, prompt_ids, params, getattr(self.tokenizer, "eos_token_id", None),
+                                 self.tokenizer, request_id, want_logprobs)
+
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
                  lora_request: LoRARequest | None = None,

@@ -7,11 +7,12 @@ the best beam_width of the complete and live beams are the result. The search is
 (`BeamSearch`); the offline LLM and the server drive it with their own engines."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
-from kestrel.frontend.outputs import Logprob
+from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -95,3 +96,29 @@ class BeamSearch:
             for b in best:
                 b.text = tokenizer.decode(b.tokens)
         return BeamSearchOutput(best)
+
+
+async def search_async(generate, prompt_ids: list[int], params: BeamSearchParams, eos_token_id: int | None,
+                       tokenizer, request_id: str, want_logprobs: bool = False) -> RequestOutput:
+    """One prompt's search over an async engine: `generate(ids, params, request_id)` is AsyncEngine.generate.
+    Returns the finished RequestOutput: one CompletionOutput per beam, best first, holding its generated tokens
+    only (their text and deltas included, so that a stream sends it as one chunk)."""
+    search, step = BeamSearch(prompt_ids, params, eos_token_id), params.step_params()
+
+    async def next_logprobs(ids: list[int], k: int) -> dict[int, Logprob]:
+        last = None
+        async for last in generate(ids, step, f"{request_id}-s{search.steps}-b{k}"):
+            pass
+        return last.outputs[0].logprobs[0]
+
+    while not search.done:
+        search.advance(list(await asyncio.gather(*(next_logprobs(ids, k)
+                                                   for k, ids in enumerate(search.pending())))))
+    outputs = []
+    for i, beam in enumerate(search.result().sequences):
+        new = beam.tokens[len(prompt_ids):]
+        text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else ""
+        lps = beam.logprobs if want_logprobs else None
+        outputs.append(CompletionOutput(i, text, new, lps, beam.cum_logprob, beam.finish_reason, text_delta=text,
+                                        token_ids_delta=list(new), logprobs_delta=lps))
+    return RequestOutput(request_id, None, list(prompt_ids), outputs, finished=True)

@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob
 from kestrel.frontend.processor import ProcessedPrompt
-from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
-                                   stream_error, unless_disconnected)
+from kestrel.server.common import (ServerState, beam_searches, final_outputs, prompt_logprobs_json, request_ids,
+                                   sse_chunk, stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
@@ -69,10 +69,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     params = req.sampling_params(state.sampling_defaults, plan.structured)
+    beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
-    gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora)
+    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else
+           engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora))
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.frontend.beam_search import BeamSearchParams
 from kestrel.errors import InvalidRequest
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -23,8 +24,7 @@ MAX_CLIENT_REQUEST_ID = 256
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "functions": (None, []), "function_call": (None, "none"),
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "prompt_embeds": (None,),
-    "lora_request": (None,),
+    "prompt_embeds": (None,), "lora_request": (None,),
     "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
 }
 
@@ -93,6 +93,8 @@ class _SamplingRequest(_Base):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (JSON keys are text) -> bias in [-100, 100]
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
+    use_beam_search: StrictBool = False  # n beams (vLLM's beam search); length_penalty ranks them
+    length_penalty: float = 1.0
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
     timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
                                                           "'timeout') and its KV cache freed")
@@ -172,6 +174,18 @@ class _SamplingRequest(_Base):
             prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+
+    def beam_search_params(self, max_tokens: int | None, sampling: SamplingParams) -> BeamSearchParams | None:
+        """With use_beam_search: the search's parameters (beam width n), from the validated `sampling`."""
+        if not self.use_beam_search:
+            return None
+        clash = next((name for name, on in (("stream", self.stream), ("structured outputs",
+                      sampling.structured_outputs is not None), ("prompt_logprobs", self.prompt_logprobs is not None),
+                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words))) if on), None)
+        if clash:
+            raise InvalidRequest(f"use_beam_search cannot be combined with {clash}", param="use_beam_search")
+        return BeamSearchParams(self.n, max_tokens, self.ignore_eos, sampling.temperature, self.length_penalty,
+                                self.include_stop_str_in_output)  # max_tokens None: resolved per prompt
 
     def _logit_bias(self) -> dict[int, float] | None:
         """Token ids from the JSON keys; biases clamped to [-100, 100] as vLLM does."""

@@ -87,7 +87,8 @@ CASES = [
     ("guided_decoding_backend", C, {**OK, "guided_decoding_backend": "outlines"}, 400, "guided_decoding_backend",
      "not supported"),
     ("functions", CH, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
-    ("use_beam_search", C, {**OK, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    ("use_beam_search_with_logit_bias", C, {**OK, "use_beam_search": True, "logit_bias": {"5": 1}}, 400,
+     "use_beam_search", "logit changes"),
     # the sampling extras' bad values (issue 36)
     ("chat_continue_final_message_with_generation_prompt", CH, {"messages": MSG, "continue_final_message": True},
      400, "continue_final_message", "add_generation_prompt"),

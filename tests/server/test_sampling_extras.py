@@ -91,3 +91,25 @@ def test_echo_after_a_generation_prompt_adds_nothing_for_a_user_turn(client):
     plain = client.chat.completions.create(model="llama", messages=msgs, **GREEDY)
     echoed = client.chat.completions.create(model="llama", messages=msgs, **GREEDY, extra_body={"echo": True})
     assert echoed.choices[0].message.content == plain.choices[0].message.content  # the user turn is not echoed
+
+
+def test_beam_search_equals_offline(client, offline_llm, server):
+    from kestrel import BeamSearchParams
+
+    ids = [10, 20, 30, 40, 50]
+    ref = offline_llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))[0]
+    r = client.completions.create(model="llama", prompt=ids, n=3, max_tokens=5, logprobs=1,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.logprobs.tokens.__len__() for c in r.choices] == [5, 5, 5]
+    want = [offline_llm.tokenizer.decode(s.tokens[len(ids):], skip_special_tokens=True) for s in ref.sequences]
+    assert [c.text for c in r.choices] == want
+    assert r.usage.completion_tokens == 15
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    s, body = http("POST", server.url + "/v1/completions", {"prompt": ids, "n": 2, "use_beam_search": True,
+                                                            "stream": True})
+    assert s == 400 and body["error"]["param"] == "use_beam_search" and "stream" in body["error"]["message"]
+    s, body = http("POST", server.url + "/v1/completions", {"prompt": ids, "n": 11, "use_beam_search": True})
+    assert s == 400 and "beam width" in body["error"]["message"]
