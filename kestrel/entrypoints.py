@@ -116,15 +116,21 @@ class LLM:
         return self.engine.remove_lora(name)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             **template_kwargs) -> list[RequestOutput]:
         """Messages with string content, or OpenAI content parts: text, {"type": "image", "image": PIL image} and
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (local files and remote URLs as
-        the engine's media options allow)."""
+        the engine's media options allow). continue_final_message (with add_generation_prompt=False): the model
+        continues the final message (an assistant prefill)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         from kestrel.frontend.media import resolve_image_parts
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.input_processor.render_chat(resolve_image_parts(c, self.config.multimodal),
-                                                           template_kwargs=template_kwargs) for c in convs]
+                                                           add_generation_prompt, template_kwargs=template_kwargs,
+                                                           continue_final_message=continue_final_message)
+                   for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
