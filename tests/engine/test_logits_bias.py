@@ -179,4 +179,3 @@ def test_pipelined_decode_keeps_multi_token_bans(tiny_llama, llm):
     assert want[0][:3] == o[:3] and want[0][3] != o[3]
     assert o[5] not in want[1]
     assert piped.engine.core.scheduler.num_sync_requests == 0
-
