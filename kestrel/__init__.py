@@ -11,7 +11,11 @@ def __getattr__(name):  # lazy so that `import kestrel.engine.scheduler` stays l
         from kestrel.core import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "BeamSearchParams":
+        from kestrel.frontend.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["BeamSearchParams", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -275,6 +275,9 @@ class ServerConfig:
                                               '--tool-call-parser)')
     reasoning_parser: str | None = _f(None, "put the <think>...</think> part of the output into reasoning_content",
                                       choices=[None, "qwen3", "deepseek_r1"])
+    disable_log_stats: bool = _f(False, "no periodic stats line (throughput, running and waiting requests, KV-cache "
+                                        "use, prefix-cache hit rate) while the server is busy")
+    log_stats_interval: float = _f(10.0, "seconds between the periodic stats lines")
 
 
 def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
 from kestrel.hub_cache import is_hub_id, resolve_model_path
+from kestrel.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kestrel.frontend.sync_engine import LLMEngine
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.core.pooling import PoolingParams
@@ -128,6 +129,29 @@ class LLM:
             raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 8)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (kestrel/frontend/beam_search.py): per prompt, the best `params.beam_width`
+        sequences (their tokens and text include the prompt's, as in vLLM)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params.validate(self.config.model.max_logprobs)
+        tok = self.tokenizer
+        searches = []
+        for p in map(_prompt_of, prompts):
+            ids = self.engine.input_processor.tokenize(p) if isinstance(p, str) else list(p)
+            searches.append(BeamSearch(ids, params, getattr(tok, "eos_token_id", None)))
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm) as bar:
+            while any(not s.done for s in searches):
+                asked = [(s, s.pending()) for s in searches]
+                outs = iter(self.generate([ids for _, seqs in asked for ids in seqs], step, use_tqdm=False))
+                for s, seqs in asked:
+                    if seqs:
+                        s.advance([next(outs).outputs[0].logprobs[0] for _ in seqs])
+                bar.update(1)
+        return [s.result(tok) for s in searches]
+
     def load_lora(self, name: str, path: str):
         """Load a PEFT adapter folder (needs enable_lora=True); returns the LoRARequest to pass to generate."""
         return self.engine.add_lora(name, path)
@@ -136,15 +160,21 @@ class LLM:
         return self.engine.remove_lora(name)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool | None = None, **template_kwargs) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             **template_kwargs) -> list[RequestOutput]:
         """Messages with string content, or OpenAI content parts: text, {"type": "image", "image": PIL image} and
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} (local files and remote URLs as
-        the engine's media options allow)."""
+        the engine's media options allow). continue_final_message (with add_generation_prompt=False): the model
+        continues the final message (an assistant prefill)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
         from kestrel.frontend.media import resolve_image_parts
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.input_processor.render_chat(resolve_image_parts(c, self.config.multimodal),
-                                                           template_kwargs=template_kwargs) for c in convs]
+                                                           add_generation_prompt, template_kwargs=template_kwargs,
+                                                           continue_final_message=continue_final_message)
+                   for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -35,8 +35,6 @@ def _backend_of(config: str) -> str:
 
 _FLAG = dict(action="store_true")
 COMPAT_FLAGS = (
-    CompatFlag(("--disable-log-stats",), "no effect: Kestrel writes no periodic stats line (/metrics has them)",
-               kwargs=_FLAG),
     CompatFlag(("--enable-sleep-mode",), "no effect: sleep is always available (/sleep and /wake_up, with "
                "--enable-admin-api)", kwargs=_FLAG),
     CompatFlag(("--swap-space",), "no effect: the KV cache lives on the GPU only; a preempted request recomputes "

@@ -67,6 +67,10 @@ class StructuredOutputsParams:
         return self
 
 
+def _token_ids_ok(ids, vocab_size: int | None) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < (vocab_size or 2**63) for t in ids)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -89,6 +93,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # logit changes (the runner's LogitsBias add-on): token id -> added to its logit; only these tokens may be
+    # sampled; words never generated (a word's last token is banned where the output ends with the rest of it)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words tokenized by the frontend (each word with and without a leading space), what the runner reads
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):
@@ -105,6 +116,18 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+
+    @property
+    def changes_logits(self) -> bool:
+        """Does the request bias or ban tokens (the runner's LogitsBias add-on)?"""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    @property
+    def bans_after_prefix(self) -> bool:
+        """A multi-token bad word: its ban depends on the previous output tokens (read on the host)."""
+        return any(len(w) > 1 for w in self.bad_words_token_ids or ())
 
     @property
     def greedy(self) -> bool:
@@ -154,6 +177,7 @@ class SamplingParams:
                 bad(name, f"must be in [0, {max_logprobs}] (--max-logprobs), got {v}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        self._validate_logit_changes(vocab_size, bad)
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             bad("seed", "must be a 64-bit integer")
         if self.structured_outputs is not None:
@@ -161,3 +185,28 @@ class SamplingParams:
                 bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.validate()
         return self
+
+    def _validate_logit_changes(self, vocab_size: int | None, bad) -> None:
+        vocab = f"in [0, {vocab_size})" if vocab_size is not None else "non-negative"
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to numbers")
+            if not _token_ids_ok(self.logit_bias, vocab_size):
+                wrong = [t for t in self.logit_bias if not _token_ids_ok([t], vocab_size)]
+                bad("logit_bias", f"has token ids outside the vocabulary: {wrong[:8]} (token ids are {vocab})")
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                   for v in self.logit_bias.values()):
+                bad("logit_bias", "values must be finite numbers")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if not _token_ids_ok(self.allowed_token_ids, vocab_size):
+                bad("allowed_token_ids", f"must be token ids {vocab}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, list)
+                or any(not isinstance(w, list) or not w or not _token_ids_ok(w, vocab_size)
+                       for w in self.bad_words_token_ids)):
+            bad("bad_words", f"tokenize to ids outside the model's vocabulary (token ids are {vocab})")

@@ -135,6 +135,12 @@ class EngineCore:
     def _launch(self, sched, prev=None):
         """Queue the forward; a step with grammar-constrained rows samples later, once the host has filled the
         bitmask. `prev` samples before this step's forward, which reads its tokens."""
+        if sched.step.new_requests:
+            now, requests = time.monotonic(), self.scheduler.requests
+            for r in sched.step.new_requests:
+                req = requests.get(r.request_id)
+                if req is not None and not req.scheduled_at:
+                    req.scheduled_at = now
         return self.executor.launch(sched.step, prev, sample=not GrammarSteps.samples_later(sched),
                                     before_forward=(lambda: self.grammars.sample(prev)) if prev is not None else None)
 
@@ -162,8 +168,11 @@ class EngineCore:
                 prompt_logprobs=plp,
                 finish_reason=req.status.value if rid in finished else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
-                pooled=result.pooled.get(rid)))
-        return EngineCoreOutputs(self.engine_index, outputs, self.stats())
+                pooled=result.pooled.get(rid),
+                scheduled_at=req.scheduled_at if tok is not None and s.output_index == 0 else 0.0))
+        prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
+                                - s.num_computed_tokens) for s in sched.scheduled)
+        return EngineCoreOutputs(self.engine_index, outputs, self.stats(prompt_tokens, len(result.sampled)))
 
     def _fail_requests(self, failed: dict[str, str]) -> None:
         """End the requests the runner could not serve (their adapter became unreadable) as "abort" with the reason;
@@ -176,10 +185,12 @@ class EngineCore:
             self.scheduler.abort_requests([rid])
             self._rejected.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=why))
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, step_prompt_tokens: int = 0, step_generation_tokens: int = 0) -> SchedulerStats:
+        """The scheduler's state; the step counts belong to the step whose outputs they come with."""
         return SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
                               self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
-                              self.kv.prefix_hits, self.scheduler.num_preemptions)
+                              self.kv.prefix_hits, self.scheduler.num_preemptions, step_prompt_tokens,
+                              step_generation_tokens)
 
     # ---- utility methods (callable over the wire by name)
     def get_stats(self) -> dict:

@@ -32,6 +32,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None  # a pooling request's result (its one token is a placeholder)
+    scheduled_at: float = 0.0  # with a request's first token: when it was first scheduled (time.monotonic())
 
     @property
     def finished(self) -> bool:
@@ -47,6 +48,14 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
+    # excluded) and tokens sampled
+    step_prompt_tokens: int = 0
+    step_generation_tokens: int = 0
+
+    @property
+    def step_tokens(self) -> int:
+        return self.step_prompt_tokens + self.step_generation_tokens
 
 
 class UtilityOutput(msgspec.Struct, omit_defaults=True):

@@ -35,6 +35,7 @@ class Request(TokenSequence):
     max_tokens: int = 16  # resolved: never None here
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0  # when it was first scheduled (0: not yet); the frontend's queue-time metrics
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -47,10 +47,11 @@ class SchedulerOutput:
 
 
 def needs_sync(req: Request) -> bool:
-    """Sampling that reads previous tokens' values on the host, or logprobs (read on the host each step)."""
+    """Sampling that reads previous tokens' values on the host (penalties, multi-token bad words), or logprobs
+    (read on the host each step)."""
     p = req.sampling_params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            or p.logprobs is not None or p.prompt_logprobs is not None)
+            or p.logprobs is not None or p.prompt_logprobs is not None or p.bans_after_prefix)
 
 
 class WaitingQueue:

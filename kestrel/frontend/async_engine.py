@@ -16,16 +16,18 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
 from kestrel.frontend.admission import AdmissionWindow
+from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
                                      check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
-from kestrel.engine.messages import EngineCoreOutputs
+from kestrel.engine.messages import EngineCoreOutputs, SchedulerStats
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.pooling import pooling_sampling
@@ -36,6 +38,24 @@ from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class FinishedRequest:
+    """A finished request's sizes and phases (seconds; None where the request never got that far): queued from
+    its arrival to its first scheduling, prefill from then to its first token, decode from its first token to
+    its end, inference from its first scheduling to its end."""
+    e2e: float
+    queued: float | None
+    prefill: float | None
+    decode: float | None
+    inference: float | None
+    prompt_tokens: int
+    generation_tokens: int  # all its sequences
+    max_generation_tokens: int  # its longest sequence
+    n: int
+    max_tokens: int | None  # the request's max_tokens parameter (None: not given)
+    finish_reason: str | None
+
+
 class RequestMetricsSink(Protocol):
     """Request latency hooks; ``engine`` is the index of the engine core that served the request."""
 
@@ -43,21 +63,23 @@ class RequestMetricsSink(Protocol):
     def on_frontend(self, stage: str, seconds: float) -> None: ...
     def on_first_token(self, engine: int, ttft_s: float) -> None: ...
     def on_tokens(self, engine: int, itl_s: float, count: int) -> None: ...
-    def on_finished(self, engine: int, e2e_s: float, prompt_tokens: int, generation_tokens: int,
-                    finish_reason: str | None) -> None: ...
+    def on_finished(self, engine: int, done: FinishedRequest) -> None: ...
+    def on_step(self, engine: int, stats: SchedulerStats) -> None: ...
 
 
 _ABORTED = object()
 
 
 class _Timing:
-    __slots__ = ("arrival", "first", "last", "engine")
+    __slots__ = ("arrival", "first", "last", "engine", "scheduled", "n", "max_tokens")
 
-    def __init__(self):
+    def __init__(self, n: int = 1, max_tokens: int | None = None):
         self.arrival = time.monotonic()
         self.first: float | None = None
         self.last: float | None = None
+        self.scheduled: float | None = None  # its first sequence's first scheduling (the engine's clock)
         self.engine = 0
+        self.n, self.max_tokens = n, max_tokens
 
 
 class AsyncEngine:
@@ -222,20 +244,35 @@ class AsyncEngine:
                 self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
 
     async def render_chat_images(self, messages: list[dict], add_generation_prompt: bool,
-                                 chat_template: str | None, template_kwargs: dict, tools: list[dict] | None
-                                 ) -> ProcessedPrompt:
+                                 chat_template: str | None, template_kwargs: dict, tools: list[dict] | None,
+                                 continue_final_message: bool = False) -> ProcessedPrompt:
         """Chat messages with image_url parts -> token ids and image features, rendered by a render process (the
         template, the images and the image processor)."""
         dtype = self.input_processor.mm.pixel_dtype
         res, seconds = await self.render_procs.render(
             messages, add_generation_prompt, chat_template or self.input_processor.chat_template, template_kwargs,
-            tools, str(dtype).removeprefix("torch.") if dtype is not None else None)
+            tools, str(dtype).removeprefix("torch.") if dtype is not None else None, continue_final_message)
         if self.metrics is not None:
             self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
             self.metrics.on_frontend("render", res.seconds)
         return ProcessedPrompt(res.token_ids, res.extras, res.prompt)
 
     # ---- requests
+    def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
+                    lora_request: LoRARequest | None = None,
+                    want_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+        """vLLM's beam search over this engine (kestrel/frontend/beam_search.py): validated now, then a stream of
+        one finished RequestOutput with the best `params.beam_width` beams."""
+        params.validate(self.config.model.max_logprobs)
+        return self._beam_search(prompt_ids, params, request_id, lora_request, want_logprobs)
+
+    async def _beam_search(self, prompt_ids, params, request_id, lora_request, want_logprobs):
+        def generate(ids, step, rid):
+            return self.generate(ids, step, rid, lora_request=lora_request)
+
+        yield await search_async(generate, prompt_ids, params, getattr(self.tokenizer, "eos_token_id", None),
+                                 self.tokenizer, request_id, want_logprobs)
+
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,
                  lora_request: LoRARequest | None = None,
@@ -324,7 +361,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
-        timing = self._timing[request_id] = _Timing()
+        timing = self._timing[request_id] = _Timing(len(core_reqs), params.max_tokens)
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream=stream)
         if not self.log_request_lines:
@@ -405,6 +442,8 @@ class AsyncEngine:
 
     # ---- from the core client
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        if self.metrics is not None:
+            self._observe_engine(outs)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
@@ -421,6 +460,16 @@ class AsyncEngine:
             if ro.finished:
                 self._observe_finished(ro, now)
             q.put_nowait(ro)
+
+    def _observe_engine(self, outs: EngineCoreOutputs) -> None:
+        """The step's token counts, and when the requests that got their first token were first scheduled."""
+        if outs.stats is not None and outs.stats.step_tokens:
+            self.metrics.on_step(outs.engine_index, outs.stats)
+        for o in outs.outputs:
+            if o.scheduled_at:
+                t = self._timing.get(self.output_processor.child_to_parent.get(o.request_id))
+                if t is not None and (t.scheduled is None or o.scheduled_at < t.scheduled):
+                    t.scheduled = o.scheduled_at
 
     def _observe_tokens(self, request_id: str, new: int, now: float) -> None:
         t = self._timing.get(request_id)
@@ -440,8 +489,13 @@ class AsyncEngine:
         t = self._timing.get(ro.request_id)
         if t is not None and self.metrics is not None:
             reason = ro.outputs[0].finish_reason if ro.outputs else None
-            self.metrics.on_finished(t.engine, now - t.arrival, len(ro.prompt_token_ids),
-                                     sum(len(c.token_ids) for c in ro.outputs), reason)
+            lens = [len(c.token_ids) for c in ro.outputs]
+            sched, first = t.scheduled, t.first
+            self.metrics.on_finished(t.engine, FinishedRequest(
+                now - t.arrival, sched - t.arrival if sched else None,
+                first - sched if sched and first else None, now - first if first else None,
+                now - sched if sched else None, len(ro.prompt_token_ids), sum(lens), max(lens, default=0), t.n,
+                t.max_tokens, reason))
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
         if child_ids is None or self.client.all_dead:

@@ -132,11 +132,23 @@ class InputProcessor:
                                  "token ids", param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would start the text and, where they differ, as it would follow a
+        space (a word mid-text usually tokenizes with its leading space)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenize(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, template_kwargs: dict | None = None,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
         """``template_kwargs``: extra template variables (chat_template_kwargs); they may not repeat our arguments.
-        ``tools``: the request's tool definitions, handed to the template as ``tools``."""
+        ``tools``: the request's tool definitions, handed to the template as ``tools``. ``continue_final_message``:
+        the text ends inside the final message (an assistant prefill the model continues), not after its end."""
         kw = template_kwargs or {}
         template = chat_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -149,6 +161,7 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
                                                       **({"tools": tools} if tools else {}), **kw)
         except Exception as e:  # template errors are the caller's input problem
             import jinja2  # the template's own errors (raise_exception) are for the client; nothing else is
@@ -160,7 +173,8 @@ class InputProcessor:
         return text
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-                    template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str | dict:
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                    continue_final_message: bool = False) -> str | dict:
         """Messages (content a string or parts: {"type": "text", "text"} / {"type": "image", "image": PIL image})
         -> the chat template's text, or with images a prompt dict whose text places one image token per image
         (the processor expands them)."""
@@ -176,7 +190,8 @@ class InputProcessor:
             conv.append({**m, "content": content if content is not None else ""})
         if images and self.mm is None:
             raise InvalidRequest("this model does not take images", param="messages")
-        text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools)
+        text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools,
+                                        continue_final_message)
         if not images:
             return text
         if text.count(self.mm.image_token) != len(images):
@@ -210,6 +225,9 @@ class InputProcessor:
         """`pooling`: a pooling request (embedding, class scores; its params are pooling_sampling())."""
         check_request_kind(self.pooling, pooling)
         params.validate(self.vocab_size, self.max_logprobs)
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+            params.validate(self.vocab_size, self.max_logprobs)  # the words' ids are in the model's vocabulary
         prompt = self.process_images(prompt)
         extras = NO_EXTRAS
         if isinstance(prompt, ProcessedPrompt):

@@ -44,6 +44,7 @@ class RenderJob(msgspec.Struct, array_like=True):
     template_kwargs: dict
     tools: list[dict] | None
     pixel_dtype: str | None  # the engine's model dtype (pixels are sent in it), None: the processor's own
+    continue_final_message: bool = False  # the text ends inside the final message (an assistant prefill)
 
 
 class RenderStatus(msgspec.Struct, tag="status"):
@@ -126,7 +127,7 @@ def _make_renderer(config_dict: dict):
             mm.pixel_dtype = getattr(torch, job.pixel_dtype) if job.pixel_dtype else None
             messages = resolve_image_parts(job.messages, config.multimodal)
             prompt = inputs.render_chat(messages, job.add_generation_prompt, job.chat_template,
-                                        job.template_kwargs, job.tools)
+                                        job.template_kwargs, job.tools, job.continue_final_message)
             out = inputs.process_images(prompt)
             if not isinstance(out, ProcessedPrompt):  # no image after all: the template's text alone
                 out = ProcessedPrompt(inputs.tokenize(out, add_special_tokens=False), text=out)
@@ -191,7 +192,8 @@ class RenderProcesses:
                               logging.getLogger("kestrel").getEffectiveLevel()))
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                     template_kwargs: dict, tools: list[dict] | None, pixel_dtype: str | None):
+                     template_kwargs: dict, tools: list[dict] | None, pixel_dtype: str | None,
+                     continue_final_message: bool = False):
         """-> (RenderResult, seconds from send to result). Raises InvalidRequest for the request's own faults."""
         live = [i for i, ok in enumerate(self.ready) if ok]
         if not live:
@@ -209,7 +211,7 @@ class RenderProcesses:
             try:
                 await self._sock.send_multipart([worker_identity(worker), _encoder.encode(
                     RenderJob(job_id, messages, add_generation_prompt, chat_template, template_kwargs, tools,
-                              pixel_dtype))], copy=False)
+                              pixel_dtype, continue_final_message))], copy=False)
             except zmq.ZMQError as e:  # the worker's socket is gone: it died just now
                 raise RenderWorkerDied(f"render process {worker} is not reachable ({e})") from e
             res: RenderResult = await fut

@@ -467,7 +467,7 @@ class MPClient(EngineCoreClient):
             for o in outs.outputs:
                 if o.finished:
                     self.request_engine.pop(o.request_id, None)
-            if outs.outputs:
+            if outs.outputs or (outs.stats is not None and outs.stats.step_tokens):  # a prefill step: its counts
                 try:
                     self.on_outputs(outs)
                 except Exception:

@@ -2,6 +2,7 @@
 processes. `kestrel serve MODEL` calls run_server(args); docs/serving.md describes the endpoints and flags."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -27,6 +28,7 @@ from kestrel.server.common import ClientDisconnected, ServerState
 from kestrel.server.completions import create_completion
 from kestrel.server.lora_routes import lora_model_cards, lora_router
 from kestrel.server.metrics import ServerMetrics
+from kestrel.server.stats_log import StatsLog
 from kestrel.server.reasoning import get_reasoning_parser
 from kestrel.server.tool_parsers import get_tool_parser
 from kestrel.server.responses import ResponsesRequest, create_response
@@ -388,6 +390,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
     server = server or ServerConfig()
     model_name = model_name or default_model_name(config)
     chat_template = load_chat_template(server.chat_template)
+    if server.log_stats_interval <= 0:
+        raise ConfigError(f"--log-stats-interval must be positive, got {server.log_stats_interval}")
     if server.enable_auto_tool_choice and not server.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
     try:
@@ -429,9 +433,14 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         ip.chat_template = chat_template or ip.chat_template
         logger.info("serving %s (max_model_len %d, %d engine core(s))", model_name, engine.max_model_len,
                     engine.client.num_engines)
+        stats_log = None if server.disable_log_stats else StatsLog(engine.client, server.log_stats_interval)
+        metrics.configure(engine.max_model_len, config.cache, stats_log)
+        stats_task = asyncio.create_task(stats_log.run()) if stats_log is not None else None
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             state.grammar.shutdown()
             await engine.shutdown()
 

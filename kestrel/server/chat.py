@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob
 from kestrel.frontend.processor import ProcessedPrompt
-from kestrel.server.common import (ServerState, final_outputs, prompt_logprobs_json, request_ids, sse_chunk,
-                                   stream_error, unless_disconnected)
+from kestrel.server.common import (ServerState, beam_searches, final_outputs, prompt_logprobs_json, request_ids,
+                                   sse_chunk, stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
@@ -43,18 +43,21 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
 
         parts = [m.as_parts() for m in req.messages]
         if engine.render_procs is not None:  # template, images and image processor in a render process
-            return await engine.render_chat_images(parts, req.add_generation_prompt, template, kwargs, tools)
+            return await engine.render_chat_images(parts, req.add_generation_prompt, template, kwargs, tools,
+                                                   req.continue_final_message)
 
         def render_with_images() -> dict | str:
             messages = resolve_image_parts(parts, engine.config.multimodal)
-            prompt = engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools)
+            prompt = engine.input_processor.render_chat(messages, req.add_generation_prompt, template, kwargs, tools,
+                                                        req.continue_final_message)
             return engine.input_processor.process_images(prompt)
 
         return await engine.run_tokenizer(render_with_images)
     messages = [m.as_dict() for m in req.messages]
 
     def render() -> list[int]:
-        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs, tools)
+        text = engine.input_processor.apply_chat_template(messages, req.add_generation_prompt, template, kwargs, tools,
+                                                          req.continue_final_message)
         return engine.tokenizer.encode(text, add_special_tokens=False)
 
     return await engine.run_tokenizer(render)
@@ -66,19 +69,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     params = req.sampling_params(state.sampling_defaults, plan.structured)
+    beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
-    gen = engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora,
-                          stream=req.stream)
+    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else
+           engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora,
+                           stream=req.stream))
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
+    echoed = req.echoed()
     for c in out.outputs:
         lp = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, engine.tokenizer) if req.logprobs else None
         message, finish_reason = build_message(plan, state.reasoning_parser, c.text, c.finish_reason)
+        message["role"] = req.response_role
+        if echoed:
+            message["content"] = echoed + (message.get("content") or "")
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason})
     p = len(out.prompt_token_ids)
@@ -100,6 +109,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
     started: set[int] = set()
     done: set[int] = set()
     messages: dict[int, MessageStream] = {}
+    echoed = req.echoed()
     last = None
     try:
         async for out in gen:
@@ -110,8 +120,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
                 if c.index not in started:
                     started.add(c.index)
                     messages[c.index] = MessageStream(plan, state.reasoning_parser)
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
+                    yield chunk([{"index": c.index, "delta": {"role": req.response_role, "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                    if echoed:
+                        yield chunk([{"index": c.index, "delta": {"content": echoed}, "logprobs": None,
+                                      "finish_reason": None}])
                 if not c.text_delta and not c.token_ids_delta and c.finish_reason is None:
                     continue
                 lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, req.top_logprobs or 0, tok)

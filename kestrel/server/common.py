@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -178,3 +179,22 @@ async def unless_disconnected(request: Request, coro):
         raise
     finally:
         watcher.cancel()
+
+
+def beam_searches(state: ServerState, beam, prompts: list, request_id: str, lora, want_logprobs: bool) -> list:
+    """One beam search (AsyncEngine.beam_search) per prompt of token ids; a missing max_tokens is resolved as for
+    a plain request (the context left, capped by --default-max-tokens)."""
+    engine = state.engine
+    gens = []
+    for i, ids in enumerate(prompts):
+        if not isinstance(ids, list):
+            raise InvalidRequest("use_beam_search takes text prompts only (no images)", param="use_beam_search")
+        room = engine.max_model_len - len(ids)
+        cap = engine.input_processor.default_max_tokens or room
+        max_tokens = beam.max_tokens if beam.max_tokens is not None else min(room, cap)
+        if max_tokens > room:
+            raise InvalidRequest(f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context length "
+                                 f"{engine.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        gens.append(engine.beam_search(ids, dataclasses.replace(beam, max_tokens=max_tokens), f"{request_id}-{i}",
+                                       lora, want_logprobs))
+    return gens

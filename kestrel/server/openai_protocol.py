@@ -7,11 +7,12 @@ surrogate in any string is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.frontend.beam_search import BeamSearchParams
 from kestrel.errors import InvalidRequest
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -23,8 +24,7 @@ MAX_CLIENT_REQUEST_ID = 256
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "functions": (None, []), "function_call": (None, "none"),
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "logit_bias": (None, {}),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_embeds": (None,), "lora_request": (None,),
+    "prompt_embeds": (None,), "lora_request": (None,),
     "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
 }
 
@@ -95,6 +95,11 @@ class _SamplingRequest(_Base):
     skip_special_tokens: StrictBool = True
     priority: Int64 = 0
     prompt_logprobs: Int64 | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (JSON keys are text) -> bias in [-100, 100]
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: StrictBool = False  # n beams (vLLM's beam search); length_penalty ranks them
+    length_penalty: float = 1.0
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
     timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
                                                           "'timeout') and its KV cache freed")
@@ -172,7 +177,34 @@ class _SamplingRequest(_Base):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+
+    def beam_search_params(self, max_tokens: int | None, sampling: SamplingParams) -> BeamSearchParams | None:
+        """With use_beam_search: the search's parameters (beam width n), from the validated `sampling`."""
+        if not self.use_beam_search:
+            return None
+        clash = next((name for name, on in (("stream", self.stream), ("structured outputs",
+                      sampling.structured_outputs is not None), ("prompt_logprobs", self.prompt_logprobs is not None),
+                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words))) if on), None)
+        if clash:
+            raise InvalidRequest(f"use_beam_search cannot be combined with {clash}", param="use_beam_search")
+        return BeamSearchParams(self.n, max_tokens, self.ignore_eos, sampling.temperature, self.length_penalty,
+                                self.include_stop_str_in_output)  # max_tokens None: resolved per prompt
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Token ids from the JSON keys; biases clamped to [-100, 100] as vLLM does."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers), got {key!r}",
+                                     param="logit_bias") from None
+            out[token] = min(max(bias, -100.0), 100.0)
+        return out
 
 
 class CompletionRequest(_SamplingRequest):
@@ -276,17 +308,29 @@ def _template_tool_call(call: dict) -> dict:
     return {**call, "function": fn}
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    # vLLM's chat extras not implemented yet (issue 36): refused, never silently ignored (an assistant prefill with
-    # continue_final_message used to come back empty)
-    _unsupported_here: ClassVar[dict[str, tuple]] = {"echo": (None, False), "continue_final_message": (None, False)}
+class _ChatRendering(_Base):
+    """How the messages become the prompt. continue_final_message (with add_generation_prompt false): the prompt
+    ends inside the final message, which the model continues (an assistant prefill)."""
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("continue_final_message and add_generation_prompt cannot both be true (set "
+                                 "add_generation_prompt to false to continue the final message)",
+                                 param="continue_final_message")
+        return self
+
+
+class ChatCompletionRequest(_ChatRendering, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: StrictBool = False
     top_logprobs: Int64 | None = None
-    add_generation_prompt: StrictBool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool = False  # the reply starts with the final message's content where it has the reply's role
 
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -306,15 +350,22 @@ class ChatCompletionRequest(_SamplingRequest):
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling(mt, (self.top_logprobs or 0) if self.logprobs else None, None, defaults, own or structured)
 
+    @property
+    def response_role(self) -> str:
+        """The reply's role, as vLLM answers: assistant after a generation prompt, else the final message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
-class TokenizeRequest(_Base):
+    def echoed(self) -> str:
+        """What `echo` puts before the reply: the final message's text if it has the reply's role."""
+        last = self.messages[-1]
+        return last.as_dict()["content"] if self.echo and last.role == self.response_role else ""
+
+
+class TokenizeRequest(_ChatRendering):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Base):

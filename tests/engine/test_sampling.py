@@ -162,3 +162,15 @@ def test_prompt_too_long_and_max_tokens_too_large(llm):
         llm.generate([PROMPT], SamplingParams(max_tokens=10_000))
     assert e.value.param == "max_tokens"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_offline_chat_continues_the_final_message(llm, tiny_tokenizer):
+    """LLM.chat's assistant prefill (the server's continue_final_message) equals a completion of the rendered text."""
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = llm.chat(msgs, sp, add_generation_prompt=False, continue_final_message=True)[0]
+    rendered = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nThe colour is"
+    ref = llm.generate([tiny_tokenizer.encode(rendered, add_special_tokens=False)], sp)[0]
+    assert got.prompt_token_ids == ref.prompt_token_ids and got.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(msgs, sp, continue_final_message=True)

@@ -37,7 +37,7 @@ ACCEPTED = [
     (["--no-enable-prefix-caching"], lambda a, c: not c.cache.enable_prefix_caching),
     (["--disable-log-requests"], lambda a, c: a.disable_log_requests),
     (["--enable-log-requests"], lambda a, c: a.log_requests),
-    (["--disable-log-stats"], lambda a, c: True),
+    (["--disable-log-stats"], lambda a, c: a.disable_log_stats),
     (["--enable-sleep-mode"], lambda a, c: True),
     (["--limit-mm-per-prompt", '{"image": 2}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
     (["--limit-mm-per-prompt", '{"image": 3, "video": 0}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 3),

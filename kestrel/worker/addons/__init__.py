@@ -7,6 +7,7 @@ from kestrel.models.interfaces import has_bidirectional_prefix, supports_images
 from kestrel.worker.addons.base import HOOKS, StepAddon, overriding
 from kestrel.worker.addons.grammar import GrammarBitmask
 from kestrel.worker.addons.images import ImageEncoderCache
+from kestrel.worker.addons.logits_bias import LogitsBias
 from kestrel.worker.addons.lora import LoRAAddon
 from kestrel.worker.addons.pooling import Pooler
 from kestrel.worker.addons.prefix_mask import BidirectionalPrefix
@@ -25,6 +26,7 @@ def build_addons(model, config, device, dtype, pooling_task: str | None = None) 
         addons.append(BidirectionalPrefix())
     if supports_images(model):
         addons.append(ImageEncoderCache(model, device, lora))
+    addons.append(LogitsBias())
     addons.append(GrammarBitmask())
     if pooling_task is not None:
         addons.append(Pooler(model, device))
