@@ -26,7 +26,7 @@ if _ok:
     from kestrel.kernels.triton_ops.fused_ops import qk_norm_rope_cache
 
 from kestrel.attention import kv_quant  # noqa: E402
-from tests.attention.paged_cases import paged_case, poison_outside_window  # noqa: E402
+from tests.attention.paged_cases import paged_case, poison_outside_window, rope_cos_sin, unfused_prologue  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -92,9 +92,7 @@ def test_fused_prologue_quantises_as_the_unfused_chain(cache_dtype, with_norm):
         pytest.skip("the interpreter's float8 cast is exact only for values on the float8 grid (no norm there)")
     gen = torch.Generator().manual_seed(11)
     T, hq, hkv, max_pos, page, blocks = 9, 4, 2, 300, 16, 8
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
-    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).to(DEVICE)
+    cos_sin = rope_cos_sin(D, max_pos, DEVICE)
     pos = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE) * (0 if INTERPRETED else 1)
     qkv = kv_values((T, (hq + 2 * hkv) * D), 2 ** -5, cache_dtype, gen)
     qw = (1 + 0.1 * torch.randn(D, generator=gen)).to(DEVICE, torch.bfloat16) if with_norm else None
@@ -105,12 +103,7 @@ def test_fused_prologue_quantises_as_the_unfused_chain(cache_dtype, with_norm):
     kc, vc = (torch.zeros(blocks, page, hkv, D, dtype=cache_dtype, device=DEVICE) for _ in range(2))
     kr, vr = kc.clone(), vc.clone()
 
-    q_ref = qkv[:, : hq * D].reshape(T, hq, D).clone()
-    k_ref = qkv[:, hq * D:(hq + hkv) * D].reshape(T, hkv, D).clone()
-    v_ref = qkv[:, (hq + hkv) * D:].reshape(T, hkv, D).clone()
-    if with_norm:
-        q_ref, k_ref = ta.rms_norm(q_ref, qw, 1e-6), ta.rms_norm(k_ref, kw, 1e-6)
-    ta.rotary_embedding_(pos, q_ref, k_ref, cos_sin, D, True)
+    _, k_ref, v_ref = unfused_prologue(qkv, pos, cos_sin, hq, hkv, D, qw, kw)
     ref.reshape_and_cache_ref(k_ref, v_ref, kr, vr, slots, ks, vs)
 
     qk_norm_rope_cache(qkv, pos, cos_sin, hq, hkv, D, kc, vc, slots, qw, kw, 1e-6, ks, vs)

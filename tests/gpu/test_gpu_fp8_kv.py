@@ -9,23 +9,11 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from tests.agreement import MIXED_PROMPTS, teacher_forced_errors
+from tests.gpu.test_gpu_engine import tiny_models  # noqa: F401  (the fixture: its head-dim-64 models)
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
 TOLERANCE = {"fp8": (28, 0.15), "fp8_e5m2": (26, 0.4)}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, tiny_tokenizer):
-    from tests.tiny import make_checkpoint
-
-    root = tmp_path_factory.mktemp("gpu_fp8_kv")
-    wide = dict(hidden_size=256, intermediate_size=512, logit_scale=4.0)
-    return {
-        "llama_gqa_llama3": make_checkpoint("llama_gqa_llama3", root, tokenizer=tiny_tokenizer, **wide),
-        "qwen3": make_checkpoint("qwen3", root, tokenizer=tiny_tokenizer, head_dim=64, **wide),
-        "gemma3": make_checkpoint("gemma3", root, tokenizer=tiny_tokenizer, head_dim=64, **wide),
-    }
 
 
 def check_against_transformers(llm, path, cache):
@@ -40,17 +28,17 @@ def check_against_transformers(llm, path, cache):
 
 @pytest.mark.parametrize("kind", ["llama_gqa_llama3", "qwen3", "gemma3"])
 @pytest.mark.parametrize("cache", ["fp8", "fp8_e5m2"])
-def test_fp8_kv_matches_transformers(models, kind, cache):
-    llm = LLM(str(models[kind]), dtype="bfloat16", kv_cache_dtype=cache, progress=False, num_kv_blocks=KV_BLOCKS)
+def test_fp8_kv_matches_transformers(tiny_models, kind, cache):
+    llm = LLM(str(tiny_models[kind]), dtype="bfloat16", kv_cache_dtype=cache, progress=False, num_kv_blocks=KV_BLOCKS)
     runner = llm.engine.core.executor.runner
     assert runner.backend.name == "triton"
     assert all(g.spec.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for g in runner.kv_cache_groups)
-    check_against_transformers(llm, str(models[kind]), cache)
+    check_against_transformers(llm, str(tiny_models[kind]), cache)
 
 
-def test_fp8_kv_cuda_graph_replay_equals_eager(models):
+def test_fp8_kv_cuda_graph_replay_equals_eager(tiny_models):
     """Gemma 3 (sliding windows, several KV groups) with a float8 cache: graph replay gives the eager tokens."""
-    path = str(models["gemma3"])
+    path = str(tiny_models["gemma3"])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     opts = dict(dtype="bfloat16", kv_cache_dtype="fp8", progress=False, async_scheduling="off",
                 num_kv_blocks=KV_BLOCKS)
@@ -62,10 +50,10 @@ def test_fp8_kv_cuda_graph_replay_equals_eager(models):
     assert a == b
 
 
-def test_calculated_scales_reach_the_captured_graphs(models):
+def test_calculated_scales_reach_the_captured_graphs(tiny_models):
     """--calculate-kv-scales sets the scales after graph capture (first real prefill, unfused path); the decode
     graphs read them through their pointers: graph decoding equals eager decoding with the same scales."""
-    path = str(models["qwen3"])
+    path = str(tiny_models["qwen3"])
     opts = dict(dtype="bfloat16", kv_cache_dtype="fp8", calculate_kv_scales=True, progress=False,
                 async_scheduling="off", num_kv_blocks=KV_BLOCKS)
     graphs = LLM(path, **opts)
