@@ -111,3 +111,16 @@ def test_backend_selection_for_a_float8_cache():
     assert not ok and "needs Triton float8 conversions (sm_89+), not on sm_80" in why
     assert TritonBackend.validate_kv_cache_dtype(fake_platform("sm_90"), spec.dtype, torch.bfloat16) == (True, "")
     assert select_attention_backend(spec, 16, platform=fake_platform("sm_90"), dtype=torch.bfloat16) is TritonBackend
+
+
+def test_float8_groups_cross_the_process_boundary():
+    """The executor's wire form of the KV groups (mp / Ray workers report them to the engine core) keeps the
+    cache dtype."""
+    from kestrel.core.kv_spec import KVCacheGroup
+    from kestrel.executor.messages import decode_groups, encode_groups
+
+    specs = kv_quant.specs_with_cache_dtype(
+        {"a": SlidingWindowSpec(torch.bfloat16, num_kv_heads=2, head_dim=64, sliding_window=8)}, "fp8_e5m2")
+    groups = [KVCacheGroup(0, specs["a"], ["a"])]
+    back = decode_groups(encode_groups(groups))
+    assert back[0].spec == specs["a"] and back[0].spec.dtype == torch.float8_e5m2
