@@ -221,6 +221,13 @@ STAGES = (
     Stage("tputfp8", "kernels", "qwen3-0.6b throughput with --quantization fp8",
           (bench("throughput", "--shape", "qwen3-0.6b", "--hf-requests", "0", "--quantization", "fp8", "--json",
                  "{out}/tputfp8.json", timeout=200),)),
+    Stage("tputkv8", "kernels", "FP8 KV cache: GPU tests, then qwen3-0.6b + llama-8b throughput, fp8 vs bf16 KV",
+          (pytest("tests/gpu/test_gpu_fp8_kv.py", "tests/attention/test_triton_fp8_kv.py", timeout=300,
+                  show=tail(8)),)
+          + tuple(bench("throughput", "--shape", shape, "--hf-requests", "0", "--kv-cache-dtype", kv, "--json",
+                        f"{{out}}/tput_kv_{kv}_{shape}.json", timeout=300, log=f"tput_kv_{kv}_{shape}.log",
+                        show=grep("^kestrel|KV blocks"), title=f"{shape}, KV cache {kv}")
+                  for shape in ("qwen3-0.6b", "llama-8b") for kv in ("auto", "fp8"))),
     Stage("kern", "kernels", "the Triton MoE and MLA kernel tests on CUDA",
           (pytest("tests/kernels/test_moe_triton_interp.py", "tests/attention/test_triton_mla.py",
                   "tests/gpu/test_gpu_mla.py", "tests/gpu/test_gpu_moe.py", timeout=300, show=tail(8)),)),

@@ -3,6 +3,7 @@ random token ids, ignore_eos) on a random-weight model shape; transformers' cont
 (generate_batch, paged|sdpa) on the same model in the same run; the roofline beside both.
 
     python -m benchmarks.throughput --shape qwen3-0.6b [--hf-requests 64] [--sweep] [--quantization fp8]
+    python -m benchmarks.throughput --shape llama-8b --hf-requests 0 --kv-cache-dtype fp8   (FP8 KV cache)
     python -m benchmarks.throughput --shape llama-70b --tensor-parallel-size 4 --hf-requests 0"""
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from benchmarks.common import (  # noqa: E402
     SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape)
 
 
-def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict, tp: int = 1) -> float:
+def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict, tp: int = 1, kv_bytes: float = 1.0) -> float:
     """Decode: weights once per step (MoE: the active experts) + every token's KV context read; prefill: matmul
     FLOPs. Tensor parallel over `tp` GPUs: each reads 1/tp of the weights and KV and does 1/tp of the FLOPs at
-    the same time, so the time divides by tp (the ceilings are one GPU's; all-reduces are not counted)."""
-    kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token
+    the same time, so the time divides by tp (the ceilings are one GPU's; all-reduces are not counted). `kv_bytes`:
+    the KV cache's bytes per element relative to bf16 (0.5: an FP8 cache)."""
+    kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token * kv_bytes
     mean_batch = sum(outs) / max(steps, 1)  # MoE: the experts a step of this many tokens hits
     decode = (kv_reads + steps * facts.active_weight_bytes(mean_batch)) / ceil["copy_bytes_per_s"]
     prefill = sum(len(p) for p in prompts) * facts.flops_per_token / ceil["bf16_flops_per_s"]
@@ -51,6 +53,7 @@ def run_kestrel(model_dir, prompts, outs, args):
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
               quantization=args.quantization, enable_prefix_caching=False, progress=False, pdl=not args.no_pdl,
+              kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tensor_parallel_size,
               **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     startup = time.perf_counter() - T_PROCESS
@@ -163,6 +166,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--quantization", default=None, choices=[None, "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="the engine's KV cache: auto (bf16) or float8 (twice the tokens, half the KV reads)")
     ap.add_argument("--sweep", action="store_true", help="also measure throughput vs concurrency 1..256 (PNG)")
     ap.add_argument("--no-pdl", action="store_true", help="turn programmatic dependent launch off")
     ap.add_argument("--max-model-len", type=int, default=None, help="cap the context (vLLM's peer runs use 4096)")
@@ -177,11 +182,13 @@ def main():
     ceil = measure_ceilings()  # after the engine, so that start-up counts the engine alone
     n_total = n_out + sum(len(p) for p in prompts)
     tp = args.tensor_parallel_size
-    roof = roofline_seconds(facts, prompts, outs, steps, ceil, tp)
-    rows = [dict(engine=f"kestrel{' fp8' if args.quantization else ''}", requests=len(prompts), seconds=dt,
+    roof = roofline_seconds(facts, prompts, outs, steps, ceil, tp, 1.0 if args.kv_cache_dtype == "auto" else 0.5)
+    kv_label = "" if args.kv_cache_dtype == "auto" else f" kv {args.kv_cache_dtype}"
+    rows = [dict(engine=f"kestrel{' fp8' if args.quantization else ''}{kv_label}", requests=len(prompts), seconds=dt,
                  out_tok_s=n_out / dt, total_tok_s=n_total / dt, roofline_out_tok_s=n_out / roof,
                  frac_roofline=f"{roof / dt:.0%}")]
-    result = dict(shape=args.shape, tensor_parallel_size=tp, commit=git_commit(), kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
+    result = dict(shape=args.shape, tensor_parallel_size=tp, kv_cache_dtype=args.kv_cache_dtype, commit=git_commit(),
+                  kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
                   roofline_out_tok_s=n_out / roof, steps=steps, startup_s=info["startup_s"],
                   graph_capture_s=info["graphs"], kv_blocks=info["blocks"],
                   copy_TBps=ceil["copy_bytes_per_s"] / 1e12, bf16_TFLOPs=ceil["bf16_flops_per_s"] / 1e12)

@@ -113,6 +113,14 @@ class CacheConfig:
     num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory",
                                    aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
+    kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's), fp8 (= fp8_e4m3) or fp8_e5m2: float8 K/V "
+                                     "with a per-tensor scale per layer (the checkpoint's k_scale / v_scale, "
+                                     "--calculate-kv-scales, else 1.0), twice the tokens of a bf16 cache; "
+                                     "full-attention and sliding-window layers (not MLA)",
+                             choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    calculate_kv_scales: bool = _f(False, "with an fp8 KV cache: each layer's K and V scales from the first batch "
+                                          "written to the cache (2 x its largest |value| maps to the float8 "
+                                          "maximum) instead of the checkpoint's or 1.0")
 
 
 @dataclass

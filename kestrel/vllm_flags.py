@@ -56,8 +56,6 @@ COMPAT_FLAGS = (
                dict(type=int)),
     CompatFlag(("--cpu-offload-gb",), "offloading weights to host memory is not implemented", lambda v: v == 0,
                dict(type=float)),
-    CompatFlag(("--kv-cache-dtype",), "an FP8 KV cache is not implemented yet: the KV cache takes the model's "
-               "dtype (auto)", lambda v: v in ("auto",)),
     CompatFlag(("--guided-decoding-backend",), "structured outputs use xgrammar (auto)",
                lambda v: v in ("auto", "xgrammar")),
     CompatFlag(("--structured-outputs-config",), "structured outputs use xgrammar (backend auto or xgrammar)",

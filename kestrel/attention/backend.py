@@ -89,6 +89,9 @@ class AttentionImpl:
             raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap!r}")
         self.sliding_window = int(sliding_window or 0)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        # an FP8 cache's per-tensor scales (float32 scalar tensors of the layer; kestrel/attention/kv_quant.py)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -106,6 +109,7 @@ class AttentionBackend:
     supports_sliding_window: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     supports_bidirectional_prefix: ClassVar[bool] = False
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # quantised cache dtypes it reads (FP8 KV cache)
 
     impl_cls: ClassVar[type[AttentionImpl]]
     builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
@@ -129,4 +133,12 @@ class AttentionBackend:
             return False, f"reads no {type(spec).__name__}"
         if getattr(spec, "sliding_window", 0) and not cls.supports_sliding_window:
             return False, "no sliding window"
+        return True, ""
+
+    @classmethod
+    def validate_kv_cache_dtype(cls, platform: Platform, cache_dtype: torch.dtype,
+                                dtype: torch.dtype) -> tuple[bool, str]:
+        """A cache in the model's dtype, or one of the quantised dtypes the backend reads."""
+        if cache_dtype != dtype and cache_dtype not in cls.kv_cache_dtypes:
+            return False, f"no {cache_dtype} KV cache"
         return True, ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kestrel.attention import kv_quant
 from kestrel.attention.backend import AttentionMetadata
 from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 
@@ -27,6 +28,10 @@ class Attention(nn.Module):
         self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix
+        # per-tensor scales of an FP8 KV cache (kestrel/attention/kv_quant.py): the checkpoint's, else 1.0
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.calibrate_kv_scales = False  # --calculate-kv-scales: set them from the next batch that writes K/V
         # bound by the model runner: the group's backend impl, this layer's cache and its group
         self.impl = None
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -37,7 +42,8 @@ class Attention(nn.Module):
         meta = ctx.attn_metadata[self.group_id]
         t = qkv.shape[0]
         q_norm, k_norm = self._qk_norms
-        if getattr(self.impl, "fuses_qkv_prologue", False) and self.rotary.rot_dim == self.head_dim:
+        fuse = getattr(self.impl, "fuses_qkv_prologue", False) and not self.calibrate_kv_scales
+        if fuse and self.rotary.rot_dim == self.head_dim:
             out = self.impl.forward_qkv(qkv, positions, self.rotary.cos_sin_cache, q_norm, k_norm, self.kv_cache, meta)
             return out.reshape(t, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -46,7 +52,11 @@ class Attention(nn.Module):
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.impl.forward(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), self.kv_cache, meta)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.calibrate_kv_scales:
+            self.calibrate_kv_scales = not kv_quant.calibrate(self, k, v, meta.slot_mapping, meta.num_tokens,
+                                                              self.kv_cache[0].dtype)
+        out = self.impl.forward(q, k, v, self.kv_cache, meta)
         return out.reshape(t, self.q_size)
 
 

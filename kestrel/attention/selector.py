@@ -40,9 +40,10 @@ def backend_candidates() -> list[type[AttentionBackend]]:
 
 def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "auto",
                              platform: Platform | None = None, what: str = "attention",
-                             requires: tuple[str, ...] = ()) -> type[AttentionBackend]:
+                             requires: tuple[str, ...] = (), dtype=None) -> type[AttentionBackend]:
     """`requires`: capability flags the backend must declare True for the model's request features (the runner's
-    add-ons name them, e.g. supports_bidirectional_prefix)."""
+    add-ons name them, e.g. supports_bidirectional_prefix). `dtype`: the model's (default: the spec's, which
+    differs for a quantised KV cache)."""
     platform = platform or current_platform()
     cands = backend_candidates()
     if forced != "auto":
@@ -52,10 +53,13 @@ def select_attention_backend(spec: KVCacheSpec, block_size: int, forced: str = "
         cands = [c for c in cands if c.name == forced]
     skipped = []
     head_size = getattr(spec, "head_dim", 0)
+    dtype = dtype or spec.dtype
     for cls in cands:
-        ok, why = cls.validate(platform, spec.dtype, head_size, block_size)
+        ok, why = cls.validate(platform, dtype, head_size, block_size)
         if ok:
             ok, why = cls.validate_spec(spec)
+        if ok:
+            ok, why = cls.validate_kv_cache_dtype(platform, spec.dtype, dtype)
         missing = [flag for flag in requires if not getattr(cls, flag)]
         if ok and missing:
             ok, why = False, f"lacks {', '.join(missing)}"

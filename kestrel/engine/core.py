@@ -57,9 +57,10 @@ class EngineCore:
         self.grammars = GrammarSteps(self.structured, ex)
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (grammar failed, adapter gone)
         self.loras: dict[int, str] = {}  # lora id -> name: the adapters every rank holds (set when call_all succeeds)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); ready in %.1f s", num_blocks,
+        kv_dtypes = sorted({str(g.spec.dtype).removeprefix("torch.") for g in ex.kv_cache_groups})
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); ready in %.1f s", num_blocks,
                     config.cache.block_size, num_blocks * config.cache.block_size,
-                    num_blocks * ex.bytes_per_block / 2**20, time.perf_counter() - t0)
+                    num_blocks * ex.bytes_per_block / 2**20, "/".join(kv_dtypes), time.perf_counter() - t0)
 
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:

@@ -39,7 +39,7 @@ class LazyTensor:
         return t.to(self._device)
 
     def read(self) -> torch.Tensor:
-        return self._count(self._slice[:])
+        return self._count(self._slice[...])  # `...`, not `:`: a 0-dim tensor (a per-tensor scale) reads too
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = tuple([slice(None)] * dim + [slice(start, start + length)])

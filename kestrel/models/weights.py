@@ -7,6 +7,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from kestrel.attention.kv_quant import checkpoint_kv_scale, load_checkpoint_kv_scale
 from kestrel.layers.linear import Linear, materialize
 
 
@@ -35,6 +36,12 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (skip_lm_head and name == "lm_head.weight"):
+            continue
+        kv_scale = checkpoint_kv_scale(name)
+        if kv_scale is not None:  # an FP8 checkpoint's per-tensor K/V scale: the attention layer's
+            parent, which = kv_scale
+            module = model.get_submodule(parent[len(strip):] if parent.startswith(strip) else parent)
+            load_checkpoint_kv_scale(module, name, which, materialize(tensor))
             continue
         module, param, shard = resolve(model, name, stacked, strip)
         if isinstance(module, Linear):

@@ -14,6 +14,9 @@ GATES = {
     "head_dims": (64, 128, 256),  # any power of two in [16, 256] compiles; these are the ones checked
     "block_sizes": (16, 32, 64, 128, 256),
     "platforms": ("cuda",),  # plus the CPU interpreter (TRITON_INTERPRET=1) for tests
+    # float8 KV caches the attention kernels read and write (per-tensor scales); on the GPU where the platform
+    # converts float8 in Triton (supports_triton_fp8: sm_89+), not the fnuz float8 of gfx94x
+    "kv_cache_dtypes": (torch.float8_e4m3fn, torch.float8_e5m2),
 }
 
 
@@ -48,4 +51,11 @@ def check_attention(dtype: torch.dtype, head_dim: int, block_size: int) -> tuple
         return False, f"head_dim {head_dim} is not a power of two in [16, 256]"
     if block_size not in GATES["block_sizes"]:
         return False, f"block_size {block_size} not in {GATES['block_sizes']}"
+    return True, ""
+
+
+def check_kv_cache_dtype(cache_dtype: torch.dtype) -> tuple[bool, str]:
+    """A KV cache in one of the compute dtypes, or a float8 one."""
+    if cache_dtype not in GATES["dtypes"] + GATES["kv_cache_dtypes"]:
+        return False, f"KV cache dtype {cache_dtype} not in {GATES['dtypes'] + GATES['kv_cache_dtypes']}"
     return True, ""

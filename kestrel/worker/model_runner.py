@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import torch
 
+from kestrel.attention import kv_quant
 from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
@@ -78,14 +79,15 @@ class ModelRunner:
         """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
         features require) and give each layer its impl."""
         ctx = self.loaded.context
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(ctx.kv_cache_specs, self.block_size,
+        specs = kv_quant.specs_with_cache_dtype(ctx.kv_cache_specs, self.config.cache.kv_cache_dtype)
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(specs, self.block_size,
                                                                    self.config.scheduler.max_num_seqs)
         self.backends, self.builders = [], []
         requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
         for g in self.kv_cache_groups:
             what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
             backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what, requires=requires)
+                                               what=what, requires=requires, dtype=self.dtype)
             self.backends.append(backend)
             self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
             for name in g.layer_names:
@@ -93,6 +95,8 @@ class ModelRunner:
                 layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                               sliding_window=layer.sliding_window,
                                               logits_soft_cap=layer.logits_soft_cap)
+                if kv_quant.is_fp8(g.spec.dtype):
+                    layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
                 layer.group_id = g.group_id
 
     @property
@@ -216,6 +220,10 @@ class ModelRunner:
         """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
         self.buffers = self._new_buffers()
         self.graphs = capture_graphs(self)
+        if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
+            for g in self.kv_cache_groups:
+                for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():
+                    self.loaded.context.attention_layers[name].calibrate_kv_scales = True
 
     def precompile_kernels(self) -> None:
         """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""

@@ -44,3 +44,25 @@ def poison_outside_window(kc, vc, bt, q_lens, seq_lens, window):
         if b % 2 == 0:
             bt[b, : lo // page] = null
     return kc, vc, bt
+
+
+def rope_cos_sin(d: int, max_pos: int, device="cpu") -> torch.Tensor:
+    """A neox rotary cos/sin cache [max_pos, d] (cos | sin), base 10000."""
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).to(device)
+
+
+def unfused_prologue(qkv, pos, cos_sin, hq, hkv, d, q_norm_weight=None, k_norm_weight=None):
+    """What the fused attention prologue computes, step by step with the Triton ops: split the qkv rows, RMS-norm
+    q and k per head (with weights), rotate both. Returns (q, k, v) [T, H, d]."""
+    from kestrel.attention.ops import triton_attention as ta
+
+    t = qkv.shape[0]
+    q = qkv[:, : hq * d].reshape(t, hq, d).clone()
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d).clone()
+    v = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d).clone()
+    if q_norm_weight is not None:
+        q, k = ta.rms_norm(q, q_norm_weight, 1e-6), ta.rms_norm(k, k_norm_weight, 1e-6)
+    ta.rotary_embedding_(pos, q, k, cos_sin, d, True)
+    return q, k, v

@@ -36,10 +36,11 @@ def test_qk_norm_rope_cache_compiles(has_norm, d, hq, hkv):
     ptrs = {n: "*bf16" for n in ("QKV", "QW", "KW", "QO", "KC", "VC")} | {"CS": "*fp32", "POS": "*i64", "SLOT": "*i64"}
     sig = {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=d, HALF=d // 2, HQ_PAD=triton.next_power_of_2(hq),
-                             HKV_PAD=triton.next_power_of_2(hkv), HAS_NORM=has_norm, PAGE=16))
+                             HKV_PAD=triton.next_power_of_2(hkv), HAS_NORM=has_norm, PAGE=16, FP8_MAX=0.0))
 
 
 FLOAT_ARGS = ("qk_scale", "cap_log2")
+SCALES = {"KS": "*fp32", "VS": "*fp32"}  # an FP8 KV cache's per-tensor scales (unused at FP8_MAX=0.0)
 # (WINDOWED, SOFTCAP): full attention, Gemma 3's sliding layers, Gemma 2 (both)
 OPTIONS = [(False, False), (True, False), (True, True)]
 
@@ -49,11 +50,11 @@ OPTIONS = [(False, False), (True, False), (True, True)]
 def test_decode_kernels_compile(split, fused_reduce, windowed, softcap):
     fn = triton_attention._decode_kernel
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
-            "PLSE": "*fp32", "CNT": "*i32"}
+            "PLSE": "*fp32", "CNT": "*i32", **SCALES}
     sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False,
                              FUSED_REDUCE=fused_reduce, MAX_SPLITS=triton_attention.MAX_SPLITS,
-                             WINDOWED=windowed, SOFTCAP=softcap))
+                             WINDOWED=windowed, SOFTCAP=softcap, FP8_MAX=0.0))
     fn = triton_attention._decode_reduce_kernel
     sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64, WINDOWED=windowed))
@@ -81,11 +82,12 @@ def test_mla_decode_kernel_compiles(split, num_warps):
 @pytest.mark.parametrize("block_m,block_n,page", [(16, 64, 16), (64, 64, 16), (64, 32, 64)])
 def test_prefill_kernel_compiles(block_m, block_n, page, windowed, softcap):
     fn = triton_attention._prefill_kernel
-    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+            **SCALES}
     sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=128, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
                              SEARCH_ITERS=triton_attention._search_iters(256), UPCAST=False,
-                             WINDOWED=windowed, SOFTCAP=softcap, Q_DIM=128, O_DIM=128))
+                             WINDOWED=windowed, SOFTCAP=softcap, Q_DIM=128, O_DIM=128, FP8_MAX=0.0))
 
 
 def test_mla_dense_prefill_kernels_compile():
@@ -96,10 +98,43 @@ def test_mla_dense_prefill_kernels_compile():
            for n in fn.arg_names}
     compile_ok(fn, sig, dict(NOPE=128, R=64, VD=128, D=256, BLOCK_H=16))
     fn = triton_attention._prefill_kernel
-    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+            **SCALES}
     sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(HEAD_DIM=256, PAGE=16, BLOCK_M=64, BLOCK_N=32, SEARCH_ITERS=8, UPCAST=False,
-                             WINDOWED=False, SOFTCAP=False, Q_DIM=192, O_DIM=128))
+                             WINDOWED=False, SOFTCAP=False, Q_DIM=192, O_DIM=128, FP8_MAX=0.0))
+
+
+# the float8 cache dtypes as Triton names them, with their largest values
+FP8_CACHES = [("fp8e4nv", 448.0), ("fp8e5", 57344.0)]
+
+
+@pytest.mark.parametrize("cache,fp8_max", FP8_CACHES)
+@pytest.mark.parametrize("windowed", [False, True])
+def test_fp8_kv_cache_kernels_compile(cache, fp8_max, windowed):
+    """--kv-cache-dtype fp8 / fp8_e5m2: the cache writes quantise into, decode and prefill read, float8 caches."""
+    c = "*" + cache
+    fn = triton_attention._reshape_and_cache_kernel
+    ptrs = {"KEY": "*bf16", "VALUE": "*bf16", "KC": c, "VC": c, "SLOT": "*i64", **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, H_PAD=8, PAGE=16, FP8_MAX=fp8_max))
+    fn = fused_ops._qk_norm_rope_cache_kernel
+    ptrs = {n: "*bf16" for n in ("QKV", "QW", "KW", "QO")} | {"KC": c, "VC": c, "CS": "*fp32", "POS": "*i64",
+                                                              "SLOT": "*i64", **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, HALF=64, HQ_PAD=16, HKV_PAD=8, HAS_NORM=True, PAGE=16, FP8_MAX=fp8_max))
+    fn = triton_attention._decode_kernel
+    ptrs = {"Q": "*bf16", "K": c, "V": c, "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+            "PLSE": "*fp32", "CNT": "*i32", **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=True, USE_DOT=True, UPCAST=False,
+                    FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, WINDOWED=windowed, SOFTCAP=False,
+                    FP8_MAX=fp8_max))
+    fn = triton_attention._prefill_kernel
+    ptrs = {"Q": "*bf16", "K": c, "V": c, "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16", **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False, WINDOWED=windowed,
+                    SOFTCAP=False, Q_DIM=128, O_DIM=128, FP8_MAX=fp8_max))
 
 
 def _ptx(fn, ptrs, consts):
@@ -120,21 +155,28 @@ def test_full_attention_never_reads_the_window_or_the_cap(kernel):
     pays nothing for them); with the flags on, they are read."""
     if kernel == "prefill":
         fn = triton_attention._prefill_kernel
-        ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16"}
+        ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+                **SCALES}
         consts = dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False, Q_DIM=128,
-                      O_DIM=128)
+                      O_DIM=128, FP8_MAX=0.0)
     else:
         fn = triton_attention._decode_kernel
         ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
-                "PLSE": "*fp32", "CNT": "*i32"}
+                "PLSE": "*fp32", "CNT": "*i32", **SCALES}
         consts = dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=True, USE_DOT=True, UPCAST=False,
-                      FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, PDL=False)
+                      FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, PDL=False, FP8_MAX=0.0)
     for on in (False, True):
         c = {**consts, "WINDOWED": on, "SOFTCAP": on}
         ptx = _ptx(fn, ptrs, c)
         assert _reads_param(fn, c, ptx, "window") == on
         assert _reads_param(fn, c, ptx, "cap_log2") == on
         assert _reads_param(fn, c, ptx, "qk_scale")  # the check itself sees parameter reads
+        # a cache in the model's dtype (FP8_MAX=0.0) never loads the float8 scales' pointers
+        assert not _reads_param(fn, c, ptx, "KS") and not _reads_param(fn, c, ptx, "VS")
+    c = {**consts, "WINDOWED": False, "SOFTCAP": False, "FP8_MAX": 448.0}
+    ptrs = {**ptrs, "K": "*fp8e4nv", "V": "*fp8e4nv"}
+    ptx = _ptx(fn, ptrs, c)
+    assert _reads_param(fn, c, ptx, "KS") and _reads_param(fn, c, ptx, "VS")
 
 
 @pytest.mark.parametrize("split", [1, 4])

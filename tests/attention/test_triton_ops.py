@@ -19,7 +19,7 @@ if _ok:
     from kestrel.attention.ops import reference as ref
     from kestrel.attention.ops import triton_attention as ta
 
-from tests.attention.paged_cases import paged_case, poison_outside_window  # noqa: E402
+from tests.attention.paged_cases import paged_case, poison_outside_window, rope_cos_sin, unfused_prologue  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] + ([] if torch.cuda.is_available() else [torch.float32])
@@ -335,9 +335,7 @@ def test_qk_norm_rope_cache_equals_the_unfused_chain(dtype, with_norm, d, hq, hk
 
     gen = torch.Generator().manual_seed(11)
     T, max_pos, page, blocks = 9, 300, 16, 8
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
-    cache = torch.cat([ang.cos(), ang.sin()], dim=-1).to(DEVICE)
+    cache = rope_cos_sin(d, max_pos, DEVICE)
     pos = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
     qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
     qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(DEVICE, dtype) if with_norm else None
@@ -347,12 +345,7 @@ def test_qk_norm_rope_cache_equals_the_unfused_chain(dtype, with_norm, d, hq, hk
     kc, vc = (torch.full((blocks, page, hkv, d), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
     kc_ref, vc_ref = kc.clone(), vc.clone()
 
-    q_ref = qkv[:, : hq * d].reshape(T, hq, d).clone()
-    k_ref = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d).clone()
-    v_ref = qkv[:, (hq + hkv) * d:].reshape(T, hkv, d).clone()
-    if with_norm:
-        q_ref, k_ref = ta.rms_norm(q_ref, qw, 1e-6), ta.rms_norm(k_ref, kw, 1e-6)
-    ta.rotary_embedding_(pos, q_ref, k_ref, cache, d, True)
+    q_ref, k_ref, v_ref = unfused_prologue(qkv, pos, cache, hq, hkv, d, qw, kw)
     ta.reshape_and_cache(k_ref, v_ref, kc_ref, vc_ref, slots)
 
     q = qk_norm_rope_cache(qkv, pos, cache, hq, hkv, d, kc, vc, slots, qw, kw, 1e-6)

@@ -29,7 +29,10 @@ ACCEPTED = [
     (["--dtype", "bfloat16"], lambda a, c: c.model.dtype == "bfloat16"),
     (["--dtype", "float32"], lambda a, c: c.model.dtype == "float32"),
     (["--dtype", "float"], lambda a, c: c.model.dtype == "float32"),
-    (["--kv-cache-dtype", "auto"], lambda a, c: True),
+    (["--kv-cache-dtype", "auto"], lambda a, c: c.cache.kv_cache_dtype == "auto"),
+    (["--kv-cache-dtype", "fp8"], lambda a, c: c.cache.kv_cache_dtype == "fp8"),
+    (["--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales"],
+     lambda a, c: c.cache.kv_cache_dtype == "fp8_e5m2" and c.cache.calculate_kv_scales),
     (["--max-num-seqs", "64"], lambda a, c: c.scheduler.max_num_seqs == 64),
     (["--max-num-batched-tokens", "4096"], lambda a, c: c.scheduler.max_num_batched_tokens == 4096),
     (["--enable-chunked-prefill"], lambda a, c: c.scheduler.enable_chunked_prefill),
@@ -84,7 +87,7 @@ ACCEPTED = [
 
 # (flags, what the one line must say)
 REFUSED = [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: an FP8 KV cache is not implemented"),
+    (["--kv-cache-dtype", "fp8_inc"], "argument --kv-cache-dtype: invalid choice: 'fp8_inc'"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),

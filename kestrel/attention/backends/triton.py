@@ -14,7 +14,7 @@ if not _ok:
 
 from kestrel.kernels.triton_ops.fused_ops import qk_norm_rope_cache  # noqa: E402
 from kestrel.attention.ops.triton_attention import decode_attention, prefill_attention, reshape_and_cache  # noqa: E402
-from kestrel.platform import Platform  # noqa: E402
+from kestrel.platform import Platform, is_fp8_fnuz, supports_triton_fp8  # noqa: E402
 
 
 class TritonImpl(AttentionImpl):
@@ -22,7 +22,7 @@ class TritonImpl(AttentionImpl):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q, kv_cache, meta)
 
     def forward_qkv(self, qkv, positions, cos_sin_cache, q_norm, k_norm, kv_cache, meta: AttentionMetadata):
@@ -32,13 +32,14 @@ class TritonImpl(AttentionImpl):
                                k_cache, v_cache, meta.slot_mapping,
                                q_norm.weight if q_norm is not None else None,
                                k_norm.weight if k_norm is not None else None,
-                               q_norm.eps if q_norm is not None else 1e-6)
+                               q_norm.eps if q_norm is not None else 1e-6, self.k_scale, self.v_scale)
         return self._attend(q, kv_cache, meta)
 
     def _attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
-        options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap}
+        options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap,
+                   "k_scale": self.k_scale, "v_scale": self.v_scale}
         if meta.num_decodes == meta.num_reqs:
             decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
                              max_seq_len=meta.max_seq_len, **options)
@@ -57,6 +58,7 @@ class TritonBackend(AttentionBackend):
     head_sizes = gates.GATES["head_dims"]  # the head dims checked on the GPU (64, 128, 256)
     supports_sliding_window = True
     supports_cuda_graphs = True
+    kv_cache_dtypes = gates.GATES["kv_cache_dtypes"]
     impl_cls = TritonImpl
 
     @classmethod
@@ -64,4 +66,13 @@ class TritonBackend(AttentionBackend):
         ok, why = super().validate(platform, dtype, head_size, block_size)
         if ok:
             ok, why = gates.check_attention(dtype, head_size, block_size)
+        return ok, why
+
+    @classmethod
+    def validate_kv_cache_dtype(cls, platform: Platform, cache_dtype, dtype):
+        ok, why = super().validate_kv_cache_dtype(platform, cache_dtype, dtype)
+        if ok and cache_dtype != dtype:
+            if not supports_triton_fp8(platform) or is_fp8_fnuz(platform):
+                return False, f"a {cache_dtype} KV cache needs Triton float8 conversions (sm_89+), not on " \
+                              f"{platform.arch_name}"
         return ok, why

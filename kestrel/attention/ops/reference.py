@@ -11,13 +11,25 @@ may already hold another request's data. Soft-capping (Gemma 2) replaces a scale
 cap * tanh(s / cap) before the mask. A bidirectional prefix of L tokens (PaliGemma's image + prompt) also lets
 queries at positions < L see keys at positions < L (transformers' `block_sequence_ids` over the prefix); the
 scheduler computes such a prefix in one chunk, so those keys are in the cache.
+
+A float8 cache (kestrel/attention/kv_quant.py) holds K / k_scale and V / v_scale: the write quantises, the
+attention reads value * scale in float32.
 """
 from __future__ import annotations
 
 import torch
 
+from kestrel.attention.kv_quant import dequantize, is_fp8, quantize
 
-def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+
+def cache_value(x, cache_dtype, scale=None):
+    """What a cache of `cache_dtype` stores for x: x quantised with `scale` (default 1.0) for float8, else x."""
+    if is_fp8(cache_dtype):
+        return quantize(x, 1.0 if scale is None else scale, cache_dtype)
+    return x.to(cache_dtype)
+
+
+def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write token t's K/V to slot slot_mapping[t] (slot = block * block_size + offset); slot < 0 skips.
     key/value may be longer than slot_mapping (CUDA-graph padding): the extra rows are ignored."""
     bs = k_cache.shape[1]
@@ -25,8 +37,8 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     # indexed by (block, offset): the caches may be views with a block stride wider than a block (kv_allocation)
-    k_cache[slots // bs, slots % bs] = key[:n][keep].to(k_cache.dtype)
-    v_cache[slots // bs, slots % bs] = value[:n][keep].to(v_cache.dtype)
+    k_cache[slots // bs, slots % bs] = cache_value(key[:n][keep], k_cache.dtype, k_scale)
+    v_cache[slots // bs, slots % bs] = cache_value(value[:n][keep], v_cache.dtype, v_scale)
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -64,12 +76,13 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: i
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
                         sliding_window: int | None = None, softcap: float = 0.0,
-                        bidirectional_lens: list[int] | None = None, **_):
+                        bidirectional_lens: list[int] | None = None, k_scale=None, v_scale=None, **_):
     """Causal varlen attention over a paged cache: q [T, Hq, D] -> [T, Hq, D] (out's dtype, default q's).
 
     Sequence b's queries q[query_start_loc[b]:query_start_loc[b+1]] sit at positions seq_lens[b] - q_len_b ..
     seq_lens[b] - 1; its K/V (cached prefix and new tokens) are in the cache. A sequence with seq_len 0
-    (a padding row) gives zeros. query_start_loc / seq_lens: tensors or lists.
+    (a padding row) gives zeros. query_start_loc / seq_lens: tensors or lists. k_scale / v_scale: a float8
+    cache's scales (default 1.0).
     """
     out = torch.empty_like(q) if out is None else out
     qsl = query_start_loc.tolist() if torch.is_tensor(query_start_loc) else list(query_start_loc)
@@ -82,8 +95,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
             out[s:e] = 0
             continue
         lo = window_start(seq_len - (e - s), sliding_window)
-        k = gather_kv(k_cache, block_tables[b], lo, seq_len)
-        v = gather_kv(v_cache, block_tables[b], lo, seq_len)
+        k = dequantize(gather_kv(k_cache, block_tables[b], lo, seq_len), 1.0 if k_scale is None else k_scale)
+        v = dequantize(gather_kv(v_cache, block_tables[b], lo, seq_len), 1.0 if v_scale is None else v_scale)
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         k_pos = torch.arange(lo, seq_len, device=q.device)
         prefix = bidirectional_lens[b] if bidirectional_lens else 0

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.triton_ops.fused_ops import rms_norm, rotary_embedding_, silu_and_mul  # noqa: F401  (re-export)
-from kestrel.platform.triton_gates import check_attention, interpreter_mode
+from kestrel.kernels.triton_ops.fused_ops import kv_cache_args, kv_cache_value
+from kestrel.platform.triton_gates import check_attention, check_kv_cache_dtype, interpreter_mode
 from kestrel.kernels.triton_ops.counters import CAPACITY as COUNTER_CAPACITY, tile_counters
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
 
@@ -57,6 +58,12 @@ def _sms_for(t: torch.Tensor) -> int:
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    """`dtype`: the queries' (reads) or the new keys' (writes); the cache holds it or a float8 dtype."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
+    ok, why = check_kv_cache_dtype(k_cache.dtype)
+    if not ok:
+        raise ValueError(why)
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k_cache.dim() != 4 or k_cache.stride(-1) != 1 or k_cache.stride(-2) != k_cache.shape[-1]:
@@ -75,11 +82,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _reshape_and_cache_kernel(
-    KEY, VALUE, KC, VC, SLOT,
+    KEY, VALUE, KC, VC, SLOT, KS, VS,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ct, stride_ch,
     num_heads,
-    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(SLOT + t)
@@ -96,24 +103,26 @@ def _reshape_and_cache_kernel(
     dst = blk * stride_cb + off * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
-    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+    tl.store(KC + dst, kv_cache_value(k, KS, FP8_MAX).to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, kv_cache_value(v, VS, FP8_MAX).to(VC.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """key/value [T, Hkv, D] -> k_cache/v_cache at slot_mapping[T] (int64; slot < 0 = padding, skipped)."""
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """key/value [T, Hkv, D] -> k_cache/v_cache at slot_mapping[T] (int64; slot < 0 = padding, skipped). A float8
+    cache stores key / k_scale and value / v_scale (float32 tensors of one value), saturated to its range."""
     T = key.shape[0]
     if T == 0:
         return
-    _check_cache(k_cache, v_cache, k_cache.dtype)
+    _check_cache(k_cache, v_cache, key.dtype)
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _, page, hkv, d = k_cache.shape
+    ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _reshape_and_cache_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         hkv,
-        HEAD_DIM=d, H_PAD=triton.next_power_of_2(hkv), PAGE=page,
+        HEAD_DIM=d, H_PAD=triton.next_power_of_2(hkv), PAGE=page, FP8_MAX=fp8_max,
         num_warps=4 if hkv * d >= 1024 else 1,
     )
 
@@ -169,6 +178,17 @@ def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
     return s
 
 
+@triton.jit
+def _kv_scale(ptr, FP8_MAX: tl.constexpr):
+    """A float8 cache's per-tensor scale (FP8_MAX > 0), else 1.0. Attention folds K's into the logit scale and V's
+    into the output (both linear), so tiles are only converted to the query's dtype (exact from float8)."""
+    if FP8_MAX > 0:
+        s = tl.load(ptr)
+    else:
+        s = 1.0
+    return s
+
+
 def _score_args(scale: float, softcap: float | None) -> tuple[float, float, bool]:
     """(qk_scale, cap_log2, SOFTCAP) for _scores."""
     if softcap:
@@ -214,7 +234,7 @@ def _decode_window(seq_len, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexp
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_kernel(
-    Q, K, V, BT, SL, O, PO, PLSE, CNT,
+    Q, K, V, BT, SL, O, PO, PLSE, CNT, KS, VS,
     qk_scale, cap_log2, G, num_q_heads, num_splits, min_split, window,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
@@ -223,7 +243,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -245,6 +265,7 @@ def _decode_kernel(
     q = tl.load(Q + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     if not USE_DOT:
         q = q.to(tl.float32)
+    qk_scale = qk_scale * _kv_scale(KS, FP8_MAX)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -255,8 +276,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         # Every tile holds at least one visible key (splits start at tile boundaries >= lo_al, end > lo).
         offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, WINDOWED)
-        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(Q.dtype.element_ty)
         if USE_DOT:
             s = _mm(q, tl.trans(k), UPCAST)
         else:
@@ -274,6 +295,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if FP8_MAX > 0:
+        o = o * tl.load(VS)
     dst = O + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if not SPLIT:
         tl.store(dst, o.to(O.dtype.element_ty), mask=mask_g[:, None])
@@ -405,13 +428,14 @@ def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
-    sliding_window=None, softcap=0.0, _config=None
+    sliding_window=None, softcap=0.0, k_scale=None, v_scale=None, _config=None
 ):
     """q [B, Hq, D] (one token per sequence, at position seq_lens[b]-1) -> out [B, Hq, D].
 
     num_splits: splits of the context (power of two); default from the shapes (block table width or
     max_seq_len, capped by the window), never from device values. Rows with seq_len 0 produce zeros.
     sliding_window / softcap: see the module docstring (the splits divide the window's keys only).
+    k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
     """
     window = _check_options(sliding_window, softcap)
     B, hq, d = q.shape
@@ -440,8 +464,9 @@ def decode_attention(
     fused_reduce = num_splits > 1 and cfg.get("FUSED_REDUCE", True) and B * hkv <= COUNTER_CAPACITY
     cnt = tile_counters(q.device) if fused_reduce else out
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
+    ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt, ks, vs,
         qk_scale, cap_log2, group, hq, num_splits, min_split, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -450,7 +475,7 @@ def decode_attention(
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS, WINDOWED=window > 0, SOFTCAP=has_softcap,
-        **launch,
+        FP8_MAX=fp8_max, **launch,
         **pdl_launch(B),
     )
     if num_splits > 1 and not fused_reduce:
@@ -471,7 +496,7 @@ def _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, offs_n, pos_m, m_i, l_
     """One online-softmax step of a windowed prefill over a tile that needs the causal and window masks. A row
     may see none of the tile's keys (windows narrower than the tiles): its running max stays -inf, and the
     exponentials are taken against 0 instead so that nothing turns into NaN."""
-    k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
     s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
     visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
     if WINDOWED:
@@ -482,14 +507,14 @@ def _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, offs_n, pos_m, m_i, l_
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
     return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    Q, K, V, BT, QSL, SL, O,
+    Q, K, V, BT, QSL, SL, O, KS, VS,
     qk_scale, cap_log2, G, num_seqs, window,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
@@ -498,6 +523,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, Q_DIM: tl.constexpr, O_DIM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -530,6 +556,7 @@ def _prefill_kernel(
         q_mask = q_mask & (offs_d < Q_DIM)[None, :]
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
     pos_m = ctx + offs_m
+    qk_scale = qk_scale * _kv_scale(KS, FP8_MAX)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -557,13 +584,13 @@ def _prefill_kernel(
         mid_start = 0
     for n0 in range(mid_start, full_end, BLOCK_N):
         offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
-        k = tl.load(k_base + offs[:, None] + offs_d[None, :])
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :]).to(q.dtype)
         s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs[:, None] + offs_d[None, :])
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :]).to(q.dtype)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     for n0 in range(full_end, kv_end, BLOCK_N):
@@ -573,7 +600,7 @@ def _prefill_kernel(
                                          m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP)
         else:
             offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
-            k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
             s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
             offs_n = n0 + tl.arange(0, BLOCK_N)
             visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
@@ -582,11 +609,13 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, UPCAST)
             m_i = m_new
 
     o = acc / l_i[:, None]
+    if FP8_MAX > 0:
+        o = o * tl.load(VS)
     o_mask = mask_m[:, None]
     if O_DIM < HEAD_DIM:  # only the first O_DIM lanes (MLA's values: 128 of 256)
         o_mask = o_mask & (offs_d < O_DIM)[None, :]
@@ -612,7 +641,8 @@ def _search_iters(num_seqs: int) -> int:
 
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
-    max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, _config=None,
+    max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, k_scale=None, v_scale=None,
+    _config=None,
 ):
     """Causal varlen attention for q [T, Hq, Dq]; K/V [.., D] (prefix and new tokens) are read from the paged
     cache -> out [T, Hq, Do] (default Do = D).
@@ -623,6 +653,7 @@ def prefill_attention(
     max_seq_len is accepted for interface symmetry. sliding_window / softcap: see the module docstring.
     Dq, Do <= D: a query narrower than the keys (its missing lanes count as zeros) and an output of the first Do
     lanes only (MLA's padded heads: 192-dim queries and 128-dim values over 256-dim K/V, no padded copies).
+    k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
     """
     window = _check_options(sliding_window, softcap)
     T, hq, dq = q.shape
@@ -645,8 +676,9 @@ def prefill_attention(
     bm = cfg["BLOCK_M"]
     launch = {} if interpreter_mode() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
+    ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(T // bm + B, hq)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, ks, vs,
         qk_scale, cap_log2, hq // hkv, B, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -654,6 +686,6 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
         SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype), WINDOWED=window > 0, SOFTCAP=has_softcap,
-        Q_DIM=dq, O_DIM=out.shape[-1], **launch,
+        Q_DIM=dq, O_DIM=out.shape[-1], FP8_MAX=fp8_max, **launch,
     )
     return out

@@ -18,6 +18,29 @@ def _warps(n: int) -> dict:
     return {"num_warps": 1 if n <= 256 else 4 if n <= 2048 else 8 if n <= 8192 else 16}
 
 
+def kv_cache_args(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """(k scale, v scale, FP8_MAX) kernel arguments of a KV-cache write or read: for a float8 cache its per-tensor
+    scales (float32 tensors of one value, read in the kernel) and the dtype's largest value; otherwise the cache
+    as unused pointers and 0.0 (no scaling)."""
+    if cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return cache, cache, 0.0
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {cache.dtype} KV cache needs k_scale and v_scale")
+    return k_scale, v_scale, float(torch.finfo(cache.dtype).max)
+
+
+@triton.jit
+def kv_cache_value(x, scale_ptr, FP8_MAX: tl.constexpr):
+    """What a KV-cache write stores for x before the store rounds it to the cache dtype: x itself, or for a float8
+    cache (FP8_MAX > 0) x / scale saturated to +-FP8_MAX (kestrel/attention/kv_quant.py's quantize)."""
+    if FP8_MAX > 0:
+        y = x.to(tl.float32) / tl.load(scale_ptr)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    else:
+        y = x
+    return y
+
+
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _rms_norm_kernel(
@@ -194,11 +217,11 @@ def _norm_rope_heads(ptr, stride_h, num_heads, W, cos, sin, eps,
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(
-    QKV, POS, CS, QW, KW, QO, KC, VC, SLOT,
+    QKV, POS, CS, QW, KW, QO, KC, VC, SLOT, KS, VS,
     stride_t, stride_cs, stride_qo, stride_cb, stride_ct, eps,
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr, PAGE: tl.constexpr,
+    HAS_NORM: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -219,19 +242,21 @@ def _qk_norm_rope_cache_kernel(
         k1, k2, kh, kd, mk = _norm_rope_heads(k_row, HEAD_DIM, num_kv_heads, KW, cos, sin, eps, HEAD_DIM, HALF,
                                               HKV_PAD, HAS_NORM)
         cdst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kh[:, None] * HEAD_DIM + kd[None, :]
-        tl.store(KC + cdst, k1, mask=mk)
-        tl.store(KC + cdst + HALF, k2, mask=mk)
+        cdt = KC.dtype.element_ty
+        tl.store(KC + cdst, kv_cache_value(k1, KS, FP8_MAX).to(cdt), mask=mk)
+        tl.store(KC + cdst + HALF, kv_cache_value(k2, KS, FP8_MAX).to(cdt), mask=mk)
         v_src = k_row + num_kv_heads * HEAD_DIM + kh[:, None] * HEAD_DIM + kd[None, :]
-        tl.store(VC + cdst, tl.load(v_src, mask=mk), mask=mk)
-        tl.store(VC + cdst + HALF, tl.load(v_src + HALF, mask=mk), mask=mk)
+        tl.store(VC + cdst, kv_cache_value(tl.load(v_src, mask=mk), VS, FP8_MAX).to(cdt), mask=mk)
+        tl.store(VC + cdst + HALF, kv_cache_value(tl.load(v_src + HALF, mask=mk), VS, FP8_MAX).to(cdt), mask=mk)
 
 
 def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, k_cache, v_cache,
-                       slot_mapping, q_norm_weight=None, k_norm_weight=None, eps=1e-6) -> torch.Tensor:
+                       slot_mapping, q_norm_weight=None, k_norm_weight=None, eps=1e-6, k_scale=None,
+                       v_scale=None) -> torch.Tensor:
     """One kernel for the attention input of a token: split the fused qkv row [T, (Hq + 2 Hkv) * D], RMS-normalise
     q and k per head (Qwen3; skipped without weights), rotate both (neox, full head dim), write k and v into the
-    paged cache at slot_mapping (slot < 0: not written) and return q [T, Hq, D]. Same rounding as rms_norm then
-    rotary_embedding_ then reshape_and_cache."""
+    paged cache at slot_mapping (slot < 0: not written; a float8 cache: quantised with k_scale / v_scale) and
+    return q [T, Hq, D]. Same rounding as rms_norm then rotary_embedding_ then reshape_and_cache."""
     T = qkv.shape[0]
     if qkv.stride(-1) != 1:
         raise ValueError("qkv must have a contiguous last dim")
@@ -243,13 +268,14 @@ def qk_norm_rope_cache(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
         raise ValueError("qk_norm_rope_cache rotates the whole head (rot_dim == head_dim)")
     has_norm = q_norm_weight is not None
     page = k_cache.shape[1]
+    ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _qk_norm_rope_cache_kernel[(T,)](
         qkv, positions, cs, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, q,
-        k_cache, v_cache, slot_mapping,
+        k_cache, v_cache, slot_mapping, ks, vs,
         qkv.stride(0), cs.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), float(eps),
         num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim, HALF=head_dim // 2, HQ_PAD=triton.next_power_of_2(num_q_heads),
-        HKV_PAD=triton.next_power_of_2(num_kv_heads), HAS_NORM=has_norm, PAGE=page,
+        HKV_PAD=triton.next_power_of_2(num_kv_heads), HAS_NORM=has_norm, PAGE=page, FP8_MAX=fp8_max,
         **_warps(num_q_heads * head_dim),
         **pdl_launch(T),
     )
