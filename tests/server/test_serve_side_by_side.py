@@ -1,0 +1,95 @@
+"""benchmarks/serve_side_by_side.py on the CPU: its table, ratios and verdicts on synthetic results of both servers,
+its rate plan, the PNG (or the line saying why there is none), and one whole run against a tiny `kestrel serve`
+(the vLLM half needs the GPU machine)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+
+from benchmarks.serve_side_by_side import auto_rates, markdown, plot, rate_runs
+from conftest import ROOT
+
+
+def run(server: str, rate, **metrics) -> dict:
+    base = dict(request_throughput=10.0, output_throughput=1000.0, median_ttft_ms=50.0, p99_ttft_ms=100.0,
+                median_itl_ms=10.0, p99_itl_ms=20.0, median_tpot_ms=11.0, median_e2el_ms=1500.0)
+    return base | metrics | {"server": server, "request_rate": rate}
+
+
+def two_servers() -> dict:
+    return {"shape": "llama-8b", "commit": "abc1234", "input_len": 1024, "output_len": 128, "range_ratio": 0.5,
+            "notes": ["vllm: rate 12 (180 prompts) skipped: over the 525 s budget"], "servers": {
+                "kestrel": {"runs": [run("kestrel", "inf", request_throughput=24.0), run("kestrel", 6.0),
+                                     run("kestrel", 12.0, p99_ttft_ms=300.0)]},
+                "vllm": {"runs": [run("vllm", "inf", request_throughput=30.0), run("vllm", 6.0, median_itl_ms=12.5),
+                                  run("vllm", 12.0, p99_ttft_ms=200.0)]}}}
+
+
+def test_markdown_rows_ratios_and_verdicts():
+    md = markdown(two_servers())
+    lines = md.splitlines()
+    rows = [ln for ln in lines if ln.startswith("| ")][1:]  # without the header
+    assert [r.split(" | ")[:2] for r in rows] == [
+        ["| 6 req/s", "Kestrel"], ["| 6 req/s", "vLLM"], ["| 6 req/s", "Kestrel / vLLM"],
+        ["| 12 req/s", "Kestrel"], ["| 12 req/s", "vLLM"], ["| 12 req/s", "Kestrel / vLLM"],
+        ["| saturation (all at once)", "Kestrel"], ["| saturation (all at once)", "vLLM"],
+        ["| saturation (all at once)", "Kestrel / vLLM"]]
+    ratio_6 = rows[2].strip("| ").split(" | ")[2:]
+    assert ratio_6[4] == "0.80x" and ratio_6[0] == "1.00x"  # ITL p50 10 / 12.5; req/s equal
+    assert rows[5].strip("| ").split(" | ")[2 + 3] == "1.50x"  # TTFT p99 300 / 200 at 12 req/s
+    assert "- 6 req/s: TTFT and ITL p50/p99 at or below vLLM's: yes" in lines
+    assert "- 12 req/s: TTFT and ITL p50/p99 at or below vLLM's: no (p99_ttft_ms)" in lines
+    assert "- saturation throughput at least vLLM's: no (24.00 vs 30.00 req/s)" in lines
+    assert "- vllm: rate 12 (180 prompts) skipped: over the 525 s budget" in lines
+
+
+def test_markdown_one_server_has_no_ratio_rows():
+    result = two_servers()
+    del result["servers"]["vllm"]
+    md = markdown(result)
+    assert "Kestrel / vLLM" not in md and "at or below" not in md and md.count("| Kestrel |") == 3
+
+
+def test_rate_plan():
+    args = Namespace(min_prompts=50, run_seconds=15)
+    assert rate_runs([20.0, 5.0], args) == [(5.0, 75), (20.0, 300)]
+    assert rate_runs([1.0], args) == [(1.0, 50)]
+    assert auto_rates({"request_throughput": 31.7}, [0.25, 0.5, 0.75]) == [7.9, 15.8, 23.8]
+    assert auto_rates({"request_throughput": 0.0}, [0.25, 0.5]) == [0.1]  # never a zero rate
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    line = plot(two_servers(), tmp_path / "p.png")
+    assert line.startswith("no PNG: matplotlib is not installed") and not (tmp_path / "p.png").exists()
+
+
+def test_plot_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert plot(two_servers(), tmp_path / "p.png") == f"wrote {tmp_path / 'p.png'}"
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_whole_run_kestrel_only_on_cpu(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serve_side_by_side", "--shape", "smoke", "--servers",
+                        "kestrel", "--rates", "2,4", "--saturation-prompts", "8", "--run-seconds", "2",
+                        "--min-prompts", "4", "--input-len", "16", "--output-len", "8", "--max-model-len", "256",
+                        "--warmups", "2", "--out", str(tmp_path), "--kestrel-args",
+                        "--cpu-threads 1 --num-kv-blocks 96"],
+                       capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "serve_side_by_side.json").read_text())
+    runs = result["servers"]["kestrel"]["runs"]
+    assert [x["request_rate"] for x in runs] == ["inf", 2.0, 4.0] and result["rates"] == [2.0, 4.0]
+    assert [x["num_prompts"] for x in runs] == [8, 4, 8]  # max(--min-prompts, rate * --run-seconds)
+    assert all(x["completed"] == x["num_prompts"] and x["failed"] == 0 and x["exit_status"] == 0 for x in runs)
+    assert result["notes"] == [] and result["servers"]["kestrel"]["startup_s"] > 0
+    md = (tmp_path / "serve_side_by_side.md").read_text()
+    assert md.count("| Kestrel |") == 3 and "saturation (all at once)" in md
+    assert (tmp_path / "kestrel_serve.log").exists()
