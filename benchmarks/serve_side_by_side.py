@@ -116,8 +116,11 @@ def auto_rates(saturation: dict, fractions: list[float]) -> list[float]:
     return sorted({max(0.1, round(f * x, 1)) for f in fractions})
 
 
-def serve_and_measure(name: str, model: Path, args, rates: list[float] | None, t0: float, notes: list[str]) -> dict:
-    """Starts one server, runs the plan against it, stops it. {"startup_s", "runs": [...]}."""
+def serve_and_measure(name: str, model: Path, args, rates: list[float] | None, t0: float, record: dict,
+                      notes: list[str], save) -> list[float] | None:
+    """Starts one server, runs the saturation run and the rate runs against it into record ("startup_s", "runs"),
+    calling save() after each, and stops it. Returns the rates (on the first server, derived from its saturation
+    run unless given)."""
     out = Path(args.out)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -125,17 +128,16 @@ def serve_and_measure(name: str, model: Path, args, rates: list[float] | None, t
     ready_timeout = min(args.startup_timeout, left - 60)
     if ready_timeout < 30:
         notes.append(f"{name}: not started, {left:.0f} s of the budget left")
-        return {"runs": []}
+        return rates
     print(f"\n=== {TITLES[name]}: starting ({shlex.join(server_argv(name, model, port, args))})", flush=True)
     t_start = time.monotonic()
     proc = start(server_argv(name, model, port, args), cwd=Path.cwd(), env=server_env(name, args),
                  output=out / f"{name}_serve.log")
-    record: dict = {"runs": []}
     try:
         problem = wait_healthy(proc, url, ready_timeout)
         if problem:
             notes.append(f"{name}: server {problem} (log: {name}_serve.log)")
-            return record
+            return rates
         record["startup_s"] = time.monotonic() - t_start
         print(f"=== {TITLES[name]}: ready in {record['startup_s']:.0f} s", flush=True)
 
@@ -148,6 +150,7 @@ def serve_and_measure(name: str, model: Path, args, rates: list[float] | None, t
             label = "inf" if math.isinf(rate) else f"{rate:g}"
             res = bench_run(url, rate, n, args, out / f"{name}_rate_{label}.json", warmups) | {"server": name}
             record["runs"].append(res)
+            save()
             return res
 
         saturation = measure(math.inf, args.saturation_prompts, args.warmups)
@@ -155,7 +158,7 @@ def serve_and_measure(name: str, model: Path, args, rates: list[float] | None, t
             rates = record["auto_rates"] = auto_rates(saturation, args.rate_fractions) if saturation else []
         for rate, n in rate_runs(rates, args):
             measure(rate, n, 0)
-        return record
+        return rates
     finally:
         stop(proc, grace_s=20)
         wait_gpu_released()
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=50, help="fewest prompts of a rate run")
     ap.add_argument("--warmups", type=int, default=16, help="warm-up requests before each server's first run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-s", type=float, default=525, help="runs that would end later are skipped")
+    ap.add_argument("--budget-s", type=float, default=500, help="seconds from the start: a run that would end "
+                    "later is skipped (the whole call then stays under 9 minutes)")
     ap.add_argument("--startup-timeout", type=float, default=300, help="most seconds a server may take to start")
     ap.add_argument("--tokenizer-vocab", type=int, default=None, help="BPE size to train (default: the model's)")
     ap.add_argument("--kestrel-args", default="", help="extra `kestrel serve` flags")
@@ -297,10 +301,9 @@ def main(argv: list[str] | None = None) -> int:
               "kestrel_args": args.kestrel_args, "vllm_args": args.vllm_args, "servers": {}, "notes": []}
     rates = args.rates
     for name in servers:
-        record = serve_and_measure(name, model, args, rates, t0, result["notes"])
-        result["servers"][name] = record
-        rates = rates or record.get("auto_rates")
-        write_outputs(result, out, final=False)
+        record = result["servers"][name] = {"runs": []}
+        rates = serve_and_measure(name, model, args, rates, t0, record, result["notes"],
+                                  lambda: write_outputs(result, out, final=False))
     result["rates"] = rates
     result["total_s"] = time.monotonic() - t0
     write_outputs(result, out, final=True)

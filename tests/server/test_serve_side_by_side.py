@@ -93,3 +93,14 @@ def test_whole_run_kestrel_only_on_cpu(tmp_path):
     md = (tmp_path / "serve_side_by_side.md").read_text()
     assert md.count("| Kestrel |") == 3 and "saturation (all at once)" in md
     assert (tmp_path / "kestrel_serve.log").exists()
+
+
+def test_nothing_starts_past_the_budget(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serve_side_by_side", "--shape", "smoke", "--budget-s", "1",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "serve_side_by_side.json").read_text())
+    assert [n.split(":")[0] for n in result["notes"]] == ["kestrel", "vllm"]
+    assert all("not started" in n for n in result["notes"]) and result["servers"]["kestrel"]["runs"] == []
+    assert "incomplete: kestrel: not started" in r.stdout
