@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.common import SHAPES, git_commit
 from benchmarks.procs import start, stop
-from kestrel.bench.serve import free_port
+from kestrel.bench.serve import CLIENT_CPU_WARN, free_port
 
 SERVERS = ("kestrel", "vllm")
 TITLES = {"kestrel": "Kestrel", "vllm": "vLLM"}
@@ -200,6 +200,11 @@ def markdown(result: dict) -> str:
                 worse = [key for key in ACCEPTANCE_KEYS if k[key] > v[key]]
                 verdicts.append(f"- {label}: TTFT and ITL p50/p99 at or below vLLM's: "
                                 + ("yes" if not worse else "no (" + ", ".join(worse) + ")"))
+    busy = [f"{TITLES[r['server']]} at {r['request_rate']}" for rec in result["servers"].values() for r in rec["runs"]
+            if r.get("client_cpu_share", 0) > CLIENT_CPU_WARN]
+    if busy:
+        verdicts.append(f"- the client used over {CLIENT_CPU_WARN:.0%} of a core in: {', '.join(busy)} "
+                        "(its timestamps lag there; latencies overstated)")
     lines += ["", "Lower is better for the latencies, higher for req/s and tok/s.", "", *verdicts]
     if result["notes"]:
         lines += ["", "Notes:", *(f"- {n}" for n in result["notes"])]

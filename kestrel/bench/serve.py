@@ -48,7 +48,7 @@ import httpx2
 from kestrel.bench.serve_data import SampleRequest, arrival_times, random_requests, sharegpt_requests
 from kestrel.bench.serve_metrics import RequestResult, percentile, summarize, table_lines
 
-DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors")
+CLIENT_CPU_WARN = 0.7  # share of one core above which the latencies are the client's as much as the server's
 
 
 def free_port() -> int:
@@ -246,8 +246,12 @@ async def benchmark(args, url: str, headers: dict) -> dict:
             warm = [SampleRequest(requests[0].prompt, requests[0].prompt_len, min(16, requests[0].expected_output_len))]
             await run_requests(c, url, body, warm * args.num_warmups, [0.0] * args.num_warmups, None,
                                [None] * args.num_warmups)
+        cpu0 = time.process_time()
         results, duration = await run_requests(c, url, body, requests, arrivals, args.max_concurrency, disconnects)
+        client_cpu = time.process_time() - cpu0
     result = result_header(args, body["model"], tokenizer_id) | summarize(results, duration, args.percentiles)
+    # a client near one busy core timestamps chunks late: its ITL/TTFT figures then measure itself
+    result["client_cpu_share"] = client_cpu / duration
     result["disconnected"] = sum(r.disconnected for r in results)
     result["first_errors"] = [r.error for r in results if r.error][:5]
     if args.save_detailed:
@@ -297,6 +301,9 @@ async def run(args, url: str) -> int:
     print("\n".join(table_lines(result, args.percentiles)))
     if result["disconnected"]:
         print(f"disconnected on purpose: {result['disconnected']}")
+    print(f"client CPU: {result['client_cpu_share']:.0%} of one core over the run")
+    if result["client_cpu_share"] > CLIENT_CPU_WARN:
+        print("WARNING: the client was this busy: its timestamps lag, so its latencies overstate the server's")
     for e in result["first_errors"]:
         print("error:", e)
     if args.result_file:

@@ -58,6 +58,7 @@ def test_bench_serve_counts_keys_and_percentiles(server, server_model, tmp_path)
         assert res[f"p{p}_ttft_ms"] == pytest.approx(np.percentile(ttfts, p) * 1e3)
         assert res[f"p{p}_itl_ms"] == pytest.approx(np.percentile(itls, p) * 1e3)
     assert res["request_throughput"] == pytest.approx(res["completed"] / res["duration"])
+    assert 0 < res["client_cpu_share"] and "client CPU:" in out
     assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration"])
 
     _, text = http("GET", server.url + "/metrics")

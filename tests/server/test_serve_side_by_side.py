@@ -26,7 +26,8 @@ def two_servers() -> dict:
             "notes": ["vllm: rate 12 (180 prompts) skipped: over the 525 s budget"], "servers": {
                 "kestrel": {"runs": [run("kestrel", "inf", request_throughput=24.0), run("kestrel", 6.0),
                                      run("kestrel", 12.0, p99_ttft_ms=300.0)]},
-                "vllm": {"runs": [run("vllm", "inf", request_throughput=30.0), run("vllm", 6.0, median_itl_ms=12.5),
+                "vllm": {"runs": [run("vllm", "inf", request_throughput=30.0, client_cpu_share=0.9),
+                                  run("vllm", 6.0, median_itl_ms=12.5),
                                   run("vllm", 12.0, p99_ttft_ms=200.0)]}}}
 
 
@@ -46,6 +47,8 @@ def test_markdown_rows_ratios_and_verdicts():
     assert "- 12 req/s: TTFT and ITL p50/p99 at or below vLLM's: no (p99_ttft_ms)" in lines
     assert "- saturation throughput at least vLLM's: no (24.00 vs 30.00 req/s)" in lines
     assert "- vllm: rate 12 (180 prompts) skipped: over the 525 s budget" in lines
+    assert "- the client used over 70% of a core in: vLLM at inf (its timestamps lag there; latencies overstated)" \
+        in lines
 
 
 def test_markdown_one_server_has_no_ratio_rows():
@@ -89,6 +92,7 @@ def test_whole_run_kestrel_only_on_cpu(tmp_path):
     assert [x["request_rate"] for x in runs] == ["inf", 2.0, 4.0] and result["rates"] == [2.0, 4.0]
     assert [x["num_prompts"] for x in runs] == [8, 4, 8]  # max(--min-prompts, rate * --run-seconds)
     assert all(x["completed"] == x["num_prompts"] and x["failed"] == 0 and x["exit_status"] == 0 for x in runs)
+    assert all(0 < x["client_cpu_share"] < 2 for x in runs)
     assert result["notes"] == [] and result["servers"]["kestrel"]["startup_s"] > 0
     md = (tmp_path / "serve_side_by_side.md").read_text()
     assert md.count("| Kestrel |") == 3 and "saturation (all at once)" in md
