@@ -100,7 +100,7 @@ def bench_run(url: str, rate: float, num_prompts: int, args, result_file: Path, 
     argv = ["--base-url", url, "--num-prompts", str(num_prompts), "--request-rate", str(rate),
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--random-range-ratio", str(args.range_ratio), "--seed", str(args.seed), "--num-warmups", str(warmups),
-            "--result-file", str(result_file), "--no-idle-check"]
+            "--result-file", str(result_file), "--no-idle-check", "--client-processes", str(args.client_processes)]
     rc = bench_main(argv)
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     return result | {"exit_status": rc}
@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=50, help="fewest prompts of a rate run")
     ap.add_argument("--warmups", type=int, default=16, help="warm-up requests before each server's first run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-processes", type=int, default=4, help="client processes of each run (a saturation run "
+                    "streams thousands of chunks a second: one Python process would lag)")
     ap.add_argument("--budget-s", type=float, default=500, help="seconds from the start: a run that would end "
                     "later is skipped (the whole call then stays under 9 minutes)")
     ap.add_argument("--startup-timeout", type=float, default=300, help="most seconds a server may take to start")

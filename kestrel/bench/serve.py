@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import functools
 import json
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import httpx2
 
+from kestrel.bench.serve_client import run_load
 from kestrel.bench.serve_data import SampleRequest, arrival_times, random_requests, sharegpt_requests
 from kestrel.bench.serve_metrics import RequestResult, percentile, summarize, table_lines
 
@@ -104,77 +104,6 @@ async def run_clients(send, jobs: list, res: dict, concurrency: int, request_tim
         t0 = time.perf_counter()
         await asyncio.gather(*(guarded(j) for j in jobs))
         return time.perf_counter() - t0
-
-
-async def send_completion(client: httpx2.AsyncClient, url: str, body: dict, req: SampleRequest,
-                          disconnect_after: int | None) -> RequestResult:
-    """One streaming /v1/completions request, timed from its send to each chunk that carries text."""
-    res = RequestResult(prompt_len=req.prompt_len, expected_output_len=req.expected_output_len)
-    text: list[str] = []
-    chunks = 0
-    res.start_time = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json={**body, "prompt": req.prompt,
-                                                                        "max_tokens": req.expected_output_len}) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = str(obj["error"].get("message", obj["error"]))
-                    return res
-                if obj.get("usage"):
-                    res.output_tokens = obj["usage"].get("completion_tokens") or 0
-                if not obj.get("choices") or not obj["choices"][0].get("text"):
-                    continue
-                if chunks == 0:
-                    res.ttft = now - res.start_time
-                else:
-                    res.itl.append(now - last)
-                last = now
-                chunks += 1
-                text.append(obj["choices"][0]["text"])
-                if disconnect_after is not None and chunks >= disconnect_after:
-                    res.disconnected = True
-                    return res  # leaving the context manager closes the connection mid-stream
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.generated_text = "".join(text)
-    if chunks == 0:
-        res.error = "the stream ended without any text"
-        return res
-    res.latency = last - res.start_time
-    res.success = True
-    return res
-
-
-async def run_requests(client: httpx2.AsyncClient, url: str, body: dict, requests: list[SampleRequest],
-                       arrivals: list[float], max_concurrency: int | None,
-                       disconnects: list[int | None]) -> tuple[list[RequestResult], float]:
-    """Sends each request at its arrival time (waiting for a slot under max_concurrency); (results, seconds)."""
-    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-
-    async def one(req, disc):
-        async with slots:
-            return await send_completion(client, url, body, req, disc)
-
-    t0 = time.perf_counter()
-    tasks = []
-    for req, at, disc in zip(requests, arrivals, disconnects):
-        wait = t0 + at - time.perf_counter()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(req, disc)))
-    results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - t0
 
 
 @functools.lru_cache(maxsize=4)
@@ -239,19 +168,16 @@ async def benchmark(args, url: str, headers: dict) -> dict:
     disconnects = [pick.randint(1, max(1, r.expected_output_len // 2)) if pick.random() < args.disconnect_fraction
                    else None for r in requests]
     body = request_body(args, args.served_model_name or model)
-    limit = args.max_concurrency or len(requests)
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(args.request_timeout), headers=headers,
-                                  limits=httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)) as c:
-        if args.num_warmups:
-            warm = [SampleRequest(requests[0].prompt, requests[0].prompt_len, min(16, requests[0].expected_output_len))]
-            await run_requests(c, url, body, warm * args.num_warmups, [0.0] * args.num_warmups, None,
-                               [None] * args.num_warmups)
-        cpu0 = time.process_time()
-        results, duration = await run_requests(c, url, body, requests, arrivals, args.max_concurrency, disconnects)
-        client_cpu = time.process_time() - cpu0
+    if args.num_warmups:
+        warm = SampleRequest(requests[0].prompt, requests[0].prompt_len, min(16, requests[0].expected_output_len))
+        await run_load(url, headers, body, [warm] * args.num_warmups, [0.0] * args.num_warmups, None,
+                       [None] * args.num_warmups, args.request_timeout, processes=1)
+    results, duration, client_cpu = await run_load(url, headers, body, requests, arrivals, args.max_concurrency,
+                                                   disconnects, args.request_timeout, args.client_processes)
     result = result_header(args, body["model"], tokenizer_id) | summarize(results, duration, args.percentiles)
-    # a client near one busy core timestamps chunks late: its ITL/TTFT figures then measure itself
+    # a client process near one busy core timestamps chunks late: its ITL/TTFT figures then measure itself
     result["client_cpu_share"] = client_cpu / duration
+    result["client_processes"] = args.client_processes
     result["disconnected"] = sum(r.disconnected for r in results)
     result["first_errors"] = [r.error for r in results if r.error][:5]
     if args.save_detailed:
@@ -343,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency", type=int, default=None,
                    help="most requests in flight at once (default: no limit)")
     g.add_argument("--num-warmups", type=int, default=0, help="short requests sent (at once) before the timed run")
+    g.add_argument("--client-processes", type=int, default=1,
+                   help="spread the requests over this many client processes (round robin, the concurrency limit "
+                   "split between them), for loads whose streamed chunks would keep one Python process busy")
     g.add_argument("--seed", type=int, default=0, help="seeds the prompts, lengths, arrival times and disconnects")
     g.add_argument("--disconnect-fraction", type=float, default=0.0,
                    help="share of clients that hang up mid-stream (counted apart; a Kestrel server must free them)")
@@ -383,6 +312,8 @@ def main(argv=None) -> int:
         p.error("--max-concurrency must be >= 1")
     if args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
+    if args.client_processes < 1:
+        p.error("--client-processes must be >= 1")
     proc = None
     url = args.base_url
     if url is None:

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import ROOT, http
-from kestrel.bench.serve_data import random_requests
+from kestrel.bench.serve_data import arrival_times, random_requests
 from test_bench_serve_stats import VLLM_KEYS
 
 RUN_KEYS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -68,12 +68,18 @@ def test_bench_serve_counts_keys_and_percentiles(server, server_model, tmp_path)
 def test_bench_serve_request_rate(server, tmp_path):
     out_file = tmp_path / "rate.json"
     r = bench("--base-url", server.url, "--num-prompts", "6", "--request-rate", "20", "--burstiness", "2",
-              "--random-input-len", "8", "--random-output-len", "4", "--result-file", str(out_file))
+              "--random-input-len", "8", "--random-output-len", "4", "--result-file", str(out_file),
+              "--client-processes", "2", "--save-detailed")
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out_file.read_text())
     assert (res["request_rate"], res["burstiness"], res["max_concurrency"]) == (20.0, 2.0, None)
     assert res["completed"] == 6 and res["total_output_tokens"] == 24
     assert res["duration"] >= 6 / 20  # the last request leaves at num_prompts / rate
+    assert res["client_processes"] == 2 and res["output_lens"] == [4] * 6
+    # sent from two processes, each request at its time: the sends (one system-wide clock) spread over the seeded
+    # schedule's span, not all at once (half of it: room for a late first send on a busy machine)
+    schedule = arrival_times(6, 20, 2, seed=1)
+    assert max(res["start_times"]) - min(res["start_times"]) >= 0.5 * (schedule[-1] - schedule[0])
     assert "Request rate configured (RPS):" in r.stdout
 
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from kestrel.bench.serve_client import split_concurrency
 from kestrel.bench.serve_data import arrival_times, length_bounds, random_requests, sharegpt_requests
 from kestrel.bench.serve_metrics import RequestResult, peak_concurrency, percentile, summarize, table_lines
 
@@ -151,3 +152,8 @@ def test_sharegpt_dataset(tmp_path, tiny_tokenizer):
     assert {r.expected_output_len for r in sharegpt_requests(tiny_tokenizer, str(path), 3, 50, seed=0)} == {50}
     with pytest.raises(ValueError, match="only 6 usable conversations"):
         sharegpt_requests(tiny_tokenizer, str(path), 7, None, seed=0)
+
+
+def test_concurrency_split_between_client_processes():
+    assert split_concurrency(10, 4) == [3, 3, 2, 2] and split_concurrency(4, 4) == [1, 1, 1, 1]
+    assert split_concurrency(None, 3) == [None, None, None]
