@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         proc, url = start_server(args)
     try:
         return asyncio.run(run(args, url.rstrip("/")))
-    except ValueError as e:  # bad dataset/arrival arguments, found when the requests are built
+    except (ValueError, OSError) as e:  # bad dataset/arrival arguments, an unreachable server, no tokenizer
         print(f"kestrel bench serve: {e}", file=sys.stderr)
         return 2
     finally:

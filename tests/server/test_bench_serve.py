@@ -93,3 +93,11 @@ def test_bench_serve_bad_arguments(server, args, message):
     r = bench("--base-url", server.url, "--num-prompts", "2", *args, timeout=60)
     assert r.returncode != 0
     assert re.search(message, r.stdout + r.stderr), r.stdout + r.stderr
+
+
+def test_bench_serve_unreachable_server_is_one_line():
+    from conftest import free_port
+
+    r = bench("--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert re.fullmatch(r"kestrel bench serve: <urlopen error .*Connection refused.*>\n", r.stderr), r.stderr
