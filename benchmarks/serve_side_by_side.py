@@ -36,11 +36,10 @@ from kestrel.bench.serve import CLIENT_CPU_WARN, free_port
 
 SERVERS = ("kestrel", "vllm")
 TITLES = {"kestrel": "Kestrel", "vllm": "vLLM"}
-# the columns of the markdown table: (result key, header, lower is better)
-COLUMNS = (("request_throughput", "req/s", False), ("output_throughput", "out tok/s", False),
-           ("median_ttft_ms", "TTFT p50 ms", True), ("p99_ttft_ms", "TTFT p99 ms", True),
-           ("median_itl_ms", "ITL p50 ms", True), ("p99_itl_ms", "ITL p99 ms", True),
-           ("median_tpot_ms", "TPOT p50 ms", True), ("median_e2el_ms", "E2E p50 ms", True))
+# the columns of the markdown table: (result key, header)
+COLUMNS = (("request_throughput", "req/s"), ("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
+           ("p99_ttft_ms", "TTFT p99 ms"), ("median_itl_ms", "ITL p50 ms"), ("p99_itl_ms", "ITL p99 ms"),
+           ("median_tpot_ms", "TPOT p50 ms"), ("median_e2el_ms", "E2E p50 ms"))
 ACCEPTANCE_KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")  # issue 32, acceptance 4
 RUN_TAIL_S = 15  # allowance per rate run beyond its arrival window: the last requests' own latency
 SATURATION_S = 45  # allowance for the all-at-once run and its warm-ups
@@ -176,7 +175,7 @@ def markdown(result: dict) -> str:
     """The table: per load, each server's row and the Kestrel / vLLM ratio row; then acceptance 4's verdicts."""
     by = {s: {run_key(r): r for r in result["servers"].get(s, {}).get("runs", [])} for s in SERVERS}
     loads = sorted({k for runs in by.values() for k in runs}, key=lambda k: math.inf if k == "inf" else float(k))
-    head = "| request rate | server | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    head = "| request rate | server | " + " | ".join(h for _, h in COLUMNS) + " |"
     lines = [f"{result['shape']}, random-weight bf16, input {result['input_len']} (range ratio {result['range_ratio']}),"
              f" output {result['output_len']} tokens, ignore_eos; commit {result['commit']}", "", head,
              "|" + "---|" * (len(COLUMNS) + 2)]
@@ -185,11 +184,11 @@ def markdown(result: dict) -> str:
         label = "saturation (all at once)" if load == "inf" else f"{float(load):g} req/s"
         for s in SERVERS:
             if load in by[s]:
-                lines.append(f"| {label} | {TITLES[s]} | " + " | ".join(fmt(by[s][load].get(k)) for k, _, _ in COLUMNS)
+                lines.append(f"| {label} | {TITLES[s]} | " + " | ".join(fmt(by[s][load].get(k)) for k, _ in COLUMNS)
                              + " |")
         if load in by["kestrel"] and load in by["vllm"]:
             k, v = by["kestrel"][load], by["vllm"][load]
-            ratios = [k[key] / v[key] if v.get(key) else None for key, _, _ in COLUMNS]
+            ratios = [k[key] / v[key] if v.get(key) else None for key, _ in COLUMNS]
             lines.append(f"| {label} | Kestrel / vLLM | " + " | ".join("-" if r is None else f"{r:.2f}x"
                                                                         for r in ratios) + " |")
             if load == "inf":
