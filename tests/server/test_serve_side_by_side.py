@@ -78,25 +78,56 @@ def test_plot_png(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_whole_run_kestrel_only_on_cpu(tmp_path):
+FAKE_VLLM = """import os, sys
+# stands in for vLLM's OpenAI server on the CPU: `kestrel serve` with the flags the driver gives vLLM
+args = sys.argv[1:]
+model = args.pop(args.index("--model") + 1)
+args.remove("--model")
+seed = args.index("--seed")
+del args[seed:seed + 2]
+os.execv(sys.executable, [sys.executable, "-m", "kestrel.cli", "serve", model, *args])
+"""
+
+
+def fake_vllm(root):
+    pkg = root / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (root / "vllm", root / "vllm" / "entrypoints", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_VLLM)
+    return root
+
+
+def test_whole_run_both_servers_on_cpu(tmp_path):
+    """Both halves end to end, the vLLM one played by `kestrel serve` behind a fake vllm package on the vLLM
+    server's own PYTHONPATH (--vllm-pythonpath): same folder, same rates, ratios and verdicts in the table."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "benchmarks.serve_side_by_side", "--shape", "smoke", "--servers",
-                        "kestrel", "--rates", "2,4", "--saturation-prompts", "8", "--run-seconds", "2",
-                        "--min-prompts", "4", "--input-len", "16", "--output-len", "8", "--max-model-len", "256",
-                        "--warmups", "2", "--out", str(tmp_path), "--kestrel-args",
-                        "--cpu-threads 1 --num-kv-blocks 96"],
-                       capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serve_side_by_side", "--shape", "smoke", "--rate-fractions",
+                        "0.1,0.2", "--saturation-prompts", "8", "--run-seconds", "2", "--min-prompts", "4",
+                        "--input-len", "16", "--output-len", "8", "--max-model-len", "256", "--warmups", "2",
+                        "--client-processes", "2", "--out", str(out), "--vllm-pythonpath", str(fake_vllm(tmp_path)),
+                        "--kestrel-args", "--cpu-threads 1 --num-kv-blocks 96",
+                        "--vllm-args", "--cpu-threads 1 --num-kv-blocks 96"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads((tmp_path / "serve_side_by_side.json").read_text())
-    runs = result["servers"]["kestrel"]["runs"]
-    assert [x["request_rate"] for x in runs] == ["inf", 2.0, 4.0] and result["rates"] == [2.0, 4.0]
-    assert [x["num_prompts"] for x in runs] == [8, 4, 8]  # max(--min-prompts, rate * --run-seconds)
-    assert all(x["completed"] == x["num_prompts"] and x["failed"] == 0 and x["exit_status"] == 0 for x in runs)
-    assert all(0 < x["client_cpu_share"] < 2 for x in runs)
-    assert result["notes"] == [] and result["servers"]["kestrel"]["startup_s"] > 0
-    md = (tmp_path / "serve_side_by_side.md").read_text()
-    assert md.count("| Kestrel |") == 3 and "saturation (all at once)" in md
-    assert (tmp_path / "kestrel_serve.log").exists()
+    result = json.loads((out / "serve_side_by_side.json").read_text())
+    sat = result["servers"]["kestrel"]["runs"][0]["request_throughput"]
+    rates = [max(0.1, round(f * sat, 1)) for f in (0.1, 0.2)]
+    assert result["rates"] == result["servers"]["kestrel"]["auto_rates"] == sorted(set(rates))
+    for name in ("kestrel", "vllm"):
+        runs = result["servers"][name]["runs"]
+        assert [x["request_rate"] for x in runs] == ["inf", *result["rates"]]  # the same rates for both
+        assert [x["num_prompts"] for x in runs] == [8] + [max(4, round(2 * x)) for x in result["rates"]]
+        assert all(x["completed"] == x["num_prompts"] and x["exit_status"] == 0 for x in runs)
+        assert all(0 < x["client_cpu_share"] < 2 and x["client_processes"] == 2 for x in runs)
+        assert result["servers"][name]["startup_s"] > 0 and (out / f"{name}_serve.log").exists()
+    # both served the same requests: the same token totals, run by run
+    assert [x["total_output_tokens"] for x in result["servers"]["kestrel"]["runs"]] == \
+        [x["total_output_tokens"] for x in result["servers"]["vllm"]["runs"]]
+    md = (out / "serve_side_by_side.md").read_text()
+    assert md.count("| Kestrel / vLLM |") == 1 + len(result["rates"]) and "saturation throughput at least" in md
+    assert result["notes"] == []
 
 
 def test_nothing_starts_past_the_budget(tmp_path):
