@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import print_table
 from benchmarks.mm_serve import images, write_llava_next_7b
-from kestrel.bench.serve import pct
+from kestrel.bench.serve_metrics import percentile
 
 PROMPT = "<|im_start|>user\n<image>\ndescribe the image in detail<|im_end|>\n<|im_start|>assistant\n"
 
@@ -120,8 +120,8 @@ def closed_loop(engine, prompts, params, concurrency: int, label: str, timer, st
     e2e = [done[r] - start[r] for r in start]
     n_img, enc_ms = timer.total_ms()
     return {"workload": label, "requests": len(prompts), "steps s": wall, "req/s": len(prompts) / wall,
-            "TTFT p50 ms": 1e3 * pct(ttft, 50), "TTFT p90 ms": 1e3 * pct(ttft, 90),
-            "E2E p50 ms": 1e3 * pct(e2e, 50), "encoder calls": n_img, "encoder GPU ms": enc_ms}
+            "TTFT p50 ms": 1e3 * percentile(ttft, 50), "TTFT p90 ms": 1e3 * percentile(ttft, 90),
+            "E2E p50 ms": 1e3 * percentile(e2e, 50), "encoder calls": n_img, "encoder GPU ms": enc_ms}
 
 
 def main(argv=None) -> int:

@@ -52,11 +52,15 @@ def train_tokenizer(vocab_size: int, corpus_files: int = 4000):
                                    pad_token="<|endoftext|>")
 
 
-def model_dir(shape: str, vocab_size: int) -> Path:
+def model_dir(shape: str, vocab_size: int, fill_vocab: bool = False) -> Path:
+    """config.json of the shape + a trained tokenizer. fill_vocab: one added token (" w<i>") for each model id
+    past the trained ones, so that every id a random-weight model samples decodes to text (a streamed chunk)."""
     tok = train_tokenizer(vocab_size)
     d = Path(tempfile.mkdtemp(prefix=f"kestrel-so-{shape}-"))
     cfg = {**(SHAPES.get(shape) or SMOKE_SHAPE), "torch_dtype": "bfloat16", "bos_token_id": tok.bos_token_id,
            "eos_token_id": tok.eos_token_id}
+    if fill_vocab:
+        tok.add_tokens([f" w{i}" for i in range(len(tok), cfg["vocab_size"])])
     (d / "config.json").write_text(json.dumps(cfg))
     tok.save_pretrained(d)
     print(f"tokenizer: byte-level BPE, {len(tok)} tokens (model vocabulary {cfg['vocab_size']})")
