@@ -7,6 +7,7 @@ import logging
 from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchMLABackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
+from kestrel.attention.backends.torch_sparse_mla import TorchSparseMLABackend
 from kestrel.core.kv_spec import KVCacheSpec
 from kestrel.errors import ConfigError
 from kestrel.platform import Platform, current_platform
@@ -28,7 +29,7 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         out.append(TritonMLABackend)
     except ImportError:
         pass
-    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend]
+    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchSparseMLABackend]
     return out
 
 
