@@ -64,7 +64,7 @@ def sparse_mla_attention_ref(q_lat, q_pe, cache, block_tables, token_req: torch.
     valid = topk >= 0
     pos = topk.clamp(min=0)
     blocks = block_tables.long()[token_req[:, None], pos // bs]
-    lat = cache[blocks, pos % bs].float()  # [T, k, L + R]
+    lat = cache[blocks, pos % bs].float().masked_fill(~valid[..., None], 0)  # [T, k, L + R]; -1 reads nothing
     q = torch.cat([q_lat, q_pe], dim=-1).float()
     scores = torch.einsum("thd,tkd->thk", q, lat) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
