@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kestrel import LLM, SamplingParams
+from kestrel import SamplingParams
 from kestrel.attention.backends.torch_sparse_mla import TorchSparseMLAImpl
 from kestrel.attention.sparse_mla import DENSE_PREFILL, SPARSE, SparseMLAAttention, SparseMLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
-from tests.agreement import hf_greedy
+from tests.agreement import hf_greedy, kestrel_greedy
 
 NUM_TOKENS = 24
 PROMPTS = [[5, 17, 99, 3, 8], list(range(10, 40)), [200 + (7 * i) % 97 for i in range(48)], [7] * 11 + [42, 43]]
@@ -75,9 +75,7 @@ def calls(monkeypatch):
 
 
 def generate(path, prompts, **kw):
-    llm = LLM(str(path), progress=False, **kw)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs], llm
+    return kestrel_greedy(path, prompts, NUM_TOKENS, **kw)
 
 
 def test_selection_changes_transformers_output(reference):
