@@ -26,7 +26,8 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         pass
     try:
         from kestrel.attention.backends.triton_mla import TritonMLABackend
-        out.append(TritonMLABackend)
+        from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLABackend
+        out += [TritonMLABackend, TritonSparseMLABackend]
     except ImportError:
         pass
     out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchSparseMLABackend]
