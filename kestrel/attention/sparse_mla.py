@@ -8,13 +8,17 @@ The indexer keys k_I sit beside the latents in the same cache block (SparseMLASp
 whatever the route. A GLM-5.2 "shared" layer has no indexer: it reuses the top-k of the full layer before it,
 which the step's metadata carries from layer to layer (`topk_indices`).
 
-While a query sees at most `index_topk` tokens, sparse equals dense exactly; a step whose prefills are all that
-short may then expand them through the dense MHA path (MLAImpl.attend_dense) and skip their scoring. The metadata
-builder decides this once per step (`route`), from three declarations ANDed: the backend's
-`supports_dense_mha_prefill`, the layer class's own `supports_dense_mha_prefill` (declared per class, never
-inherited: a subclass that changes the forward states it again) and the step's longest prefill context. The
-decodes are always scored and attend sparsely. Nothing else re-derives the route: the impl scores exactly the
-tokens the route sends through the absorbed path."""
+While a query sees at most `index_topk` tokens, sparse equals dense exactly, so short requests may skip the
+indexer's scoring and take MLA's dense paths. The metadata builder decides once per step (`route`):
+- SPARSE: every token absorbed, scored, attending to its selection;
+- DENSE_PREFILL: every prefill context <= index_topk: prefills expanded through the dense MHA path
+  (MLAImpl.attend_dense) and not scored; decodes scored and sparse;
+- DENSE: every context of the step <= index_topk: prefills expanded, decodes absorbed over their whole context
+  (the backend's plain MLA decode); nothing scored, the indexer computes its keys only.
+The two dense routes need three declarations ANDed: the backend's `supports_dense_mha_prefill`, the layer class's
+own `supports_dense_mha_prefill` (declared per class, never inherited: a subclass that changes the forward states
+it again) and the lengths. Indexer keys are written on every route. Nothing else re-derives the route: the
+model's indexer and the impl read `num_scored_tokens` from the metadata."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -26,7 +30,7 @@ from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.mla import MLAAttention, MLAImpl, MLAMetadata, MLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
 
-SPARSE, DENSE_PREFILL = "sparse", "dense_prefill"
+SPARSE, DENSE_PREFILL, DENSE = "sparse", "dense_prefill", "dense"
 
 
 def declares_dense_mha_prefill(cls: type) -> bool:
@@ -36,11 +40,16 @@ def declares_dense_mha_prefill(cls: type) -> bool:
 
 @dataclass
 class SparseMLAMetadata(MLAMetadata):
-    route: str = SPARSE  # SPARSE: every token absorbed + indexed; DENSE_PREFILL: prefills expanded, decodes sparse
+    route: str = SPARSE
     index_topk: int = 0
-    # [num_absorbed_tokens, k] request-local positions each absorbed token attends to (-1: none), written by the
+    # [num_scored_tokens, k] request-local positions each scored token attends to (-1: none), written by the
     # step's latest full indexer layer and read by it and the shared layers after it
     topk_indices: torch.Tensor | None = None
+
+    @property
+    def num_scored_tokens(self) -> int:
+        """The leading tokens the indexer scores: the absorbed ones, none on the DENSE route."""
+        return 0 if self.route == DENSE else self.num_absorbed_tokens
 
 
 def _as_sparse(meta: MLAMetadata, route: str, index_topk: int) -> SparseMLAMetadata:
@@ -52,15 +61,17 @@ class SparseMLAMetadataBuilder(MLAMetadataBuilder):
     spec: SparseMLASpec
 
     def route(self, c: CommonAttentionMetadata) -> str:
-        prefill_lens = c.seq_lens_cpu[c.num_decodes:c.num_reqs] if c.seq_lens_cpu else []
-        if (self.dense_prefill and self.spec.layer_dense_prefill and prefill_lens
-                and max(prefill_lens) <= self.spec.index_topk):
-            return DENSE_PREFILL
-        return SPARSE
+        if not (self.dense_prefill and self.spec.layer_dense_prefill and c.seq_lens_cpu):
+            return SPARSE
+        topk, seq_lens = self.spec.index_topk, c.seq_lens_cpu[:c.num_reqs]
+        if max(seq_lens, default=0) <= topk:
+            return DENSE
+        prefills = seq_lens[c.num_decodes:]
+        return DENSE_PREFILL if prefills and max(prefills) <= topk else SPARSE
 
     def build(self, common, block_table, slot_mapping) -> SparseMLAMetadata:
         c, route = common, self.route(common)
-        meta = self.build_split(c, block_table, slot_mapping, c.num_decodes if route == DENSE_PREFILL else c.num_reqs)
+        meta = self.build_split(c, block_table, slot_mapping, c.num_reqs if route == SPARSE else c.num_decodes)
         return _as_sparse(meta, route, self.spec.index_topk)
 
     def build_for_capture(self, common, block_table, slot_mapping) -> SparseMLAMetadata:
@@ -74,18 +85,22 @@ class SparseMLAImpl(MLAImpl):
 
     def forward_sparse(self, q_nope, q_pe, kv_c, k_pe, index_q, index_k, index_w, cache, meta: SparseMLAMetadata,
                        layer: "SparseMLAAttention"):
-        """As forward_mla, plus the indexer: index_q [T, H_I, D_I] and index_k [T, D_I] (rotated), index_w
-        [T, H_I] float32 (None on a shared layer). Writes the keys first, then scores the absorbed tokens."""
+        """As forward_mla, plus the indexer: index_k [T, D_I] (rotated; None on a shared layer), index_q
+        [n, H_I, D_I] (rotated) and index_w [n, H_I] float32 for (at least) the n = num_scored_tokens leading
+        tokens. Writes the keys first, then scores."""
         latent, index_cache = cache
+        n = meta.num_scored_tokens
         if index_k is not None:
             self.write_index_keys(index_k, index_cache, meta.slot_mapping)
-            na = meta.num_absorbed_tokens
-            meta.topk_indices = (self.select_topk(index_q[:na], index_w[:na], index_cache, meta) if na else None)
-        elif meta.num_absorbed_tokens and meta.topk_indices is None:
+            if n:
+                meta.topk_indices = self.select_topk(index_q[:n], index_w[:n], index_cache, meta)
+        elif n and meta.topk_indices is None:
             raise RuntimeError(f"{layer.layer_name} shares a top-k, but no full indexer layer ran before it")
         return self.forward_mla(q_nope, q_pe, kv_c, k_pe, latent, meta, layer)
 
     def attend_latent(self, q_lat, q_pe, cache, meta: SparseMLAMetadata) -> torch.Tensor:
+        if meta.route == DENSE:  # every context within index_topk: the plain absorbed MLA over all of it
+            return super().attend_latent(q_lat, q_pe, cache, meta)
         return self.attend_sparse(q_lat, q_pe, cache, meta, meta.topk_indices)
 
     def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
@@ -113,6 +128,10 @@ class SparseMLAAttention(MLAAttention):
         super().__init__(ctx, prefix, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank,
                          kv_b_proj, rotary, scale, kv_cache_spec=spec)
         self.index_topk = index_topk
+
+    def num_scored_tokens(self, ctx) -> int:
+        """How many leading tokens of this step the indexer scores (its queries are needed for those only)."""
+        return ctx.attn_metadata[self.group_id].num_scored_tokens
 
     def forward(self, q, kv_c, k_pe, positions, ctx, index_q=None, index_k=None, index_w=None) -> torch.Tensor:
         meta = ctx.attn_metadata[self.group_id]

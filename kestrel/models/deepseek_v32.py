@@ -39,10 +39,14 @@ class Indexer(nn.Module):
         self.weight_scale = (self.n_heads * self.head_dim) ** -0.5
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, q_c: torch.Tensor, positions: torch.Tensor):
+    def forward(self, x: torch.Tensor, q_c: torch.Tensor, positions: torch.Tensor, queries: bool = True):
+        """queries=False (a step that scores nothing): the keys alone, (None, k, None)."""
         t = x.shape[0]
-        q = self.wq_b(q_c).view(t, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(t, 1, self.head_dim)
+        if not queries:
+            (k,) = self.rotary.rotate_copies(positions, k)
+            return None, k.view(t, self.head_dim), None
+        q = self.wq_b(q_c).view(t, self.n_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         w = self.weights_proj(x.float()) * self.weight_scale
         return q, k.view(t, self.head_dim), w
@@ -75,7 +79,9 @@ class DeepseekV32Attention(DeepseekV2Attention):
         return SparseMLAAttention(ctx, prefix, *args, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
 
     def attend(self, q, kv_c, k_pe, positions, ctx, x, q_c):
-        index = self.indexer(x, q_c, positions) if self.indexer is not None else (None, None, None)
+        index = (None, None, None)
+        if self.indexer is not None:  # keys always (they are cached); queries only where the step scores
+            index = self.indexer(x, q_c, positions, queries=self.mla_attn.num_scored_tokens(ctx) > 0)
         return self.mla_attn(q, kv_c, k_pe, positions, ctx, *index)
 
 

@@ -11,7 +11,7 @@ from kestrel.attention.backends.torch_sparse_mla import (TorchSparseMLABackend, 
                                                          sparse_mla_attention_ref)
 from kestrel.attention.mla import MLABackend
 from kestrel.attention.selector import backend_candidates
-from kestrel.attention.sparse_mla import DENSE_PREFILL, SPARSE, SparseMLAAttention, declares_dense_mha_prefill
+from kestrel.attention.sparse_mla import DENSE, DENSE_PREFILL, SPARSE, SparseMLAAttention, declares_dense_mha_prefill
 from kestrel.core.kv_spec import SparseMLASpec
 
 
@@ -51,19 +51,22 @@ def _common(q_lens, seq_lens):
                                    qsl, seq_lens)
 
 
-@pytest.mark.parametrize("backend_dense,layer_dense,longest,route", [
-    (True, True, 8, DENSE_PREFILL), (True, True, 9, SPARSE), (True, False, 8, SPARSE), (False, True, 8, SPARSE)])
-def test_route_is_backend_and_layer_and_length(backend_dense, layer_dense, longest, route):
+@pytest.mark.parametrize("backend_dense,layer_dense,decode_ctx,longest,route", [
+    (True, True, 20, 8, DENSE_PREFILL), (True, True, 20, 9, SPARSE), (True, True, 8, 8, DENSE),
+    (True, True, 8, 9, SPARSE), (True, False, 20, 8, SPARSE), (True, False, 8, 8, SPARSE),
+    (False, True, 20, 8, SPARSE), (False, True, 8, 8, SPARSE)])
+def test_route_is_backend_and_layer_and_length(backend_dense, layer_dense, decode_ctx, longest, route):
     spec = SparseMLASpec(torch.float32, 32, 8, index_head_dim=16, index_topk=8, layer_dense_prefill=layer_dense,
                          block_size=4)
     builder_cls = type("B", (TorchSparseMLABackend.builder_cls,), {"dense_prefill": backend_dense})
     builder = builder_cls(spec, 4, torch.device("cpu"))
-    common = _common([1, 3, longest], [20, 5, longest])  # a decode past topk, two prefills
+    common = _common([1, 3, longest], [decode_ctx, 5, longest])  # a decode, two prefills (index_topk 8)
     meta = builder.build(common, torch.zeros(3, 8, dtype=torch.int32), torch.zeros(common.num_tokens,
                                                                                      dtype=torch.int64))
     assert meta.route == route
-    # the dense route expands the prefills; the decode is always absorbed (and scored)
-    assert meta.num_absorbed_reqs == (1 if route == DENSE_PREFILL else 3)
+    # the dense routes expand the prefills; the decode is always absorbed, and scored unless the route is DENSE
+    assert meta.num_absorbed_reqs == (3 if route == SPARSE else 1)
+    assert meta.num_scored_tokens == {SPARSE: common.num_tokens, DENSE_PREFILL: 1, DENSE: 0}[route]
 
 
 def _paged(rows: torch.Tensor, block_size: int):

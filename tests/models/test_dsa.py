@@ -13,7 +13,7 @@ import torch
 
 from kestrel import SamplingParams
 from kestrel.attention.backends.torch_sparse_mla import TorchSparseMLAImpl
-from kestrel.attention.sparse_mla import DENSE_PREFILL, SPARSE, SparseMLAAttention, SparseMLAMetadataBuilder
+from kestrel.attention.sparse_mla import DENSE, SPARSE, SparseMLAAttention, SparseMLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
 from tests.agreement import hf_greedy, kestrel_greedy
 
@@ -57,7 +57,8 @@ def calls(monkeypatch):
 
     def spy_build(self, common, block_table, slot_mapping):
         meta = build(self, common, block_table, slot_mapping)
-        seen["routes"].append((meta.route, max(common.seq_lens_cpu[common.num_decodes:common.num_reqs], default=0)))
+        sl = common.seq_lens_cpu[:common.num_reqs]
+        seen["routes"].append((meta.route, max(sl[common.num_decodes:], default=0), max(sl)))
         return meta
 
     def spy_select(self, index_q, index_w, index_cache, meta):
@@ -91,7 +92,19 @@ def test_greedy_matches_transformers(checkpoints, reference, calls, kind, topk):
     assert [type(g.spec) for g in runner.kv_cache_groups] == [SparseMLASpec]
     assert runner.backend.name == "torch_sparse_mla"
     assert tokens == reference(kind, topk)
-    assert calls["scored"]  # the indexer ran
+    # contexts outgrow index_topk 4 and 8: scored; never 2048: every step takes the DENSE route, nothing scored
+    assert bool(calls["scored"]) == (topk < 2048)
+    assert {r for r, _, _ in calls["routes"]} == ({DENSE} if topk == 2048 else {SPARSE})
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_route_with_every_token_selected(checkpoints, reference, calls, monkeypatch, kind):
+    """index_topk above every context through the sparse path (the layer declares no dense prefill): the
+    selection is every visible token, and the tokens equal transformers' (sparse == dense)."""
+    monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", False)
+    tokens, _ = generate(checkpoints(kind, 2048), PROMPTS)
+    assert tokens == reference(kind, 2048)
+    assert calls["scored"] and {r for r, _, _ in calls["routes"]} == {SPARSE}
 
 
 @pytest.mark.parametrize("kind,topk", [("deepseek_v32", 4), ("glm_moe_dsa", 8), ("glm_moe_dsa_shared", 4)])
@@ -101,7 +114,7 @@ def test_chunked_prefill_preemption_prefix_hit(checkpoints, reference, calls, ki
     core = llm.engine.core
     assert tokens == reference(kind, topk)
     assert core.scheduler.num_preemptions > 0
-    assert any(seq_len > 8 for route, seq_len in calls["routes"] if route == SPARSE)  # chunks over a cached prefix
+    assert any(longest > 8 for route, longest, _ in calls["routes"] if route == SPARSE)  # chunks over a prefix
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     again = llm.generate([PROMPTS[2]], params)[0]
     assert again.num_cached_tokens > 0 and core.kv.prefix_hits > 0
@@ -144,17 +157,21 @@ def test_layer_without_dense_prefill_takes_sparse_route(checkpoints, reference, 
     tokens, llm = generate(checkpoints("deepseek_v32", 8), SHORT)
     assert llm.engine.core.executor.runner.backend.supports_dense_mha_prefill
     assert tokens == reference("deepseek_v32", 8, tuple(map(tuple, SHORT)))
-    prefill_routes = [r for r, longest in calls["routes"] if longest > 0]
-    assert prefill_routes and set(prefill_routes) == {SPARSE}
+    assert {r for r, _, _ in calls["routes"]} == {SPARSE}
+    assert any(longest > 0 for _, longest, _ in calls["routes"])
     assert max(calls["scored"]) >= len(SHORT[0]) + len(SHORT[1])  # the prompts' tokens were scored
 
 
 def test_dense_route_still_writes_indexer_keys(checkpoints, reference, calls):
-    """Backend and layer both declare dense prefill: the short prefills go dense and are not scored, and the
-    decodes after them, whose contexts outgrow index_topk, select from the keys the dense steps wrote."""
+    """Backend and layer both declare dense prefill: the short prefills go dense and are not scored (so do the
+    decodes while every context is within index_topk), and the decodes after them, whose contexts outgrow
+    index_topk, are scored over the keys the dense steps wrote."""
     tokens, llm = generate(checkpoints("deepseek_v32", 8), SHORT)
     assert tokens == reference("deepseek_v32", 8, tuple(map(tuple, SHORT)))
-    assert [r for r, longest in calls["routes"] if longest > 0] == [DENSE_PREFILL]
+    routes = calls["routes"]
+    assert routes[0][:2] == (DENSE, 7) and all(r == DENSE for r, _, ctx in routes if ctx <= 8)
+    assert all(r == SPARSE for r, _, ctx in routes if ctx > 8) and routes[-1][0] == SPARSE
     assert calls["dense"] and max(calls["scored"]) == len(SHORT)  # only decodes were scored
+    assert len(calls["scored"]) == 3 * sum(ctx > 8 for _, _, ctx in routes)  # the 3 layers, sparse steps only
     assert reference("deepseek_v32", 8, tuple(map(tuple, SHORT))) != reference(
         "deepseek_v32", 2048, tuple(map(tuple, SHORT)))  # the decodes' selection mattered
