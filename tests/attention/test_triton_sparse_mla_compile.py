@@ -26,8 +26,10 @@ def test_indexer_scores_compiles(heads):
     compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False))
 
 
-def test_sparse_mla_compiles():
+@pytest.mark.parametrize("split", [True, False])
+def test_sparse_mla_compiles(split):
     fn = ops._sparse_mla_kernel
-    ptrs = {"QL": "*bf16", "QP": "*bf16", "C": "*bf16", "BT": "*i32", "REQ": "*i32", "IDX": "*i32", "O": "*bf16"}
-    compile_ok(fn, _sig(fn, ptrs, ("qk_scale",)), dict(L=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=64, UPCAST=False),
-               num_warps=8)
+    ptrs = {"QL": "*bf16", "QP": "*bf16", "C": "*bf16", "BT": "*i32", "REQ": "*i32", "IDX": "*i32", "O": "*bf16",
+            "PO": "*fp32", "PLSE": "*fp32"}
+    compile_ok(fn, _sig(fn, ptrs, ("qk_scale",)), dict(L=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=64, SPLIT=split,
+                                                      UPCAST=False), num_warps=8)

@@ -8,15 +8,19 @@
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row (a Triton radix select
   for k = 2048 is later work); -1 where a row has fewer visible positions than k.
 - `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
-  BLOCK_H heads), reading the selected latents tile by tile (online softmax, the rope dot kept separate as in the
-  dense decode kernel, triton_mla.py). Entries -1 are never read. Serves decode and prefill tokens alike."""
+  BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
+  separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
+  never read. Serves decode and prefill tokens alike."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import _LOG2E, _mm, _upcast
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
+                                                    split_decode_setup)
+from kestrel.attention.ops.triton_mla import _mla_reduce_kernel
+from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
 
@@ -113,14 +117,21 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
     return out
 
 
-@triton.jit(do_not_specialize=["num_heads", "topk"])
-def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, qk_scale, num_heads, topk,
+@triton.jit(do_not_specialize=["num_heads", "topk", "num_splits", "min_split"])
+def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads, topk, num_splits, min_split,
                        stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cb, stride_ct, stride_btb,
                        stride_it, stride_ot, stride_oh,
                        L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    per_split, n_active = _split_bounds(topk, num_splits, min_split, BLOCK_N)
+    if split >= n_active:
+        return
+    start = split * per_split
+    end = tl.minimum(start + per_split, topk)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
@@ -132,9 +143,9 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, qk_scale, num_heads, topk,
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, L], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        pos = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < topk, other=-1)
+        pos = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < end, other=-1)
         valid = pos >= 0
         pos = tl.where(valid, pos, 0)
         blk = tl.load(BT + req * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -151,14 +162,28 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, qk_scale, num_heads, topk,
         acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, UPCAST)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(O + t * stride_ot + heads[:, None] * stride_oh + offs_l[None, :], (acc / l_safe[:, None]).to(
-        O.dtype.element_ty), mask=mask_h[:, None])
+    o = acc / l_safe[:, None]
+    if (not SPLIT) or n_active == 1:
+        tl.store(O + t * stride_ot + heads[:, None] * stride_oh + offs_l[None, :], o.to(O.dtype.element_ty),
+                 mask=mask_h[:, None])
+    else:  # merged by triton_mla's reduce kernel, which derives the same split bounds from topk
+        row = (t * num_heads + heads) * num_splits + split
+        tl.store(PLSE + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=mask_h)
+        tl.store(PO + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+
+
+def default_sparse_config(num_tokens: int) -> dict:
+    # a first guess, untuned: the dense decode's small-batch tile, splits of at least 256 selected tokens
+    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if num_tokens <= 16 else 4,
+            "num_stages": 2}
 
 
 def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indices, scale, out=None,
-                         block_h: int = 16, block_n: int = 64) -> torch.Tensor:
+                         num_splits=None, _config=None) -> torch.Tensor:
     """q_lat [T, H, L], q_pe [T, H, R] over each token's selected positions (topk_indices [T, k], request-local,
-    -1: none) of the latent cache [blocks, page, L + R] -> [T, H, L] (before W_UV). L, R powers of two, R >= 16."""
+    -1: none) of the latent cache [blocks, page, L + R] -> [T, H, L] (before W_UV). L, R powers of two, R >= 16.
+    Few tokens split the k selected positions across programs (num_splits: a power of two, default from the
+    shapes) and merge the partials by their log-sum-exps."""
     t, h, L = q_lat.shape
     R = q_pe.shape[-1]
     if cache.shape[-1] != L + R or L & (L - 1) or R & (R - 1) or R < 16:
@@ -167,12 +192,22 @@ def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indic
         raise ValueError("sparse_mla_attention needs the last dims contiguous")
     if out is None:
         out = torch.empty_like(q_lat)
+    k = topk_indices.shape[1]
     if t == 0:
         return out
-    _sparse_mla_kernel[(t, triton.cdiv(h, block_h))](
-        q_lat, q_pe, cache, block_tables, token_req, topk_indices, out, float(scale) * _LOG2E, h,
-        topk_indices.shape[1], q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+    cfg = {**default_sparse_config(t), **(_config or {})}
+    head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
+                                                                 shortest_split=cfg["MIN_SPLIT"])
+    _sparse_mla_kernel[(t, head_blocks, num_splits)](
+        q_lat, q_pe, cache, block_tables, token_req, topk_indices, out, po, plse, float(scale) * _LOG2E, h, k,
+        num_splits, min_split, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0), topk_indices.stride(0), out.stride(0),
-        out.stride(1), L=L, R=R, PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        UPCAST=_upcast(q_lat.dtype))
+        out.stride(1), L=L, R=R, PAGE=cache.shape[1], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=num_splits > 1, UPCAST=_upcast(q_lat.dtype), **launch)
+    if num_splits > 1:
+        lengths = torch.full((t,), k, dtype=torch.int32, device=q_lat.device)
+        _mla_reduce_kernel[(t, h)](po, plse, out, lengths, out.stride(0), out.stride(1), num_splits, min_split,
+                                   MAX_SPLITS=MAX_SPLITS, L=L, BLOCK_N=cfg["BLOCK_N"], PDL=False,
+                                   **({} if interpreter_mode() else {"num_warps": 4}))
     return out
