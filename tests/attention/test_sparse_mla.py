@@ -124,3 +124,20 @@ def test_sparse_attention_over_all_visible_equals_dense_and_skips_unselected():
     poisoned.view(-1, L + R)[flat_slots] = cache.view(-1, L + R)[flat_slots]
     got = sparse_mla_attention_ref(q_lat, q_pe, poisoned, table, req, pick, 0.3)
     assert torch.equal(got, want) and not got.isnan().any()
+
+
+def test_spec_pages_latent_and_index_keys_and_crosses_to_workers():
+    """One block's page: the latents then the indexer keys (DeepSeek: 16 x (1,152 + 256) bytes); the two views
+    do not overlap; the spec survives the executor's encoding to TP workers (looked up by name)."""
+    from kestrel.core.kv_spec import group_layers
+    from kestrel.executor.messages import decode_groups, encode_groups
+
+    spec = SparseMLASpec(torch.bfloat16, 512, 64, index_head_dim=128, index_topk=2048, layer_dense_prefill=True)
+    assert spec.page_bytes == 16 * (1152 + 256)
+    rows = torch.zeros(3, spec.page_bytes, dtype=torch.uint8)
+    latent, keys = spec.layer_view(rows)
+    assert latent.shape == (3, 16, 576) and keys.shape == (3, 16, 128)
+    keys.fill_(1.0)
+    assert latent.abs().sum() == 0
+    groups = group_layers({"a": spec, "b": spec}, 16)
+    assert [g.spec for g in decode_groups(encode_groups(groups))] == [g.spec for g in groups]
