@@ -45,6 +45,9 @@ class SparseMLAMetadata(MLAMetadata):
     # [num_scored_tokens, k] request-local positions each scored token attends to (-1: none), written by the
     # step's latest full indexer layer and read by it and the shared layers after it
     topk_indices: torch.Tensor | None = None
+    # the absorbed tokens' request (row of block_tables) and position in it, int32 [num_absorbed_tokens]
+    token_req: torch.Tensor | None = None
+    token_pos: torch.Tensor | None = None
 
     @property
     def num_scored_tokens(self) -> int:
@@ -53,8 +56,15 @@ class SparseMLAMetadata(MLAMetadata):
 
 
 def _as_sparse(meta: MLAMetadata, route: str, index_topk: int) -> SparseMLAMetadata:
-    return SparseMLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, route=route,
-                             index_topk=index_topk)
+    sparse = SparseMLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, route=route,
+                               index_topk=index_topk)
+    nr, n = sparse.num_absorbed_reqs, sparse.num_absorbed_tokens
+    qsl = sparse.query_start_loc[:nr + 1].long()
+    steps = torch.arange(n, device=qsl.device)
+    req = torch.repeat_interleave(torch.arange(nr, device=qsl.device), qsl[1:] - qsl[:-1], output_size=n)
+    sparse.token_req = req.to(torch.int32)
+    sparse.token_pos = (sparse.seq_lens[:nr].long()[req] - (qsl[1:][req] - steps)).to(torch.int32)
+    return sparse
 
 
 class SparseMLAMetadataBuilder(MLAMetadataBuilder):

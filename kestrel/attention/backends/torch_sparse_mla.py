@@ -81,8 +81,8 @@ class TorchSparseMLAImpl(SparseMLAImpl, TorchMLAImpl):
                                meta.seq_lens_cpu[:nr], meta.index_topk)
 
     def attend_sparse(self, q_lat, q_pe, cache, meta: SparseMLAMetadata, topk) -> torch.Tensor:
-        token_req = request_of_tokens(meta.query_start_loc_cpu[:meta.num_absorbed_reqs + 1], q_lat.device)
-        return sparse_mla_attention_ref(q_lat, q_pe, cache, meta.block_tables, token_req, topk, self.scale)
+        return sparse_mla_attention_ref(q_lat, q_pe, cache, meta.block_tables, meta.token_req.long(), topk,
+                                        self.scale)
 
 
 class TorchSparseMLABackend(TorchMLABackend):

@@ -12,28 +12,16 @@ from kestrel.attention.sparse_mla import SparseMLAImpl, SparseMLAMetadata, Spars
 from kestrel.core.kv_spec import SparseMLASpec
 
 
-def absorbed_token_requests(meta: SparseMLAMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the absorbed tokens: the request of each (int32 [T]) and its position in that request (int32 [T])."""
-    nr, n = meta.num_absorbed_reqs, meta.num_absorbed_tokens
-    qsl = meta.query_start_loc[:nr + 1].long()
-    req = torch.repeat_interleave(torch.arange(nr, device=qsl.device), qsl[1:] - qsl[:-1], output_size=n)
-    pos = meta.seq_lens[:nr].long()[req] - (qsl[1:][req] - torch.arange(n, device=qsl.device))
-    return req.to(torch.int32), pos.to(torch.int32)
-
-
 class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
     def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
         write_index_keys(index_k, index_cache, slot_mapping)
 
     def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:
-        req, pos = absorbed_token_requests(meta)
-        return select_topk(index_q, index_w, index_cache, meta.block_tables, req, pos, meta.max_seq_len,
-                           meta.index_topk)
+        return select_topk(index_q, index_w, index_cache, meta.block_tables, meta.token_req, meta.token_pos,
+                           meta.max_seq_len, meta.index_topk)
 
     def attend_sparse(self, q_lat, q_pe, cache, meta: SparseMLAMetadata, topk) -> torch.Tensor:
-        req, _ = absorbed_token_requests(meta)
-        return sparse_mla_attention(q_lat, q_pe, cache, meta.block_tables, req, topk,
-                                    self.scale)
+        return sparse_mla_attention(q_lat, q_pe, cache, meta.block_tables, meta.token_req, topk, self.scale)
 
 
 class TritonSparseMLABackend(TritonMLABackend):
