@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
                                                     split_decode_setup)
-from kestrel.attention.ops.triton_mla import _mla_reduce_kernel
+from kestrel.attention.ops.triton_mla import _latent_tile, _load_latent_queries, _mla_reduce_kernel, _store_latent_out
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
@@ -133,12 +133,8 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads
     end = tl.minimum(start + per_split, topk)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
-    q_lat = tl.load(QL + t * stride_qlt + heads[:, None] * stride_qlh + offs_l[None, :], mask=mask_h[:, None],
-                    other=0.0)
-    q_pe = tl.load(QP + t * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :], mask=mask_h[:, None],
-                   other=0.0)
+    q_lat, q_pe = _load_latent_queries(QL, QP, t, heads, mask_h, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                                       L, R)
     req = tl.load(REQ + t).to(tl.int64)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -150,26 +146,10 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads
         pos = tl.where(valid, pos, 0)
         blk = tl.load(BT + req * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
         offs = blk * stride_cb + (pos % PAGE).to(tl.int64) * stride_ct
-        c = tl.load(C + offs[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, L]
-        pe = tl.load(C + offs[:, None] + L + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, R]
-        s = _mm(q_lat, tl.trans(c), UPCAST) + _mm(q_pe, tl.trans(pe), UPCAST)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with nothing selected adds nothing
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, UPCAST)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if (not SPLIT) or n_active == 1:
-        tl.store(O + t * stride_ot + heads[:, None] * stride_oh + offs_l[None, :], o.to(O.dtype.element_ty),
-                 mask=mask_h[:, None])
-    else:  # merged by triton_mla's reduce kernel, which derives the same split bounds from topk
-        row = (t * num_heads + heads) * num_splits + split
-        tl.store(PLSE + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=mask_h)
-        tl.store(PO + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+        m_i, l_i, acc = _latent_tile(q_lat, q_pe, C, offs, valid, m_i, l_i, acc, qk_scale, L, R, UPCAST)
+    # with several active splits: partials merged by triton_mla's reduce kernel (same bounds from topk)
+    _store_latent_out(O, PO, PLSE, t, heads, mask_h, m_i, l_i, acc, split, n_active, num_heads, num_splits,
+                      stride_ot, stride_oh, L, SPLIT)
 
 
 def default_sparse_config(num_tokens: int) -> dict:
