@@ -219,3 +219,17 @@ def test_fp8_block_checkpoint_with_power_of_two_scales(tiny_tokenizer, tmp_path)
     assert indexer.wq_b.kernel.name == indexer.wk.kernel.name == "fp8_dequant_fallback"
     assert indexer.weights_proj.weight.dtype == torch.float32
     assert tokens == hf_greedy(plain, PROMPTS, NUM_TOKENS)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa_shared"])
+def test_mixed_steps_take_the_dense_prefill_route(checkpoints, reference, calls, kind):
+    """A short prompt prefilled beside a decode whose context outgrew index_topk: that step expands the prefill
+    (unscored) and scores the decode (DENSE_PREFILL; GLM-5.2's shared layers reuse the decode's selection); every
+    route of the run gives transformers' tokens."""
+    from kestrel.attention.sparse_mla import DENSE_PREFILL
+
+    prompts = [list(range(10, 40)), SHORT[0]]
+    tokens, _ = generate(checkpoints(kind, 8), prompts, max_num_batched_tokens=8)
+    assert tokens == reference(kind, 8, tuple(map(tuple, prompts)))
+    routes = {r for r, _, _ in calls["routes"]}
+    assert DENSE_PREFILL in routes and SPARSE in routes
