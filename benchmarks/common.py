@@ -69,6 +69,19 @@ SHAPES = {
                                                              "mscale_all_dim": 0.707},
                              bos_token_id=100000, eos_token_id=100001),
 }
+# DSA-shaped V2-Lite (issue 34): V2-Lite's dims plus q compression (1536, as DeepSeek-V2/V3) and a 64 x 128 lightning
+# indexer with index_topk 2048, on DeepSeek-V3.2's classes (V3's sigmoid router); its twin with dense MLA is the
+# same shape on DeepseekV3ForCausalLM (no indexer)
+_V2_LITE_DSA = {k: v for k, v in SHAPES["deepseek-v2-lite"].items()
+                if k not in ("topk_method", "scoring_func", "moe_layer_freq", "rope_scaling", "rope_theta")}
+_V2_LITE_DSA.update(q_lora_rank=1536, rope_parameters={
+    "rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000})
+SHAPES["deepseek-v2-lite-dsa"] = dict(_V2_LITE_DSA, architectures=["DeepseekV32ForCausalLM"],
+                                      model_type="deepseek_v32", index_n_heads=64, index_head_dim=128,
+                                      index_topk=2048)
+SHAPES["deepseek-v2-lite-dsa-dense"] = dict(_V2_LITE_DSA, architectures=["DeepseekV3ForCausalLM"],
+                                            model_type="deepseek_v3", rope_interleave=True)
 # V2-Lite's attention with every layer dense (the 10944 MLP of its layer 0; its MoE layers touch 8 x 1408 = 11264
 # columns a token): MLA measured without the MoE kernels
 SHAPES["deepseek-v2-lite-dense"] = {**SHAPES["deepseek-v2-lite"], "first_k_dense_replace": 27}
@@ -129,6 +142,8 @@ def _mla_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
                                 s.get("q_lora_rank"))
     q = h * ql + ql * nh * (nope + rope) if ql else h * nh * (nope + rope)
     attn = q + h * (rank + rope) + rank * nh * (nope + vd) + nh * vd * h
+    index_dim, index_heads = s.get("index_head_dim", 0), s.get("index_n_heads", 0)  # DSA's lightning indexer
+    attn += ql * index_heads * index_dim + h * (index_dim + index_heads) if index_dim else 0
     dense = L if not s.get("n_routed_experts") else min(L, s.get("first_k_dense_replace", 0))
     mlp_dense = 3 * h * s["intermediate_size"]
     moe_all = 3 * h * s.get("moe_intermediate_size", 0) * (s.get("n_routed_experts", 0) + s.get("n_shared_experts", 0))
@@ -139,7 +154,8 @@ def _mla_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
     active = L * attn + dense * mlp_dense + (L - dense) * moe_active
     params = all_params + emb * (1 if s["tie_word_embeddings"] else 2)
     expert = (L - dense) * 3 * h * s.get("moe_intermediate_size", 0) * dtype_bytes
-    return ShapeFacts(params, (all_params + emb) * dtype_bytes, L * (rank + rope) * dtype_bytes, 2 * (active + emb),
+    return ShapeFacts(params, (all_params + emb) * dtype_bytes, L * (rank + rope + index_dim) * dtype_bytes,
+                      2 * (active + emb),
                       expert if s.get("n_routed_experts") else 0, s.get("n_routed_experts", 0),
                       s.get("num_experts_per_tok", 0) or 0)
 

@@ -26,6 +26,15 @@ def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[lis
     return out
 
 
+def kestrel_greedy(path, prompts: list[list[int]], n: int, **llm_kwargs):
+    """Kestrel's `n` greedy tokens (eos ignored) after each prompt, and the LLM (to inspect its engine)."""
+    from kestrel import LLM
+
+    llm = LLM(str(path), progress=False, **llm_kwargs)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
 def bf16_logprob_tolerance(max_abs_logit: float) -> float:
     """Two bf16 ulps of the largest logit (a logit x carries x * 2**-8 of rounding; both sides round), and
     never below 0.1."""

@@ -72,6 +72,19 @@ MLA_MOE_CONFIGS = {
                                             norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 
+# DeepSeek Sparse Attention (their own fixture in tests/models/test_dsa.py): V3.2's MLA + MoE with a 16-head
+# lightning indexer (fewer heads let ReLU zero whole score rows, and top-k then breaks ties arbitrarily);
+# index_topk below the prompt lengths, so the selection matters. GLM-5: its own dims (v_head_dim != nope), the
+# interleaved indexer rotary; GLM-5.2: "shared" layers that reuse the previous full layer's selection.
+_DSA = dict(_MLA, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=32,
+            index_topk=8)
+DSA_CONFIGS = {
+    "deepseek_v32": ("deepseek_v32", dict(_DSA)),
+    "glm_moe_dsa": ("glm_moe_dsa", dict(_DSA, qk_nope_head_dim=24, v_head_dim=16)),
+    "glm_moe_dsa_shared": ("glm_moe_dsa", dict(_DSA, num_hidden_layers=4, index_topk_pattern="FSFS")),
+}
+
 
 # Kimi Linear (its own fixture in tests/models/test_kimi_linear.py): layers 1-3 Kimi Delta Attention, layer 4 MLA
 # without rotary (the checkpoint's 1-indexed lists); layer 1 dense, then 4 routed experts top-2 + 1 shared
@@ -89,7 +102,7 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                     logit_scale: float = 1.0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS}[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

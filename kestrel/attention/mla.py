@@ -21,7 +21,7 @@ from torch import nn
 
 from kestrel.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
                                        CommonAttentionMetadata)
-from kestrel.core.kv_spec import MLASpec, cdiv
+from kestrel.core.kv_spec import MLASpec, SparseMLASpec, cdiv
 
 
 @dataclass
@@ -49,7 +49,11 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
               slot_mapping: torch.Tensor) -> MLAMetadata:
         c = common
-        n_abs = c.num_decodes if self.dense_prefill else c.num_reqs
+        return self.build_split(c, block_table, slot_mapping, c.num_decodes if self.dense_prefill else c.num_reqs)
+
+    def build_split(self, c: CommonAttentionMetadata, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                    n_abs: int) -> MLAMetadata:
+        """The metadata with the first `n_abs` requests absorbed and the rest dense."""
         qsl = c.query_start_loc_cpu
         n_abs_tok = c.num_tokens if n_abs == c.num_reqs else qsl[n_abs]
         meta = MLAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
@@ -150,7 +154,15 @@ class MLABackend(AttentionBackend):
     cache_specs = (MLASpec,)
     supports_mla: ClassVar[bool] = True
     supports_dense_mha_prefill: ClassVar[bool] = True
+    supports_sparse_mla: ClassVar[bool] = False  # reads a SparseMLASpec (indexer keys + top-k selection)
     builder_cls = MLAMetadataBuilder
+
+    @classmethod
+    def validate_spec(cls, spec) -> tuple[bool, str]:
+        ok, why = super().validate_spec(spec)
+        if ok and isinstance(spec, SparseMLASpec) and not cls.supports_sparse_mla:
+            return False, "no sparse MLA (DSA indexer)"
+        return ok, why
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -164,7 +176,8 @@ class MLAAttention(nn.Module):
     after loading; an FP8 kv_b_proj is dequantized for them), rotary on the rope parts, and the cache spec."""
 
     def __init__(self, ctx, prefix: str, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, kv_lora_rank: int, kv_b_proj: nn.Module, rotary, scale: float):
+                 v_head_dim: int, kv_lora_rank: int, kv_b_proj: nn.Module, rotary, scale: float,
+                 kv_cache_spec: MLASpec | None = None):
         super().__init__()
         self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim = num_heads, qk_nope_head_dim, qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = v_head_dim, kv_lora_rank
@@ -174,7 +187,7 @@ class MLAAttention(nn.Module):
         self.sliding_window, self.logits_soft_cap = 0, 0.0
         self._kv_b_proj = (kv_b_proj,)  # registered (and loaded) by the model's attention module
         self.rotary = rotary
-        self.kv_cache_spec = MLASpec(ctx.dtype, kv_lora_rank, qk_rope_head_dim)
+        self.kv_cache_spec = kv_cache_spec or MLASpec(ctx.dtype, kv_lora_rank, qk_rope_head_dim)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix
         self.w_uk: torch.Tensor | None = None  # [H, nope, L]
@@ -206,10 +219,15 @@ class MLAAttention(nn.Module):
         -> [T, H * v_head_dim]."""
         meta = ctx.attn_metadata[self.group_id]
         t = q.shape[0]
+        q_nope, q_pe, k_pe = self.split_rotate(q, k_pe, positions)
+        out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe, self.kv_cache, meta, self)
+        return out.reshape(t, self.num_heads * self.v_head_dim)
+
+    def split_rotate(self, q: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor):
+        """q [T, H, nope + rope], k_pe [T, R] -> q_nope, rotated q_pe, rotated k_pe [T, R]."""
+        t = q.shape[0]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         # strided views of the projections' outputs: the CUDA rotary rotates them in place, no copies
         if self.rotary is not None:  # None: no position encoding (NoPE MLA)
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(t, 1, self.qk_rope_head_dim))
-        out = self.impl.forward_mla(q_nope, q_pe, kv_c, k_pe.reshape(t, self.qk_rope_head_dim), self.kv_cache,
-                                    meta, self)
-        return out.reshape(t, self.num_heads * self.v_head_dim)
+        return q_nope, q_pe, k_pe.reshape(t, self.qk_rope_head_dim)

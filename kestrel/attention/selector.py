@@ -8,6 +8,7 @@ from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.backends.torch_kda import TorchKDABackend
 from kestrel.attention.backends.torch_mla import TorchMLAAbsorbedBackend, TorchMLABackend
 from kestrel.attention.backends.torch_ref import TorchRefBackend
+from kestrel.attention.backends.torch_sparse_mla import TorchSparseMLABackend
 from kestrel.core.kv_spec import KVCacheSpec
 from kestrel.errors import ConfigError
 from kestrel.platform import Platform, current_platform
@@ -26,7 +27,8 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         pass
     try:
         from kestrel.attention.backends.triton_mla import TritonMLABackend
-        out.append(TritonMLABackend)
+        from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLABackend
+        out += [TritonMLABackend, TritonSparseMLABackend]
     except ImportError:
         pass
     try:
@@ -34,7 +36,7 @@ def backend_candidates() -> list[type[AttentionBackend]]:
         out.append(TritonKDABackend)
     except ImportError:
         pass
-    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchKDABackend]
+    out += [TorchRefBackend, TorchMLABackend, TorchMLAAbsorbedBackend, TorchKDABackend, TorchSparseMLABackend]
     return out
 
 

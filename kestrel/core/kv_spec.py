@@ -115,6 +115,22 @@ class MLASpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class SparseMLASpec(MLASpec):
+    """MLA with DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): beside each token's latent, its lightning-indexer
+    key (index_head_dim values), in the same block: one block table keeps both, so prefix caching, chunking and
+    preemption move them together. The layer view is (latent [blocks, bs, latent_dim], index_k [blocks, bs,
+    index_head_dim]). A layer that shares another layer's top-k (GLM-5.2 "shared") keeps the index part unused.
+    `index_topk` (keys each query attends to) and `layer_dense_prefill` (the layer class's declared
+    supports_dense_mha_prefill) are what the metadata builder routes a step by."""
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    layer_dense_prefill: bool = False
+
+    def page_parts(self):
+        return [*super().page_parts(), (self.dtype, (self.block_size, self.index_head_dim))]
+
+
+@dataclass(frozen=True)
 class KDAStateSpec(KVCacheSpec):
     """Kimi Delta Attention (kestrel/layers/kda.py): a fixed-size state per request instead of per-token pages. Per
     layer and slot: the recurrent state, float32 [num_heads, head_dim, head_dim] (key dim x value dim), and the

@@ -77,11 +77,15 @@ class RotaryEmbedding(nn.Module):
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.rot_dim, not self.interleaved)
             return q, k
+        return self.rotate_copies(positions, q, k)
+
+    def rotate_copies(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated copies of any number of [T, H, D] tensors (also one alone: a key without its query)."""
         cs = self.cos_sin_cache[positions]
         cos, sin = cs.chunk(2, dim=-1)
         if self.interleaved:
             cos, sin = cos[:, None, :], sin[:, None, :]
-            return self._rotate_pairs(q, cos, sin), self._rotate_pairs(k, cos, sin)
-        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(q.dtype)
-        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            return tuple(self._rotate_pairs(x, cos, sin) for x in xs)
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(xs[0].dtype)
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(xs[0].dtype)
+        return tuple(self._rotate(x, cos, sin) for x in xs)

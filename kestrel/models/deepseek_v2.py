@@ -65,25 +65,37 @@ class DeepseekV2Attention(nn.Module):
         rotary = ctx.shared("rotary", lambda: RotaryEmbedding(cfg, rope, ctx.max_positions, ctx.dtype,
                                                               interleaved=interleaved)) if self.use_rope else None
         # registered before kv_b_proj: its post-load step reads kv_b_proj's weights as loaded
-        self.mla_attn = MLAAttention(ctx, f"{prefix}.mla_attn", heads, nope, rope, vdim, rank, kv_b_proj, rotary,
-                                     mla_softmax_scale(cfg))
+        self.mla_attn = self.build_mla(ctx, f"{prefix}.mla_attn", heads, nope, rope, vdim, rank, kv_b_proj, rotary,
+                                       mla_softmax_scale(cfg))
         self.kv_b_proj = kv_b_proj
         self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
+
+    def build_mla(self, ctx: ModelContext, prefix: str, *args) -> nn.Module:
+        return MLAAttention(ctx, prefix, *args)
 
     def forward(self, positions, hidden, residual, ctx):
         x, residual = pre_norm(self._input_norm[0], hidden, residual)
         t = x.shape[0]
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_c = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_c)
         else:
-            q = self.q_proj(x)
+            q_c, q = None, self.q_proj(x)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        out = self.mla_attn(q.view(t, self.num_heads, self.qk_head_dim), kv_c, k_pe, positions, ctx)
+        out = self.attend(q.view(t, self.num_heads, self.qk_head_dim), kv_c, k_pe, positions, ctx, x, q_c)
         return self.o_proj(out), residual
+
+    def attend(self, q, kv_c, k_pe, positions, ctx, x, q_c):
+        """The MLA layer's call; `x` (the normed input) and `q_c` (the compressed query) for subclasses whose
+        attention reads more of the layer's inputs (DSA's indexer)."""
+        return self.mla_attn(q, kv_c, k_pe, positions, ctx)
 
 
 def _is_moe_layer(cfg, idx: int) -> bool:
+    types = getattr(cfg, "mlp_layer_types", None)  # transformers 5's per-layer list (DeepSeek-V3.2, GLM-5)
+    if types:
+        return types[idx] == "sparse"
     return bool(getattr(cfg, "n_routed_experts", None)) and idx >= getattr(cfg, "first_k_dense_replace", 0)
 
 

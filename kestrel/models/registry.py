@@ -20,6 +20,8 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "KimiLinearForCausalLM": ("kestrel.models.kimi_linear", "KimiLinearForCausalLM"),
+    "DeepseekV32ForCausalLM": ("kestrel.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("kestrel.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "PaliGemmaForConditionalGeneration": ("kestrel.models.paligemma", "PaliGemmaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
 }

@@ -5,10 +5,10 @@ prefill, preemption and a prefix-cache hit, each asserted to have happened; the 
 asserted from the calls the backend received."""
 import pytest
 
-from kestrel import LLM, SamplingParams
+from kestrel import SamplingParams
 from kestrel.attention.backends.torch_mla import TorchMLAImpl
 from kestrel.core.kv_spec import MLASpec
-from tests.agreement import hf_greedy
+from tests.agreement import hf_greedy, kestrel_greedy
 
 KINDS = ["deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]
 NUM_TOKENS = 32
@@ -43,9 +43,7 @@ def paths(monkeypatch):
 
 
 def generate(path, prompts, **kw):
-    llm = LLM(str(path), progress=False, **kw)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs], llm
+    return kestrel_greedy(path, prompts, NUM_TOKENS, **kw)
 
 
 @pytest.mark.parametrize("kind", KINDS)

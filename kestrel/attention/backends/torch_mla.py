@@ -10,11 +10,16 @@ from kestrel.attention.mla import MLABackend, MLAImpl, MLAMetadata
 
 
 def write_latent_ref(kv_c, k_pe, cache, slot_mapping) -> None:
-    n, bs = kv_c.shape[0], cache.shape[1]
+    write_rows_ref(torch.cat([kv_c, k_pe], dim=-1), cache, slot_mapping)
+
+
+def write_rows_ref(rows, cache, slot_mapping) -> None:
+    """rows [T, D] into a paged cache [blocks, block_size, D] at their slots (-1: padding, not written)."""
+    n, bs = rows.shape[0], cache.shape[1]
     valid = slot_mapping[:n] >= 0
     slots = slot_mapping[:n][valid]
     # indexed by (block, offset): the cache may be a view with a block stride wider than a block (kv_allocation)
-    cache[slots // bs, slots % bs] = torch.cat([kv_c, k_pe], dim=-1)[valid].to(cache.dtype)
+    cache[slots // bs, slots % bs] = rows[valid].to(cache.dtype)
 
 
 def _causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:
@@ -79,6 +84,7 @@ class TorchMLABackend(MLABackend):
     name = "torch_mla"
     devices = ("cpu", "cuda")
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    supports_dense_mha_prefill = True
     impl_cls = TorchMLAImpl
 
 

@@ -65,6 +65,7 @@ class TritonMLABackend(MLABackend):
     devices = ("cuda",)
     dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graphs = True
+    supports_dense_mha_prefill = True
     impl_cls = TritonMLAImpl
 
     @classmethod

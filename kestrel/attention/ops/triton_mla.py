@@ -46,6 +46,56 @@ def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, sl
                                L=L, R=R, L_PAD=triton.next_power_of_2(L), R_PAD=triton.next_power_of_2(R))
 
 
+@triton.jit
+def _load_latent_queries(QL, QP, row, heads, mask_h, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                         L: tl.constexpr, R: tl.constexpr):
+    """One query token's latent-space query [BLOCK_H, L] and rope query [BLOCK_H, R] (row: int64)."""
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    q_lat = tl.load(QL + row * stride_qlt + heads[:, None] * stride_qlh + offs_l[None, :], mask=mask_h[:, None],
+                    other=0.0)
+    q_pe = tl.load(QP + row * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :], mask=mask_h[:, None],
+                   other=0.0)
+    return q_lat, q_pe
+
+
+@triton.jit
+def _latent_tile(q_lat, q_pe, C, offs, mask_n, m_i, l_i, acc, qk_scale, L: tl.constexpr, R: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One online-softmax step over a tile of latents at element offsets `offs` (mask_n: which are read). A tile
+    with nothing to read leaves the state as it was."""
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    c = tl.load(C + offs[:, None] + offs_l[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, L]
+    pe = tl.load(C + offs[:, None] + L + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, R]
+    s = _mm(q_lat, tl.trans(c), UPCAST) + _mm(q_pe, tl.trans(pe), UPCAST)
+    s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_latent_out(O, PO, PLSE, row, heads, mask_h, m_i, l_i, acc, split, n_active, num_heads, num_splits,
+                      stride_ot, stride_oh, L: tl.constexpr, SPLIT: tl.constexpr):
+    """The normalised output of one (token, head block), or with several active splits its float32 partial and
+    log-sum-exp for the reduce kernel."""
+    offs_l = tl.arange(0, L)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if (not SPLIT) or n_active == 1:
+        tl.store(O + row * stride_ot + heads[:, None] * stride_oh + offs_l[None, :], o.to(O.dtype.element_ty),
+                 mask=mask_h[:, None])
+    else:
+        prow = (row * num_heads + heads) * num_splits + split
+        tl.store(PLSE + prow, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=mask_h)
+        tl.store(PO + prow[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+
+
 @triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _mla_decode_kernel(
     QL, QP, C, BT, SL, O, PO, PLSE,
@@ -69,39 +119,17 @@ def _mla_decode_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
-    q_lat = tl.load(QL + b64 * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :], mask=mask_h[:, None],
-                    other=0.0)
-    q_pe = tl.load(QP + b64 * stride_qpb + heads[:, None] * stride_qph + offs_r[None, :], mask=mask_h[:, None],
-                   other=0.0)
-
+    q_lat, q_pe = _load_latent_queries(QL, QP, b64, heads, mask_h, stride_qlb, stride_qlh, stride_qpb, stride_qph,
+                                       L, R)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, L], tl.float32)
     bt_row = BT + b64 * stride_btb
     for n0 in range(start, end, BLOCK_N):
         offs, mask_n = _token_offsets(bt_row, n0, end, stride_cb, stride_ct, PAGE, BLOCK_N)
-        c = tl.load(C + offs[:, None] + offs_l[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, L]
-        pe = tl.load(C + offs[:, None] + L + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, R]
-        s = _mm(q_lat, tl.trans(c), UPCAST) + _mm(q_pe, tl.trans(pe), UPCAST)
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _mm(p.to(c.dtype), c, UPCAST)
-        m_i = m_new
-
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if (not SPLIT) or n_active == 1:
-        tl.store(O + b64 * stride_ob + heads[:, None] * stride_oh + offs_l[None, :], o.to(O.dtype.element_ty),
-                 mask=mask_h[:, None])
-    else:
-        row = (b64 * num_heads + heads) * num_splits + split
-        tl.store(PLSE + row, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe)), mask=mask_h)
-        tl.store(PO + row[:, None] * L + offs_l[None, :], o, mask=mask_h[:, None])
+        m_i, l_i, acc = _latent_tile(q_lat, q_pe, C, offs, mask_n, m_i, l_i, acc, qk_scale, L, R, UPCAST)
+    _store_latent_out(O, PO, PLSE, b64, heads, mask_h, m_i, l_i, acc, split, n_active, num_heads, num_splits,
+                      stride_ob, stride_oh, L, SPLIT)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])

@@ -1,0 +1,140 @@
+"""DSA (sparse MLA) decode attention on the H200 against dense MLA, one layer of a DSA-shaped DeepSeek-V2-Lite
+(16 heads, latent 512 + 64, a 64 x 128 indexer, index_topk 2048, bf16, page 16), by kernel timing (CUDA-graph
+replay): indexer scores over the paged key cache + top-k + sparse absorbed attention, against triton_mla's dense
+decode over the whole context, at batch 1 and 64 and contexts 8k and 32k. Bytes a token and layer: latent 1,152,
+indexer key 256 (bf16). FP8 indexer keys (132 B) are not implemented yet: their column says so.
+
+    python -m benchmarks.dsa_decode [--iters 50] [--e2e]
+--e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
+deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
+tokens per second of each (the 256-request short-context workload: python -m benchmarks.throughput --shape
+deepseek-v2-lite-dsa, and --shape deepseek-v2-lite-dsa-dense)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.mla_decode import time_us
+from kestrel.attention.backends.torch_sparse_mla import request_of_tokens, select_topk_ref, sparse_mla_attention_ref
+from kestrel.attention.ops.triton_mla import mla_decode_attention
+from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk, sparse_mla_attention
+
+HEADS, L, R, PAGE = 16, 512, 64, 16
+INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
+SCALE = 192 ** -0.5
+
+
+def case(batch: int, ctx: int):
+    dev, bf = "cuda", torch.bfloat16
+    nblk = -(-ctx // PAGE)
+    bt = torch.randperm(batch * nblk, device=dev).view(batch, nblk).int()
+    return dict(
+        latent=torch.randn(batch * nblk, PAGE, L + R, device=dev, dtype=bf),
+        keys=torch.randn(batch * nblk, PAGE, INDEX_DIM, device=dev, dtype=bf),
+        bt=bt, sl=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        req=torch.arange(batch, dtype=torch.int32, device=dev),
+        pos=torch.full((batch,), ctx - 1, dtype=torch.int32, device=dev),
+        q_lat=torch.randn(batch, HEADS, L, device=dev, dtype=bf), q_pe=torch.randn(batch, HEADS, R, device=dev, dtype=bf),
+        iq=torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=bf),
+        iw=torch.randn(batch, INDEX_HEADS, device=dev) * (INDEX_HEADS * INDEX_DIM) ** -0.5)
+
+
+def timed(fn, iters: int) -> float:
+    try:
+        return time_us(fn, iters)
+    except Exception:  # not capturable: eager timing
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e6
+
+
+def check_errors() -> None:
+    """The kernels against the float32 reference on one small case (8 decodes x 3000)."""
+    c = case(8, 3000)
+    got = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], 3000, TOPK)
+    want = select_topk_ref(c["iq"].float(), c["iw"], c["keys"].float(), c["bt"], list(range(9)), [3000] * 8, TOPK)
+    recall = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), want.cpu())) / want.numel()
+    scores = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], 3000)
+    ref_rows = []
+    for b in range(8):
+        keys = c["keys"][c["bt"][b].long()].flatten(0, 1)[:3000].float()
+        ref_rows.append((c["iw"][b, :, None] * (c["iq"][b].float() @ keys.T).relu()).sum(0))
+    ref = torch.stack(ref_rows)
+    out = sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], got, SCALE)
+    ref_out = sparse_mla_attention_ref(c["q_lat"].float(), c["q_pe"].float(), c["latent"].float(), c["bt"],
+                                       request_of_tokens(list(range(9)), "cuda"), got.long(), SCALE)
+    print(f"indexer scores rel err {((scores - ref).norm() / ref.norm()).item():.2e}; top-{TOPK} recall "
+          f"{recall:.4f}; sparse attention rel err {((out.float() - ref_out).norm() / ref_out.norm()).item():.2e}")
+
+
+def kernels(iters: int) -> None:
+    print(f"{'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'sparse':>8} {'DSA us':>9} "
+          f"{'speedup':>8} {'byte ceiling':>12} {'fp8 keys':>9}")
+    for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
+        c = case(batch, ctx)
+        dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
+                                                   max_seq_len=ctx), iters)
+        scores = timed(lambda: indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx), iters)
+        s = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx)
+        topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
+        idx = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK)
+        sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
+                                                    SCALE), iters)
+        whole = timed(lambda: sparse_mla_attention(
+            c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+            select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK), SCALE), iters)
+        ceiling = ctx * (L + R) / (ctx * INDEX_DIM + TOPK * (L + R))
+        print(f"{batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {sparse:>8.1f} {whole:>9.1f} "
+              f"{dense / whole:>7.2f}x {ceiling:>11.2f}x {'n/a':>9}")
+        del c, s, idx
+        torch.cuda.empty_cache()
+
+
+def e2e(prompt_len: int = 32768, n: int = 8, out_len: int = 65) -> None:
+    """Decode throughput at 32k contexts: a prefill-only run (max_tokens 1) and a full run on fresh prompts of the
+    same lengths (no prefix-cache hits); the difference is the decode steps'."""
+    import random
+
+    from benchmarks.common import write_shape
+    from kestrel import LLM, SamplingParams
+
+    rng = random.Random(0)
+
+    def prompts():
+        return [[rng.randint(0, 9999) for _ in range(prompt_len)] for _ in range(n)]
+
+    for shape in ("deepseek-v2-lite-dsa", "deepseek-v2-lite-dsa-dense"):
+        llm = LLM(str(write_shape(shape)), load_format="dummy", dtype="bfloat16", progress=False,
+                  max_model_len=prompt_len + out_len + 16)
+        llm.generate(prompts()[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        seconds = []
+        for max_tokens in (1, out_len):
+            t0 = time.perf_counter()
+            llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            seconds.append(time.perf_counter() - t0)
+        backend = llm.engine.core.executor.runner.backend.name
+        decode = seconds[1] - seconds[0]
+        print(f"{shape} ({backend}): {n} x {prompt_len}: prefill {seconds[0]:.2f} s; {out_len - 1} decode steps "
+              f"{decode:.2f} s, {n * (out_len - 1) / decode:.1f} out tok/s")
+        del llm
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--e2e", action="store_true")
+    args = ap.parse_args()
+    check_errors()
+    kernels(args.iters)
+    if args.e2e:
+        e2e()
+
+
+if __name__ == "__main__":
+    main()

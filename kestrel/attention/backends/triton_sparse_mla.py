@@ -1,0 +1,42 @@
+"""Triton sparse MLA (DSA) for CUDA: the indexer-key write, indexer scores over the paged key cache with a chunked
+top-k, and absorbed MLA over each token's index list (attention/ops/triton_sparse_mla.py), for decodes and sparse
+prefills alike; short prefills on the dense route go through triton_mla's dense prefill. No CUDA graphs yet (the
+top-k width follows the step's longest context). Importing fails without Triton, and the selector then skips it."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention.backends.triton_mla import TritonMLABackend, TritonMLAImpl
+from kestrel.attention.ops.triton_sparse_mla import select_topk, sparse_mla_attention, write_index_keys
+from kestrel.attention.sparse_mla import SparseMLAImpl, SparseMLAMetadata, SparseMLAMetadataBuilder
+from kestrel.core.kv_spec import SparseMLASpec
+
+
+class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
+    def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
+        write_index_keys(index_k, index_cache, slot_mapping)
+
+    def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:
+        return select_topk(index_q, index_w, index_cache, meta.block_tables, meta.token_req, meta.token_pos,
+                           meta.max_seq_len, meta.index_topk)
+
+    def attend_sparse(self, q_lat, q_pe, cache, meta: SparseMLAMetadata, topk) -> torch.Tensor:
+        return sparse_mla_attention(q_lat, q_pe, cache, meta.block_tables, meta.token_req, topk, self.scale)
+
+
+class TritonSparseMLABackend(TritonMLABackend):
+    name = "triton_sparse_mla"
+    cache_specs = (SparseMLASpec,)
+    supports_sparse_mla = True
+    supports_dense_mha_prefill = True
+    supports_cuda_graphs = False
+    impl_cls = TritonSparseMLAImpl
+    builder_cls = SparseMLAMetadataBuilder
+
+    @classmethod
+    def validate_spec(cls, spec) -> tuple[bool, str]:
+        ok, why = super().validate_spec(spec)
+        d = getattr(spec, "index_head_dim", 0)
+        if ok and (d & (d - 1) or d < 16):
+            return False, f"index head dim {d}: the kernel needs a power of two >= 16"
+        return ok, why

@@ -1,0 +1,193 @@
+"""DSA (sparse MLA) kernels in Triton, over the paged caches of SparseMLASpec: the latent cache
+[blocks, block_size, L + R] and the indexer-key cache [blocks, block_size, D_I].
+
+- `write_index_keys`: one row per token into the key cache (slot -1: padding, skipped).
+- `indexer_scores`: I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) for the positions s of token t's request,
+  -inf past the token's own position. One program per (token, tile of BLOCK_N positions): every head's query sits
+  in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory.
+- `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row (a Triton radix select
+  for k = 2048 is later work); -1 where a row has fewer visible positions than k.
+- `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
+  BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
+  separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
+  never read. Serves decode and prefill tokens alike."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
+                                                    split_decode_setup)
+from kestrel.attention.ops.triton_mla import _latent_tile, _load_latent_queries, _mla_reduce_kernel, _store_latent_out
+from kestrel.platform.triton_gates import interpreter_mode
+
+SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
+
+
+@triton.jit
+def _write_rows_kernel(X, C, SLOT, stride_x, stride_ct, D: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t)
+    if slot < 0:
+        return
+    offs = tl.arange(0, D_PAD)
+    x = tl.load(X + t.to(tl.int64) * stride_x + offs, mask=offs < D)
+    tl.store(C + slot * stride_ct + offs, x.to(C.dtype.element_ty), mask=offs < D)
+
+
+def write_index_keys(index_k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """index_k [T, D] -> cache [blocks, block_size, D] rows at slot_mapping[:T]."""
+    t, d = index_k.shape
+    if t == 0:
+        return
+    if index_k.stride(-1) != 1 or cache.stride(-1) != 1 or cache.stride(1) != d:
+        raise ValueError("write_index_keys needs contiguous rows and a [blocks, block_size, D] cache")
+    _write_rows_kernel[(t,)](index_k, cache, slot_mapping, index_k.stride(0), cache.stride(1), D=d,
+                             D_PAD=triton.next_power_of_2(d))
+
+
+@triton.jit(do_not_specialize=["width", "num_heads"])
+def _indexer_scores_kernel(Q, W, K, BT, REQ, QPOS, S, width, num_heads,
+                           stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_btb, stride_st,
+                           D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                           UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    q_pos = tl.load(QPOS + t)
+    visible = offs_n <= q_pos
+    in_row = offs_n < width
+    heads = tl.arange(0, H_PAD)
+    mask_h = heads < num_heads
+    offs_d = tl.arange(0, D)
+    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    if n0 <= q_pos:
+        req = tl.load(REQ + t).to(tl.int64)
+        blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
+        k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
+                    mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
+        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
+                    other=0.0)  # [H_PAD, D]
+        w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
+        logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
+        score = tl.where(visible, tl.sum(logits * w[:, None], axis=0), float("-inf"))
+    tl.store(S + t * stride_st + offs_n, score, mask=in_row)
+
+
+def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
+                   block_n: int = 64) -> torch.Tensor:
+    """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
+    request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
+    -inf past each token's position. D a power of two >= 16."""
+    t, h, d = index_q.shape
+    if d & (d - 1) or d < 16 or cache.shape[-1] != d:
+        raise ValueError(f"index head dim {d} (cache {cache.shape[-1]}): a power of two >= 16")
+    if index_q.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("indexer_scores needs the last dims contiguous")
+    if out is None:
+        out = torch.empty(t, width, dtype=torch.float32, device=index_q.device)
+    if t == 0 or width == 0:
+        return out
+    _indexer_scores_kernel[(t, triton.cdiv(width, block_n))](
+        index_q, index_w, cache, block_tables, token_req, q_pos, out, width, h,
+        index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
+        block_tables.stride(0), out.stride(0),
+        D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
+        UPCAST=_upcast(index_q.dtype))
+    return out
+
+
+def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
+                budget_bytes: int = SCORE_BUDGET_BYTES) -> torch.Tensor:
+    """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
+    exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes)."""
+    t = index_q.shape[0]
+    out = torch.full((t, index_topk), -1, dtype=torch.int32, device=index_q.device)
+    k = min(index_topk, width)
+    if t == 0 or k == 0:
+        return out
+    rows = max(1, budget_bytes // (4 * width))
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
+                                q_pos[r0:r1], width)
+        best = scores.topk(k, dim=-1)
+        out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
+    return out
+
+
+@triton.jit(do_not_specialize=["num_heads", "topk", "num_splits", "min_split"])
+def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads, topk, num_splits, min_split,
+                       stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cb, stride_ct, stride_btb,
+                       stride_it, stride_ot, stride_oh,
+                       L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    per_split, n_active = _split_bounds(topk, num_splits, min_split, BLOCK_N)
+    if split >= n_active:
+        return
+    start = split * per_split
+    end = tl.minimum(start + per_split, topk)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+    q_lat, q_pe = _load_latent_queries(QL, QP, t, heads, mask_h, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                                       L, R)
+    req = tl.load(REQ + t).to(tl.int64)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        pos = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < end, other=-1)
+        valid = pos >= 0
+        pos = tl.where(valid, pos, 0)
+        blk = tl.load(BT + req * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        offs = blk * stride_cb + (pos % PAGE).to(tl.int64) * stride_ct
+        m_i, l_i, acc = _latent_tile(q_lat, q_pe, C, offs, valid, m_i, l_i, acc, qk_scale, L, R, UPCAST)
+    # with several active splits: partials merged by triton_mla's reduce kernel (same bounds from topk)
+    _store_latent_out(O, PO, PLSE, t, heads, mask_h, m_i, l_i, acc, split, n_active, num_heads, num_splits,
+                      stride_ot, stride_oh, L, SPLIT)
+
+
+def default_sparse_config(num_tokens: int) -> dict:
+    # a first guess, untuned: the dense decode's small-batch tile, splits of at least 256 selected tokens
+    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if num_tokens <= 16 else 4,
+            "num_stages": 2}
+
+
+def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indices, scale, out=None,
+                         num_splits=None, _config=None) -> torch.Tensor:
+    """q_lat [T, H, L], q_pe [T, H, R] over each token's selected positions (topk_indices [T, k], request-local,
+    -1: none) of the latent cache [blocks, page, L + R] -> [T, H, L] (before W_UV). L, R powers of two, R >= 16.
+    Few tokens split the k selected positions across programs (num_splits: a power of two, default from the
+    shapes) and merge the partials by their log-sum-exps."""
+    t, h, L = q_lat.shape
+    R = q_pe.shape[-1]
+    if cache.shape[-1] != L + R or L & (L - 1) or R & (R - 1) or R < 16:
+        raise ValueError(f"latent dims {L} + {R} (cache {cache.shape[-1]}): both powers of two, rope >= 16")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1 or topk_indices.stride(-1) != 1:
+        raise ValueError("sparse_mla_attention needs the last dims contiguous")
+    if out is None:
+        out = torch.empty_like(q_lat)
+    k = topk_indices.shape[1]
+    if t == 0:
+        return out
+    cfg = {**default_sparse_config(t), **(_config or {})}
+    head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
+    num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
+                                                                 shortest_split=cfg["MIN_SPLIT"])
+    _sparse_mla_kernel[(t, head_blocks, num_splits)](
+        q_lat, q_pe, cache, block_tables, token_req, topk_indices, out, po, plse, float(scale) * _LOG2E, h, k,
+        num_splits, min_split, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0), topk_indices.stride(0), out.stride(0),
+        out.stride(1), L=L, R=R, PAGE=cache.shape[1], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=num_splits > 1, UPCAST=_upcast(q_lat.dtype), **launch)
+    if num_splits > 1:
+        lengths = torch.full((t,), k, dtype=torch.int32, device=q_lat.device)
+        _mla_reduce_kernel[(t, h)](po, plse, out, lengths, out.stride(0), out.stride(1), num_splits, min_split,
+                                   MAX_SPLITS=MAX_SPLITS, L=L, BLOCK_N=cfg["BLOCK_N"], PDL=False,
+                                   **({} if interpreter_mode() else {"num_warps": 4}))
+    return out

@@ -1,0 +1,35 @@
+"""The DSA Triton kernels compile for sm_90 ahead of time (no GPU needed), at DeepSeek-V3.2's shapes: 64 indexer
+heads x 128, latent 512 + 64, bf16 (the interpreter tests in test_triton_sparse_mla.py run them on tiny shapes)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kestrel.attention.ops import triton_sparse_mla as ops  # noqa: E402
+from tests.attention.test_triton_compile import compile_ok  # noqa: E402
+
+
+def _sig(fn, ptrs: dict, floats=()):
+    return {n: ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+
+
+def test_write_index_keys_compiles():
+    fn = ops._write_rows_kernel
+    compile_ok(fn, _sig(fn, {"X": "*bf16", "C": "*bf16", "SLOT": "*i64"}), dict(D=128, D_PAD=128))
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_indexer_scores_compiles(heads):
+    fn = ops._indexer_scores_kernel
+    ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32", "S": "*fp32"}
+    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_sparse_mla_compiles(split):
+    fn = ops._sparse_mla_kernel
+    ptrs = {"QL": "*bf16", "QP": "*bf16", "C": "*bf16", "BT": "*i32", "REQ": "*i32", "IDX": "*i32", "O": "*bf16",
+            "PO": "*fp32", "PLSE": "*fp32"}
+    compile_ok(fn, _sig(fn, ptrs, ("qk_scale",)), dict(L=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=64, SPLIT=split,
+                                                      UPCAST=False), num_warps=8)

@@ -1,0 +1,88 @@
+"""GPU checks for DSA (skipped without CUDA): tiny DeepSeek-V3.2 and GLM-5 in bf16 on the Triton sparse MLA backend
+against transformers in float32, teacher-forced. The backend declares no CUDA graphs yet, so the runner runs these
+eagerly (asserted).
+
+With index_topk above every context, the selection is every visible token whatever the rounding: the sparse route
+(indexer scores, top-k, sparse attention) and the dense routes must each agree >= 30/32. With index_topk 8 the
+k-th best score is a near-tie at many positions, and bf16 rounding flips the pick: transformers' own bf16 run
+agrees with its float32 run at only 17 of 32 positions on a 48-token prompt (CPU, tiny V3.2). There the yardstick
+is that run: ours must agree at least 0.8 times as often (a wrong selection drops far below)."""
+import pytest
+import torch
+
+from kestrel import LLM
+from kestrel.attention.sparse_mla import SparseMLAAttention
+from tests.agreement import MIXED_PROMPTS, assert_teacher_forced, teacher_forced_errors
+
+pytestmark = pytest.mark.gpu
+PROMPTS = MIXED_PROMPTS + [[100 + (13 * i) % 211 for i in range(48)]]
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory, tiny_tokenizer):
+    """(kind, index_topk) -> a checkpoint: latent 64 + rope 16 and a 16-head x 32 indexer (the kernels' powers of
+    two)."""
+    from tests.tiny import make_checkpoint
+
+    root, built = tmp_path_factory.mktemp("gpu_dsa"), {}
+
+    def get(kind, topk):
+        if (kind, topk) not in built:
+            built[kind, topk] = make_checkpoint(kind, root, tokenizer=tiny_tokenizer, name=f"{kind}_{topk}",
+                                                hidden_size=256, intermediate_size=512, kv_lora_rank=64,
+                                                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                                q_lora_rank=64, index_topk=topk, logit_scale=4.0)
+        return built[kind, topk]
+    return get
+
+
+def _llm(path, **kw):
+    llm = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=512, **kw)
+    runner = llm.engine.core.executor.runner
+    assert runner.backend.name == "triton_sparse_mla" and runner.graphs is None
+    return llm
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("layer_dense", [False, True])  # False: every step sparse; True: the dense routes
+def test_every_token_selected_matches_transformers(dsa, monkeypatch, kind, layer_dense):
+    monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
+    assert_teacher_forced(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS, n=32, device="cuda")
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("chunk", [None, 8])  # 8: chunked prefill over cached prefixes
+def test_small_topk_no_worse_than_transformers_bf16(dsa, kind, chunk):
+    from transformers import AutoModelForCausalLM
+
+    path = dsa(kind, 8)
+    llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ours = theirs = 0
+    for p in PROMPTS:
+        ours += teacher_forced_errors(llm, hf, p, 32, "cuda")[0]
+        theirs += teacher_forced_errors(_Transformers(hf_bf16), hf, p, 32, "cuda")[0]
+    # calibrated on the CPU (tiny V3.2, all MLPs dense, bf16 vs float32, these prompts): transformers bf16 103/128,
+    # ours 96, ours with the indexer's rotary layout swapped (a real bug) 43
+    assert ours >= 0.8 * theirs, (ours, theirs)
+
+
+class _Transformers:
+    """transformers' model behind the one LLM call teacher_forced_errors makes (greedy prompt logprobs)."""
+
+    def __init__(self, model, device: str = "cuda"):
+        self.model, self.device = model, device
+
+    def generate(self, seqs, params):
+        from types import SimpleNamespace
+
+        with torch.no_grad():
+            logp = self.model(torch.tensor(seqs, device=self.device)).logits[0].float().log_softmax(-1)
+        entries = [None]
+        for j in range(1, len(seqs[0])):
+            top = int(logp[j - 1].argmax())
+            entries.append({top: SimpleNamespace(rank=1, logprob=float(logp[j - 1, top])),
+                            **({} if seqs[0][j] == top else {seqs[0][j]: SimpleNamespace(
+                                rank=2, logprob=float(logp[j - 1, seqs[0][j]]))})})
+        return [SimpleNamespace(prompt_logprobs=entries)]
