@@ -25,6 +25,9 @@ _COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix-cache queries, in blocks.", "prefix_queries"),
     ("vllm:prefix_cache_hits", "Prefix-cache hits, in blocks.", "prefix_hits"),
     ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
 ]
 
 
@@ -42,6 +45,8 @@ class _EngineCollector:
         alive = GaugeMetricFamily("kestrel_engine_alive", "1 while the engine core can serve.", labels=LABELS)
         gauges = [GaugeMetricFamily(n, h, labels=LABELS) for n, h, _ in _GAUGES]
         counters = [CounterMetricFamily(n, h, labels=LABELS) for n, h, _ in _COUNTERS]
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=LABELS + ["position"])
         for i in range(client.num_engines):
             lv = [self.model_name, str(i)]
             live = i not in client.dead
@@ -53,9 +58,12 @@ class _EngineCollector:
                 fam.add_metric(lv, float(getattr(s, attr)))
             for fam, (_, _, attr) in zip(counters, _COUNTERS):
                 fam.add_metric(lv, float(getattr(s, attr)))
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*lv, str(pos)], float(n))
         yield alive
         yield from gauges
         yield from counters
+        yield per_pos
 
 
 class ServerMetrics:

@@ -19,6 +19,8 @@ from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
+from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
+from kestrel.spec_decode.verify import logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
@@ -56,14 +58,18 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.addons = build_addons(self.model, config, self.device, self.dtype)
         self._bind_attention()
+        spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+        if spec is not None:
+            refuse(model_refusals(self.model, self.kv_cache_groups))
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        self.outputs = StepOutputs(config.model.seed, config.scheduler.max_num_seqs, self.device,
-                                   self._hooks["before_sample"])
+        # a verify step samples 1 + k rows per request
+        max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        self.outputs = StepOutputs(config.model.seed, max_rows, self.device, self._hooks["before_sample"])
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
@@ -306,11 +312,12 @@ class ModelRunner:
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)
-            sample_idx = [qsl[b + 1] - 1 for b, c in enumerate(chunks) if c.samples]
+            sample_idx = logits_positions(chunks, qsl)
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
             inf.rows = {c.request_id: i for i, (c, _) in enumerate(samplers)}
+            inf.drafts = {c.request_id: c.draft_token_ids for c, _ in samplers if c.draft_token_ids}
             inf.states = [st for _, st in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:
