@@ -15,8 +15,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched against the request's own tokens
     prompt_lookup_max: int = 5  # ngram: longest (tried first)
     # no drafts in a step where more requests than this are running (None: always draft); at large batches a
-    # decode step is compute-bound and verifying k extra tokens per request costs more than it saves
-    disable_by_batch_size: int | None = None
+    # decode step is compute-bound and verifying k extra tokens per request costs more than it saves (32:
+    # provisional, until benchmarks/spec_decode.py measures the crossover on the H200)
+    disable_by_batch_size: int | None = 32
     # replay (benchmarks only): per position, the reference token with probability alpha, else a wrong one
     alpha: float = 1.0
     replay_references: list = field(default_factory=list)  # [[prompt ids, reference output ids], ...]

@@ -157,3 +157,28 @@ def test_unsupported_combinations_are_refused_by_name(tiny_llama):
         LLM(str(tiny_llama), progress=False, speculative_config=NGRAM, enable_lora=True)
     with pytest.raises(ConfigError, match="does not support .*tensor parallelism"):
         LLM(str(tiny_llama), progress=False, speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_image_models_are_refused_by_name(tiny_mm_models):
+    with pytest.raises(ConfigError, match=r"does not support image inputs \(a multimodal model\)"):
+        LLM(str(tiny_mm_models["paligemma"]), progress=False, speculative_config=NGRAM)
+
+
+def test_recurrent_state_caches_are_refused_by_name():
+    """A cache kind with per-request state cannot roll back past rejected drafts."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec
+    from kestrel.spec_decode.config import model_refusals
+
+    @dataclass(frozen=True)
+    class ToyStateSpec(KVCacheSpec):
+        def state_parts(self):
+            return [(torch.float32, (4, 4))]
+
+    groups = [KVCacheGroup(0, FullAttentionSpec(torch.float32, num_kv_heads=1, head_dim=8), ["a"]),
+              KVCacheGroup(1, ToyStateSpec(torch.float32), ["b"])]
+    assert model_refusals(torch.nn.Linear(1, 1), groups) == ["recurrent-state caches (ToyStateSpec)"]
+    assert model_refusals(torch.nn.Linear(1, 1), groups[:1]) == []
