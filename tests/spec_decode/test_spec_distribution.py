@@ -52,7 +52,8 @@ def plain_and_spec(small_vocab_model):
     each token kept with probability 0.5."""
     greedy = LLM(str(small_vocab_model), progress=False).generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
-    spec = {"method": "replay", "num_speculative_tokens": 3, "alpha": 0.5, "replay_references": [[PROMPT, greedy]]}
+    spec = {"method": "replay", "num_speculative_tokens": 3, "alpha": 0.5, "replay_references": [[PROMPT, greedy]],
+            "disable_by_batch_size": None}
     return sample_tokens(small_vocab_model)[0], spec
 
 
