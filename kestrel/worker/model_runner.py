@@ -67,9 +67,10 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        # a verify step samples 1 + k rows per request
-        max_rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
-        self.outputs = StepOutputs(config.model.seed, max_rows, self.device, self._hooks["before_sample"])
+        # a verify step (speculative decoding) samples 1 + k rows per request
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)
+        self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
         self.graphs = None
         self.graph_capture_seconds = 0.0
         self._copy_done = None
@@ -210,7 +211,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
         hidden = self.model(ids, positions, ctx)
-        self.model.compute_logits(hidden[-min(ids.shape[0], self.config.scheduler.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(ids.shape[0], self.max_sample_rows):])
 
     # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:

@@ -3,6 +3,7 @@ the grammar bitmask, then the Sampler), the copy of its tokens to the host witho
 the batch state, and prompt logprobs chunk by chunk."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,32 @@ from kestrel.spec_decode.verify import accept
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker.input_batch import RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs
+
+
+class OutputsWithDrafts(Sequence):
+    """A request's outputs followed by some of its drafts, without copying the outputs: a draft position's
+    sampling row reads its length (min_tokens, the seeded noise's position) and, with penalties, its tokens."""
+
+    __slots__ = ("outputs", "drafts")
+
+    def __init__(self, outputs: list[int], drafts: list[int]):
+        self.outputs, self.drafts = outputs, drafts
+
+    def __len__(self) -> int:
+        return len(self.outputs) + len(self.drafts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [*self][i]
+        n = len(self.outputs)
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.outputs[i] if i < n else self.drafts[i - n]
+
+    def __iter__(self):
+        yield from self.outputs
+        yield from self.drafts
 
 
 @dataclass
@@ -81,7 +108,8 @@ class StepOutputs:
         for rid, st in zip(inf.rows, inf.states):
             for j in range(1, len(inf.drafts.get(rid, ())) + 1):
                 rows.append(SamplingRow(st.sampling_params, st.prompt_token_ids,
-                                        st.output_token_ids + inf.drafts[rid][:j], st.min_tokens_stop_ids))
+                                        OutputsWithDrafts(st.output_token_ids, inf.drafts[rid][:j]),
+                                        st.min_tokens_stop_ids))
         return rows
 
     def collect(self, inf: InFlight, requests: dict[str, RequestState]) -> RunnerOutput:
