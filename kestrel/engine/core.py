@@ -131,7 +131,7 @@ class EngineCore:
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
         drafts = self.speculation.propose(self.scheduler.running) if self._speculating() else None
-        sched = self.scheduler.schedule(drafts)
+        sched = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
         grammars.advance(None, None, (sched, inf))
