@@ -68,18 +68,13 @@ def propose_ngram(tokens: list[np.ndarray], caps: list[int], n_min: int, n_max: 
     match = np.ones((len(rows), last), dtype=bool)
     found = np.zeros(len(rows), dtype=bool)
     cols = np.full(len(rows), -1, dtype=np.int64)
-    hits_by_n = {}
     for n in range(1, n_max + 1):
         match[:, n - 1:] &= arr[:, :last - n + 1] == arr[:, last - n + 1:last - n + 2]
         match[:, :n - 1] = False
-        if n >= n_min:
-            hits_by_n[n] = match.copy()
-    for n in range(n_max, n_min - 1, -1):
-        hits = hits_by_n[n]
-        any_hit = hits.any(axis=1) & ~found
-        if any_hit.any():
-            cols[any_hit] = hits[any_hit].argmax(axis=1)  # earliest window end
-            found |= any_hit
+        if n >= n_min:  # a longer n found later overwrites: the longest match wins
+            hit = match.any(axis=1)
+            cols[hit] = match[hit].argmax(axis=1)  # its earliest window end
+            found |= hit
     for i, b in enumerate(rows):
         if found[i]:
             start = cols[i] + 1
