@@ -12,6 +12,7 @@ verify kernels, and every draft after a flip is wrong, so it can fall below what
     python -m benchmarks.spec_decode --shape llama-8b
     python -m benchmarks.spec_decode --shape qwen3-0.6b --batches 1,8,64 --alphas 0.6,0.8,0.9 --ks 2,3,4,5
     python -m benchmarks.spec_decode --model /path/to/checkpoint --device cpu --batches 1 --ks 2 --output-len 16
+    python -m benchmarks.spec_decode --ngram-smollm2      # real n-gram drafts, copy-heavy prompts, embedded SmolLM2
 
 ms/token is per request: (generation time - time to first token) / (output tokens - 1), all requests of a batch
 running together; tok/s is the batch's output tokens over its generation time. Speculation is forced on at every
@@ -60,6 +61,45 @@ def row_of(label, batch, k, alpha, n_out, ttft, total, mean_accepted=None):
                 else f"{mean_accepted:.2f}")
 
 
+COPY_TEXT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nclass Point:\n    def "
+             "__init__(self, x, y):\n        self.x = x\n        self.y = y\n")
+COPY_PROMPTS = [f"Rewrite this code exactly, adding a docstring to each function:\n{COPY_TEXT}",
+                f"Repeat the following code unchanged:\n{COPY_TEXT}",
+                "Copy this list, one item a line: apples, pears, plums, cherries, grapes, lemons, limes, figs.",
+                f"Quote the code below and then explain it line by line:\n{COPY_TEXT}"]
+
+
+def ngram_smollm2(args, device) -> list[dict]:
+    """Real n-gram speculation on copy-heavy chat prompts with the embedded SmolLM2-135M-Instruct (greedy; the
+    outputs are identical with and without drafts, so the rows compare the same work)."""
+    from kestrel import LLM
+    from kestrel.loader import default_model_path
+
+    model = str(default_model_path())
+    common = dict(device=device, enable_prefix_caching=False, progress=False, max_model_len=2048)
+    rows = []
+    for k in [0] + [int(x) for x in args.ks.split(",")]:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": None} if k else None
+        llm = LLM(model, speculative_config=spec, **common)
+        tok = llm.engine.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in COPY_PROMPTS]
+        for b in [int(x) for x in args.batches.split(",")]:
+            batch = (prompts * b)[:b]
+            timed_generate(llm, batch, args.output_len, device, 1)  # warm-up
+            sp = llm.engine.core.speculation
+            before = (sp.num_drafts, sp.num_accepted_tokens) if sp else (0, 0)
+            ttft, total, _ = timed_generate(llm, batch, args.output_len, device, args.reps)
+            mean_len = None
+            if sp and sp.num_drafts > before[0]:
+                mean_len = 1 + (sp.num_accepted_tokens - before[1]) / (sp.num_drafts - before[0])
+            rows.append(row_of("ngram" if k else "no speculation", b, k, "", args.output_len, ttft, total,
+                               mean_len))
+        llm.engine.core.shutdown()
+        del llm
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
@@ -71,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--ngram-smollm2", action="store_true", help="n-gram drafts on copy-heavy prompts with the "
+                    "embedded SmolLM2 instead of replay drafts on a shape")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from kestrel import LLM
@@ -83,6 +125,14 @@ def main(argv=None):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.ngram_smollm2:
+        rows = ngram_smollm2(args, device)
+        print_table(f"n-gram speculation, SmolLM2-135M-Instruct (embedded), copy-heavy prompts, output "
+                    f"{args.output_len}, device {device}, commit {git_commit()}", rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(model="smollm2", device=device, commit=git_commit(), rows=rows), f, indent=1)
+        return rows, []
     if args.model:
         model, load = args.model, {}
     else:
