@@ -194,3 +194,20 @@ def test_other_cache_kinds_same_outputs(tiny_models, kind):
     llm = LLM(path, progress=False, num_kv_blocks=40, speculative_config=NGRAM)
     same(outputs(llm, prompts, params), ref)
     assert llm.engine.core.speculation.num_accepted_tokens > 0
+
+
+def test_structured_output_rows_decode_beside_drafted_rows(tiny_llama, plain_llama):
+    """A request with structured outputs gets no drafts; its grammar bitmask still masks its own logits row while
+    other rows of the step verify drafts (their rows follow the per-request ones)."""
+    from kestrel.core.sampling_params import StructuredOutputsParams as SO
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 9, 10, 9], [5, 6, 7, 5, 6, 7, 5], [30, 31, 30, 31]]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=12, structured_outputs=SO(regex="(fox|dog)+")),
+              SamplingParams(temperature=0.9, seed=8, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(choice=["stop", "end", "fox"]))]
+    llm = LLM(str(tiny_llama), progress=False, speculative_config=NGRAM)
+    got = outputs(llm, prompts, params)
+    same(got, outputs(plain_llama, prompts, params))
+    assert got[3][0][1] in ("stop", "end", "fox")
+    assert llm.engine.core.speculation.num_accepted_tokens > 0
