@@ -211,3 +211,14 @@ def test_structured_output_rows_decode_beside_drafted_rows(tiny_llama, plain_lla
     same(got, outputs(plain_llama, prompts, params))
     assert got[3][0][1] in ("stop", "end", "fox")
     assert llm.engine.core.speculation.num_accepted_tokens > 0
+
+
+def test_worker_process_executor_carries_drafts_and_results(tiny_llama, plain_llama):
+    """--distributed-executor-backend mp: the drafts and the emitted tokens cross the wire (msgpack)."""
+    prompts, params = workload(seed=5)
+    llm = LLM(str(tiny_llama), progress=False, distributed_executor_backend="mp", speculative_config=NGRAM)
+    try:
+        same(outputs(llm, prompts, params), outputs(plain_llama, prompts, params))
+        assert llm.engine.core.speculation.num_accepted_tokens > 0
+    finally:
+        llm.engine.core.shutdown()
