@@ -55,8 +55,6 @@ def engine_refusals(config) -> list[str]:
     out = []
     if config.lora.enable_lora:
         out.append("LoRA (--enable-lora)")
-    if config.parallel.tensor_parallel_size > 1:
-        out.append("tensor parallelism (--tensor-parallel-size > 1)")
     return out
 
 

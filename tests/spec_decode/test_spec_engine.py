@@ -155,8 +155,6 @@ def test_bad_config_is_refused(tiny_llama, spec, match):
 def test_unsupported_combinations_are_refused_by_name(tiny_llama):
     with pytest.raises(ConfigError, match=r"does not support LoRA \(--enable-lora\)"):
         LLM(str(tiny_llama), progress=False, speculative_config=NGRAM, enable_lora=True)
-    with pytest.raises(ConfigError, match="does not support .*tensor parallelism"):
-        LLM(str(tiny_llama), progress=False, speculative_config=NGRAM, tensor_parallel_size=2)
 
 
 def test_image_models_are_refused_by_name(tiny_mm_models):
