@@ -26,6 +26,7 @@ from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
+from kestrel.worker.verify_graphs import capture_verify_graphs
 from kestrel.worker.warm_up import capture_graphs, precompile_kernels
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.addons = build_addons(self.model, config, self.device, self.dtype)
         self._bind_attention()
-        spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
@@ -72,6 +73,7 @@ class ModelRunner:
         self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)
         self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
         self.graphs = None
+        self.verify_graphs = None  # speculative decoding's verify steps (kestrel/worker/verify_graphs.py)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
@@ -218,6 +220,7 @@ class ModelRunner:
         """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
         self.buffers = self._new_buffers()
         self.graphs = capture_graphs(self)
+        self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
 
     def precompile_kernels(self) -> None:
         """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
@@ -306,10 +309,17 @@ class ModelRunner:
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = out if out is not None else inputs_embeds
+        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  and all(ok() for ok in self._hooks["step_graph_ok"]) else None)
+                  and graph_ok else None)
+        vg = self.verify_graphs
+        verify_padded = (vg.padded_size(meta.num_reqs) if vg and padded is None and graph_ok and vg.fits(chunks)
+                         else None)
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
+        elif verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
+            logits = vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, qsl), torch.int64,
+                                                                        self.device)]
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)

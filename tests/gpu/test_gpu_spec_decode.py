@@ -66,3 +66,22 @@ def test_seeded_sampling_mostly_identical(model, plain):
     llm = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=NGRAM)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert sum(g == r for g, r in zip(got, ref)) >= 14
+
+
+def test_verify_graphs_equal_eager(model, plain):
+    """Uniform verify steps (the replay proposer always proposes k drafts) replay a captured graph, padded from 3
+    requests to 4: the same tokens as the same engine with --enforce-eager."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = MIXED_PROMPTS[:3]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = {"method": "replay", "num_speculative_tokens": 3, "alpha": 0.7,
+            "replay_references": [[p, r] for p, r in zip(prompts, ref)]}
+    graphs = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec)
+    vg = graphs.engine.core.executor.runner.verify_graphs
+    assert vg is not None and vg.graphs
+    eager = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec,
+                enforce_eager=True)
+    a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert a == b
+    assert vg.replays > 5

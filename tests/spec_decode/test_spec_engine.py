@@ -220,3 +220,21 @@ def test_worker_process_executor_carries_drafts_and_results(tiny_llama, plain_ll
         assert llm.engine.core.speculation.num_accepted_tokens > 0
     finally:
         llm.engine.core.shutdown()
+
+
+def test_verify_graph_padding_gives_the_eager_outputs(tiny_llama, plain_llama):
+    """The verify-graph path (kestrel/worker/verify_graphs.py) without a captured graph on the CPU: uniform
+    verify steps run the padded batch (dummy requests up to the next size) and give plain decoding's tokens."""
+    from kestrel.worker.verify_graphs import VerifyGraphs, verify_graphs_supported
+
+    prompts = [[3, 4, 5, 6], [10, 11], [40, 41, 42, 43, 44, 45]]
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    ref = outputs(plain_llama, prompts, params)
+    llm = LLM(str(tiny_llama), progress=False,
+              speculative_config={"method": "replay", "num_speculative_tokens": 3, "alpha": 0.6,
+                                  "replay_references": [[p, r[0][0]] for p, r in zip(prompts, ref)]})
+    runner = llm.engine.core.executor.runner
+    assert verify_graphs_supported(runner)
+    runner.verify_graphs = vg = VerifyGraphs(runner, [1, 4, 8], 3)
+    same(outputs(llm, prompts, params), ref)
+    assert vg.replays > 3

@@ -1,0 +1,118 @@
+"""CUDA graphs for verify steps (speculative decoding): b requests with exactly k drafts each, so b * (k + 1)
+tokens of query length k + 1, one graph per captured batch size (up to disable_by_batch_size). A verify step where
+some request has fewer drafts (or a decode or prefill row rides along) runs eagerly.
+
+The step's inputs are staged as for an eager step; the batch is padded up to the next captured size with requests
+that compute k + 1 queries over themselves (seq_len k + 1 at positions 0..k, slots -1: they read some block and
+write nothing). Only backends whose metadata is the plain paged one (AttentionMetadataBuilder: the query
+positions come from query_start_loc and seq_lens on the device) are captured; their prefill kernels size their
+grids from the token and request counts alone, so one graph serves every step of its size."""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from kestrel.attention.backend import AttentionMetadataBuilder
+
+logger = logging.getLogger(__name__)
+
+
+def verify_graphs_supported(runner) -> bool:
+    return all(type(b) is AttentionMetadataBuilder for b in runner.builders)
+
+
+class VerifyGraphs:
+    def __init__(self, runner, sizes: list[int], k: int, pool=None):
+        self.runner, self.model, self.buf = runner, runner.model, runner.buffers
+        self.k, self.q = k, k + 1
+        self.sizes = sorted(s for s in sizes if s * self.q <= self.buf.max_tokens)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.contexts: dict[int, object] = {}
+        self.pool = pool
+        dev = self.buf.device
+        self.starts = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=dev) * self.q
+        self.pad_positions = torch.arange(self.q, dtype=torch.int64, device=dev).repeat(self.buf.max_reqs)
+        self.replays = 0
+
+    def fits(self, chunks) -> bool:
+        """Is this step a uniform verify step (every row samples after exactly k drafts)?"""
+        return all(len(c.draft_token_ids) == self.k and c.num_new_tokens == self.q for c in chunks)
+
+    def padded_size(self, b: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, b)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _context(self, b: int):
+        if b not in self.contexts:
+            self.contexts[b] = self.runner.metadata(b * self.q, b, 0, self.q, self.runner.max_model_len,
+                                                    self.buf.max_blocks, capture=True)
+        return self.contexts[b]
+
+    def _pad(self, b: int, padded: int) -> None:
+        """Rows b..padded of the buffers become self-contained dummy requests."""
+        buf, q = self.buf, self.q
+        buf.input_ids[b * q:padded * q].zero_()
+        buf.positions[b * q:padded * q].copy_(self.pad_positions[:(padded - b) * q])
+        buf.query_start_loc[b + 1:padded + 1].copy_(self.starts[b + 1:padded + 1])
+        buf.seq_lens[b:padded].fill_(q)
+        buf.slot_mapping[:, b * q:padded * q].fill_(-1)
+
+    @torch.inference_mode()
+    def run(self, b: int) -> torch.Tensor:
+        """One eager forward of the padded batch `b` from the buffers; its logits at every token."""
+        n = b * self.q
+        hidden = self.model(self.buf.input_ids[:n], self.buf.positions[:n], self._context(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        t0 = time.perf_counter()
+        self._pad(0, self.sizes[-1])
+        for b in reversed(self.sizes):
+            for _ in range(2):
+                self.run(b)  # warm-up (Triton JIT) outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[b] = self.run(b)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        logger.info("Captured %d verify CUDA graphs (k %d, batch sizes %s..%s) in %.1f s", len(self.graphs), self.k,
+                    self.sizes[0], self.sizes[-1], dt)
+        return dt
+
+    def replay(self, b: int, padded: int) -> torch.Tensor:
+        """Logits at every token of the step's b requests (token order). Without a captured graph (CPU), the
+        padded batch runs eagerly: the same inputs, so tests exercise the padding there."""
+        self._pad(b, padded)
+        self.replays += 1
+        if padded in self.graphs:
+            self.graphs[padded].replay()
+            return self.logits[padded][:b * self.q]
+        return self.run(padded)[:b * self.q]
+
+
+def capture_verify_graphs(runner, spec, decode_graphs) -> VerifyGraphs | None:
+    """Where decode graphs are captured and the backends allow it: verify graphs for k drafts at the decode
+    graphs' batch sizes up to disable_by_batch_size. A failed capture logs and leaves verify steps eager."""
+    if spec is None or decode_graphs is None or not verify_graphs_supported(runner):
+        return None
+    limit = spec.disable_by_batch_size or runner.config.scheduler.max_num_seqs
+    graphs = VerifyGraphs(runner, [s for s in decode_graphs.sizes if s <= limit], spec.num_speculative_tokens,
+                          decode_graphs.pool)
+    if not graphs.sizes:
+        return None
+    try:
+        runner.graph_capture_seconds += graphs.capture()
+    except Exception as e:  # noqa: BLE001  (an optimisation: eager verify steps stay correct)
+        logger.warning("verify CUDA graphs not captured (%s: %s); verify steps run eagerly", type(e).__name__, e)
+        torch.cuda.synchronize()
+        return None
+    return graphs
