@@ -9,13 +9,12 @@ positions come from query_start_loc and seq_lens on the device) are captured; th
 grids from the token and request counts alone, so one graph serves every step of its size."""
 from __future__ import annotations
 
-import bisect
 import logging
-import time
 
 import torch
 
 from kestrel.attention.backend import AttentionMetadataBuilder
+from kestrel.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +23,12 @@ def verify_graphs_supported(runner) -> bool:
     return all(type(b) is AttentionMetadataBuilder for b in runner.builders)
 
 
-class VerifyGraphs:
+class VerifyGraphs(DecodeGraphs):
+    kind = "verify "
+
     def __init__(self, runner, sizes: list[int], k: int, pool=None):
-        self.runner, self.model, self.buf = runner, runner.model, runner.buffers
-        self.k, self.q = k, k + 1
-        self.sizes = sorted(s for s in sizes if s * self.q <= self.buf.max_tokens)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.contexts: dict[int, object] = {}
-        self.pool = pool
+        super().__init__(runner, [s for s in sizes if s * (k + 1) <= runner.buffers.max_tokens])
+        self.k, self.q, self.pool = k, k + 1, pool
         dev = self.buf.device
         self.starts = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=dev) * self.q
         self.pad_positions = torch.arange(self.q, dtype=torch.int64, device=dev).repeat(self.buf.max_reqs)
@@ -42,14 +38,10 @@ class VerifyGraphs:
         """Is this step a uniform verify step (every row samples after exactly k drafts)?"""
         return all(len(c.draft_token_ids) == self.k and c.num_new_tokens == self.q for c in chunks)
 
-    def padded_size(self, b: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, b)
-        return self.sizes[i] if i < len(self.sizes) else None
-
     def _context(self, b: int):
         if b not in self.contexts:
-            self.contexts[b] = self.runner.metadata(b * self.q, b, 0, self.q, self.runner.max_model_len,
-                                                    self.buf.max_blocks, capture=True)
+            self.contexts[b] = self.runner.metadata(b * self.q, b, 0, self.q, self.max_seq_len, self.width,
+                                                    capture=True)
         return self.contexts[b]
 
     def _pad(self, b: int, padded: int) -> None:
@@ -61,32 +53,15 @@ class VerifyGraphs:
         buf.seq_lens[b:padded].fill_(q)
         buf.slot_mapping[:, b * q:padded * q].fill_(-1)
 
+    def _prepare_capture(self) -> None:
+        self._pad(0, self.sizes[-1])
+
     @torch.inference_mode()
     def run(self, b: int) -> torch.Tensor:
         """One eager forward of the padded batch `b` from the buffers; its logits at every token."""
         n = b * self.q
         hidden = self.model(self.buf.input_ids[:n], self.buf.positions[:n], self._context(b))
         return self.model.compute_logits(hidden)
-
-    @torch.inference_mode()
-    def capture(self) -> float:
-        t0 = time.perf_counter()
-        self._pad(0, self.sizes[-1])
-        for b in reversed(self.sizes):
-            for _ in range(2):
-                self.run(b)  # warm-up (Triton JIT) outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self.run(b)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[b] = g
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        logger.info("Captured %d verify CUDA graphs (k %d, batch sizes %s..%s) in %.1f s", len(self.graphs), self.k,
-                    self.sizes[0], self.sizes[-1], dt)
-        return dt
 
     def replay(self, b: int, padded: int) -> torch.Tensor:
         """Logits at every token of the step's b requests (token order). Without a captured graph (CPU), the
