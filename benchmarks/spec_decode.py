@@ -153,22 +153,24 @@ def main(argv=None):
     plain.engine.core.shutdown()
     del plain
 
-    spec_cfg = {"method": "replay", "num_speculative_tokens": max(ks), "disable_by_batch_size": None,
-                "replay_references": [[list(p), o] for p, o in references.items()]}
-    llm = LLM(model, speculative_config=spec_cfg, **common)
-    sp = llm.engine.core.speculation
-    for b in batches:
-        timed_generate(llm, prompts_all[:b], args.output_len, device, 1)  # warm-up
-        for alpha in alphas:
-            for k in ks:
-                # one engine for every (alpha, k): k <= the configured maximum only caps the drafts per step
-                sp.k, sp.proposer.k, sp.proposer.alpha = k, k, alpha
+    refs = [[list(p), o] for p, o in references.items()]
+    for k in ks:  # an engine per k: its verify CUDA graphs are captured for exactly k drafts a request
+        spec_cfg = {"method": "replay", "num_speculative_tokens": k, "disable_by_batch_size": None,
+                    "replay_references": refs}
+        llm = LLM(model, speculative_config=spec_cfg, **common)
+        sp = llm.engine.core.speculation
+        for b in batches:
+            timed_generate(llm, prompts_all[:b], args.output_len, device, 1)  # warm-up
+            for alpha in alphas:
+                sp.proposer.alpha = alpha  # the one engine serves every alpha
                 before = (sp.num_drafts, sp.num_accepted_tokens)
                 ttft, total, _ = timed_generate(llm, prompts_all[:b], args.output_len, device, args.reps)
                 drafts, accepted = sp.num_drafts - before[0], sp.num_accepted_tokens - before[1]
                 mean_len = 1 + accepted / drafts if drafts else None
                 rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len))
-    llm.engine.core.shutdown()
+        llm.engine.core.shutdown()
+        del llm
+    rows.sort(key=lambda r: (r["k"] > 0, r["batch"], str(r["alpha"]), r["k"]))
 
     name = args.model or args.shape
     print_table(f"Speculative decoding (replay proposer), {name}, prompt {args.prompt_len}, output "
