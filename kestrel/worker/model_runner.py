@@ -312,9 +312,8 @@ class ModelRunner:
         graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   and graph_ok else None)
-        vg = self.verify_graphs
-        verify_padded = (vg.padded_size(meta.num_reqs) if vg and padded is None and graph_ok and vg.fits(chunks)
-                         else None)
+        vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
+        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
         if padded is not None:
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         elif verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows

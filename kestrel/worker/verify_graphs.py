@@ -1,6 +1,7 @@
-"""CUDA graphs for verify steps (speculative decoding): b requests with exactly k drafts each, so b * (k + 1)
-tokens of query length k + 1, one graph per captured batch size (up to disable_by_batch_size). A verify step where
-some request has fewer drafts (or a decode or prefill row rides along) runs eagerly.
+"""CUDA graphs for verify steps (speculative decoding): b requests with d drafts each, so b * (d + 1) tokens of
+query length d + 1, one graph per draft count d = 1..k and captured batch size (up to disable_by_batch_size). A
+verify step whose requests have different draft counts (or where a decode or prefill row rides along) runs
+eagerly.
 
 The step's inputs are staged as for an eager step; the batch is padded up to the next captured size with requests
 that compute k + 1 queries over themselves (seq_len k + 1 at positions 0..k, slots -1: they read some block and
@@ -74,20 +75,37 @@ class VerifyGraphs(DecodeGraphs):
         return self.run(padded)[:b * self.q]
 
 
-def capture_verify_graphs(runner, spec, decode_graphs) -> VerifyGraphs | None:
-    """Where decode graphs are captured and the backends allow it: verify graphs for k drafts at the decode
-    graphs' batch sizes up to disable_by_batch_size. A failed capture logs and leaves verify steps eager."""
+class VerifyGraphSet:
+    """Verify graphs per draft count d = 1..k: a step whose requests all verify d drafts replays a graph of d."""
+
+    def __init__(self, by_drafts: dict[int, VerifyGraphs]):
+        self.by_drafts = by_drafts
+
+    def select(self, chunks) -> VerifyGraphs | None:
+        graphs = self.by_drafts.get(len(chunks[0].draft_token_ids))
+        return graphs if graphs is not None and graphs.fits(chunks) else None
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.by_drafts.values())
+
+
+def capture_verify_graphs(runner, spec, decode_graphs) -> VerifyGraphSet | None:
+    """Where decode graphs are captured and the backends allow it: verify graphs for 1..k drafts a request at the
+    decode graphs' batch sizes up to disable_by_batch_size. A failed capture logs and leaves verify steps eager."""
     if spec is None or decode_graphs is None or not verify_graphs_supported(runner):
         return None
     limit = spec.disable_by_batch_size or runner.config.scheduler.max_num_seqs
-    graphs = VerifyGraphs(runner, [s for s in decode_graphs.sizes if s <= limit], spec.num_speculative_tokens,
-                          decode_graphs.pool)
-    if not graphs.sizes:
-        return None
+    sizes = [s for s in decode_graphs.sizes if s <= limit]
+    by_drafts, pool = {}, decode_graphs.pool
     try:
-        runner.graph_capture_seconds += graphs.capture()
+        for d in range(spec.num_speculative_tokens, 0, -1):  # the most tokens first: the others reuse its pool
+            graphs = VerifyGraphs(runner, sizes, d, pool)
+            if graphs.sizes:
+                runner.graph_capture_seconds += graphs.capture()
+                by_drafts[d], pool = graphs, graphs.pool
     except Exception as e:  # noqa: BLE001  (an optimisation: eager verify steps stay correct)
         logger.warning("verify CUDA graphs not captured (%s: %s); verify steps run eagerly", type(e).__name__, e)
         torch.cuda.synchronize()
         return None
-    return graphs
+    return VerifyGraphSet(by_drafts) if by_drafts else None

@@ -78,7 +78,7 @@ def test_verify_graphs_equal_eager(model, plain):
             "replay_references": [[p, r] for p, r in zip(prompts, ref)]}
     graphs = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec)
     vg = graphs.engine.core.executor.runner.verify_graphs
-    assert vg is not None and vg.graphs
+    assert vg is not None and vg.by_drafts[3].graphs and set(vg.by_drafts) == {1, 2, 3}
     eager = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec,
                 enforce_eager=True)
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]

@@ -224,17 +224,19 @@ def test_worker_process_executor_carries_drafts_and_results(tiny_llama, plain_ll
 
 def test_verify_graph_padding_gives_the_eager_outputs(tiny_llama, plain_llama):
     """The verify-graph path (kestrel/worker/verify_graphs.py) without a captured graph on the CPU: uniform
-    verify steps run the padded batch (dummy requests up to the next size) and give plain decoding's tokens."""
-    from kestrel.worker.verify_graphs import VerifyGraphs, verify_graphs_supported
+    verify steps run the padded batch (dummy requests up to the next size) and give plain decoding's tokens;
+    with n-gram drafts the draft count varies by step (a graph per count)."""
+    from kestrel.worker.verify_graphs import VerifyGraphs, VerifyGraphSet, verify_graphs_supported
 
     prompts = [[3, 4, 5, 6], [10, 11], [40, 41, 42, 43, 44, 45]]
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
     ref = outputs(plain_llama, prompts, params)
-    llm = LLM(str(tiny_llama), progress=False,
-              speculative_config={"method": "replay", "num_speculative_tokens": 3, "alpha": 0.6,
-                                  "replay_references": [[p, r[0][0]] for p, r in zip(prompts, ref)]})
-    runner = llm.engine.core.executor.runner
-    assert verify_graphs_supported(runner)
-    runner.verify_graphs = vg = VerifyGraphs(runner, [1, 4, 8], 3)
-    same(outputs(llm, prompts, params), ref)
-    assert vg.replays > 3
+    replay = {"method": "replay", "num_speculative_tokens": 3, "alpha": 0.6,
+              "replay_references": [[p, r[0][0]] for p, r in zip(prompts, ref)]}
+    for spec, batch in [(replay, prompts), (NGRAM, prompts[2:]), (NGRAM, [[7, 8, 9, 7, 8, 9, 7, 8]] * 2)]:
+        llm = LLM(str(tiny_llama), progress=False, speculative_config=spec)
+        runner = llm.engine.core.executor.runner
+        assert verify_graphs_supported(runner)
+        runner.verify_graphs = vg = VerifyGraphSet({d: VerifyGraphs(runner, [1, 4, 8], d) for d in (1, 2, 3)})
+        same(outputs(llm, batch, params), outputs(plain_llama, batch, params))
+        assert vg.replays > 1
