@@ -68,6 +68,19 @@ def parse_json_list(value: str) -> str | list:
     return value
 
 
+def parse_json_object(value: str) -> dict:
+    """A flag whose value is a JSON object (--speculative-config '{"method": "ngram", ...}')."""
+    import json
+
+    try:
+        obj = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return obj
+
+
 @dataclass
 class ModelConfig:
     model: str | None = _f(None, "HF checkpoint folder (config.json + *.safetensors), a .gguf file, or a hub id "
@@ -137,6 +150,10 @@ class SchedulerConfig:
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile in the engine core; a slower "
                                               "one fails its request (finish_reason abort) and leaves the compile "
                                               "threads to others")
+    speculative_config: dict | None = _f(
+        None, 'speculative decoding, as a JSON object: {"method": "ngram", "num_speculative_tokens": k, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": N} (no drafts while more '
+              'than N requests run); docs/serving.md', parse=parse_json_object)
     max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
                                       "one huge request leaves room for others (0: half of --max-num-seqs)")

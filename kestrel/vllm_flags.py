@@ -64,7 +64,6 @@ COMPAT_FLAGS = (
                "default)", lambda v: v in ("auto", "generate")),
     CompatFlag(("--compilation-config", "-O"), "no effect: Kestrel does not use torch.compile; CUDA graphs follow "
                "--enforce-eager and --cuda-graph-sizes"),
-    CompatFlag(("--speculative-config",), "speculative decoding is not implemented", lambda v: False),
     CompatFlag(("--enable-expert-parallel",), "expert parallelism is not implemented (MoE experts are split by "
                "--tensor-parallel-size)", lambda v: not v, _FLAG),
     CompatFlag(("--kv-transfer-config",), "disaggregated prefill (KV transfer) is not implemented",

@@ -56,6 +56,9 @@ class ScheduledChunk:
     num_computed_tokens: int  # before this step
     samples: bool  # the step reaches the end of the known tokens, so it samples a new one
     new_block_ids: list[list[int]] | None = None  # per group, appended since the request's last step
+    # speculative decoding: the proposed tokens after the last known one, computed in this chunk (its last
+    # len(draft_token_ids) tokens) and verified by sampling (kestrel/spec_decode/verify.py)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -77,9 +80,14 @@ class StepInput:
 
 @dataclass
 class RunnerOutput:
-    """What a step gives back: per request id, the sampled token, its logprobs and this chunk's prompt logprobs."""
+    """What a step gives back: per request id, the sampled token (the first one, where drafts were verified),
+    its logprobs and this chunk's prompt logprobs."""
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple] = field(default_factory=dict)  # req id -> (logprob, rank, top list)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # req id -> entries for this chunk
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why it cannot go on (its adapter is unreadable)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # req id -> its pooled vector (pooling requests)
+    # a verify step (speculative decoding): the tokens emitted after `sampled` (accepted drafts, then the target's
+    # own token), and their logprobs where asked for
+    more_sampled: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list] = field(default_factory=dict)

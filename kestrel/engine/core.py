@@ -12,8 +12,10 @@ from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.speculation import Speculation
 from kestrel.errors import InvalidRequest
 from kestrel.executor import ControlCallError, make_executor
+from kestrel.spec_decode.config import SpeculativeConfig, engine_refusals, refuse
 from kestrel.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,9 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.engine_index = engine_index
+        spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+        if spec is not None:
+            refuse(engine_refusals(config))  # before the model loads
         self.executor = ex = make_executor(config, progress)
         self.model_config = ex.model_config
         self.tokenizer = ex.tokenizer
@@ -44,6 +49,8 @@ class EngineCore:
             logger.warning("the KV cache admits prompts of at most %d tokens (max_model_len %d): longer ones are "
                            "refused", self.scheduler.max_prompt_tokens, self.max_model_len)
         self.eos_token_id = self.model_config.eos_token_id
+        # speculative decoding (None: off); its steps are synchronous: drafts are proposed from every known token
+        self.speculation = Speculation(spec, self.max_model_len, config.model.seed) if spec is not None else None
         self._sleeping = False
         self._paused = False
         mode = config.scheduler.async_scheduling
@@ -98,7 +105,10 @@ class EngineCore:
         """Pipelined decode (schedule and launch step N+1 before step N's tokens are read) is on when the
         device runs asynchronously and no live request needs its previous tokens on the host to sample
         (penalties) or asks for logprobs."""
-        return self.pipelined and self.scheduler.num_sync_requests == 0
+        return self.pipelined and self.scheduler.num_sync_requests == 0 and not self._speculating()
+
+    def _speculating(self) -> bool:
+        return self.speculation is not None and self.speculation.active(self.scheduler.num_running)
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, launch, collect. Pipelined (see _pipeline_ok), step N+1 is scheduled and launched before
@@ -121,7 +131,8 @@ class EngineCore:
             return self._outputs(prev_sched, result)
         if self._paused or self._sleeping:
             return EngineCoreOutputs(self.engine_index, self._take_rejected(), self.stats())
-        sched = self.scheduler.schedule()
+        drafts = self.speculation.propose(self.scheduler.running) if self._speculating() else None
+        sched = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
         grammars.advance(None, None, (sched, inf))
@@ -151,7 +162,9 @@ class EngineCore:
 
     def _outputs(self, sched, result) -> EngineCoreOutputs:
         self._fail_requests(result.failed)
-        finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled)}
+        finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled, result.more_sampled)}
+        if self.speculation is not None:
+            self.speculation.record(sched.scheduled, result.more_sampled)
         outputs = self._take_rejected()
         for s in sched.scheduled:
             req = s.request
@@ -163,9 +176,13 @@ class EngineCore:
             if tok is None and plp is None:
                 continue
             lp = result.logprobs.get(rid)
+            new, lps = ([tok] if tok is not None else []), ([lp] if lp is not None else None)
+            if rid in result.more_sampled:  # a verify step: the tokens kept (a stop may have cut the rest)
+                new += result.more_sampled[rid][:s.num_emitted - 1]
+                if lps is not None:
+                    lps += result.more_logprobs[rid][:s.num_emitted - 1]
             outputs.append(EngineCoreOutput(
-                rid, [tok] if tok is not None else [],
-                new_logprobs=[lp] if lp is not None else None,
+                rid, new, new_logprobs=lps,
                 prompt_logprobs=plp,
                 finish_reason=req.status.value if rid in finished else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -173,7 +190,8 @@ class EngineCore:
                 scheduled_at=req.scheduled_at if tok is not None and s.output_index == 0 else 0.0))
         prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
                                 - s.num_computed_tokens) for s in sched.scheduled)
-        return EngineCoreOutputs(self.engine_index, outputs, self.stats(prompt_tokens, len(result.sampled)))
+        generated = sum(len(o.new_token_ids) for o in outputs)  # a verify step emits several tokens a request
+        return EngineCoreOutputs(self.engine_index, outputs, self.stats(prompt_tokens, generated))
 
     def _fail_requests(self, failed: dict[str, str]) -> None:
         """End the requests the runner could not serve (their adapter became unreadable) as "abort" with the reason;
@@ -188,10 +206,16 @@ class EngineCore:
 
     def stats(self, step_prompt_tokens: int = 0, step_generation_tokens: int = 0) -> SchedulerStats:
         """The scheduler's state; the step counts belong to the step whose outputs they come with."""
-        return SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
-                              self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
-                              self.kv.prefix_hits, self.scheduler.num_preemptions, step_prompt_tokens,
-                              step_generation_tokens)
+        stats = SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
+                               self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
+                               self.kv.prefix_hits, self.scheduler.num_preemptions,
+                               step_prompt_tokens=step_prompt_tokens, step_generation_tokens=step_generation_tokens)
+        sp = self.speculation
+        if sp is not None:
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
+            stats.spec_num_accepted_tokens = sp.num_accepted_tokens
+            stats.spec_accepted_per_pos = list(sp.accepted_per_pos)
+        return stats
 
     # ---- utility methods (callable over the wire by name)
     def get_stats(self) -> dict:

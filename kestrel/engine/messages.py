@@ -48,6 +48,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    # speculative decoding (cumulative): verify steps of one request, drafted tokens, accepted ones, accepted
+    # drafts per position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
     # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
     # excluded) and tokens sampled
     step_prompt_tokens: int = 0

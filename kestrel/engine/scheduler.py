@@ -24,9 +24,13 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
     samples: bool = False  # this step reaches the end of the known tokens, so a new token is sampled
+    # speculative decoding: proposed tokens computed after the known ones (the last of num_new_tokens)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_emitted: int = 1  # tokens the step's result appended (more than one where drafts were accepted)
 
     def __post_init__(self):
-        self.samples = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        self.samples = self.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass
@@ -185,7 +189,9 @@ class Scheduler:
         out.preempted.append(req)
         req.num_sent_blocks = None  # the runner drops it; a resume sends it anew
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """`drafts` (speculative decoding): proposed tokens per running request whose known tokens are all
+        computed but the last; they count in the token budget and are verified by the step's sampling."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -200,9 +206,11 @@ class Scheduler:
             if len(req.output_token_ids) >= req.max_tokens:
                 continue  # its in-flight token is its last one
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = drafts.get(req.request_id, ())[:budget - num_new] if drafts else []
+            num_new += len(draft)
             while True:
                 if self.kv.allocate_slots(req, num_new):
-                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, draft_token_ids=draft))
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break
@@ -266,14 +274,15 @@ class Scheduler:
                 req.num_sent_blocks = [len(ids) for ids in block_ids]
             grown.discard(req.request_id)
             step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
-                                              new_ids))
+                                              new_ids, s.draft_token_ids))
         step.chunks.sort(key=lambda c: c.num_new_tokens != 1)  # the runner's row order: decode rows first
         return step
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           more_sampled: dict[str, list[int]] | None = None) -> list[Request]:
         """Synchronous step: the launch bookkeeping and the result at once. Returns the finished requests."""
         self.on_launch(out)
-        return self.on_result(out, sampled)
+        return self.on_result(out, sampled, more_sampled)
 
     def on_launch(self, out: SchedulerOutput) -> None:
         """The step's work is queued: advance computed counts and give each sampling request a placeholder
@@ -282,14 +291,19 @@ class Scheduler:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            # drafts are computed but not yet known to be right: the result counts the accepted ones
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens - len(s.draft_token_ids)
             if s.samples:
                 s.output_index = len(req.output_token_ids)
                 req.output_token_ids.append(PLACEHOLDER)
 
-    def on_result(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def on_result(self, out: SchedulerOutput, sampled: dict[str, int],
+                  more_sampled: dict[str, list[int]] | None = None) -> list[Request]:
         """Fill the placeholders with the sampled tokens, check stop conditions, cache full blocks.
-        A request that already finished (or was aborted) while this step ran is skipped."""
+        A request that already finished (or was aborted) while this step ran is skipped. `more_sampled`: the
+        tokens a verify step emitted after the first (accepted drafts, then the target's own; never pipelined,
+        so no placeholder follows): each is checked for a stop in turn, and the computed count covers the
+        accepted drafts (the rejected ones' KV slots are overwritten later)."""
         finished = []
         for s in out.scheduled:
             req = s.request
@@ -297,9 +311,20 @@ class Scheduler:
                 continue
             token = sampled.get(req.request_id)
             if token is not None and s.output_index >= 0:
-                req.output_token_ids[s.output_index] = token
-                if self._check_stop(req, token, s.output_index + 1):
-                    del req.output_token_ids[s.output_index + 1:]  # a placeholder of a step in flight
+                more = more_sampled.get(req.request_id, ()) if more_sampled else ()
+                stopped = False
+                for i, tok in enumerate((token, *more)):
+                    if i:
+                        req.output_token_ids.append(tok)
+                    else:
+                        req.output_token_ids[s.output_index] = tok
+                    s.num_emitted = i + 1
+                    if self._check_stop(req, tok, s.output_index + 1 + i):
+                        stopped = True
+                        break
+                req.num_computed_tokens += s.num_emitted - 1
+                if stopped:
+                    del req.output_token_ids[s.output_index + s.num_emitted:]  # a placeholder of a step in flight
                     self.kv.cache_full_blocks(req)  # what this last step computed serves later prompts too
                     self._remove(req)
                     self._finish(req)

@@ -46,6 +46,9 @@ _COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix-cache queries, in blocks.", "prefix_queries"),
     ("vllm:prefix_cache_hits", "Prefix-cache hits, in blocks.", "prefix_hits"),
     ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
 ]
 
 
@@ -68,6 +71,8 @@ class _EngineCollector:
                        "num_gpu_blocks"]
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=LABELS + info_labels)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=LABELS + ["position"])
         for i in range(client.num_engines):
             lv = [self.model_name, str(i)]
             live = i not in client.dead
@@ -83,9 +88,12 @@ class _EngineCollector:
                 c = self.cache
                 info.add_metric(lv + [str(c.block_size), "auto", str(c.enable_prefix_caching),
                                       str(c.gpu_memory_utilization), str(s.num_kv_blocks)], 1.0)
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*lv, str(pos)], float(n))
         yield alive
         yield from gauges
         yield from counters
+        yield per_pos
         if self.cache is not None:
             yield info
 

@@ -43,10 +43,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         t0 = time.perf_counter()
-        buf = self.buf
-        buf.seq_lens.zero_()
-        buf.slot_mapping.fill_(-1)
-        buf.query_start_loc.copy_(self.arange)
+        self._prepare_capture()
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
             for _ in range(2):
                 self.run(b)  # warm-up (Triton autotune / JIT) outside the capture
@@ -59,9 +56,18 @@ class DecodeGraphs:
             self.graphs[b] = g
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        logger.info("Captured %d CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs), self.sizes[0],
-                    self.sizes[-1], dt)
+        logger.info("Captured %d %sCUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs), self.kind,
+                    self.sizes[0], self.sizes[-1], dt)
         return dt
+
+    kind = ""  # in the log line
+
+    def _prepare_capture(self) -> None:
+        """The buffers the capture runs from: every row an empty decode (seq_len 0, slot -1)."""
+        buf = self.buf
+        buf.seq_lens.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.query_start_loc.copy_(self.arange)
 
     def padded_size(self, b: int) -> int | None:
         i = bisect.bisect_left(self.sizes, b)

@@ -120,7 +120,9 @@ class InputBuffers:
                 if num_decodes == b:
                     num_decodes += 1
             else:
-                ids[t:t + n] = st.tokens_slice(start, start + n)
+                known = n - len(c.draft_token_ids)  # drafts (speculative decoding) follow the known tokens
+                ids[t:t + known] = st.tokens_slice(start, start + known)
+                ids[t + known:t + n] = c.draft_token_ids
                 pos[t:t + n] = np.arange(start, start + n)
             t += n
             qsl[b + 1] = t

@@ -21,12 +21,15 @@ from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
+from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
+from kestrel.spec_decode.verify import logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
+from kestrel.worker.verify_graphs import capture_verify_graphs
 from kestrel.worker.warm_up import capture_graphs, precompile_kernels
 
 logger = logging.getLogger(__name__)
@@ -61,15 +64,21 @@ class ModelRunner:
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
         self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task)
         self._bind_attention()
+        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+        if spec is not None:
+            refuse(model_refusals(self.model, self.kv_cache_groups))
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        self.outputs = StepOutputs(config.model.seed, config.scheduler.max_num_seqs, self.device,
-                                   self._hooks["before_sample"])
+        # a verify step (speculative decoding) samples 1 + k rows per request
+        k = spec.num_speculative_tokens if spec is not None else 0
+        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)
+        self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
         self.graphs = None
+        self.verify_graphs = None  # speculative decoding's verify steps (kestrel/worker/verify_graphs.py)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
@@ -213,13 +222,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
         hidden = self.model(ids, positions, ctx)
-        self.model.compute_logits(hidden[-min(ids.shape[0], self.config.scheduler.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(ids.shape[0], self.max_sample_rows):])
 
     # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
         """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
         self.buffers = self._new_buffers()
         self.graphs = capture_graphs(self)
+        self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
         if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
             for g in self.kv_cache_groups:
                 for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():
@@ -311,11 +321,17 @@ class ModelRunner:
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = out if out is not None else inputs_embeds
+        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  and all(ok() for ok in self._hooks["step_graph_ok"]) else None)
+                  and graph_ok else None)
+        vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
+        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
+        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
         if padded is not None:
-            samplers = list(zip(chunks, states))
             logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
+        elif verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
+            logits = vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, qsl), torch.int64,
+                                                                        self.device)]
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)
@@ -323,13 +339,14 @@ class ModelRunner:
                 inf.out.pooled.update(pool(chunks, states, hidden, qsl))
             for rid in inf.out.pooled:
                 inf.out.sampled[rid] = POOLED_TOKEN
-            rows = [b for b, c in enumerate(chunks) if c.samples and c.request_id not in inf.out.pooled]
-            samplers = [(chunks[b], states[b]) for b in rows]
-            sample_idx = [qsl[b + 1] - 1 for b in rows]
+            if inf.out.pooled:
+                samplers = [(c, st) for c, st in samplers if c.request_id not in inf.out.pooled]
+            sample_idx = logits_positions(chunks, qsl, skip=inf.out.pooled)
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
         if samplers:
             inf.rows = {c.request_id: i for i, (c, _) in enumerate(samplers)}
+            inf.drafts = {c.request_id: c.draft_token_ids for c, _ in samplers if c.draft_token_ids}
             inf.states = [st for _, st in samplers]
             inf.logits, inf.sample_pending = logits, True
         if hidden is not None:

@@ -90,7 +90,6 @@ REFUSED = [
     (["--kv-cache-dtype", "fp8_inc"], "argument --kv-cache-dtype: invalid choice: 'fp8_inc'"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
-    (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
     (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),

@@ -1,0 +1,10 @@
+"""Speculative decoding: a proposer drafts up to k tokens per request, one target forward verifies them, and the
+sampler keeps exactly the tokens plain decoding would have produced (kestrel/spec_decode/verify.py says why).
+
+- config.py: `speculative_config` ({"method": "ngram" | "replay", "num_speculative_tokens": k, ...}) and the
+  start-up refusals of combinations not supported yet.
+- ngram.py: prompt lookup (no weights), vectorised over the batch.
+- replay.py: a benchmark-only proposer that replays a reference continuation, right with probability alpha.
+- verify.py: where a verify step's logits rows lie, and the accept rule.
+The engine side (who gets drafts, counters) is kestrel/engine/speculation.py; the scheduler counts drafts in the
+token budget and rolls `num_computed_tokens` back past rejected ones."""
