@@ -30,7 +30,9 @@ SHAPES = {"qwen3-0.6b": ((), 200, 150), "deepseek-v2-lite": (("--max-model-len",
 BENCH_FLAGS = {"throughput": ("--hf-requests", "0"), "latency": ("--hf-output-len", "0")}  # Kestrel alone
 # benchmark -> (JSON key, table name, higher is better)
 METRICS = {"throughput": (("kestrel_out_tok_s", "out tok/s", True),),
-           "latency": (("ms_per_token", "batch-1 ms/token", False), ("ttft_ms", "TTFT ms", False))}
+           "latency": (("ms_per_token", "batch-1 ms/token", False), ("ttft_ms", "TTFT ms", False),
+                       ("ttft_median_ms", "TTFT median ms", False))}
+PRIMARY = {"kestrel_out_tok_s", "ms_per_token", "ttft_ms"}  # rows shown even where a run is missing
 MIN_LEFT_S = 30
 TOLERANCE = 0.02  # the acceptance bar for "no regression"
 
@@ -92,6 +94,8 @@ def comparison_rows(results: dict) -> list[dict]:
     for (shape, bench), by_tree in results.items():
         for key, name, _ in METRICS[bench]:
             base, new = (mean_of(by_tree.get(t, []), key) for t in ("base", "new"))
+            if base is None and new is None and key not in PRIMARY:
+                continue  # a metric neither tree's benchmark reports (an older tree's)
             rows.append(dict(shape=shape, metric=name, base="-" if base is None else base,
                              new="-" if new is None else new,
                              ratio=f"{new / base:.3f}" if base and new is not None else "-"))
