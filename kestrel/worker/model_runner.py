@@ -170,9 +170,10 @@ class ModelRunner:
             metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
         return ForwardContext(metas)
 
-    def _new_buffers(self, max_tokens: int | None = None) -> InputBuffers:
+    def _new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
         sc = self.config.scheduler
-        return InputBuffers(max_tokens or max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
+        return InputBuffers(max_tokens or max(sc.max_num_batched_tokens, sc.max_num_seqs),
+                            max(max_reqs, sc.max_num_seqs),
                             cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
                             len(self.kv_cache_groups))
 
@@ -184,7 +185,7 @@ class ModelRunner:
         per_seq = cdiv(seq, self.block_size)
         self.allocate_kv_cache(per_seq * len(lens))
         if self.buffers is None or self.buffers.max_tokens < n or self.buffers.max_reqs < len(lens):
-            self.buffers = self._new_buffers(max(n, self.config.scheduler.max_num_seqs))
+            self.buffers = self._new_buffers(max(n, self.config.scheduler.max_num_seqs), len(lens))
         buf = self.buffers
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         buf.qsl_np[:len(lens) + 1] = qsl

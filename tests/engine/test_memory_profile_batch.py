@@ -18,3 +18,16 @@ def test_dummy_prefill_batch_is_valid(tiny_llama):
     with torch.inference_mode():
         hidden = runner.model(ids, positions, ctx)
     assert hidden.shape[0] == 1200 and torch.isfinite(hidden).all()
+
+
+def test_dummy_prefill_batch_may_hold_more_sequences_than_max_num_seqs(tiny_llama):
+    # batch-1 serving (max_num_seqs=1) with a short context: the profile batch still splits the token budget into
+    # context-long sequences, more of them than the step buffers hold rows for (this crashed start-up)
+    core = EngineCore(EngineConfig.create(model=str(tiny_llama), num_kv_blocks=8, max_num_seqs=1, max_model_len=128,
+                                          max_num_batched_tokens=1000), progress=False)
+    runner = core.executor.runner
+    ids, positions, ctx = runner.dummy_prefill_batch(1000)
+    (meta,) = ctx.attn_metadata
+    assert meta.seq_lens_cpu == [128] * 7 + [104] and meta.block_tables.shape[0] == 8
+    with torch.inference_mode():
+        assert torch.isfinite(runner.model(ids, positions, ctx)).all()
