@@ -22,7 +22,8 @@ from types import SimpleNamespace
 from urllib.parse import urlparse
 
 from benchmarks.common import SHAPES, print_table
-from kestrel.bench.serve import pct, start_server
+from kestrel.bench.serve import start_server
+from kestrel.bench.serve_metrics import percentile
 
 C = "/v1/completions"
 
@@ -50,37 +51,25 @@ def victim(url: str, count: int, max_tokens: int) -> tuple[list[float], list[int
     return latencies, bad
 
 
-def in_engine(url: str) -> float:
+def metric(url: str, *names: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines()
-               if ln.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(tuple(n + "{" for n in names)))
+
+
+def in_engine(url: str) -> float:
+    return metric(url, "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def summary(name: str, xs: list[float]) -> dict:
     return dict(phase=name, requests=len(xs), p50_ms=round(1000 * statistics.median(xs), 1),
-                p99_ms=round(1000 * pct(xs, 99), 1), worst_ms=round(1000 * max(xs), 1))
+                p99_ms=round(1000 * percentile(xs, 99), 1), worst_ms=round(1000 * max(xs), 1))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=[*SHAPES, "smoke"], help="smoke: a tiny CPU check")
-    ap.add_argument("--prompts", type=int, default=100)
-    ap.add_argument("--n", type=int, default=128, help="sequences per prompt of the flood request")
-    ap.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of each flood sequence")
-    ap.add_argument("--victims", type=int, default=40, help="victim requests per phase")
-    ap.add_argument("--victim-tokens", type=int, default=16)
-    ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags")
-    ap.add_argument("--server-log", default="flood-server.log")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-
-    from benchmarks.structured import SMOKE_SHAPE, model_dir
-
-    folder = model_dir(args.shape, (SHAPES.get(args.shape) or SMOKE_SHAPE)["vocab_size"])
-    server_args = f"--load-format dummy {args.server_args}"
-    proc, url = start_server(SimpleNamespace(model=str(folder), server_args=server_args, server_log=args.server_log,
-                                             startup_timeout=300))
+def run_case(folder, window: int, args) -> dict:
+    server_args = f"--load-format dummy --max-seqs-per-request {window} {args.server_args}"
+    proc, url = start_server(SimpleNamespace(model=str(folder), server_args=server_args,
+                                             server_log=f"{args.server_log}.w{window}", startup_timeout=300))
     print(f"started kestrel serve {folder} {shlex.join(shlex.split(server_args))} at {url}", flush=True)
     try:
         victim(url, 5, args.victim_tokens)  # warm-up
@@ -96,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         while in_engine(url) < 1 and time.monotonic() - t_flood < 30:
             time.sleep(0.05)
         busy_at_start = in_engine(url)
+        tokens0, t0 = metric(url, "vllm:iteration_tokens_total_sum"), time.monotonic()
         loaded, loaded_bad = victim(url, args.victims, args.victim_tokens)
+        tok_s = (metric(url, "vllm:iteration_tokens_total_sum") - tokens0) / (time.monotonic() - t0)
         busy_at_end = in_engine(url)
         flood_done = conn.sock is None  # the response came back already: the flood was too small
         conn.sock.close() if conn.sock else None
@@ -108,22 +99,40 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    i, f = summary("idle", idle), summary("flood", loaded)
+    return dict(window=window or "default", idle_p50_ms=i["p50_ms"], idle_p99_ms=i["p99_ms"], flood_p50_ms=f["p50_ms"],
+                flood_p99_ms=f["p99_ms"], p99_ratio=round(f["p99_ms"] / i["p99_ms"], 2),
+                engine_tok_s_under_flood=round(tok_s), non_200=len(idle_bad) + len(loaded_bad),
+                in_engine=f"{busy_at_start:.0f}..{busy_at_end:.0f}", left_after_drop=f"{left:.0f} in {drained_s:.1f} s",
+                flood_finished_early=flood_done)
 
-    rows = [summary("idle", idle), summary("under the flood", loaded)]
-    print_table(f"victim latency, {args.shape}: {args.victim_tokens}-token completions, one at a time; flood "
-                f"{args.prompts} prompts x n={args.n} = {args.prompts * args.n} sequences x {args.flood_tokens} tokens",
-                rows)
-    ratio = rows[1]["p99_ms"] / rows[0]["p99_ms"]
-    print(f"\np99 under the flood / idle: {ratio:.2f} (bar: <= 2.0); victim non-200 answers: idle {idle_bad}, "
-          f"flood {loaded_bad}; sequences in the engine when the victims started {busy_at_start:.0f}, when they "
-          f"ended {busy_at_end:.0f}; after the flood client disconnected, the engine held {left:.0f} sequences "
-          f"{drained_s:.1f} s later" + (" (the flood had already finished)" if flood_done else ""))
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=[*SHAPES, "smoke"], help="smoke: a tiny CPU check")
+    ap.add_argument("--prompts", type=int, default=100)
+    ap.add_argument("--n", type=int, default=128, help="sequences per prompt of the flood request")
+    ap.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of each flood sequence")
+    ap.add_argument("--victims", type=int, default=40, help="victim requests per phase")
+    ap.add_argument("--victim-tokens", type=int, default=16)
+    ap.add_argument("--windows", default="0", help="comma-separated --max-seqs-per-request values (0: default)")
+    ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags")
+    ap.add_argument("--server-log", default="flood-server.log")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from benchmarks.structured import SMOKE_SHAPE, model_dir
+
+    folder = model_dir(args.shape, (SHAPES.get(args.shape) or SMOKE_SHAPE)["vocab_size"])
+    rows = [run_case(folder, int(w), args) for w in args.windows.split(",")]
+    print_table(f"victim latency, {args.shape}: {args.victim_tokens}-token completions one at a time, idle and "
+                f"under a flood of {args.prompts} prompts x n={args.n} = {args.prompts * args.n} sequences x "
+                f"{args.flood_tokens} tokens (bar: p99 ratio <= 2.0, no non-200, nothing left after the drop)", rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, p99_ratio=ratio, idle_bad=idle_bad, flood_bad=loaded_bad,
-                           busy_at_start=busy_at_start, busy_at_end=busy_at_end, drained_s=drained_s,
-                           left_after_drop=left), f, indent=1)
-    return 0 if ratio <= 2.0 and not loaded_bad and left == 0 else 1
+            json.dump(rows, f, indent=1)
+    ok = all(r["p99_ratio"] <= 2.0 and not r["non_200"] and r["left_after_drop"].startswith("0 ") for r in rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
