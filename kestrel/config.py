@@ -156,7 +156,8 @@ class SchedulerConfig:
               'than N requests run); docs/serving.md', parse=parse_json_object)
     max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
-                                      "one huge request leaves room for others (0: half of --max-num-seqs)")
+                                      "one huge request leaves room for others (0: half of --max-num-seqs); a "
+                                      "quarter of it while other requests are being served")
 
 
 @dataclass

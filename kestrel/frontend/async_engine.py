@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from kestrel.config import EngineConfig
-from kestrel.frontend.admission import AdmissionWindow
+from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
 from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
@@ -97,6 +97,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._timing: dict[str, _Timing] = {}
         self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
+        self._admission = AdmissionPolicy()  # the windows' shared view: is anybody else being served?
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
@@ -319,9 +320,11 @@ class AsyncEngine:
         return final
 
     def admission_window(self) -> AdmissionWindow:
-        """A new window for one API request: --max-seqs-per-request sequences in the engine at once."""
+        """A new window for one API request: --max-seqs-per-request sequences in the engine at once, a quarter of
+        that while other requests are being served (kestrel/frontend/admission.py)."""
         s = self.config.scheduler
-        return AdmissionWindow(s.max_seqs_per_request or max(1, s.max_num_seqs // 2))
+        size = s.max_seqs_per_request or max(1, s.max_num_seqs // 2)
+        return AdmissionWindow(size, max(1, size // 4), self._admission)
 
     def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
         """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
