@@ -1,5 +1,5 @@
 """A function-tool round trip over /v1/responses with the real openai client, streamed and not, on a tiny random
-model with a Hermes-style chat template (tests/server/test_tools.py's). A random model does not call tools by
+model with a Hermes-style chat template (tests/server/test_tools.py's server). A random model does not call tools by
 itself, so the call is forced: a named tool_choice (or "required") constrains the output to the function's
 parameters (structured outputs), and the call comes back as a function_call output item whose arguments fit the
 schema. The client then sends a function_call_output item with previous_response_id; the final message equals
@@ -10,34 +10,15 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
-import pytest
 
-from kestrel.bench.tiny_tokenizer import make_tokenizer
-from tests.server.conftest import Server
-from tests.server.test_tools import HERMES_TEMPLATE, WEATHER
-from tests.tiny import make_checkpoint
+# the Hermes-template server and its openai client (fixtures)
+from tests.server.test_tools import WEATHER, client, tool_server  # noqa: F401
 
 SCHEMA = WEATHER["function"]["parameters"]
 TOOL = {"type": "function", "name": "get_weather", "description": WEATHER["function"]["description"],
         "parameters": SCHEMA, "strict": True}  # the Responses API's flat function tool
 QUESTION = "What is the weather in Paris?"
 RESULT = '{"temperature": 21, "sky": "clear"}'
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    tok = make_tokenizer()
-    tok.chat_template = HERMES_TEMPLATE
-    model = make_checkpoint("llama", tmp_path_factory.mktemp("hermes_model"), tokenizer=tok, name="hermes-tiny",
-                            max_position_embeddings=2048)
-    s = Server(model, tmp_path_factory.mktemp("logs") / "responses_tools.log",
-               ["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--max-model-len", "2048",
-                "--num-kv-blocks", "400"]).wait_ready()
-    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield c
-    c.close()
-    s.stop()
 
 
 def _final_answer_by_chat(client, call_id: str, arguments: str) -> tuple[str, int]:
