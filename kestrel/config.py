@@ -304,6 +304,9 @@ class ServerConfig:
     disable_log_stats: bool = _f(False, "no periodic stats line (throughput, running and waiting requests, KV-cache "
                                         "use, prefix-cache hit rate) while the server is busy")
     log_stats_interval: float = _f(10.0, "seconds between the periodic stats lines")
+    responses_store_size: int = _f(1000, "/v1/responses kept in memory for previous_response_id and GET "
+                                         "/v1/responses/{id} (the oldest dropped first; 0: none, as vLLM without "
+                                         "VLLM_ENABLE_RESPONSES_API_STORE)")
 
 
 def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:

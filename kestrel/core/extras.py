@@ -38,8 +38,9 @@ class RequestExtras(msgspec.Struct, frozen=True, omit_defaults=True):
         """The scheduler computes a bidirectional prefix in one step, so it must fit the step's token budget. The
         engine's rule; the frontend runs the same check to answer 400 before sending."""
         if self.bidirectional_len > max_num_batched_tokens:
-            raise InvalidRequest(f"the prompt's bidirectional prefix (image + prompt, {self.bidirectional_len} "
-                                 f"tokens) is computed in one step and exceeds --max-num-batched-tokens "
+            raise InvalidRequest(f"the prompt's bidirectional prefix (its tokens attend both ways: an image model's "
+                                 f"image + prompt, an encoder's whole prompt; {self.bidirectional_len} tokens) is "
+                                 f"computed in one step and exceeds --max-num-batched-tokens "
                                  f"{max_num_batched_tokens}", param="prompt")
 
 

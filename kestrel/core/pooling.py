@@ -3,7 +3,8 @@
 A pooling request is prefill-only: it rides the engine as a one-token request whose last prefill step ends in the
 pooler instead of the sampler (kestrel/worker/addons/pooling.py); the one "token" it produces is a placeholder,
 its result is the pooled vector, and its KV blocks are freed when it finishes, as any finished request's are.
-Pooling is last-token (decoder models: Qwen3-Embedding, *ForSequenceClassification)."""
+Decoders (Qwen3-Embedding, *ForSequenceClassification) pool their last token; encoders (BERT, XLM-R) pool the
+first token or the mean of all, as their sentence-transformers config says (kestrel/models/pooling.py)."""
 from __future__ import annotations
 
 import msgspec
@@ -74,7 +75,7 @@ def num_labels(hf_config) -> int:
 
 def pooling_facts(model_config, model_options) -> dict | None:
     """What the frontend needs to serve a pooling model (None: a generative one): the task, the class labels,
-    the Matryoshka sizes. `model_config`: the engine's HFConfig; `model_options`: the ModelConfig (flags)."""
+    the Matryoshka sizes, whether it is an encoder (each prompt one bidirectional prefix) and how it pools. `model_config`: the engine's HFConfig; `model_options`: the ModelConfig (flags)."""
     task = pooling_task(model_config.architecture, model_options.runner, model_options.convert)
     if task is None:
         return None
@@ -82,4 +83,5 @@ def pooling_facts(model_config, model_options) -> dict | None:
     n = num_labels(hf) if task == "classify" else 0
     id2label = getattr(hf, "id2label", None) or {}
     return {"task": task, "labels": [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(n)],
-            "matryoshka_dimensions": matryoshka_dimensions(hf), "hidden_size": int(model_config.hidden_size)}
+            "matryoshka_dimensions": matryoshka_dimensions(hf), "hidden_size": int(model_config.hidden_size),
+            "encoder_only": model_config.encoder_only, "pooling_method": model_config.pooling_method}

@@ -41,7 +41,9 @@ class EngineCore:
         except BaseException:
             ex.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, enable_prefix_caching=config.cache.enable_prefix_caching,
+        # an encoder's pooler reads every prompt token's hidden state: a cached prefix would skip them
+        self.kv = KVCacheManager(num_blocks, enable_prefix_caching=config.cache.enable_prefix_caching
+                                 and not self.model_config.encoder_only,
                                  groups=ex.kv_cache_groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    config.lora.max_loras if config.lora.enable_lora else 0)

@@ -262,6 +262,10 @@ class InputProcessor:
             extras = msgspec.structs.replace(extras, lora_id=lora_id)
         if pooling is not None:
             extras = msgspec.structs.replace(extras, pooling=pooling)
+            if self.pooling.get("encoder_only"):  # every token attends to the whole prompt: one step computes it
+                extras = msgspec.structs.replace(extras, bidirectional_len=len(ids))
+                if self.max_num_batched_tokens:  # the engine's rule, checked here to answer 400 before sending
+                    extras.check_step_budget(self.max_num_batched_tokens)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):

@@ -98,7 +98,9 @@ def load_model_info(cfg: ModelConfig, progress: bool = False):
         hf_config = gguf_config(open_gguf(path))
     else:
         hf_config = load_hf_config(path, cfg.trust_remote_code)
-    return HFConfig.from_hf(hf_config, cfg.max_model_len), tokenizer_or_none(cfg, path)
+    from kestrel.models.pooling import resolve_pooling
+
+    return resolve_pooling(HFConfig.from_hf(hf_config, cfg.max_model_len), path), tokenizer_or_none(cfg, path)
 
 
 def tokenizer_or_none(cfg: ModelConfig, path: Path):
@@ -120,6 +122,7 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
     from kestrel.layers.quant import checkpoint_quant_config, get_quant_config
     from kestrel.models.context import ModelContext
     from kestrel.models.hf_config import HFConfig
+    from kestrel.models.pooling import resolve_pooling
     from kestrel.models.registry import get_model_class
 
     t0 = time.perf_counter()
@@ -144,7 +147,7 @@ def load_model(cfg: ModelConfig, device: torch.device, kernel: KernelConfig | No
     if parallel.size > 1 and checkpoint_quant_config(hf_config) is not None:
         raise ConfigError("tensor parallelism serves unquantized checkpoints (and --quantization fp8, which "
                           "quantizes each rank's shard on load), not pre-quantized ones yet")
-    config = HFConfig.from_hf(hf_config, cfg.max_model_len)
+    config = resolve_pooling(HFConfig.from_hf(hf_config, cfg.max_model_len), path)
     kernel = kernel or KernelConfig()
     hf_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     arch = config.architecture

@@ -10,6 +10,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 2048  # a config without max_position_embeddings
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
 
 
 @dataclass
@@ -21,6 +22,9 @@ class HFConfig:
     vocab_size: int
     hidden_size: int
     eos_token_ids: list[int]
+    # a pooling model's (kestrel/models/pooling.py resolve_pooling sets them from the class and the checkpoint)
+    encoder_only: bool = False  # a bidirectional encoder (BERT): each prompt is computed whole, no prefix caching
+    pooling_method: str = "last"  # which hidden states an embedding pools: last | cls | mean
 
     @property
     def eos_token_id(self) -> int | None:
@@ -31,6 +35,8 @@ class HFConfig:
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         arch = (getattr(hf, "architectures", None) or ["LlamaForCausalLM"])[0]
         native = getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT
+        if getattr(text, "model_type", "") in ROBERTA_TYPES:  # its positions start after the padding id
+            native -= (getattr(text, "pad_token_id", None) or 0) + 1
         if requested_max_len is not None and requested_max_len > native:
             logger.warning("max_model_len %d exceeds the model's %d positions", requested_max_len, native)
         eos = getattr(hf, "eos_token_id", None)

@@ -11,7 +11,11 @@ checks that every registered class declares consistently.
 - `SupportsImages`: it takes images (frontend: `split_images`, `num_image_tokens`; runner: `embed_image`,
   `dummy_image_inputs`); see kestrel/models/multimodal.py.
 - `HasBidirectionalPrefix`: a request's prefix (image + prompt, RequestExtras.bidirectional_len) attends both
-  ways (PaliGemma). Its attention backend must declare `supports_bidirectional_prefix`."""
+  ways (PaliGemma). Its attention backend must declare `supports_bidirectional_prefix`.
+- `EncoderOnly`: a bidirectional encoder (BERT, XLM-R) served as a pooling model: the whole prompt is its
+  bidirectional prefix (the frontend sets it), so the scheduler computes it in one step; it has no prefix caching
+  (the pooler reads every prompt token's hidden state); `default_pooling` is its pooling without a
+  sentence-transformers config (kestrel/core/pooling.py)."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -56,6 +60,10 @@ class HasBidirectionalPrefix:
     pass
 
 
+class EncoderOnly(HasBidirectionalPrefix):
+    default_pooling: ClassVar[str] = "cls"
+
+
 def supports_lora(model) -> bool:
     """`model`: a model class or instance."""
     return _is(model, SupportsLoRA)
@@ -67,6 +75,10 @@ def supports_images(model) -> bool:
 
 def has_bidirectional_prefix(model) -> bool:
     return _is(model, HasBidirectionalPrefix)
+
+
+def is_encoder_only(model) -> bool:
+    return _is(model, EncoderOnly)
 
 
 def _is(model, interface: type) -> bool:

@@ -24,6 +24,10 @@ _MODELS = {
     "GlmMoeDsaForCausalLM": ("kestrel.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "PaliGemmaForConditionalGeneration": ("kestrel.models.paligemma", "PaliGemmaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
+    # encoder-only embedding models (pooling only)
+    "BertModel": ("kestrel.models.bert", "BertModel"),
+    "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),
+    "RobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),
 }
 
 

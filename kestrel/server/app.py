@@ -31,7 +31,7 @@ from kestrel.server.metrics import ServerMetrics
 from kestrel.server.stats_log import StatsLog
 from kestrel.server.reasoning import get_reasoning_parser
 from kestrel.server.tool_parsers import get_tool_parser
-from kestrel.server.responses import ResponsesRequest, create_response
+from kestrel.server.responses import ResponsesRequest, create_response, get_response
 from kestrel.server.pooling import (ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
                                     create_classification, create_embedding, create_rerank, create_score)
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -270,6 +270,11 @@ async def chat(req: ChatCompletionRequest, raw: Request):
 async def responses(req: ResponsesRequest, raw: Request):
     _alive(_state(raw))
     return await create_response(_state(raw), req, raw)
+
+
+@api.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw: Request):
+    return await get_response(_state(raw), response_id)
 
 
 @api.post("/v1/embeddings")

@@ -18,6 +18,7 @@ from kestrel.frontend.outputs import RequestOutput
 from kestrel.errors import InvalidRequest, KestrelError, ModelNotFound
 from kestrel.server.grammar_check import GrammarCheck
 from kestrel.server.openai_protocol import MAX_CLIENT_REQUEST_ID, error_body
+from kestrel.server.response_store import ResponseStore
 
 logger = logging.getLogger("kestrel.server")
 
@@ -37,9 +38,13 @@ class ServerState:
     grammar: GrammarCheck = None  # parses output constraints off the event loop (--grammar-parse-timeout)
     model_aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name A B ...)
 
+    responses: ResponseStore = None  # /v1/responses kept for previous_response_id (--responses-store-size)
+
     def __post_init__(self):
         if self.grammar is None:
             self.grammar = GrammarCheck(self.server.grammar_parse_timeout)
+        if self.responses is None:
+            self.responses = ResponseStore(self.server.responses_store_size)
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""

@@ -1,89 +1,66 @@
-"""POST /v1/responses: the subset of OpenAI's Responses API that vLLM serves for text. `input` (a string or a
-list of messages) and `instructions` become a chat conversation, rendered by the model's chat template, and the
-reply comes back as one output message, whole or as response.* server-sent events. Function tools and
-previous_response_id (which needs a response store) are refused with a 400 naming them."""
+"""POST /v1/responses (and GET /v1/responses/{id}): the subset of OpenAI's Responses API that vLLM serves for
+text. `instructions`, the stored conversation of `previous_response_id` and `input` (a string, or message,
+function_call and function_call_output items) become a chat conversation (kestrel/server/response_items.py),
+which runs on the chat path: the model's chat template, function `tools` and `tool_choice` through the chat
+tool-calling machinery (kestrel/server/tool_calls.py). The reply comes back as output items (a message, and one
+function_call per tool call), whole or as response.* server-sent events; with `store` (the default) it is kept in
+the bounded response store (kestrel/server/response_store.py) for the next request's previous_response_id."""
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any, AsyncIterator, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import StrictBool, StrictStr
 
-from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.server.chat import render_prompt
 from kestrel.server.common import ServerState, final_outputs, request_ids, stream_error, unless_disconnected
 from kestrel.server.openai_protocol import ChatCompletionRequest, Int64, _Base
-
-INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
+from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
+                                           input_messages, message_item, new_item_id, output_items)
+from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, plan_tools
 
 
 class ResponsesRequest(_Base):
-    # not implemented: refused unless unused (a function-tool round trip and a stored conversation)
-    _unsupported_here: ClassVar[dict[str, tuple]] = {"previous_response_id": (None,), "tools": (None, []),
-                                                     "tool_choice": (None, "auto", "none"),
-                                                     "background": (None, False), "reasoning": (None,),
+    # not implemented: refused unless unused
+    _unsupported_here: ClassVar[dict[str, tuple]] = {"background": (None, False), "reasoning": (None,),
                                                      "conversation": (None,)}
     model: str | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
+    previous_response_id: StrictStr | None = None
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
+    tools: list | None = None  # function tools: {"type": "function", "name", "description", "parameters"}
+    tool_choice: str | dict | None = None  # auto (with tools; needs --enable-auto-tool-choice) | none | required | named
+    parallel_tool_calls: StrictBool = True
     stream: StrictBool = False
-    store: StrictBool = True  # nothing is stored: previous_response_id is refused
+    store: StrictBool = True  # keep the response for previous_response_id (--responses-store-size)
     metadata: dict[str, Any] | None = None
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
 
 
-def _text_of(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of text parts", param="input")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in INPUT_TEXT_TYPES or not isinstance(
-                part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"{where}: content part {kind!r} is not supported (text parts only)", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
+def conversation(state: ServerState, req: ResponsesRequest) -> list[dict]:
+    """The stored conversation of previous_response_id (404 if unknown), then `input`. `instructions` are the
+    request's own: a previous response's are not carried over (as OpenAI does)."""
+    history = state.responses.get(req.previous_response_id, "previous_response_id").messages \
+        if req.previous_response_id is not None else []
+    return history + input_messages(req.input)
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` + `input` as chat messages (the Responses API's message items: role + text content)."""
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    if isinstance(req.input, str):
-        return messages + [{"role": "user", "content": req.input}]
-    if not req.input:
-        raise InvalidRequest("input is empty", param="input")
-    for i, item in enumerate(req.input):
-        kind = item.get("type", "message")
-        if kind != "message" or item.get("role") not in ("user", "assistant", "system", "developer"):
-            raise InvalidRequest(f"input[{i}]: only message items (role user, assistant, system or developer) are "
-                                 f"supported, got type {kind!r}", param="input")
-        role = "system" if item["role"] == "developer" else item["role"]
-        messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}]")})
-    return messages
-
-
-def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    body = {"messages": chat_messages(req), "max_tokens": req.max_output_tokens, "priority": req.priority}
+def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    body = {"messages": system + messages, "max_tokens": req.max_output_tokens, "priority": req.priority,
+            "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
+            "parallel_tool_calls": req.parallel_tool_calls}
     body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p)) if v is not None})
     return ChatCompletionRequest.model_validate(body)
-
-
-def _message(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
-        else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def _response(req: ResponsesRequest, state: ServerState, rid: str, created: int, status: str, output: list,
@@ -96,65 +73,120 @@ def _response(req: ResponsesRequest, state: ServerState, rid: str, created: int,
                  "total_tokens": n_in + n_out}
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_name,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [], "text": {"format": {"type": "text"}}, "previous_response_id": None, "store": False,
-            "metadata": req.metadata or {}, "error": None,
+            "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
+            "text": {"format": {"type": "text"}}, "previous_response_id": req.previous_response_id,
+            "store": req.store and state.responses.max_size > 0, "metadata": req.metadata or {}, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "usage": usage}
 
 
-def _status(out: RequestOutput) -> str:
-    return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+def _status(out: RequestOutput | None) -> str:
+    return "incomplete" if out is None or out.outputs[0].finish_reason == "length" else "completed"
+
+
+def _remember(state: ServerState, req: ResponsesRequest, messages: list[dict], reply: dict, body: dict) -> None:
+    if req.store:
+        state.responses.put(body["id"], messages + [assistant_message(reply)], body)
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     lora = state.check_model(req.model)
-    chat_req = _chat_request(req)
-    params = chat_req.sampling_params(state.sampling_defaults)
+    messages = conversation(state, req)
+    chat_req = _chat_request(req, messages)
+    plan = plan_tools(chat_req.tools, chat_req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
+                      chat_req.parallel_tool_calls)
+    params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
+    await state.grammar.check(params.structured_outputs, "tools")
     rid, public_id = request_ids("resp", req.request_id, raw)
-    prompt = await render_prompt(state, chat_req)
+    prompt = await render_prompt(state, chat_req, plan.tools)
     gen = state.engine.generate(prompt, params, rid, req.priority, timeout=state.timeout(chat_req),
                                 lora_request=lora)
-    created, item_id = int(time.time()), f"msg_{uuid.uuid4().hex}"
+    created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, public_id, created, item_id, gen),
+        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages),
                                  media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     status = _status(out)
-    message = _message(item_id, out.outputs[0].text, "completed" if status == "completed" else "incomplete")
-    return JSONResponse(_response(req, state, public_id, created, status, [message], out))
+    reply, _ = build_message(plan, state.reasoning_parser, out.outputs[0].text, out.outputs[0].finish_reason)
+    items = output_items(reply, new_item_id("msg"), "completed" if status == "completed" else "incomplete")
+    body = _response(req, state, public_id, created, status, items, out)
+    _remember(state, req, messages, reply, body)
+    return JSONResponse(body)
 
 
-async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: int, item_id: str,
-                  gen) -> AsyncIterator[str]:
-    seq = 0
+async def get_response(state: ServerState, response_id: str):
+    return JSONResponse(state.responses.get(response_id).body)
 
-    def event(kind: str, **fields) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+class _Events:
+    """response.* server-sent events, numbered in order."""
+
+    def __init__(self):
+        self.seq = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **fields})}\n\n"
+
+
+async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: int, gen, plan: ToolPlan,
+                  messages: list[dict]) -> AsyncIterator[str]:
+    """The text streams into a message item opened at its first piece; tool calls come whole after it, each a
+    function_call item with its arguments in one delta."""
+    event, stream = _Events(), MessageStream(plan, state.reasoning_parser)
+    msg_id, text, calls, output = new_item_id("msg"), "", {}, []
+    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+
+    def open_message():
+        output.append(message_item(msg_id, "", "in_progress"))
+        return [event("response.output_item.added", output_index=0, item=output[0]),
+                event("response.content_part.added", **where,
+                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
     try:
         yield event("response.created", response=_response(req, state, rid, created, "in_progress", [], None))
         yield event("response.in_progress", response=_response(req, state, rid, created, "in_progress", [], None))
-        yield event("response.output_item.added", output_index=0, item=_message(item_id, "", "in_progress"))
-        yield event("response.content_part.added", **where,
-                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         last = None
         async for out in gen:
             last = out
-            delta = out.outputs[0].text_delta
-            if delta:
-                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-        text = last.outputs[0].text if last is not None else ""
-        status = _status(last) if last is not None else "incomplete"
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        yield event("response.content_part.done", **where, part=part)
-        message = _message(item_id, text, "completed" if status == "completed" else "incomplete")
-        yield event("response.output_item.done", output_index=0, item=message)
-        final = _response(req, state, rid, created, status, [message], last)
+            c = out.outputs[0]
+            delta = stream.feed(c.text_delta, final=c.finish_reason is not None)
+            for piece in delta.get("tool_calls", []):
+                call = calls.setdefault(piece["index"], {"id": piece.get("id"), "function": {"name": "",
+                                                                                           "arguments": ""}})
+                fn = piece.get("function", {})
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            if delta.get("content"):
+                if not output:
+                    for e in open_message():
+                        yield e
+                text += delta["content"]
+                yield event("response.output_text.delta", **where, delta=delta["content"], logprobs=[])
+        status = _status(last)
+        if not output and not calls:  # no text and no call: an empty message, still
+            for e in open_message():
+                yield e
+        if output:
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            yield event("response.content_part.done", **where, part=part)
+            output[0] = message_item(msg_id, text, "completed" if status == "completed" else "incomplete")
+            yield event("response.output_item.done", output_index=0, item=output[0])
+        for k in sorted(calls):
+            index, item = len(output), function_call_item(calls[k])
+            yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+            output.append(item)
+            yield event("response.output_item.done", output_index=index, item=item)
+        final = _response(req, state, rid, created, status, output, last)
+        reply = {"content": text or None, "tool_calls": [calls[k] for k in sorted(calls)]}
+        _remember(state, req, messages, reply, final)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except Exception as e:
         yield stream_error(e)

@@ -62,7 +62,8 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         m = config.model
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
-        self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task)
+        self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
+                                   self.model_config.pooling_method)
         self._bind_attention()
         self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:

@@ -1,12 +1,13 @@
 """Every registered model class declares its capabilities (kestrel/models/interfaces.py) consistently: a class
 that takes images implements the whole image interface, a bidirectional prefix belongs to an image model (the
-processor's token types give its length), and LoRA stages beyond the decoder come with their row counts."""
+processor's token types give its length) or is an encoder's whole prompt (EncoderOnly), and LoRA stages beyond the
+decoder come with their row counts."""
 from __future__ import annotations
 
 import pytest
 
 from kestrel.models.interfaces import (HasBidirectionalPrefix, SupportsImages, SupportsLoRA, has_bidirectional_prefix,
-                                       supports_images, supports_lora)
+                                       is_encoder_only, supports_images, supports_lora)
 from kestrel.models.registry import get_model_class, supported_architectures
 
 IMAGE_METHODS = ("split_images", "num_image_tokens", "embed_image", "dummy_image_inputs")
@@ -24,8 +25,9 @@ def capability_problems(cls) -> list[str]:
                      if not _overrides(cls, SupportsImages, m)]
     elif any(hasattr(cls, m) for m in IMAGE_METHODS):
         problems.append("has image methods but does not declare SupportsImages")
-    if has_bidirectional_prefix(cls) and not supports_images(cls):
-        problems.append("declares HasBidirectionalPrefix without SupportsImages (the prefix is image + prompt)")
+    if has_bidirectional_prefix(cls) and not supports_images(cls) and not is_encoder_only(cls):
+        problems.append("declares HasBidirectionalPrefix without SupportsImages (the prefix is image + prompt) or "
+                        "EncoderOnly (the prompt)")
     if supports_lora(cls):
         stages = {stage for _, stage in cls.lora_stages}
         if not stages <= STAGES or "decoder" not in stages:
@@ -39,7 +41,8 @@ def capability_problems(cls) -> list[str]:
 def test_registered_model_declares_consistently(arch):
     cls = get_model_class(arch)
     assert capability_problems(cls) == []
-    assert supports_lora(cls)  # every registered family's decoder Linears take adapters
+    # every registered decoder family's Linears take adapters (LoRA on encoders is not implemented)
+    assert supports_lora(cls) != is_encoder_only(cls)
     assert isinstance(cls.packed_modules, dict)
 
 
@@ -68,7 +71,8 @@ def test_the_check_catches_an_inconsistent_declaration():
     assert capability_problems(HalfImages) == [f"declares SupportsImages but does not implement {m}"
                                                for m in ("split_images", "num_image_tokens", "dummy_image_inputs")]
     assert capability_problems(PrefixWithoutImages) == [
-        "declares HasBidirectionalPrefix without SupportsImages (the prefix is image + prompt)"]
+        "declares HasBidirectionalPrefix without SupportsImages (the prefix is image + prompt) or EncoderOnly (the "
+        "prompt)"]
     assert capability_problems(TowerLoRA) == ["LoRA on vision parts without lora_encoder_tokens"]
     assert capability_problems(Undeclared) == ["has image methods but does not declare SupportsImages"]
     assert supports_images(HalfImages()) and not supports_lora(Undeclared())  # instances answer too

@@ -1,6 +1,7 @@
 """/v1/responses with the real openai client (client.responses.create, streamed and not) on the shared tiny
 server: the reply equals /v1/chat/completions' for the same conversation (greedy), the response.* events come in
-order and their deltas make the final text; what is not implemented is a 400 naming it."""
+order and their deltas make the final text; previous_response_id continues a stored conversation (404 for an
+unknown one, as vLLM answers); what is not implemented is a 400 naming it. Function tools: test_responses_tools.py."""
 from __future__ import annotations
 
 import openai
@@ -56,14 +57,46 @@ def test_streamed_events(client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto: off
+    ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "none"}, "tools"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_tokens"),
+    ({"input": "hi", "background": True}, "background"),
 ])
 def test_refusals(server, body, param):
     status, res = http("POST", server.url + "/v1/responses", body)
     assert status == 400, res
     assert res["error"]["param"] == param and res["error"]["type"] == "invalid_request_error"
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    """A stored response's input and output are the next request's history: its reply equals chat completions'
+    on the whole conversation; instructions are the request's own."""
+    first = client.responses.create(model="llama", input="Tell me a story", instructions="Be brief",
+                                    max_output_tokens=6, temperature=0)
+    second = client.responses.create(model="llama", input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    conv = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}]
+    res = client.chat.completions.create(model="llama", messages=conv, max_tokens=6, temperature=0)
+    assert second.output_text == res.choices[0].message.content
+    assert second.usage.input_tokens == res.usage.prompt_tokens and second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id).output_text == second.output_text  # GET /v1/responses/{id}
+    streamed = list(client.responses.create(model="llama", input="And then?", previous_response_id=first.id,
+                                            max_output_tokens=6, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == second.output_text
+
+
+def test_unknown_or_unstored_previous_response_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="Response with id 'resp_nope' not found"):
+        client.responses.create(model="llama", input="hi", previous_response_id="resp_nope", max_output_tokens=2)
+    unstored = client.responses.create(model="llama", input="hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="llama", input="hi", previous_response_id=unstored.id, max_output_tokens=2)
+    body = e.value.body
+    assert e.value.status_code == 404 and body["type"] == "invalid_request_error"
+    assert body["param"] == "previous_response_id"

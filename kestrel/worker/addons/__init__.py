@@ -13,8 +13,10 @@ from kestrel.worker.addons.pooling import Pooler
 from kestrel.worker.addons.prefix_mask import BidirectionalPrefix
 
 
-def build_addons(model, config, device, dtype, pooling_task: str | None = None) -> list[StepAddon]:
-    """`pooling_task` (a pooling runner's, kestrel/core/pooling.py): the pooler ends its requests' steps."""
+def build_addons(model, config, device, dtype, pooling_task: str | None = None,
+                 pooling_method: str = "last") -> list[StepAddon]:
+    """`pooling_task` (a pooling runner's, kestrel/core/pooling.py): the pooler ends its requests' steps, pooling
+    by `pooling_method` (last | cls | mean)."""
     addons: list[StepAddon] = []
     lora = None
     if config.lora.enable_lora:
@@ -29,7 +31,7 @@ def build_addons(model, config, device, dtype, pooling_task: str | None = None) 
     addons.append(LogitsBias())
     addons.append(GrammarBitmask())
     if pooling_task is not None:
-        addons.append(Pooler(model, device))
+        addons.append(Pooler(model, device, pooling_method))
     return addons
 
 

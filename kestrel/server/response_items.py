@@ -1,0 +1,124 @@
+"""The Responses API's items in and out of chat-completions form, so that /v1/responses runs on the chat path
+(template, tools, structured outputs): input items (message, function_call, function_call_output) become chat
+messages; Responses function tools and tool_choice become chat tools; the assistant's reply (its text and tool
+calls) becomes output items (message, function_call)."""
+from __future__ import annotations
+
+import uuid
+
+from kestrel.errors import InvalidRequest
+
+INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or a list of text parts", param="input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in INPUT_TEXT_TYPES or not isinstance(
+                part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(f"{where}: content part {kind!r} is not supported (text parts only)", param="input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _field(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where}.{name} must be a string", param="input")
+    return value
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """`input` as chat messages. Consecutive function_call items are one assistant turn with several calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise InvalidRequest("input is empty", param="input")
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in MESSAGE_ROLES:
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _field(item, "call_id", where), "type": "function",
+                    "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
+                             "content": output if isinstance(output, str) else _text_of(output, where)})
+        else:
+            raise InvalidRequest(f"{where}: only message (role user, assistant, system or developer), "
+                                 f"function_call and function_call_output items are supported, got type {kind!r}",
+                                 param="input")
+    return messages
+
+
+def chat_tools(tools: list | None) -> list[dict] | None:
+    """Responses function tools ({type, name, description, parameters}) as chat tools."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise InvalidRequest(f"tools[{i}]: only function tools are supported, got type {kind!r}", param="tools")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                     if t.get(k) is not None}})
+    return out
+
+
+def chat_tool_choice(choice):
+    """"auto" | "none" | "required" | {"type": "function", "name": F} as the chat API spells it."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequest('tool_choice must be "auto", "none", "required" or {"type": "function", "name": '
+                                 '...}', param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str) -> dict:
+    content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+               if status != "in_progress" else [])
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def function_call_item(call: dict, status: str = "completed") -> dict:
+    """A chat tool call ({id, function: {name, arguments}}) as a Responses function_call item."""
+    return {"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if status != "in_progress" else "", "status": status}
+
+
+def output_items(message: dict, message_id: str, status: str) -> list[dict]:
+    """The assistant's chat message (content, tool_calls) as output items: its text (if any, or if it made no
+    call) then one function_call per call."""
+    calls = message.get("tool_calls") or []
+    items = [message_item(message_id, message.get("content") or "", status)] if message.get("content") or not calls \
+        else []
+    return items + [function_call_item(c) for c in calls]
+
+
+def assistant_message(message: dict) -> dict:
+    """The reply as the next turn's history: content and the calls it made."""
+    turn = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
+                              for c in message["tool_calls"]]
+    return turn
