@@ -75,7 +75,7 @@ def test_mla_decode_kernel_compiles(split, num_warps):
     compile_ok(fn, sig, dict(MAX_SPLITS=64, L=512, BLOCK_N=32))
     fn = triton_mla._write_latent_kernel
     sig = {n: {"KVC": "*bf16", "KPE": "*bf16", "C": "*bf16", "SLOT": "*i64"}.get(n, "i32") for n in fn.arg_names}
-    compile_ok(fn, sig, dict(L=512, R=64, L_PAD=512, R_PAD=64))
+    compile_ok(fn, sig, dict(L=512, R=64, L_PAD=512, R_PAD=64, PAGE=16))
 
 
 @pytest.mark.parametrize("windowed,softcap", OPTIONS)

@@ -16,7 +16,7 @@ def _sig(fn, ptrs: dict, floats=()):
 
 def test_write_index_keys_compiles():
     fn = ops._write_rows_kernel
-    compile_ok(fn, _sig(fn, {"X": "*bf16", "C": "*bf16", "SLOT": "*i64"}), dict(D=128, D_PAD=128))
+    compile_ok(fn, _sig(fn, {"X": "*bf16", "C": "*bf16", "SLOT": "*i64"}), dict(D=128, D_PAD=128, PAGE=16))
 
 
 @pytest.mark.parametrize("heads", [32, 64])

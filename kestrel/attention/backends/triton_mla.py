@@ -28,7 +28,7 @@ def dense_row_dim(layer) -> int:
 
 class TritonMLAImpl(MLAImpl):
     def write_latent(self, kv_c, k_pe, cache, slot_mapping) -> None:
-        write_latent(kv_c, k_pe, cache, slot_mapping)  # row strides are kernel arguments
+        write_latent(kv_c, k_pe, cache, slot_mapping)  # block and row strides are kernel arguments
 
     def attend_latent(self, q_lat, q_pe, cache, meta: MLAMetadata) -> torch.Tensor:
         # with dense prefill declared, the absorbed part is the decodes: one query token per request

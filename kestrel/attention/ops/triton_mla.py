@@ -19,13 +19,23 @@ from kestrel.platform.triton_gates import interpreter_mode
 
 
 @triton.jit
-def _write_latent_kernel(KVC, KPE, C, SLOT, stride_kvc, stride_kpe, stride_ct,
-                         L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr):
+def _slot_offset(slot, stride_cb, stride_ct, PAGE: tl.constexpr):
+    """Element offset (int64) of cache slot `slot` in a paged cache [blocks, PAGE, ...]. By (block, row): a layer's
+    cache is a view whose block stride may exceed PAGE rows (its page shares a row of the slot with other parts,
+    e.g. SparseMLASpec's indexer keys, kestrel/worker/kv_allocation.py)."""
+    slot = slot.to(tl.int64)
+    return (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
+
+
+@triton.jit
+def _write_latent_kernel(KVC, KPE, C, SLOT, stride_kvc, stride_kpe, stride_cb, stride_ct,
+                         L: tl.constexpr, R: tl.constexpr, L_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                         PAGE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOT + t)
     if slot < 0:
         return
-    dst = C + slot * stride_ct
+    dst = C + _slot_offset(slot, stride_cb, stride_ct, PAGE)
     offs_l = tl.arange(0, L_PAD)
     offs_r = tl.arange(0, R_PAD)
     c = tl.load(KVC + t.to(tl.int64) * stride_kvc + offs_l, mask=offs_l < L)
@@ -35,15 +45,17 @@ def _write_latent_kernel(KVC, KPE, C, SLOT, stride_kvc, stride_kpe, stride_ct,
 
 
 def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_c [T, L], k_pe [T, R] -> cache rows at slot_mapping[:T] (slots < 0 skipped)."""
+    """kv_c [T, L], k_pe [T, R] -> cache [blocks, block_size, L + R] rows at slot_mapping[:T] (slots < 0 skipped;
+    any block stride)."""
     t, L = kv_c.shape
     R = k_pe.shape[1]
     if t == 0:
         return
     if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1 or cache.stride(-1) != 1 or cache.stride(1) != L + R:
         raise ValueError("write_latent needs contiguous rows and a [blocks, block_size, L + R] cache")
-    _write_latent_kernel[(t,)](kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), cache.stride(1),
-                               L=L, R=R, L_PAD=triton.next_power_of_2(L), R_PAD=triton.next_power_of_2(R))
+    _write_latent_kernel[(t,)](kv_c, k_pe, cache, slot_mapping, kv_c.stride(0), k_pe.stride(0), cache.stride(0),
+                               cache.stride(1), L=L, R=R, L_PAD=triton.next_power_of_2(L),
+                               R_PAD=triton.next_power_of_2(R), PAGE=cache.shape[1])
 
 
 @triton.jit

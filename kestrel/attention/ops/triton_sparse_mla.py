@@ -19,32 +19,35 @@ import triton.language as tl
 
 from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
                                                     split_decode_setup)
-from kestrel.attention.ops.triton_mla import _latent_tile, _load_latent_queries, _mla_reduce_kernel, _store_latent_out
+from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
+                                              _store_latent_out)
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
 
 
 @triton.jit
-def _write_rows_kernel(X, C, SLOT, stride_x, stride_ct, D: tl.constexpr, D_PAD: tl.constexpr):
+def _write_rows_kernel(X, C, SLOT, stride_x, stride_cb, stride_ct, D: tl.constexpr, D_PAD: tl.constexpr,
+                       PAGE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOT + t)
     if slot < 0:
         return
     offs = tl.arange(0, D_PAD)
     x = tl.load(X + t.to(tl.int64) * stride_x + offs, mask=offs < D)
-    tl.store(C + slot * stride_ct + offs, x.to(C.dtype.element_ty), mask=offs < D)
+    tl.store(C + _slot_offset(slot, stride_cb, stride_ct, PAGE) + offs, x.to(C.dtype.element_ty), mask=offs < D)
 
 
 def write_index_keys(index_k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """index_k [T, D] -> cache [blocks, block_size, D] rows at slot_mapping[:T]."""
+    """index_k [T, D] -> cache [blocks, block_size, D] rows at slot_mapping[:T] (any block stride: the layer's
+    view of its page, the latents before the keys)."""
     t, d = index_k.shape
     if t == 0:
         return
     if index_k.stride(-1) != 1 or cache.stride(-1) != 1 or cache.stride(1) != d:
         raise ValueError("write_index_keys needs contiguous rows and a [blocks, block_size, D] cache")
-    _write_rows_kernel[(t,)](index_k, cache, slot_mapping, index_k.stride(0), cache.stride(1), D=d,
-                             D_PAD=triton.next_power_of_2(d))
+    _write_rows_kernel[(t,)](index_k, cache, slot_mapping, index_k.stride(0), cache.stride(0), cache.stride(1), D=d,
+                             D_PAD=triton.next_power_of_2(d), PAGE=cache.shape[1])
 
 
 @triton.jit(do_not_specialize=["width", "num_heads"])
