@@ -98,11 +98,13 @@ def layer_section(batches) -> dict[int, dict]:
     return out
 
 
-def gpu_in_use(what: str) -> None:
+def gpu_in_use(what: str) -> int:
+    """Frees what is unreferenced, prints the memory in use and returns the free bytes."""
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     print(f"GPU memory in use {what}: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
+    return free
 
 
 def model_run(model_dir: Path, fused: bool, prompt: list[int], n_out: int) -> dict:
@@ -141,11 +143,9 @@ def model_run(model_dir: Path, fused: bool, prompt: list[int], n_out: int) -> di
             [prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)) for m in (1, 2)]
         runner.graphs = graphs
         llm.engine.core.shutdown()
-        del llm, runner, graphs  # every reference to the model and its caches, before the memory is returned
     finally:
         TritonKDAImpl.forward_decode = saved
-    gpu_in_use(f"after the {'fused' if fused else 'unfused'} engine")
-    return {"ms_per_token": best * 1e3, "decode_step_kernels": counts[1] - counts[0]}
+    return {"ms_per_token": best * 1e3, "decode_step_kernels": counts[1] - counts[0], "weight_bytes": weights}
 
 
 def model_section(n_out: int, layer: dict[int, dict] | None) -> dict:
@@ -154,7 +154,13 @@ def model_section(n_out: int, layer: dict[int, dict] | None) -> dict:
     (d / "config.json").write_text(json.dumps({**KIMI_LINEAR_48B, "torch_dtype": "bfloat16"}))
     prompt = list(range(1000, 1000 + PROMPT_LEN))
     gpu_in_use("before the model section")
-    res = {name: model_run(d, name == "fused", prompt, n_out) for name in ("unfused", "fused")}
+    res = {"unfused": model_run(d, False, prompt, n_out)}
+    free = gpu_in_use("after the unfused engine")  # its frame and every reference to it gone
+    if free < 1.05 * res["unfused"]["weight_bytes"]:  # a clear stop instead of running out mid-load
+        raise RuntimeError(f"the unfused engine left memory behind: {free / 2**30:.1f} GiB free, the weights alone "
+                           f"take {res['unfused']['weight_bytes'] / 2**30:.1f} GiB")
+    res["fused"] = model_run(d, True, prompt, n_out)
+    gpu_in_use("after the fused engine")
     print(f"\n### Kimi-Linear-48B-A3B shape, batch 1, random weights, {PROMPT_LEN}-token prompt, {n_out} tokens, "
           "CUDA graphs\n")
     if layer is None:
