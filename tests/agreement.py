@@ -108,3 +108,15 @@ def decisive_routers(path, factor: float = 8.0) -> None:
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) and t.dim() == 2:
                 tensors[name] = t * factor
         save_file(tensors, f, metadata={"format": "pt"})
+
+
+def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
+    """Round every weight of the checkpoint at `path` through bf16 (stored float32) but those whose names end
+    with one of `keep` (tensors the engine holds in float32): transformers in float32 on it is then the exact
+    model of what a bf16 engine loads, and a comparison with it measures the engine's arithmetic alone."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({n: t if n.endswith(keep) else t.to(torch.bfloat16).float() for n, t in tensors.items()}, f,
+                  metadata={"format": "pt"})

@@ -121,3 +121,23 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
     model.save_pretrained(out)
     (tokenizer or make_tokenizer()).save_pretrained(out)
     return out
+
+
+# what a Kimi Linear engine holds in float32 whatever its dtype: the forget gate's parameters, the MoE router
+KIMI_FLOAT32_PARAMS = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
+
+
+def kimi_linear_bf16_checkpoint(root: Path, seed: int = 0, tokenizer=None, name: str | None = None) -> Path:
+    """The bf16 comparisons' Kimi Linear: Kimi-Linear's KDA head size (2 heads x 128), peakier logits, decisive
+    routers, and weights bf16 holds exactly (but KIMI_FLOAT32_PARAMS), so transformers in float32 on it is the
+    exact model of what a bf16 engine loads: rounding the weights alone (transformers float32 on both) broke the
+    teacher-forced agreement rule on 5 of 20 prompts x seeds (CPU)."""
+    from tests.agreement import bf16_representable, decisive_routers
+
+    lin = dict(KDA_CONFIGS["kimi_linear"][1]["linear_attn_config"], num_heads=2, head_dim=128)
+    path = make_checkpoint("kimi_linear", root, seed=seed, tokenizer=tokenizer, name=name, hidden_size=256,
+                           kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                           linear_attn_config=lin, logit_scale=4.0)
+    decisive_routers(path)
+    bf16_representable(path, keep=KIMI_FLOAT32_PARAMS)
+    return path

@@ -115,7 +115,7 @@ class KDAImpl(AttentionImpl):
         prev = torch.where(fresh, 0, conv[idx]).to(qkv.dtype)
         window = torch.cat([prev, qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv[idx] = window[..., 1:].to(conv.dtype)
-        y = torch.nn.functional.silu((window.float() * w.conv_weight.float()).sum(-1)).to(qkv.dtype)
+        y = torch.nn.functional.silu((window.float() * w.conv_weight.float()).sum(-1))  # float32, as prefill
         q, k, v = kda_ref.prepare_qkv(y, h, d)
         g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
         state = torch.where(fresh.unsqueeze(-1), 0.0, recurrent[idx])

@@ -25,16 +25,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor):
     """Depthwise causal conv + SiLU over one request's tokens. x [T, C], conv_state [C, K - 1] (the previous
-    inputs, oldest first; None: zeros), weight [C, K] -> (y [T, C] in x's dtype, new conv state [C, K - 1])."""
+    inputs, oldest first; None: zeros), weight [C, K] -> (y [T, C] float32, new conv state [C, K - 1] in x's dtype).
+    y stays float32 on its way to the L2 norms and the delta rule, as in fla and transformers' float32 model:
+    rounding it to bf16 there roughly doubled the bf16 model's teacher-forced logprob error."""
     k = weight.shape[1]
     prev = conv_state if conv_state is not None else x.new_zeros(x.shape[1], k - 1)
     window = torch.cat([prev.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
     y = F.conv1d(window.float().unsqueeze(0), weight.float().unsqueeze(1), groups=weight.shape[0])[0]
-    return F.silu(y).t().to(x.dtype), window[:, -(k - 1):]
+    return F.silu(y).t(), window[:, -(k - 1):]
 
 
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
-    """Convolved q|k|v [T, 3 H D] -> float32 q (normalised, scaled), k (normalised), v, each [T, H, D]."""
+    """Convolved q|k|v [T, 3 H D] (float32) -> float32 q (normalised, scaled), k (normalised), v, each [T, H, D]."""
     q, k, v = qkv.float().view(qkv.shape[0], 3, num_heads, head_dim).unbind(1)
     return l2norm(q) * head_dim ** -0.5, l2norm(k), v
 

@@ -1,11 +1,12 @@
 """GPU checks for Kimi Linear (skipped without CUDA): a tiny checkpoint with Kimi-Linear's KDA head size (128) in
-bf16, the fused Triton decode selected by the gate table, teacher-forced against transformers (float32 exact
-model) with CUDA graphs on and off, and graph replay (fused decode over the null-slot padding) equal to eager."""
+bf16, the fused Triton decode selected by the gate table, teacher-forced against transformers (float32, on weights
+bf16 holds exactly: the exact model) with CUDA graphs on and off, and graph replay (fused decode over the null-slot
+padding) equal to eager."""
 import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.platform.testing import requires_kernel
-from tests.agreement import MIXED_PROMPTS, assert_teacher_forced, decisive_routers
+from tests.agreement import MIXED_PROMPTS, assert_teacher_forced
 
 pytestmark = [pytest.mark.gpu, requires_kernel("triton_kda_fused_decode")]
 KV_BLOCKS = 2048
@@ -13,15 +14,9 @@ KV_BLOCKS = 2048
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory, tiny_tokenizer):
-    from tests.tiny import KDA_CONFIGS, make_checkpoint
+    from tests.tiny import kimi_linear_bf16_checkpoint
 
-    root = tmp_path_factory.mktemp("gpu_kimi")
-    lin = dict(KDA_CONFIGS["kimi_linear"][1]["linear_attn_config"], num_heads=2, head_dim=128)
-    path = make_checkpoint("kimi_linear", root, tokenizer=tiny_tokenizer, hidden_size=256, kv_lora_rank=64,
-                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, linear_attn_config=lin,
-                           logit_scale=4.0)
-    decisive_routers(path)
-    return path
+    return kimi_linear_bf16_checkpoint(tmp_path_factory.mktemp("gpu_kimi"), tokenizer=tiny_tokenizer)
 
 
 @pytest.mark.parametrize("eager", [False, True])

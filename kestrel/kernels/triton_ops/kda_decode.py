@@ -54,13 +54,10 @@ def _kda_decode_kernel(
     cols = tl.arange(0, KP)
     row = b.to(tl.int64) * stride_qkv
     conv_row = slot * stride_conv
-    # the token's q, k, v after the short convolution, in the model dtype as the unfused chain rounds them
+    # the token's q, k, v after the short convolution, kept float32 (as the unfused chain and prefill keep them)
     q = _conv_silu(QKV, CONV, W_CONV, row, conv_row, h * D + d, cols, fresh, K)
     k = _conv_silu(QKV, CONV, W_CONV, row, conv_row, HD + h * D + d, cols, fresh, K)
     v = _conv_silu(QKV, CONV, W_CONV, row, conv_row, 2 * HD + h * D + d, cols, fresh, K)
-    q = q.to(OUT.dtype.element_ty).to(tl.float32)
-    k = k.to(OUT.dtype.element_ty).to(tl.float32)
-    v = v.to(OUT.dtype.element_ty).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (1.0 / tl.sqrt(D * 1.0))
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
     # gates: per-channel decay (log space) and the head's beta
