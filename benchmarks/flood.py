@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--n", type=int, default=128, help="sequences per prompt of the flood request")
     ap.add_argument("--flood-tokens", type=int, default=64, help="max_tokens of each flood sequence")
-    ap.add_argument("--victims", type=int, default=40, help="victim requests per phase")
+    ap.add_argument("--victims", type=int, default=200,
+                    help="victim requests per phase (p99 of fewer than 100 is the worst one)")
     ap.add_argument("--victim-tokens", type=int, default=16)
     ap.add_argument("--windows", default="0", help="comma-separated --max-seqs-per-request values (0: default)")
     ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags")
