@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 
 from kestrel.errors import ConfigError
 
-METHODS = ("ngram", "replay")
+METHODS = ("ngram", "mtp", "replay")
 
 
 @dataclass(frozen=True)
