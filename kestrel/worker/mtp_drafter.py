@@ -41,8 +41,8 @@ class MtpDrafter:
         arch = type(target).__name__
         if n_mtp == 0 or not arch.startswith("DeepseekV3"):
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
-                              f"(num_nextn_predict_layers > 0); {arch} with {n_mtp} MTP layers has none: use "
-                              f"method 'ngram' or start without speculative_config")
+                              f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
+                              f"start without speculative_config")
         self.target, self.k, self.window, self.device = target, k, window, device
         cfg = ds.DeepseekV3Config.from_dict(hf_config.to_dict())
         cfg._attn_implementation = "eager"
@@ -61,7 +61,11 @@ class MtpDrafter:
                         i, name = want[key]
                         state[i][name] = fh.get_tensor(key)
         for i, layer in enumerate(self.layers):
-            missing = sorted(set(layer.state_dict()) - set(state[i]))
+            missing = sorted(name.removeprefix("block.") for name in set(layer.state_dict()) - set(state[i]))
+            if len(missing) == len(layer.state_dict()):
+                raise ConfigError(f"speculative_config method 'mtp' needs a checkpoint with MTP layer weights: "
+                                  f"{model_path} declares {n_mtp} MTP layers but has no weights under "
+                                  f"model.layers.{n + i}.*; use method 'ngram' or start without speculative_config")
             if missing:
                 raise ConfigError(f"speculative_config method 'mtp': the checkpoint lacks MTP layer {n + i}'s "
                                   f"weights {missing[:4]}{'...' if len(missing) > 4 else ''}")
