@@ -55,6 +55,9 @@ def engine_refusals(config) -> list[str]:
     out = []
     if config.lora.enable_lora:
         out.append("LoRA (--enable-lora)")
+    spec = config.scheduler.speculative_config or {}
+    if spec.get("method") == "mtp" and config.parallel.tensor_parallel_size > 1:
+        out.append("method 'mtp' with tensor parallelism (--tensor-parallel-size > 1)")
     return out
 
 

@@ -73,7 +73,7 @@ class ModelRunner:
             from kestrel.worker.mtp_drafter import MtpDrafter, capture_pre_norm
 
             self.mtp = MtpDrafter(self.model, self.hf_config, self.loaded.path, spec.num_speculative_tokens,
-                                  self.device, self.dtype)
+                                  self.device, self.dtype, max_batch=spec.disable_by_batch_size)
             self._pre_norm = capture_pre_norm(self.model)
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
@@ -332,7 +332,8 @@ class ModelRunner:
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = out if out is not None else inputs_embeds
-        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
+        # MTP drafts read the target's hidden states, which a CUDA graph replay does not expose (yet)
+        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"]) and self.mtp is None
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   and graph_ok else None)
         vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None

@@ -32,7 +32,8 @@ def num_mtp_layers(hf_config) -> int:
 
 
 class MtpDrafter:
-    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64):
+    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64,
+                 max_batch: int | None = None):
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
         from kestrel.loader.safetensors import safetensors_files
@@ -43,7 +44,7 @@ class MtpDrafter:
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
                               f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
                               f"start without speculative_config")
-        self.target, self.k, self.window, self.device = target, k, window, device
+        self.target, self.k, self.window, self.device, self.max_batch = target, k, window, device, max_batch
         cfg = ds.DeepseekV3Config.from_dict(hf_config.to_dict())
         cfg._attn_implementation = "eager"
         cfg._experts_implementation = "eager"
@@ -170,6 +171,8 @@ def after_step(drafter: MtpDrafter, inf, out, requests) -> None:
         return
     hidden, qsl, chunks = inf.pre_norm
     inf.pre_norm = None
+    # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
+    drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
     for b, c in enumerate(chunks):
         rid, st = c.request_id, requests.get(c.request_id)
         if st is None:
@@ -181,5 +184,5 @@ def after_step(drafter: MtpDrafter, inf, out, requests) -> None:
             drafter.forget(rid)
             continue
         drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
-        if c.samples and rid in out.sampled:
+        if c.samples and rid in out.sampled and drafting:
             out.next_drafts[rid] = (start + m + 1, drafter.propose(rid))

@@ -144,3 +144,18 @@ def test_exact_drafter_gets_every_greedy_draft_accepted(tmp_path, k):
     assert tokens(llm, prompts, params) == ref
     sp = llm.engine.core.speculation
     assert sp.num_draft_tokens > len(prompts) and sp.num_accepted_tokens == sp.num_draft_tokens
+
+
+def test_mtp_with_tensor_parallelism_is_refused(mtp_model):
+    with pytest.raises(ConfigError, match=r"does not support method 'mtp' with tensor parallelism"):
+        LLM(str(mtp_model), progress=False, speculative_config=mtp(2), tensor_parallel_size=2)
+
+
+def test_no_drafting_above_disable_by_batch_size_keeps_outputs(mtp_model):
+    """Above the limit the engine pipelines plain decode steps (the runner keeps its windows and stops
+    drafting); as requests finish it drafts again."""
+    prompts, params = workload()
+    ref = tokens(LLM(str(mtp_model), progress=False), prompts, params)
+    llm = LLM(str(mtp_model), progress=False, speculative_config={**mtp(2), "disable_by_batch_size": 4})
+    assert tokens(llm, prompts, params) == ref
+    assert llm.engine.core.speculation.num_drafts > 0
