@@ -34,13 +34,17 @@ def num_mtp_layers(hf_config) -> int:
 class MtpDrafter:
     def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64,
                  max_batch: int | None = None):
+        from safetensors import safe_open
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
         from kestrel.loader.safetensors import safetensors_files
 
+        if getattr(hf_config, "quantization_config", None):
+            raise ConfigError("speculative_config method 'mtp' does not support quantized checkpoints yet (the MTP "
+                              "layer is loaded unquantized): use method 'ngram' or start without speculative_config")
         n_mtp = num_mtp_layers(hf_config)
         arch = type(target).__name__
-        if n_mtp == 0 or not arch.startswith("DeepseekV3"):
+        if n_mtp == 0 or arch != "DeepseekV3ForCausalLM":  # V3.2's layers (an indexer) are not built here
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
                               f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
                               f"start without speculative_config")
@@ -54,7 +58,6 @@ class MtpDrafter:
         want = {f"model.layers.{n + i}.{name.removeprefix('block.')}": (i, name)
                 for i, layer in enumerate(self.layers) for name in layer.state_dict()}
         state = [{} for _ in self.layers]
-        from safetensors import safe_open
         for f in safetensors_files(Path(model_path)):
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():

@@ -159,3 +159,12 @@ def test_no_drafting_above_disable_by_batch_size_keeps_outputs(mtp_model):
     llm = LLM(str(mtp_model), progress=False, speculative_config={**mtp(2), "disable_by_batch_size": 4})
     assert tokens(llm, prompts, params) == ref
     assert llm.engine.core.speculation.num_drafts > 0
+
+
+def test_quantized_checkpoint_is_refused(mtp_model):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(mtp_model)
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match=r"method 'mtp' does not support quantized checkpoints yet"):
+        MtpDrafter(object(), cfg, str(mtp_model), 2, torch.device("cpu"), torch.float32)
