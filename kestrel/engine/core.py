@@ -166,7 +166,7 @@ class EngineCore:
         self._fail_requests(result.failed)
         finished = {r.request_id for r in self.scheduler.on_result(sched, result.sampled, result.more_sampled)}
         if self.speculation is not None:
-            self.speculation.record(sched.scheduled, result.more_sampled)
+            self.speculation.record(sched.scheduled, result.more_sampled, result.next_drafts)
         outputs = self._take_rejected()
         for s in sched.scheduled:
             req = s.request

@@ -55,8 +55,12 @@ class Speculation:
         drafts = self.proposer.propose([r.request_id for r in reqs], reqs, caps)
         return {r.request_id: d for r, d in zip(reqs, drafts) if d}
 
-    def record(self, scheduled: list, more_sampled: dict[str, list[int]]) -> None:
-        """Count a finished step's drafts and accepted drafts (`scheduled`: its ScheduledRequests)."""
+    def record(self, scheduled: list, more_sampled: dict[str, list[int]],
+               next_drafts: dict[str, tuple[int, list[int]]] | None = None) -> None:
+        """Count a finished step's drafts and accepted drafts (`scheduled`: its ScheduledRequests); keep the drafts
+        the runner made for the next step (method mtp)."""
+        if next_drafts:
+            self.proposer.receive(next_drafts)
         for s in scheduled:
             if not s.draft_token_ids:
                 continue

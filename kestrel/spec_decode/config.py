@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 
 from kestrel.errors import ConfigError
 
-METHODS = ("ngram", "replay")
+METHODS = ("ngram", "mtp", "replay")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ def engine_refusals(config) -> list[str]:
     out = []
     if config.lora.enable_lora:
         out.append("LoRA (--enable-lora)")
+    spec = config.scheduler.speculative_config or {}
+    if spec.get("method") == "mtp" and config.parallel.tensor_parallel_size > 1:
+        out.append("method 'mtp' with tensor parallelism (--tensor-parallel-size > 1)")
     return out
 
 
