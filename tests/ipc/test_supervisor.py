@@ -143,17 +143,17 @@ def test_a_child_exits_when_its_parent_is_gone(tmp_path):
     """parent_gone: a grandchild whose parent exits notices within its poll and exits."""
     out = tmp_path / "out"
     child = ("import os, time, sys\n"
+             "parent = os.getppid()\n"  # before the import below, which may outlast the parent on a busy machine
              "from kestrel.core.supervisor import parent_gone\n"
-             "parent = os.getppid()\n"
              "for _ in range(200):\n"
              "    if parent_gone(parent):\n"
              f"        open({str(out)!r}, 'w').write('gone'); sys.exit(0)\n"
              "    time.sleep(0.05)\n")
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, "
-                                                     f"'-c', {child!r}]); import time; time.sleep(0.5)"])
+                                                     f"'-c', {child!r}]); import time; time.sleep(2)"])
     parent.wait(30)
     for _ in range(200):
-        if out.exists():
+        if out.exists() and out.read_text():  # created, then written: wait for the word, not the file
             break
         time.sleep(0.05)
     assert out.read_text() == "gone"
