@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 
-TTFT_SAMPLES = 15
-
 from benchmarks.common import SHAPES, git_commit, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
+
+TTFT_SAMPLES = 15  # one request's first token is ~10 ms: three samples swung 2x between runs
 
 
 def run_kestrel(model_dir, prompt, n_out, quantization=None, pdl=True, max_model_len=None, tp=1):
