@@ -3,7 +3,9 @@
 Runs the nano-vllm workload (or batch-1 decode with --latency) and records for every launched step: the host
 time spent launching it, the GPU time from its first to its last queued op (CUDA events), the GPU interval to
 the next step's start (includes idle gaps), its batch, tokens and the KV context it reads. Prints totals by step
-kind and batch bucket, with the achieved KV-read bandwidth of decode steps.
+kind and batch bucket, with the achieved KV-read bandwidth of decode steps, and each bucket's own roofline (weights
++ KV reads at the measured copy rate, prefill FLOPs at the measured bf16 rate; the same law as throughput.py) so
+every bucket prints how far it is from its floor.
 
     python -m benchmarks.step_trace --shape qwen3-0.6b [--latency] [--json trace.json]"""
 from __future__ import annotations
@@ -12,12 +14,20 @@ import argparse
 import json
 import time
 
-from benchmarks.common import nano_workload, print_table, shape_facts, write_shape
+from benchmarks.common import SHAPES, measure_ceilings, nano_workload, print_table, shape_facts, write_shape
+
+
+def step_roofline_s(rec: dict, facts, ceil: dict) -> float:
+    """One step's floor: the weights it reads (MoE: the experts its tokens are expected to hit) and its decode
+    rows' KV context at the copy rate, plus its prefill tokens' matmul FLOPs at the bf16 rate."""
+    prefill_tokens = rec["tokens"] - rec["decodes"]
+    read = facts.active_weight_bytes(rec["tokens"]) + rec["decode_ctx"] * facts.kv_bytes_per_token
+    return read / ceil["copy_bytes_per_s"] + prefill_tokens * facts.flops_per_token / ceil["bf16_flops_per_s"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "llama-8b"])
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--latency", action="store_true", help="batch 1, prompt 128, 256 greedy output tokens")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -29,6 +39,7 @@ def main():
     from kestrel import LLM, SamplingParams
 
     facts = shape_facts(args.shape)
+    ceil = measure_ceilings()
     llm = LLM(str(write_shape(args.shape)), load_format="dummy", dtype="bfloat16", max_num_seqs=256,
               max_num_batched_tokens=16384, enable_prefix_caching=False, progress=False,
               enforce_eager=args.enforce_eager)
@@ -100,12 +111,18 @@ def main():
         interval = sum(r["interval_ms"] for r in g)
         gpu = sum(r["gpu_ms"] for r in g)
         kv = sum(r["decode_ctx"] for r in g) * facts.kv_bytes_per_token + len(g) * facts.weight_bytes
+        roof_ms = sum(step_roofline_s(r, facts, ceil) for r in g) * 1e3
         rows.append(dict(kind=name, steps=len(g), total_s=interval / 1e3, ms_per_step=interval / len(g),
                          gpu_ms_per_step=gpu / len(g), host_launch_ms=sum(r["host_ms"] for r in g) / len(g),
                          host_interval_ms=sum(r["host_interval_ms"] for r in g) / len(g),
                          wait_ms=sum(r["wait_ms"] for r in g) / len(g),
                          mean_batch=sum(r["reqs"] for r in g) / len(g),
-                         bytes_GB_per_s=kv / (interval / 1e3) / 1e9))
+                         bytes_GB_per_s=kv / (interval / 1e3) / 1e9,
+                         roofline_ms_per_step=roof_ms / len(g), frac_own_roofline=f"{roof_ms / interval:.0%}"))
+    total_roof = sum(step_roofline_s(r, facts, ceil) for r in recs)
+    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), read-only "
+          f"{ceil['read_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; "
+          f"run at {total_roof / wall:.0%} of its step-by-step roofline ({total_roof:.2f} s)")
     print_table(f"Step trace, {args.shape}, {'latency' if args.latency else 'throughput'} "
                 f"({'eager' if args.enforce_eager else 'graphs'}): wall {wall:.2f} s, {len(recs)} steps", rows)
     if args.json:

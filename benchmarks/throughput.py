@@ -191,7 +191,8 @@ def main():
                   kestrel_out_tok_s=n_out / dt, kestrel_total_tok_s=n_total / dt,
                   roofline_out_tok_s=n_out / roof, steps=steps, startup_s=info["startup_s"],
                   graph_capture_s=info["graphs"], kv_blocks=info["blocks"],
-                  copy_TBps=ceil["copy_bytes_per_s"] / 1e12, bf16_TFLOPs=ceil["bf16_flops_per_s"] / 1e12)
+                  copy_TBps=ceil["copy_bytes_per_s"] / 1e12, read_TBps=ceil["read_bytes_per_s"] / 1e12,
+                  bf16_TFLOPs=ceil["bf16_flops_per_s"] / 1e12)
     if args.hf_requests:
         hp = prompts[: args.hf_requests]
         hdt, hn = run_hf(model_dir, hp, outs[: args.hf_requests])
@@ -216,7 +217,8 @@ def main():
     print(f"KV cache bytes per token (all layers, bf16): {args.shape} {kv:,}; llama-8b {llama_kv:,} "
           f"({llama_kv / kv:.1f}x as many tokens of {args.shape} fit in the same memory)")
     result["kv_bytes_per_token"] = kv
-    print(f"ceilings: copy {result['copy_TBps']:.2f} TB/s, bf16 matmul {result['bf16_TFLOPs']:.0f} TFLOP/s")
+    print(f"ceilings: copy {result['copy_TBps']:.2f} TB/s, read-only {result['read_TBps']:.2f} TB/s, "
+          f"bf16 matmul {result['bf16_TFLOPs']:.0f} TFLOP/s")
     if "ratio" in result:
         print(f"Kestrel / transformers output tokens/s: {result['ratio']:.1f}x")
     if args.sweep:
