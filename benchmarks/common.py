@@ -85,6 +85,20 @@ SHAPES["deepseek-v2-lite-dsa-dense"] = dict(_V2_LITE_DSA, architectures=["Deepse
 # V2-Lite's attention with every layer dense (the 10944 MLP of its layer 0; its MoE layers touch 8 x 1408 = 11264
 # columns a token): MLA measured without the MoE kernels
 SHAPES["deepseek-v2-lite-dense"] = {**SHAPES["deepseek-v2-lite"], "first_k_dense_replace": 27}
+# Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json, via transformers' KimiLinearConfig):
+# 27 layers, KDA at 1-indexed [1, 2, 3, 5, ...], NoPE MLA at [4, 8, ..., 24, 27]; KDA 32 heads x 128, conv width
+# 4; 256 experts of 1024, top-8, 1 shared expert, layer 1 dense (9216)
+SHAPES["kimi-linear-48b"] = dict(
+    architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216, moe_intermediate_size=1024, num_experts=256,
+    num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1, moe_renormalize=True,
+    routed_scaling_factor=2.446, num_expert_group=1, topk_group=1, vocab_size=163840, tie_word_embeddings=False,
+    model_max_length=1048576, rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=163584, eos_token_id=163586,
+    pad_token_id=163839, linear_attn_config={
+        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32, "head_dim": 128,
+        "short_conv_kernel_size": 4})
 
 
 def write_shape(name: str) -> Path:
@@ -103,6 +117,7 @@ class ShapeFacts:
     expert_bytes: int = 0  # MoE: one expert of every layer
     num_experts: int = 0
     top_k: int = 0
+    state_bytes_per_seq: int = 0  # a recurrent-state model (KDA): the state each decode step reads and writes
 
     def active_weight_bytes(self, batch: float = 1) -> float:
         """The roofline's bytes per step: the weights a step of `batch` tokens reads. MoE: the dense part plus the
@@ -116,6 +131,8 @@ class ShapeFacts:
 
 def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     s = SHAPES[name]
+    if "linear_attn_config" in s:
+        return _kimi_linear_shape_facts(s, dtype_bytes)
     if "kv_lora_rank" in s:
         return _mla_shape_facts(s, dtype_bytes)
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
@@ -158,6 +175,30 @@ def _mla_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
                       2 * (active + emb),
                       expert if s.get("n_routed_experts") else 0, s.get("n_routed_experts", 0),
                       s.get("num_experts_per_tok", 0) or 0)
+
+
+def _kimi_linear_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
+    """Kimi Linear: KDA layers (q|k|v|gates in-projection, the gates' up-projections, o_proj, a short convolution;
+    a float32 recurrent state per request instead of a KV cache) and NoPE MLA layers (one latent a token); MoE
+    after the first dense layers, with shared experts."""
+    h, L, nh, V = s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["vocab_size"]
+    lin = s["linear_attn_config"]
+    n_kda, kh, kd, width = len(lin["kda_layers"]), lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
+    hd = kh * kd
+    kda = h * (3 * hd + 2 * kd + kh) + 2 * kd * hd + hd * h + 3 * hd * width
+    rank, rope, nope, vd = s["kv_lora_rank"], s["qk_rope_head_dim"], s["qk_nope_head_dim"], s["v_head_dim"]
+    mla = h * nh * (nope + rope) + h * (rank + rope) + rank * nh * (nope + vd) + nh * vd * h
+    n_mla, dense = L - n_kda, s["first_k_dense_replace"]
+    e, k, shared = s["num_experts"], s["num_experts_per_token"], s["num_shared_experts"]
+    expert = 3 * h * s["moe_intermediate_size"]
+    attn = n_kda * kda + n_mla * mla + dense * 3 * h * s["intermediate_size"]
+    all_params = attn + (L - dense) * (e * h + (e + shared) * expert)
+    active = attn + (L - dense) * (e * h + (k + shared) * expert)
+    emb = V * h
+    state = n_kda * (kh * kd * kd * 4 + 3 * hd * (width - 1) * dtype_bytes)
+    return ShapeFacts(all_params + emb * (1 if s["tie_word_embeddings"] else 2), (all_params + emb) * dtype_bytes,
+                      n_mla * (rank + rope) * dtype_bytes, 2 * (active + emb), (L - dense) * expert * dtype_bytes,
+                      e, k, state)
 
 
 def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):

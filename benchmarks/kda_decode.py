@@ -18,30 +18,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from benchmarks.common import SHAPES, write_shape
 from benchmarks.mla_decode import time_us
 
 H, D, K = 32, 128, 4
 PROMPT_LEN = 128
-# Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json, via transformers' KimiLinearConfig):
-# 27 layers, KDA at 1-indexed [1, 2, 3, 5, ...], NoPE MLA at [4, 8, ..., 24, 27]; 256 experts of 1024, top-8,
-# 1 shared expert, layer 1 dense (9216)
-KIMI_LINEAR_48B = dict(
-    architectures=["KimiLinearForCausalLM"], model_type="kimi_linear", hidden_size=2304, num_hidden_layers=27,
-    num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, intermediate_size=9216, moe_intermediate_size=1024, num_experts=256,
-    num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1, moe_renormalize=True,
-    routed_scaling_factor=2.446, num_expert_group=1, topk_group=1, vocab_size=163840, tie_word_embeddings=False,
-    model_max_length=1048576, rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=163584, eos_token_id=163586,
-    pad_token_id=163839, linear_attn_config={
-        "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
-        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": H, "head_dim": D, "short_conv_kernel_size": K})
+KIMI_LINEAR_48B = SHAPES["kimi-linear-48b"]
 NUM_KDA_LAYERS = len(KIMI_LINEAR_48B["linear_attn_config"]["kda_layers"])
 
 
@@ -150,8 +138,7 @@ def model_run(model_dir: Path, fused: bool, prompt: list[int], n_out: int) -> di
 
 def model_section(n_out: int, layer: dict[int, dict] | None) -> dict:
     """`layer`: section 1's results (None when skipped: no KDA-share columns)."""
-    d = Path(tempfile.mkdtemp(prefix="kestrel-kimi-linear-48b-"))
-    (d / "config.json").write_text(json.dumps({**KIMI_LINEAR_48B, "torch_dtype": "bfloat16"}))
+    d = write_shape("kimi-linear-48b")
     prompt = list(range(1000, 1000 + PROMPT_LEN))
     gpu_in_use("before the model section")
     res = {"unfused": model_run(d, False, prompt, n_out)}

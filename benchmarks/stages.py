@@ -146,6 +146,7 @@ AREAS = {
     "images": "images (issue 15): LLaVA-NeXT-7B shape, side by side with vLLM 0.26 (run vsite first)",
     "structured": "structured outputs (issue 18)",
     "parallel": "tensor and data parallelism (issues 19, 20); multi-GPU stages need 2, 4 or 8 GPUs",
+    "wave": "sparse MLA (issue 34), Kimi Linear (30), speculative decoding (31), the 12,800-sequence flood (33)",
 }
 
 STAGES = (
@@ -361,6 +362,32 @@ STAGES = (
                  "{out}/vllm_8b_tp2.json", timeout=560, log="vllm_8b_tp2.log", show=tail(8, NO_WARNINGS), gpus=2,
                  env=VSITE),),
           env={**NCCL, "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}),
+)
+KIMI = ("--shape", "kimi-linear-48b", "--max-model-len", "4096")
+STAGES += (
+    Stage("flood", "wave", "victims' p99 latency under a 12,800-sequence request, vs the idle server",
+          (bench("flood", "--json", "{out}/flood.json", timeout=560, log="flood.txt", show=tail(24)),)),
+    Stage("specd", "wave", "replay drafts at controlled acceptance: llama-8b ms/token by batch, alpha and k",
+          (bench("spec_decode", "--shape", "llama-8b", "--json", "{out}/spec_8b.json", timeout=560,
+                 log="spec_8b.txt", show=tail(40, NO_WARNINGS)),)),
+    Stage("specng", "wave", "real n-gram drafts on copy-heavy prompts, the embedded SmolLM2",
+          (bench("spec_decode", "--ngram-smollm2", "--json", "{out}/spec_ngram.json", timeout=300,
+                 log="spec_ngram.txt", show=tail(20, NO_WARNINGS)),)),
+    Stage("dsak", "wave", "DSA decode attention vs dense MLA by kernel timing, batch 1/64, 8k/32k contexts",
+          (bench("dsa_decode", timeout=300, log="dsa_decode.txt", show=tail(30)),)),
+    Stage("dsae2e", "wave", "dsak, then the whole engine on the DSA shape and its dense twin at 32k contexts",
+          (bench("dsa_decode", "--e2e", timeout=560, log="dsa_e2e.txt", show=tail(40)),)),
+    Stage("kdak", "wave", "the fused KDA decode vs the unfused chain: per layer, then the 48B shape at batch 1",
+          (bench("kda_decode", timeout=560, log="kda_decode.txt", show=tail(40)),)),
+    Stage("tputkimi", "wave", "kimi-linear-48b throughput (KDA + MLA + MoE)",
+          (bench("throughput", *KIMI, "--hf-requests", "0", "--json", "{out}/tput_kimi.json", timeout=560,
+                 log="tput_kimi.log", show=tail(16, NO_WARNINGS)),)),
+    Stage("latkimi", "wave", "kimi-linear-48b batch-1 latency",
+          (bench("latency", *KIMI, "--hf-output-len", "0", "--json", "{out}/lat_kimi.json", timeout=400,
+                 show=tail(8)),)),
+    Stage("vllmkimi", "wave", "vLLM 0.26 on kimi-linear-48b (the peer of tputkimi/latkimi)",
+          (bench("vllm_peer", "--shape", "kimi-linear-48b", "--json", "{out}/vllm_kimi.json", timeout=560,
+                 log="vllm_kimi.log", show=tail(8, NO_WARNINGS), env=VSITE),)),
 )
 BY_NAME = {s.name: s for s in STAGES}
 DEFAULT = ("tests", "tput", "lat", "lat8b", "tput8b")  # what runs when no stage is named

@@ -21,7 +21,8 @@ def step_roofline_s(rec: dict, facts, ceil: dict) -> float:
     """One step's floor: the weights it reads (MoE: the experts its tokens are expected to hit) and its decode
     rows' KV context at the copy rate, plus its prefill tokens' matmul FLOPs at the bf16 rate."""
     prefill_tokens = rec["tokens"] - rec["decodes"]
-    read = facts.active_weight_bytes(rec["tokens"]) + rec["decode_ctx"] * facts.kv_bytes_per_token
+    read = (facts.active_weight_bytes(rec["tokens"]) + rec["decode_ctx"] * facts.kv_bytes_per_token
+            + 2 * rec["decodes"] * facts.state_bytes_per_seq)
     return read / ceil["copy_bytes_per_s"] + prefill_tokens * facts.flops_per_token / ceil["bf16_flops_per_s"]
 
 

@@ -23,8 +23,10 @@ def roofline_seconds(facts, prompts, outs, steps: int, ceil: dict, tp: int = 1, 
     """Decode: weights once per step (MoE: the active experts) + every token's KV context read; prefill: matmul
     FLOPs. Tensor parallel over `tp` GPUs: each reads 1/tp of the weights and KV and does 1/tp of the FLOPs at
     the same time, so the time divides by tp (the ceilings are one GPU's; all-reduces are not counted). `kv_bytes`:
-    the KV cache's bytes per element relative to bf16 (0.5: an FP8 cache)."""
+    the KV cache's bytes per element relative to bf16 (0.5: an FP8 cache). A recurrent-state model (KDA) also reads
+    and writes each sequence's state once a decode step."""
     kv_reads = sum(len(p) * o + o * (o - 1) / 2 for p, o in zip(prompts, outs)) * facts.kv_bytes_per_token * kv_bytes
+    kv_reads += 2 * sum(outs) * facts.state_bytes_per_seq  # a recurrent state: read and written every decode step
     mean_batch = sum(outs) / max(steps, 1)  # MoE: the experts a step of this many tokens hits
     decode = (kv_reads + steps * facts.active_weight_bytes(mean_batch)) / ceil["copy_bytes_per_s"]
     prefill = sum(len(p) for p in prompts) * facts.flops_per_token / ceil["bf16_flops_per_s"]

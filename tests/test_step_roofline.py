@@ -1,5 +1,5 @@
 """benchmarks/step_trace.py's per-step floor: the weights read once, the decode rows' KV context, the prefill FLOPs."""
-from benchmarks.common import shape_facts
+from benchmarks.common import SHAPES, shape_facts
 from benchmarks.step_trace import step_roofline_s
 
 CEIL = {"copy_bytes_per_s": 4e12, "bf16_flops_per_s": 8e14}
@@ -25,3 +25,44 @@ def test_moe_step_reads_only_the_experts_its_tokens_hit():
     one = step_roofline_s(dict(tokens=1, decodes=1, decode_ctx=0), facts, CEIL)
     many = step_roofline_s(dict(tokens=256, decodes=256, decode_ctx=0), facts, CEIL)
     assert one < many <= facts.weight_bytes / 4e12
+
+
+def _tiny_kimi() -> dict:
+    return dict(SHAPES["kimi-linear-48b"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+                intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_token=2,
+                vocab_size=1000, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                                                     "num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4})
+
+
+def test_kimi_linear_facts_count_the_parameters_transformers_builds(monkeypatch):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = _tiny_kimi()
+    monkeypatch.setitem(SHAPES, "tiny-kimi", cfg)
+    facts = shape_facts("tiny-kimi")
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")},
+                                  model_type="kimi_linear")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # the facts count matmul weights and the convolution, not the norms, gate biases or A_log
+    skip = ("norm", "A_log", "dt_bias", "e_score_correction_bias")
+    counted = sum(p.numel() for n, p in model.named_parameters() if not any(s in n for s in skip))
+    assert facts.params == counted
+
+
+def test_kimi_linear_state_is_what_the_engine_allocates():
+    import torch
+
+    from kestrel.core.kv_spec import KDAStateSpec
+    facts = shape_facts("kimi-linear-48b")
+    lin = SHAPES["kimi-linear-48b"]
+    spec = KDAStateSpec(torch.bfloat16, num_heads=lin["linear_attn_config"]["num_heads"],
+                        head_dim=lin["linear_attn_config"]["head_dim"],
+                        conv_width=lin["linear_attn_config"]["short_conv_kernel_size"])
+    per_layer = sum(torch.empty((), dtype=dt).element_size() * torch.Size(shape).numel()
+                    for dt, shape in spec.state_parts())
+    assert facts.state_bytes_per_seq == len(lin["linear_attn_config"]["kda_layers"]) * per_layer
+    assert facts.kv_bytes_per_token == 7 * (512 + 64) * 2  # the 7 MLA layers' latents
