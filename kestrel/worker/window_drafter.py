@@ -1,0 +1,150 @@
+"""What the runner's draft models (speculative_config method "mtp": kestrel/worker/mtp_drafter.py, "eagle3":
+kestrel/worker/eagle3_drafter.py) share: a hook that captures the target's hidden states during its forward, a window
+of each request's last accepted positions, and greedy chained drafting over that window.
+
+A draft model at position t reads a hidden state derived from the target's forward at t (`window_hidden` of what the
+capture gave) and the embedding of token t+1, and predicts token t+2. For each request the drafter keeps the last
+`window` accepted positions (positions, hidden states, the token after each) and every step recomputes its draft
+layer over that window in plain PyTorch with a causal mask: no cache of its own. Attention beyond the window is
+dropped, so drafts are approximate where the draft layer would look further back: that costs acceptance, never
+correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's output back as the
+hidden state of the next position, with the draft just made as its token (vLLM's chaining for MTP and EAGLE-3).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class WindowDrafter:
+    """Subclasses set `self.capture` (whose pop() gives the last target forward's hidden states, one row per token)
+    and implement embed, draft_layer and draft_token; window_hidden maps captured rows to the draft's hidden input."""
+
+    capture = None
+
+    def __init__(self, k: int, device, dtype, window: int = 64, max_batch: int | None = None):
+        self.k, self.device, self.dtype, self.window, self.max_batch = k, device, dtype, window, max_batch
+        # request id -> (positions [W], hidden states [W, H], the token after each position [W])
+        self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def window_hidden(self, captured: torch.Tensor) -> torch.Tensor:
+        return captured.to(self.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draft_layer(self, j: int, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The j-th draft's layer output [T, H] over the window (embeddings, hidden states, positions)."""
+        raise NotImplementedError
+
+    def draft_token(self, j: int, last: torch.Tensor) -> int:
+        """The greedy target token id predicted from the layer output at the window's last position [1, H]."""
+        raise NotImplementedError
+
+    def after_step(self, inf, out, requests) -> None:
+        after_step(self, inf, out, requests)
+
+    def forget(self, rid: str) -> None:
+        self.windows.pop(rid, None)
+
+    @torch.inference_mode()
+    def extend(self, rid: str, start: int, captured: torch.Tensor, next_ids: list[int]) -> None:
+        """Positions start.. (len(next_ids) of them) were computed with these captured hidden states, and these
+        tokens follow them. A gap or an overlap (a preempted request recomputed) starts the window again."""
+        m = len(next_ids)
+        pos = torch.arange(start, start + m, device=self.device)
+        h, ids = self.window_hidden(captured[:m]), torch.tensor(next_ids, device=self.device)
+        old = self.windows.get(rid)
+        if old is not None and int(old[0][-1]) == start - 1:
+            pos, h, ids = torch.cat([old[0], pos]), torch.cat([old[1], h]), torch.cat([old[2], ids])
+        w = self.window
+        self.windows[rid] = (pos[-w:], h[-w:], ids[-w:])
+
+    @torch.inference_mode()
+    def propose(self, rid: str) -> list[int]:
+        """Up to k greedy drafts after the request's last token (the last window entry's next token)."""
+        if rid not in self.windows:
+            return []
+        pos, h, ids = self.windows[rid]
+        drafts = []
+        for j in range(self.k):
+            out = self.draft_layer(j, self.embed(ids), h, pos)
+            tok = self.draft_token(j, out[-1:])
+            drafts.append(tok)
+            pos = torch.cat([pos, pos[-1:] + 1])[-self.window:]
+            h = torch.cat([h, out[-1:]])[-self.window:]
+            ids = torch.cat([ids, ids.new_tensor([tok])])[-self.window:]
+        return drafts
+
+
+def causal_mask(t: int, device, dtype) -> torch.Tensor:
+    """[1, 1, t, t]: 0 on and below the diagonal, -inf above (transformers' eager attention mask)."""
+    return torch.full((t, t), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
+
+
+class PreNormCapture:
+    """A forward hook on the target's final norm: its pre-norm input (hidden + residual, the norm's second
+    output) of the last forward."""
+
+    def __init__(self, model):
+        self.last = None
+        model.norm.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        self.last = output[1] if isinstance(output, tuple) else args[0]
+
+    def pop(self) -> torch.Tensor:
+        out, self.last = self.last, None
+        return out
+
+
+class LayerInputCapture:
+    """Forward pre-hooks on some of the target's decoder layers (called as layer(positions, hidden, residual,
+    ...)): the residual stream entering each (hidden + residual; the embeddings for layer 0) of the last forward,
+    concatenated along the hidden dimension in layer order."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.layer_ids = sorted(layer_ids)
+        self.seen: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            model.layers[i].register_forward_pre_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(module, args):
+            hidden, residual = args[1], args[2]
+            self.seen[i] = hidden if residual is None else hidden + residual
+        return hook
+
+    def pop(self) -> torch.Tensor | None:
+        if len(self.seen) != len(self.layer_ids):
+            self.seen = {}
+            return None
+        out = torch.cat([self.seen[i] for i in self.layer_ids], dim=-1)
+        self.seen = {}
+        return out
+
+
+def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
+    """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
+    (out.next_drafts). A step without captured hidden states (a CUDA graph replay) drops the windows it touched."""
+    if inf.target_hidden is None or inf.target_hidden[0] is None:
+        for rid in inf.rows:
+            drafter.forget(rid)
+        inf.target_hidden = None
+        return
+    hidden, qsl, chunks = inf.target_hidden
+    inf.target_hidden = None
+    # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
+    drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
+    for b, c in enumerate(chunks):
+        rid, st = c.request_id, requests.get(c.request_id)
+        if st is None:
+            continue
+        m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
+        start = c.num_computed_tokens
+        nxt = st.tokens_slice(start + 1, start + m + 1)
+        if len(nxt) < m or any(t < 0 for t in nxt):  # a placeholder: a pipelined step's token not known yet
+            drafter.forget(rid)
+            continue
+        drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
+        if c.samples and rid in out.sampled and drafting:
+            out.next_drafts[rid] = (start + m + 1, drafter.propose(rid))
