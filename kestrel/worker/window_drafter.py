@@ -50,13 +50,14 @@ class WindowDrafter:
     def extend(self, rid: str, start: int, captured: torch.Tensor, next_ids: list[int]) -> None:
         """Positions start.. (len(next_ids) of them) were computed with these captured hidden states, and these
         tokens follow them. A gap or an overlap (a preempted request recomputed) starts the window again."""
-        m = len(next_ids)
-        pos = torch.arange(start, start + m, device=self.device)
-        h, ids = self.window_hidden(captured[:m]), torch.tensor(next_ids, device=self.device)
+        m, w = len(next_ids), self.window
         old = self.windows.get(rid)
-        if old is not None and int(old[0][-1]) == start - 1:
+        joined = old is not None and int(old[0][-1]) == start - 1
+        skip = max(0, m - w)  # a long prefill chunk: only its last `window` positions can stay
+        pos = torch.arange(start + skip, start + m, device=self.device)
+        h, ids = self.window_hidden(captured[skip:m]), torch.tensor(next_ids[skip:], device=self.device)
+        if joined:
             pos, h, ids = torch.cat([old[0], pos]), torch.cat([old[1], h]), torch.cat([old[2], ids])
-        w = self.window
         self.windows[rid] = (pos[-w:], h[-w:], ids[-w:])
 
     @torch.inference_mode()

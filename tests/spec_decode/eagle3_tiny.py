@@ -10,19 +10,19 @@ import torch
 
 from tests.tiny import make_checkpoint
 
-LAYER = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+LAYER = dict(model_type="llama", intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=1, rms_norm_eps=1e-6, max_position_embeddings=512, rope_theta=10000.0,
              hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 TARGET_LAYERS = 7  # the default aux layers 2, 3, 4 are distinct
 
 
-def eagle3_target(root: Path, bigram: bool = False) -> Path:
+def eagle3_target(root: Path, bigram: bool = False, **overrides) -> Path:
     """A tiny Llama target; `bigram`: every o_proj and down_proj zeroed, so the residual stream is the token's
     embedding at every layer and the next token is a function of the last token only."""
     from safetensors.torch import load_file, save_file
 
     path = make_checkpoint("llama", root, name=f"eagle3_target{'_bigram' if bigram else ''}",
-                           num_hidden_layers=TARGET_LAYERS)
+                           **{"num_hidden_layers": TARGET_LAYERS, **overrides})
     if bigram:
         weights = load_file(path / "model.safetensors")
         weights["model.norm.weight"] = 1 + 0.3 * torch.randn_like(weights["model.norm.weight"])
@@ -64,7 +64,7 @@ def eagle3_draft(root: Path, target: Path, layout: str = "midlayer", seed: int =
 
     tw = load_file(target / "model.safetensors")
     vocab, h = tw["model.embed_tokens.weight"].shape
-    layer = dict(LAYER, vocab_size=vocab, attention_bias=copy)
+    layer = dict(LAYER, vocab_size=vocab, hidden_size=h, attention_bias=copy)
     heads, kv_heads, inter = layer["num_attention_heads"], layer["num_key_value_heads"], layer["intermediate_size"]
     if copy:
         kv_heads = layer["num_key_value_heads"] = heads
