@@ -204,3 +204,17 @@ def test_default_aux_layers_of_a_shallow_target_are_refused(tmp_path, tiny_llama
     """A 2-layer target has no layers 2, 1, -1: the draft must name its aux layers."""
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids \[2, 1, -1\] must be distinct layers"):
         LLM(str(tiny_llama), progress=False, speculative_config=eagle3(drafts["midlayer"], 2))
+
+
+def test_qwen3_target_same_outputs(tmp_path):
+    """A Qwen3 target (q/k norms, its own head dim): its layers take the same (positions, hidden, residual) inputs,
+    so the aux capture works there too (the public drafts for Qwen3 are EAGLE-3 heads)."""
+    from tests.tiny import make_checkpoint
+
+    qwen3 = make_checkpoint("qwen3", tmp_path, num_hidden_layers=4)
+    draft = eagle3_draft(tmp_path, qwen3, "speculators", aux=[0, 1, 3])
+    prompts, params = workload()
+    ref = tokens(LLM(str(qwen3), progress=False), prompts, params)
+    llm = LLM(str(qwen3), progress=False, speculative_config=eagle3(draft, 2), max_num_batched_tokens=24)
+    assert tokens(llm, prompts, params) == ref
+    assert llm.engine.core.speculation.num_drafts > 0
