@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import LayerInputCapture, WindowDrafter, causal_mask
+from kestrel.worker.window_drafter import LayerInputCapture, WindowDrafter
 
 _ALT = "use method 'ngram' or start without speculative_config"
 
@@ -91,13 +91,12 @@ class _Eagle3Layer(nn.Module):
                                                     bias=cfg.attention_bias))
         self.mlp = ll.LlamaMLP(cfg)
 
-    def forward(self, embeds, hidden, positions, rotary) -> torch.Tensor:
-        """[T, H] embeddings of tokens t+1 and hidden states at positions t [T] -> the layer output g [T, H]."""
+    def forward(self, embeds, hidden, positions, mask, rotary) -> torch.Tensor:
+        """[B, T, H] embeddings of tokens t+1 and hidden states at positions t [B, T] -> the layer output g."""
         normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)[None]
-        attn, _ = self.self_attn(x, position_embeddings=rotary(x, positions[None]),
-                                 attention_mask=causal_mask(x.shape[1], x.device, x.dtype))
-        residual = (normed if self.norm_before_residual else hidden) + attn[0]
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        attn, _ = self.self_attn(x, position_embeddings=rotary(x, positions), attention_mask=mask)
+        residual = (normed if self.norm_before_residual else hidden) + attn
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -183,7 +182,7 @@ class Eagle3Drafter(WindowDrafter):
             raise ConfigError(f"speculative_config method 'eagle3': the draft {folder}'s d2t maps outside the "
                               f"target's {target_vocab} tokens")
         super().__init__(k, device, dtype, window, max_batch)
-        self.target, self.aux_layers, self.draft_to_target = target, sorted(aux), to_target.tolist()
+        self.target, self.aux_layers, self.draft_to_target = target, sorted(aux), to_target.to(device)
         self.net.to(device=device, dtype=dtype).eval()
         self.rotary = ll.LlamaRotaryEmbedding(cfg).to(device)
         self.capture = LayerInputCapture(target, aux)
@@ -194,12 +193,12 @@ class Eagle3Drafter(WindowDrafter):
     def embed(self, ids):
         return self.net.embed_tokens(ids) if self.net.embed_tokens is not None else self.target.embed_input_ids(ids)
 
-    def draft_layer(self, j, embeds, hidden, pos):
-        return self.net.layers[0](embeds.to(self.dtype), hidden, pos, self.rotary)
+    def draft_layer(self, j, embeds, hidden, pos, mask):
+        return self.net.layers[0](embeds.to(self.dtype), hidden, pos, mask, self.rotary)
 
     def draft_logits(self, last: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary from layer outputs."""
         return self.net.lm_head(self.net.norm(last))
 
-    def draft_token(self, j, last):
-        return self.draft_to_target[int(self.draft_logits(last).argmax(-1))]
+    def draft_tokens(self, j, last):
+        return self.draft_to_target[self.draft_logits(last).argmax(-1)].tolist()

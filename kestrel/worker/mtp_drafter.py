@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import PreNormCapture, WindowDrafter, causal_mask
+from kestrel.worker.window_drafter import PreNormCapture, WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -81,12 +81,12 @@ class MtpDrafter(WindowDrafter):
     def embed(self, ids):
         return self.target.embed_input_ids(ids)
 
-    def draft_layer(self, j, embeds, hidden, pos):
-        return self.layers[min(j, len(self.layers) - 1)](embeds, hidden, pos, self.rotary)
+    def draft_layer(self, j, embeds, hidden, pos, mask):
+        return self.layers[min(j, len(self.layers) - 1)](embeds, hidden, pos, mask, self.rotary)
 
-    def draft_token(self, j, last):
+    def draft_tokens(self, j, last):
         head_norm = self.layers[min(j, len(self.layers) - 1)].shared_head.norm
-        return int(self.target.compute_logits(head_norm(last)).argmax(-1))
+        return self.target.compute_logits(head_norm(last)).argmax(-1).tolist()
 
 
 class _SharedHead(torch.nn.Module):
@@ -106,10 +106,9 @@ class _MtpLayer(torch.nn.Module):
         self.shared_head = _SharedHead(cfg, ds)
         self.block = ds.DeepseekV3DecoderLayer(cfg, idx)  # checkpoint names: without the "block." part
 
-    def forward(self, embeds, hidden, positions, rotary) -> torch.Tensor:
-        """[T, H] token embeddings and previous hidden states at positions [T] -> the block's output [T, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))[None]
-        mask = causal_mask(x.shape[1], x.device, x.dtype)
-        pe = rotary(x, positions[None])
-        out = self.block(x, attention_mask=mask, position_ids=positions[None], position_embeddings=pe)
-        return (out[0] if isinstance(out, tuple) else out)[0]
+    def forward(self, embeds, hidden, positions, mask, rotary) -> torch.Tensor:
+        """[B, T, H] token embeddings and previous hidden states at positions [B, T] -> the block's output."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        out = self.block(x, attention_mask=mask, position_ids=positions,
+                         position_embeddings=rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out

@@ -9,6 +9,7 @@ layer over that window in plain PyTorch with a causal mask: no cache of its own.
 dropped, so drafts are approximate where the draft layer would look further back: that costs acceptance, never
 correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's output back as the
 hidden state of the next position, with the draft just made as its token (vLLM's chaining for MTP and EAGLE-3).
+The windows of all requests that draft in a step are left-padded into one batch: k forwards a step, not k per request.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 class WindowDrafter:
     """Subclasses set `self.capture` (whose pop() gives the last target forward's hidden states, one row per token)
-    and implement embed, draft_layer and draft_token; window_hidden maps captured rows to the draft's hidden input."""
+    and implement embed, draft_layer and draft_tokens; window_hidden maps captured rows to the draft's hidden input."""
 
     capture = None
 
@@ -32,12 +33,14 @@ class WindowDrafter:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def draft_layer(self, j: int, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The j-th draft's layer output [T, H] over the window (embeddings, hidden states, positions)."""
+    def draft_layer(self, j: int, embeds: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        """The j-th draft's layer output [B, W, H] over B windows (embeddings and hidden states [B, W, H],
+        positions [B, W], the attention mask [B, 1, W, W] of padded_causal_mask)."""
         raise NotImplementedError
 
-    def draft_token(self, j: int, last: torch.Tensor) -> int:
-        """The greedy target token id predicted from the layer output at the window's last position [1, H]."""
+    def draft_tokens(self, j: int, last: torch.Tensor) -> list[int]:
+        """The greedy target token ids predicted from the layer outputs at the windows' last positions [B, H]."""
         raise NotImplementedError
 
     def after_step(self, inf, out, requests) -> None:
@@ -61,25 +64,46 @@ class WindowDrafter:
         self.windows[rid] = (pos[-w:], h[-w:], ids[-w:])
 
     @torch.inference_mode()
-    def propose(self, rid: str) -> list[int]:
-        """Up to k greedy drafts after the request's last token (the last window entry's next token)."""
-        if rid not in self.windows:
-            return []
-        pos, h, ids = self.windows[rid]
-        drafts = []
+    def propose(self, rids: list[str]) -> dict[str, list[int]]:
+        """Up to k greedy drafts after each request's last token (its last window entry's next token), the
+        windows left-padded into one batch, so a draft step is one forward for all of them."""
+        rids = [r for r in rids if r in self.windows]
+        if not rids:
+            return {}
+        rows = [self.windows[r] for r in rids]
+        b, w = len(rows), max(len(r[0]) for r in rows)
+        pos = torch.zeros(b, w, dtype=torch.int64, device=self.device)
+        ids = torch.zeros(b, w, dtype=torch.int64, device=self.device)
+        h = torch.zeros(b, w, rows[0][1].shape[-1], dtype=self.dtype, device=self.device)
+        valid = torch.zeros(b, w, dtype=torch.bool, device=self.device)
+        for i, (p, hid, nxt) in enumerate(rows):
+            n = len(p)
+            pos[i, w - n:], h[i, w - n:], ids[i, w - n:], valid[i, w - n:] = p, hid, nxt, True
+        drafts: list[list[int]] = [[] for _ in rids]
         for j in range(self.k):
-            out = self.draft_layer(j, self.embed(ids), h, pos)
-            tok = self.draft_token(j, out[-1:])
-            drafts.append(tok)
-            pos = torch.cat([pos, pos[-1:] + 1])[-self.window:]
-            h = torch.cat([h, out[-1:]])[-self.window:]
-            ids = torch.cat([ids, ids.new_tensor([tok])])[-self.window:]
-        return drafts
+            out = self.draft_layer(j, self.embed(ids), h, pos, padded_causal_mask(valid, self.dtype))
+            toks = self.draft_tokens(j, out[:, -1])
+            for row, tok in zip(drafts, toks):
+                row.append(tok)
+            # the next position: the layer's output stands in for the target's hidden state (a row's window keeps
+            # its last `window` entries: the first column goes once the batch is wider than that)
+            keep = slice(1, None) if w >= self.window else slice(None)
+            pos = torch.cat([pos[:, keep], pos[:, -1:] + 1], dim=1)
+            h = torch.cat([h[:, keep], out[:, -1:]], dim=1)
+            ids = torch.cat([ids[:, keep], ids.new_tensor(toks)[:, None]], dim=1)
+            valid = torch.cat([valid[:, keep], valid.new_ones(b, 1)], dim=1)
+            w = pos.shape[1]
+        return dict(zip(rids, drafts))
 
 
-def causal_mask(t: int, device, dtype) -> torch.Tensor:
-    """[1, 1, t, t]: 0 on and below the diagonal, -inf above (transformers' eager attention mask)."""
-    return torch.full((t, t), float("-inf"), device=device, dtype=dtype).triu(1)[None, None]
+def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
+    """[B, 1, W, W] additive mask for left-padded windows (`valid` [B, W]): a query sees the valid keys at or
+    before it; a padding query sees itself only (no row is all -inf)."""
+    w = valid.shape[1]
+    causal = torch.ones(w, w, dtype=torch.bool, device=valid.device).tril()
+    see = causal[None] & (valid[:, None, :] | torch.eye(w, dtype=torch.bool, device=valid.device)[None])
+    mask = torch.zeros(see.shape, dtype=dtype, device=valid.device).masked_fill_(~see, float("-inf"))
+    return mask[:, None]
 
 
 class PreNormCapture:
@@ -136,6 +160,7 @@ def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
     inf.target_hidden = None
     # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
     drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
+    wanted = []
     for b, c in enumerate(chunks):
         rid, st = c.request_id, requests.get(c.request_id)
         if st is None:
@@ -148,4 +173,7 @@ def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
             continue
         drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
         if c.samples and rid in out.sampled and drafting:
-            out.next_drafts[rid] = (start + m + 1, drafter.propose(rid))
+            wanted.append((rid, start + m + 1))
+    drafts = drafter.propose([rid for rid, _ in wanted])
+    for rid, count in wanted:
+        out.next_drafts[rid] = (count, drafts.get(rid, []))

@@ -32,11 +32,10 @@ def record_drafts_from_position_0(monkeypatch, drafter_cls) -> list:
     seen = []
     propose = drafter_cls.propose
 
-    def recording(self, rid):
-        pos, _, ids = self.windows[rid]
-        drafts = propose(self, rid)
-        if int(pos[0]) == 0:
-            seen.append((ids.tolist(), drafts))
+    def recording(self, rids):
+        starts = {rid: int(self.windows[rid][0][0]) for rid in rids if rid in self.windows}
+        drafts = propose(self, rids)
+        seen.extend((self.windows[rid][2].tolist(), drafts[rid]) for rid, s in starts.items() if s == 0)
         return drafts
 
     monkeypatch.setattr(drafter_cls, "propose", recording)

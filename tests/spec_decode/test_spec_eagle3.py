@@ -218,3 +218,19 @@ def test_qwen3_target_same_outputs(tmp_path):
     llm = LLM(str(qwen3), progress=False, speculative_config=eagle3(draft, 2), max_num_batched_tokens=24)
     assert tokens(llm, prompts, params) == ref
     assert llm.engine.core.speculation.num_drafts > 0
+
+
+def test_batched_drafting_equals_one_window_at_a_time(target, drafts):
+    """The drafter pads windows of different lengths (a full one among them, which drops its first entry as it
+    chains) into one batch: each request's drafts equal those of drafting its window alone."""
+    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["speculators"], 3))
+    drafter = llm.engine.core.executor.runner.drafter
+    g = torch.Generator().manual_seed(0)
+    for n, rid in [(64, "full"), (10, "short"), (63, "almost"), (1, "one")]:
+        start = 5 * n
+        drafter.windows[rid] = (torch.arange(start, start + n), torch.randn(n, 64, generator=g),
+                                torch.randint(3, 380, (n,), generator=g))
+    together = drafter.propose(["full", "short", "almost", "one", "unknown"])
+    assert set(together) == {"full", "short", "almost", "one"}
+    for rid, got in together.items():
+        assert got == drafter.propose([rid])[rid]
