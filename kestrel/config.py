@@ -153,7 +153,8 @@ class SchedulerConfig:
     speculative_config: dict | None = _f(
         None, 'speculative decoding, as a JSON object: {"method": "ngram", "num_speculative_tokens": k, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": N} (no drafts while more '
-              'than N requests run); docs/serving.md', parse=parse_json_object)
+              'than N requests run); methods ngram, mtp, eagle3 (with "model": the draft folder); docs/serving.md',
+        parse=parse_json_object)
     max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
                                       "one huge request leaves room for others (0: half of --max-num-seqs); a "

@@ -91,6 +91,6 @@ class RunnerOutput:
     # own token), and their logprobs where asked for
     more_sampled: dict[str, list[int]] = field(default_factory=dict)
     more_logprobs: dict[str, list] = field(default_factory=dict)
-    # drafts computed by the runner (speculative_config method "mtp") for the next step: req id -> (the request's
-    # token count they follow, the drafts)
+    # drafts computed by the runner (speculative_config methods "mtp", "eagle3") for the next step: req id -> (the
+    # request's token count they follow, the drafts)
     next_drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)

@@ -58,7 +58,7 @@ class Speculation:
     def record(self, scheduled: list, more_sampled: dict[str, list[int]],
                next_drafts: dict[str, tuple[int, list[int]]] | None = None) -> None:
         """Count a finished step's drafts and accepted drafts (`scheduled`: its ScheduledRequests); keep the drafts
-        the runner made for the next step (method mtp)."""
+        the runner made for the next step (methods mtp, eagle3)."""
         if next_drafts:
             self.proposer.receive(next_drafts)
         for s in scheduled:

@@ -1,10 +1,11 @@
 """Speculative decoding: a proposer drafts up to k tokens per request, one target forward verifies them, and the
 sampler keeps exactly the tokens plain decoding would have produced (kestrel/spec_decode/verify.py says why).
 
-- config.py: `speculative_config` ({"method": "ngram" | "mtp" | "replay", "num_speculative_tokens": k, ...}) and the
-  start-up refusals of combinations not supported yet.
+- config.py: `speculative_config` ({"method": "ngram" | "mtp" | "eagle3" | "replay", "num_speculative_tokens": k,
+  ...}) and the start-up refusals of combinations not supported yet.
 - ngram.py: prompt lookup (no weights), vectorised over the batch.
-- runner_drafts.py: drafts the model runner made (mtp: kestrel/worker/mtp_drafter.py), for the next step.
+- runner_drafts.py: drafts the model runner made (mtp: kestrel/worker/mtp_drafter.py, eagle3:
+  kestrel/worker/eagle3_drafter.py; shared: kestrel/worker/window_drafter.py), for the next step.
 - replay.py: a benchmark-only proposer that replays a reference continuation, right with probability alpha.
 - verify.py: where a verify step's logits rows lie, and the accept rule.
 The engine side (who gets drafts, counters) is kestrel/engine/speculation.py; the scheduler counts drafts in the

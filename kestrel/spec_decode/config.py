@@ -5,13 +5,15 @@ from dataclasses import dataclass, field, fields
 
 from kestrel.errors import ConfigError
 
-METHODS = ("ngram", "mtp", "replay")
+METHODS = ("ngram", "mtp", "eagle3", "replay")
+RUNNER_METHODS = ("mtp", "eagle3")  # drafted by a draft model in the runner (RunnerDrafts)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # eagle3: the draft checkpoint's folder
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched against the request's own tokens
     prompt_lookup_max: int = 5  # ngram: longest (tried first)
     # no drafts in a step where more requests than this are running (None: always draft); at large batches a
@@ -45,6 +47,12 @@ class SpeculativeConfig:
         if cfg.disable_by_batch_size is not None and cfg.disable_by_batch_size < 1:
             raise ConfigError(f"speculative_config disable_by_batch_size must be >= 1, not "
                               f"{cfg.disable_by_batch_size}")
+        if (cfg.method == "eagle3") != (cfg.model is not None):
+            raise ConfigError("speculative_config method 'eagle3' needs \"model\": the EAGLE-3 draft checkpoint's "
+                              "folder" if cfg.method == "eagle3" else
+                              f"speculative_config \"model\" is for method 'eagle3' only, not {cfg.method!r}")
+        if cfg.model is not None and not isinstance(cfg.model, str):
+            raise ConfigError(f"speculative_config model must be a path, not {cfg.model!r}")
         if not 0.0 <= cfg.alpha <= 1.0:
             raise ConfigError(f"speculative_config alpha must be in [0, 1], not {cfg.alpha}")
         return cfg
@@ -56,8 +64,8 @@ def engine_refusals(config) -> list[str]:
     if config.lora.enable_lora:
         out.append("LoRA (--enable-lora)")
     spec = config.scheduler.speculative_config or {}
-    if spec.get("method") == "mtp" and config.parallel.tensor_parallel_size > 1:
-        out.append("method 'mtp' with tensor parallelism (--tensor-parallel-size > 1)")
+    if spec.get("method") in RUNNER_METHODS and config.parallel.tensor_parallel_size > 1:
+        out.append(f"method {spec['method']!r} with tensor parallelism (--tensor-parallel-size > 1)")
     return out
 
 

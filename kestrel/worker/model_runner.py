@@ -68,13 +68,18 @@ class ModelRunner:
         self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
-        self.mtp = None  # the MTP drafter (speculative_config method "mtp"), fed the target's pre-norm hidden states
+        # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states
+        self.drafter = None
         if spec is not None and spec.method == "mtp":
-            from kestrel.worker.mtp_drafter import MtpDrafter, capture_pre_norm
+            from kestrel.worker.mtp_drafter import MtpDrafter
 
-            self.mtp = MtpDrafter(self.model, self.hf_config, self.loaded.path, spec.num_speculative_tokens,
-                                  self.device, self.dtype, max_batch=spec.disable_by_batch_size)
-            self._pre_norm = capture_pre_norm(self.model)
+            self.drafter = MtpDrafter(self.model, self.hf_config, self.loaded.path, spec.num_speculative_tokens,
+                                      self.device, self.dtype, max_batch=spec.disable_by_batch_size)
+        elif spec is not None and spec.method == "eagle3":
+            from kestrel.worker.eagle3_drafter import Eagle3Drafter
+
+            self.drafter = Eagle3Drafter(self.model, self.hf_config, spec.model, spec.num_speculative_tokens,
+                                         self.device, self.dtype, max_batch=spec.disable_by_batch_size)
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
@@ -268,8 +273,8 @@ class ModelRunner:
 
     def _forget(self, st: RequestState) -> None:
         self.block_rows.free(st.table_row)
-        if self.mtp is not None:
-            self.mtp.forget(st.request_id)
+        if self.drafter is not None:
+            self.drafter.forget(st.request_id)
         for remove in self._hooks["remove_request"]:
             remove(st)
 
@@ -332,8 +337,8 @@ class ModelRunner:
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = out if out is not None else inputs_embeds
-        # MTP drafts read the target's hidden states, which a CUDA graph replay does not expose (yet)
-        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"]) and self.mtp is None
+        # runner drafts read the target's hidden states, which a CUDA graph replay does not expose (yet)
+        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"]) and self.drafter is None
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   and graph_ok else None)
         vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
@@ -347,8 +352,8 @@ class ModelRunner:
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)
-            if self.mtp is not None:
-                inf.pre_norm = (self._pre_norm.pop(), list(qsl), chunks)
+            if self.drafter is not None:
+                inf.target_hidden = (self.drafter.capture.pop(), list(qsl), chunks)
             for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
                 inf.out.pooled.update(pool(chunks, states, hidden, qsl))
             for rid in inf.out.pooled:
@@ -379,6 +384,6 @@ class ModelRunner:
     def collect(self, inf: InFlight) -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
         out = self.outputs.collect(inf, self.requests)
-        if self.mtp is not None:
-            self.mtp.after_step(inf, out, self.requests)
+        if self.drafter is not None:
+            self.drafter.after_step(inf, out, self.requests)
         return out

@@ -10,12 +10,10 @@ token t+1, and its head predicts token t+2:
 With k drafts beyond the number of MTP layers the last layer is reused autoregressively (g_t stands in for h_t at
 the next position, with the draft just made as its token), as vLLM does.
 
-This first version keeps no cache of its own: for each request the runner keeps the target's pre-norm hidden
-states of its last `window` accepted positions (with the token after each), and every step recomputes the MTP
-block over that window in plain PyTorch (transformers' DeepseekV3 decoder layer, eager attention, a causal mask).
-Drafts are greedy. Attention beyond the window is dropped, so drafts are approximate where the MTP layer would look
-further back: that costs acceptance, never correctness (the verifier keeps exactly the target's tokens). A cache
-group for the MTP layer's attention (and running the block with the engine's kernels) is the next step.
+The runner keeps no cache for the MTP layer: it recomputes the block over a window of each request's last accepted
+positions (kestrel/worker/window_drafter.py, shared with EAGLE-3), in plain PyTorch (transformers' DeepseekV3 decoder
+layer, eager attention), from the target's pre-norm hidden states. Drafts are greedy. A cache group for the MTP
+layer's attention (and running the block with the engine's kernels) is the next step.
 """
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
+from kestrel.worker.window_drafter import PreNormCapture, WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -31,7 +30,7 @@ def num_mtp_layers(hf_config) -> int:
     return int(getattr(hf_config, "num_nextn_predict_layers", 0) or getattr(hf_config, "num_mtp_layers", 0) or 0)
 
 
-class MtpDrafter:
+class MtpDrafter(WindowDrafter):
     def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64,
                  max_batch: int | None = None):
         from safetensors import safe_open
@@ -48,7 +47,8 @@ class MtpDrafter:
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
                               f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
                               f"start without speculative_config")
-        self.target, self.k, self.window, self.device, self.max_batch = target, k, window, device, max_batch
+        super().__init__(k, device, dtype, window, max_batch)
+        self.target = target
         cfg = ds.DeepseekV3Config.from_dict(hf_config.to_dict())
         cfg._attn_implementation = "eager"
         cfg._experts_implementation = "eager"
@@ -76,45 +76,17 @@ class MtpDrafter:
             layer.load_state_dict(state[i])
         self.layers.to(device=device, dtype=dtype).eval()
         self.rotary.to(device)
-        self.dtype = dtype
-        # request id -> (positions [W], pre-norm hidden states [W, H], the token after each position [W])
-        self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.capture = PreNormCapture(target)
 
-    def after_step(self, inf, out, requests) -> None:
-        after_step(self, inf, out, requests)
+    def embed(self, ids):
+        return self.target.embed_input_ids(ids)
 
-    def forget(self, rid: str) -> None:
-        self.windows.pop(rid, None)
+    def draft_layer(self, j, embeds, hidden, pos, mask):
+        return self.layers[min(j, len(self.layers) - 1)](embeds, hidden, pos, mask, self.rotary)
 
-    def extend(self, rid: str, start: int, hidden: torch.Tensor, next_ids: list[int]) -> None:
-        """Positions start.. (len(next_ids) of them) were computed with these hidden states, and these tokens follow
-        them. A gap or an overlap (a preempted request recomputed) starts the window again."""
-        m = len(next_ids)
-        pos = torch.arange(start, start + m, device=self.device)
-        h, ids = hidden[:m].to(self.dtype), torch.tensor(next_ids, device=self.device)
-        old = self.windows.get(rid)
-        if old is not None and int(old[0][-1]) == start - 1:
-            pos, h, ids = torch.cat([old[0], pos]), torch.cat([old[1], h]), torch.cat([old[2], ids])
-        w = self.window
-        self.windows[rid] = (pos[-w:], h[-w:], ids[-w:])
-
-    @torch.inference_mode()
-    def propose(self, rid: str) -> list[int]:
-        """Up to k greedy drafts after the request's last token (the last window entry's next token)."""
-        if rid not in self.windows:
-            return []
-        pos, h, ids = self.windows[rid]
-        drafts = []
-        for j in range(self.k):
-            layer = self.layers[min(j, len(self.layers) - 1)]
-            out = layer(self.target.embed_input_ids(ids), h, pos, self.rotary)
-            tok = int(self.target.compute_logits(layer.shared_head.norm(out[-1:])).argmax(-1))
-            drafts.append(tok)
-            # the next position: this layer's output stands in for the target's hidden state
-            pos = torch.cat([pos, pos[-1:] + 1])[-self.window:]
-            h = torch.cat([h, out[-1:]])[-self.window:]
-            ids = torch.cat([ids, ids.new_tensor([tok])])[-self.window:]
-        return drafts
+    def draft_tokens(self, j, last):
+        head_norm = self.layers[min(j, len(self.layers) - 1)].shared_head.norm
+        return self.target.compute_logits(head_norm(last)).argmax(-1).tolist()
 
 
 class _SharedHead(torch.nn.Module):
@@ -134,58 +106,9 @@ class _MtpLayer(torch.nn.Module):
         self.shared_head = _SharedHead(cfg, ds)
         self.block = ds.DeepseekV3DecoderLayer(cfg, idx)  # checkpoint names: without the "block." part
 
-    def forward(self, embeds, hidden, positions, rotary) -> torch.Tensor:
-        """[T, H] token embeddings and previous hidden states at positions [T] -> the block's output [T, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))[None]
-        t = x.shape[1]
-        mask = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype).triu(1)[None, None]
-        pe = rotary(x, positions[None])
-        out = self.block(x, attention_mask=mask, position_ids=positions[None], position_embeddings=pe)
-        return (out[0] if isinstance(out, tuple) else out)[0]
-
-
-class PreNormCapture:
-    """A forward hook on the target's final norm: its pre-norm input (hidden + residual, the norm's second
-    output) of the last forward."""
-
-    def __init__(self):
-        self.last = None
-
-    def __call__(self, module, args, output):
-        self.last = output[1] if isinstance(output, tuple) else args[0]
-
-    def pop(self) -> torch.Tensor:
-        out, self.last = self.last, None
-        return out
-
-
-def capture_pre_norm(model) -> PreNormCapture:
-    capture = PreNormCapture()
-    model.norm.register_forward_hook(capture)
-    return capture
-
-
-def after_step(drafter: MtpDrafter, inf, out, requests) -> None:
-    """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
-    (out.next_drafts). A step without captured hidden states (a CUDA graph replay) drops the windows it touched."""
-    if inf.pre_norm is None:
-        for rid in inf.rows:
-            drafter.forget(rid)
-        return
-    hidden, qsl, chunks = inf.pre_norm
-    inf.pre_norm = None
-    # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
-    drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
-    for b, c in enumerate(chunks):
-        rid, st = c.request_id, requests.get(c.request_id)
-        if st is None:
-            continue
-        m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
-        start = c.num_computed_tokens
-        nxt = st.tokens_slice(start + 1, start + m + 1)
-        if len(nxt) < m or any(t < 0 for t in nxt):  # a placeholder: a pipelined step's token not known yet
-            drafter.forget(rid)
-            continue
-        drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
-        if c.samples and rid in out.sampled and drafting:
-            out.next_drafts[rid] = (start + m + 1, drafter.propose(rid))
+    def forward(self, embeds, hidden, positions, mask, rotary) -> torch.Tensor:
+        """[B, T, H] token embeddings and previous hidden states at positions [B, T] -> the block's output."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        out = self.block(x, attention_mask=mask, position_ids=positions,
+                         position_embeddings=rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out

@@ -57,7 +57,8 @@ class InFlight:
     # speculative decoding: request id -> its drafts; their rows follow the inf.rows ones (spec_decode/verify.py)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     draft_logprobs: list = field(default_factory=list)  # per draft row, where logprobs are asked for
-    pre_norm: tuple | None = None  # MTP drafts: (the target's pre-norm hidden states, query_start_loc, chunks)
+    # runner drafts (mtp, eagle3): (the target's hidden states the drafter captured, query_start_loc, chunks)
+    target_hidden: tuple | None = None
 
     @property
     def samples(self) -> bool:

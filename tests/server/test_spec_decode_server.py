@@ -28,16 +28,21 @@ def counter(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-def test_completions_equal_offline_without_speculation(spec_server, server_model):
-    offline = LLM(str(server_model), progress=False, num_kv_blocks=96, max_model_len=512)
-    c = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+def assert_completions_equal_offline(server, model, max_tokens: int) -> None:
+    """Greedy and seeded completions of PROMPTS over the server equal the offline engine's without speculation."""
+    offline = LLM(str(model), progress=False, num_kv_blocks=96, max_model_len=512)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     for temperature, seed in [(0.0, None), (0.9, 17)]:
-        ref = offline.generate(PROMPTS, SamplingParams(temperature=temperature, seed=seed, max_tokens=24,
+        ref = offline.generate(PROMPTS, SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                                        ignore_eos=True))
         for p, r in zip(PROMPTS, ref):
-            got = c.completions.create(model=c.models.list().data[0].id, prompt=p, max_tokens=24,
+            got = c.completions.create(model=c.models.list().data[0].id, prompt=p, max_tokens=max_tokens,
                                        temperature=temperature, seed=seed, extra_body={"ignore_eos": True})
             assert got.choices[0].text == r.outputs[0].text
+
+
+def test_completions_equal_offline_without_speculation(spec_server, server_model):
+    assert_completions_equal_offline(spec_server, server_model, max_tokens=24)
     _, text = http("GET", spec_server.url + "/metrics")
     drafts = counter(text, "vllm:spec_decode_num_draft_tokens_total")
     accepted = counter(text, "vllm:spec_decode_num_accepted_tokens_total")
@@ -52,3 +57,19 @@ def test_bad_config_fails_startup_with_the_reason(server_model):
                           timeout=300, cwd=ROOT)
     assert proc.returncode != 0
     assert "num_speculative_tokens must be an integer" in proc.stdout + proc.stderr
+
+
+def test_eagle3_completions_equal_offline_without_speculation(tmp_path):
+    """method eagle3 through --speculative-config: a draft that copies its bigram target (every greedy draft right)
+    in the EAGLE authors' checkpoint layout; completions equal the offline engine's, and drafts are accepted."""
+    from tests.spec_decode.eagle3_tiny import eagle3_draft, eagle3_target
+
+    target = eagle3_target(tmp_path, bigram=True)
+    spec = {"method": "eagle3", "model": str(eagle3_draft(tmp_path, target, copy=True)), "num_speculative_tokens": 3}
+    s = Server(target, tmp_path / "server.log", ["--speculative-config", json.dumps(spec)]).wait_ready()
+    try:
+        assert_completions_equal_offline(s, target, max_tokens=16)
+        _, text = http("GET", s.url + "/metrics")
+        assert counter(text, "vllm:spec_decode_num_accepted_tokens_total") >= 3 * len(PROMPTS)
+    finally:
+        s.stop()

@@ -2,14 +2,13 @@
 outputs token-identical to the engine without speculation in a mixed batch (greedy and seeded) with chunked
 prefill and forced preemption, k beyond the number of MTP layers; the first draft equals transformers' MtpModel on
 the same sequence; the start-up refusals."""
-import random
-
 import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
 from kestrel.worker.mtp_drafter import MtpDrafter
+from tests.spec_decode.mixed import record_drafts_from_position_0, tokens, workload as mixed_workload
 from tests.spec_decode.mtp_tiny import mtp_checkpoint
 from tests.tiny import make_checkpoint
 
@@ -24,20 +23,7 @@ def mtp(k):
 
 
 def workload():
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(4, 40))] for _ in range(8)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 24), ignore_eos=True) for _ in prompts]
-    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
-    params[2] = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
-    params[3] = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
-    return prompts, params
-
-
-def tokens(llm, prompts, params):
-    outs = llm.generate(prompts, params)
-    core = llm.engine.core
-    assert core.kv.num_free_blocks == core.kv.num_blocks  # no block leaked by rolled-back drafts
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    return mixed_workload(2)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(max_num_batched_tokens=24, num_kv_blocks=12)],
@@ -61,17 +47,7 @@ def test_first_draft_is_transformers_mtp_prediction(mtp_model, monkeypatch):
     from transformers.cache_utils import MtpCache
     from transformers.modeling_layers import MtpModel
 
-    seen = []
-    propose = MtpDrafter.propose
-
-    def recording(self, rid):
-        pos, _, ids = self.windows[rid]
-        drafts = propose(self, rid)
-        if int(pos[0]) == 0:
-            seen.append((ids.tolist(), drafts))
-        return drafts
-
-    monkeypatch.setattr(MtpDrafter, "propose", recording)
+    seen = record_drafts_from_position_0(monkeypatch, MtpDrafter)
     prompts, _ = workload()
     llm = LLM(str(mtp_model), progress=False, speculative_config=mtp(1))
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

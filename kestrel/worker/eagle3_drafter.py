@@ -1,0 +1,204 @@
+"""EAGLE-3 drafts (speculative_config method "eagle3", "model": the draft checkpoint's folder), computed in the runner
+after each step.
+
+An EAGLE-3 draft is one Llama-style decoder layer that reads the target's residual stream entering three of its
+layers (eagle_aux_hidden_state_layer_ids; by default 2, L // 2 and L - 3 of L), fused by `fc` (3 x H_target -> H):
+
+    h_t = fc([aux_a(t), aux_b(t), aux_c(t)])
+    x = [input_layernorm(embed(tok_{t+1})), hidden_norm(h_t)]          (2H: q/k/v take 2H inputs)
+    r = h_t (or hidden_norm(h_t) with norm_before_residual) + o_proj(attention(x))
+    g_t = r + mlp(post_attention_layernorm(r));   draft id = argmax lm_head(norm(g_t))
+
+over a draft vocabulary (draft_vocab_size) mapped back to target ids by the `d2t` offsets (target = draft + d2t[draft]).
+The next draft feeds g_t back in place of h_t. The token embedding is the draft's own embed_tokens, or the
+target's when the checkpoint has none. The window recompute and chaining are kestrel/worker/window_drafter.py's.
+
+Checkpoint layouts read: the EAGLE authors' / SGLang one (config architectures LlamaForCausalLMEagle3, weights
+`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, as safetensors or pytorch_model.bin) and Red Hat speculators'
+(config `speculators_model_type: eagle3` with the layer's Llama config under transformer_layer_config, weights
+`layers.0.*`; norm_before_residual defaults to true there, as vLLM reads it). Refused at start-up: drafts of more than
+one layer, norm_before_fc, a target hidden size or vocabulary other than the draft's, quantized drafts, targets
+whose decoder layers do not take (positions, hidden, residual, ...).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kestrel.errors import ConfigError
+from kestrel.worker.window_drafter import LayerInputCapture, WindowDrafter
+
+_ALT = "use method 'ngram' or start without speculative_config"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def read_draft_config(folder: Path) -> dict:
+    """The draft's Llama layer config with the EAGLE-3 keys at the top, from either layout's config.json."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"speculative_config method 'eagle3': no config.json in the draft folder {folder}")
+    raw = json.loads(path.read_text())
+    if "speculators_model_type" in raw:  # Red Hat speculators
+        if raw["speculators_model_type"] != "eagle3":
+            raise ConfigError(f"speculative_config method 'eagle3': {folder} is a speculators "
+                              f"{raw['speculators_model_type']!r} draft, not eagle3")
+        d = dict(raw.get("transformer_layer_config") or {})
+        d["norm_before_residual"] = raw.get("norm_before_residual", True)
+        for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc"):
+            if raw.get(key) is not None:
+                d[key] = raw[key]
+        return d
+    return {**raw, **(raw.get("eagle_config") or {})}  # some checkpoints nest the aux layer ids in eagle_config
+
+
+def read_draft_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the draft, named as in the speculators layout (`midlayer.` -> `layers.0.`, no `model.`)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if not files and not bins:
+        raise ConfigError(f"speculative_config method 'eagle3': no *.safetensors or pytorch_model*.bin in {folder}")
+    out = {}
+    for f in files or bins:
+        state = load_file(str(f)) if files else torch.load(f, map_location="cpu", weights_only=True)
+        for name, t in state.items():
+            name = name.removeprefix("model.")
+            out["layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name] = t
+    return out
+
+
+class _Eagle3Layer(nn.Module):
+    """The decoder layer: transformers' Llama attention and MLP, q/k/v widened to the 2H input."""
+
+    def __init__(self, cfg, ll, norm_before_residual: bool):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = ll.LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = ll.LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = ll.LlamaRMSNorm(h, eps=eps)
+        self.self_attn = ll.LlamaAttention(cfg, 0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.self_attn, name, nn.Linear(2 * h, getattr(self.self_attn, name).out_features,
+                                                    bias=cfg.attention_bias))
+        self.mlp = ll.LlamaMLP(cfg)
+
+    def forward(self, embeds, hidden, positions, mask, rotary) -> torch.Tensor:
+        """[B, T, H] embeddings of tokens t+1 and hidden states at positions t [B, T] -> the layer output g."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        attn, _ = self.self_attn(x, position_embeddings=rotary(x, positions), attention_mask=mask)
+        residual = (normed if self.norm_before_residual else hidden) + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class _Eagle3Net(nn.Module):
+    """The draft's parameters, named as the speculators checkpoint names them."""
+
+    def __init__(self, cfg, ll, num_aux: int, target_hidden: int, draft_vocab: int, norm_before_residual: bool,
+                 own_embed: bool):
+        super().__init__()
+        self.fc = nn.Linear(num_aux * target_hidden, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([_Eagle3Layer(cfg, ll, norm_before_residual)])
+        self.norm = ll.LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embed else None
+
+
+def _check_target(target, num_layers: int, aux: list[int]) -> None:
+    layers = getattr(target, "layers", None)
+    params = list(inspect.signature(layers[0].forward).parameters)[:3] if layers else []
+    if params != ["positions", "hidden", "residual"] or not hasattr(target, "embed_input_ids"):
+        raise ConfigError(f"speculative_config method 'eagle3' does not support {type(target).__name__} targets "
+                          f"yet (it reads the residual stream entering Llama-style decoder layers); {_ALT}")
+    if len(set(aux)) != len(aux) or not all(0 <= i < num_layers for i in aux):
+        raise ConfigError(f"speculative_config method 'eagle3': eagle_aux_hidden_state_layer_ids {aux} must be "
+                          f"distinct layers of the target's {num_layers}; set them in the draft's config.json")
+
+
+class Eagle3Drafter(WindowDrafter):
+    def __init__(self, target, hf_config, draft_path: str, k: int, device, dtype, window: int = 64,
+                 max_batch: int | None = None):
+        from transformers import LlamaConfig
+        from transformers.models.llama import modeling_llama as ll
+
+        folder = Path(draft_path)
+        d = read_draft_config(folder)
+        num_layers, target_hidden = hf_config.num_hidden_layers, hf_config.hidden_size
+        target_vocab = hf_config.vocab_size
+        aux = list(d.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_layers))
+        _check_target(target, num_layers, aux)
+        refusals = []
+        if d.get("quantization_config"):
+            refusals.append("a quantized draft")
+        if d.get("num_hidden_layers", 1) != 1:
+            refusals.append(f"a draft of {d['num_hidden_layers']} layers (one only)")
+        if d.get("norm_before_fc"):
+            refusals.append("norm_before_fc")
+        if d.get("target_hidden_size", d.get("hidden_size")) != target_hidden:
+            refusals.append(f"a draft for target hidden size {d.get('target_hidden_size', d.get('hidden_size'))} "
+                            f"(the target's is {target_hidden})")
+        if d.get("vocab_size") != target_vocab:
+            refusals.append(f"a draft vocabulary of {d.get('vocab_size')} tokens (the target has {target_vocab})")
+        if refusals:
+            raise ConfigError(f"speculative_config method 'eagle3' does not support {'; '.join(refusals)}: "
+                              f"{folder}; {_ALT}")
+        cfg = LlamaConfig.from_dict({key: v for key, v in d.items() if key not in ("architectures", "auto_map")})
+        cfg._attn_implementation = "eager"
+        draft_vocab = int(d.get("draft_vocab_size") or d["vocab_size"])
+        weights = read_draft_weights(folder)
+        own_embed = "embed_tokens.weight" in weights
+        if not own_embed and cfg.hidden_size != target_hidden:
+            raise ConfigError(f"speculative_config method 'eagle3': the draft {folder} has no embed_tokens and a "
+                              f"hidden size ({cfg.hidden_size}) other than the target's ({target_hidden})")
+        self.net = _Eagle3Net(cfg, ll, len(aux), target_hidden, draft_vocab,
+                              bool(d.get("norm_before_residual", False)), own_embed)
+        d2t = weights.pop("d2t", None)
+        weights.pop("t2d", None)  # the target -> draft mask; drafting only needs d2t
+        want = set(self.net.state_dict())
+        missing, unexpected = sorted(want - set(weights)), sorted(set(weights) - want)
+        if missing or unexpected:
+            raise ConfigError(f"speculative_config method 'eagle3': the draft {folder} does not match an EAGLE-3 "
+                              f"draft for this target: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        bad = [n for n, t in weights.items() if t.shape != self.net.state_dict()[n].shape]
+        if bad:
+            raise ConfigError(f"speculative_config method 'eagle3': the draft {folder}'s tensors {bad[:4]} have "
+                              f"shapes other than its config and the target's give (fc reads {len(aux)} target "
+                              f"layers of {target_hidden})")
+        self.net.load_state_dict(weights)
+        if d2t is None and draft_vocab != target_vocab:
+            raise ConfigError(f"speculative_config method 'eagle3': the draft {folder} has a {draft_vocab}-token "
+                              f"vocabulary and no d2t map to the target's {target_vocab} tokens")
+        to_target = torch.arange(draft_vocab) + (d2t.to(torch.int64) if d2t is not None else 0)
+        if to_target.shape != (draft_vocab,) or int(to_target.min()) < 0 or int(to_target.max()) >= target_vocab:
+            raise ConfigError(f"speculative_config method 'eagle3': the draft {folder}'s d2t maps outside the "
+                              f"target's {target_vocab} tokens")
+        super().__init__(k, device, dtype, window, max_batch)
+        self.target, self.aux_layers, self.draft_to_target = target, sorted(aux), to_target.to(device)
+        self.net.to(device=device, dtype=dtype).eval()
+        self.rotary = ll.LlamaRotaryEmbedding(cfg).to(device)
+        self.capture = LayerInputCapture(target, aux)
+
+    def window_hidden(self, captured):
+        return self.net.fc(captured.to(self.dtype))
+
+    def embed(self, ids):
+        return self.net.embed_tokens(ids) if self.net.embed_tokens is not None else self.target.embed_input_ids(ids)
+
+    def draft_layer(self, j, embeds, hidden, pos, mask):
+        return self.net.layers[0](embeds.to(self.dtype), hidden, pos, mask, self.rotary)
+
+    def draft_logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary from layer outputs."""
+        return self.net.lm_head(self.net.norm(last))
+
+    def draft_tokens(self, j, last):
+        return self.draft_to_target[self.draft_logits(last).argmax(-1)].tolist()
