@@ -132,6 +132,8 @@ def test_chunk_rule():
     off = KVCacheManager(40, groups=group_layers(specs(), block_size=4, max_num_seqs=2, num_snapshots=2),
                          enable_prefix_caching=False)
     assert off.aligned_chunk(0, 14) == 14
+    r = shared("r", 14, [])
+    assert off.allocate_slots(r, 12) and off.take_state_copies() == ([], [])  # no prefix caching: no saves
 
 
 def test_snapshots_are_held_then_evicted_least_recently_freed_first():

@@ -40,8 +40,10 @@ class KVCacheManager:
             enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self._align_chunks = enable_prefix_caching and any(m.align_chunks for m in self.managers)
-        # managers that act at given positions of a step (plan_step) or hand the runner state copies
-        self._planners = [m for m in self.managers if type(m).plan_step is not KVManager.plan_step]
+        # managers that act at given positions of a step (plan_step) and hand the runner state copies: prefix
+        # caching's state snapshots, so none without it
+        self._planners = [m for m in self.managers if type(m).plan_step is not KVManager.plan_step
+                          and enable_prefix_caching]
         self._hit_order = sorted(self.managers, key=lambda m: m.hit_order)  # stable: group order within a rank
         # The decode fast path (allocate_slots): groups that free during a request, one representative per
         # release key; groups with uniform tables, whose new-block count is computed once; the others.

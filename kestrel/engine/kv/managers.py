@@ -96,7 +96,8 @@ class KVManager:
 
     def plan_step(self, req, start: int, end: int) -> None:
         """The step will compute the request's tokens start..end (its allocation succeeded): a kind that acts
-        at given positions (a state snapshot at a block boundary) records it here. Only where overridden."""
+        at given positions (a state snapshot at a block boundary) records it here. Asked only where overridden
+        and prefix caching is on."""
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """State-slot copies the runner makes for this step, (src, dst) pairs: before the forward, after it."""
