@@ -84,8 +84,8 @@ def test_groups_cross_the_process_boundary():
     assert decode_groups(encode_groups(groups)) == groups
 
 
-def snapshot_kv(num_snapshots=2, num_blocks=40):
-    groups = group_layers(specs(), block_size=4, max_num_seqs=2, num_snapshots=num_snapshots)
+def snapshot_kv(num_snapshots=2, num_blocks=40, max_num_seqs=2):
+    groups = group_layers(specs(), block_size=4, max_num_seqs=max_num_seqs, num_snapshots=num_snapshots)
     kv = KVCacheManager(num_blocks, groups=groups)
     s = [g.group_id for g in groups if isinstance(g.spec, KDAStateSpec)][0]
     return kv, kv.managers[s], s
@@ -136,25 +136,47 @@ def test_chunk_rule():
     assert off.allocate_slots(r, 12) and off.take_state_copies() == ([], [])  # no prefix caching: no saves
 
 
-def test_snapshots_are_held_then_evicted_least_recently_freed_first():
-    kv, state, s = snapshot_kv(num_snapshots=2)
-    a = shared("a", 8, [1])
-    prefill(kv, a, [4, 4, 1])  # saves at 4 and 8: both snapshot slots, held by a
-    b = Request("b", list(range(100, 120)), SamplingParams(max_tokens=2), eos_token_id=None, max_tokens=2)
-    prefill(kv, b, [4])  # nothing free: the save is skipped, nothing evicted
-    assert kv.take_state_copies()[1] == [(s, kv.block_ids(a)[s][0], 3), (s, kv.block_ids(a)[s][0], 4)]
-    assert state.snapshots.num_free == 0 and len(state.snapshots.cached) == 2
-    kv.free(a)  # the snapshot at 8 first on the free list (the deeper one is evicted first)
-    assert list(state.snapshots.free) == [1, 0]
-    prefill(kv, b, [4])  # b's save at 8 takes the slot of a's snapshot at 8, evicting it
-    assert kv.take_state_copies()[1] == [(s, kv.block_ids(b)[s][0], 4)]
-    probe = Request("p", list(range(100, 108)) + [50, 51], SamplingParams(max_tokens=2), eos_token_id=None,
-                    max_tokens=2)
-    assert kv.get_computed_blocks(probe)[1] == 8  # b's snapshot at 8
-    assert kv.get_computed_blocks(shared("q", 8, [50]))[1] == 4  # a's at 4 still cached, its 8 evicted
-    kv.free(b)
+def tokens_req(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=2), eos_token_id=None, max_tokens=2)
+
+
+def test_snapshots_held_until_registered_then_least_recently_used_evicted():
+    kv, state, s = snapshot_kv(num_snapshots=2, max_num_seqs=3)
+    a, b, c = (tokens_req(r, list(range(base, base + 9))) for r, base in (("a", 100), ("b", 200), ("c", 300)))
+    for r in (a, b, c):
+        assert kv.allocate_slots(r, 4, kv.get_computed_blocks(r)[0])
+    slot = {r.request_id: kv.block_ids(r)[s][0] for r in (a, b, c)}
+    f = state.first_snapshot  # 4: slots 1-3 for requests
+    assert kv.take_state_copies()[1] == [(s, slot["a"], f), (s, slot["b"], f + 1)]  # c's skipped: both held
+    assert state.snapshots.num_free == 0
+    for r in (a, b):  # the step ran: registered, then free to evict (a's first)
+        r.num_computed_tokens = 4
+        kv.cache_full_blocks(r)
+    assert state.snapshots.num_free == 2 and len(state.snapshots.cached) == 2
+    kv.free(c)
+    probe = tokens_req("p", list(range(100, 104)) + [1, 2])
+    computed, hit = kv.get_computed_blocks(probe)
+    assert hit == 4 and kv.allocate_slots(probe, 2, computed)  # a's snapshot: now the most recently used
+    assert kv.take_state_copies() == ([(s, f, kv.block_ids(probe)[s][0])], [])
+    kv.free(b)  # its registered snapshot stays cached
+    d = tokens_req("d", list(range(50, 59)))
+    assert kv.allocate_slots(d, 4, kv.get_computed_blocks(d)[0])
+    assert kv.take_state_copies()[1] == [(s, kv.block_ids(d)[s][0], f + 1)]  # evicts b's snapshot, not a's
+    assert kv.get_computed_blocks(tokens_req("q", list(range(200, 206))))[1] == 0
+    assert kv.get_computed_blocks(tokens_req("q", list(range(100, 106))))[1] == 4
+    kv.free(d)  # its save never registered: back without a hash
+    assert state.snapshots.num_free == 2 and not state.pending
     kv.reset_prefix_cache()
-    assert kv.get_computed_blocks(probe)[1] == 0 and not state.snapshots.cached
+    assert kv.get_computed_blocks(tokens_req("q", list(range(100, 106))))[1] == 0 and not state.snapshots.cached
+
+
+def test_no_second_snapshot_of_one_prefix():
+    kv, state, s = snapshot_kv()
+    a, b = tokens_req("a", list(range(1, 10))), tokens_req("b", list(range(1, 10)))
+    prefill(kv, a, [4])
+    assert len(kv.take_state_copies()[1]) == 1
+    assert kv.allocate_slots(b, 2)  # b, admitted with a's 4 tokens known, computes its own from scratch
+    assert kv.allocate_slots(b, 2) and kv.take_state_copies() == ([], [])  # ends on 4: a's snapshot is there
 
 
 def test_copy_state_slots_cpu():

@@ -229,9 +229,12 @@ class StateSlotManager(KVManager):
     groups register that block. A hit of n blocks is the largest n (within the other groups' hit) whose block
     n - 1 has a snapshot; the runner copies it into the request's slot before the forward, and the request
     computes from token n * block_size on. Snapshots live in a BlockPool of their own (ids 0..S-1 are slots
-    first_snapshot + id): ref-counted (a request holds the snapshots it saved or hit until it ends), evicted
-    least recently freed first, a save skipped when every snapshot is held. Only chunk ends are saved, so the
-    scheduler cuts prefill chunks at block boundaries (align_chunks: the coordinator's aligned_chunk)."""
+    first_snapshot + id), ref-counted: a save holds its snapshot from the step that schedules it until the
+    snapshot is registered (or its request ends first); registered, it waits on the free list, evicted least
+    recently used first (a hit takes and gives back a reference: the restore is queued before any later save
+    can overwrite it, as restores precede the forward and saves follow it), and a save is skipped when every
+    snapshot is held, or when its block has one already. Only chunk ends are saved, so the scheduler cuts
+    prefill chunks at block boundaries (align_chunks: the coordinator's aligned_chunk)."""
     uniform_table = False
     hit_order = 2  # a snapshot hit only shortens the attention groups' hit (and a window's)
 
@@ -246,7 +249,7 @@ class StateSlotManager(KVManager):
         self.first_snapshot = num_working
         self.snapshots = BlockPool(num_snapshots) if num_snapshots else None
         self.supports_prefix_caching = self.align_chunks = self.snapshots is not None
-        self.held: dict[str, list[tuple[int, KVBlock]]] = {}  # rid -> (blocks it ends, snapshot) saved or hit
+        self.pending: dict[str, list[tuple[int, KVBlock]]] = {}  # rid -> (blocks it ends, snapshot) to register
         self.restores: list[tuple[int, int]] = []  # (snapshot slot, request slot): before the next forward
         self.saves: list[tuple[int, int]] = []  # (request slot, snapshot slot): after the next forward
 
@@ -277,16 +280,21 @@ class StateSlotManager(KVManager):
             self.req_block_ids[rid] = [self.free_slots.pop()]
         for snap in hits:  # a request's first step: it starts from the snapshot's state
             self.snapshots.touch([snap])
-            self.held.setdefault(rid, []).append((-1, snap))  # registered already: never cached again
+            self.snapshots.release([snap])  # to the free list's tail: the most recently used
             self.restores.append((self.first_snapshot + snap.block_id, self.req_block_ids[rid][0]))
 
     def plan_step(self, req, start: int, end: int) -> None:
-        """A prefill chunk computing tokens start..end that ends on a block boundary saves the state there."""
+        """A prefill chunk computing tokens start..end that ends on a block boundary saves the state there (the
+        prompt's block hashes are known: the hit lookup computed them)."""
+        n = end // self.block_size
         if (self.snapshots is None or end % self.block_size or start >= req.num_prompt_tokens
                 or not self.snapshots.num_free):
             return
+        hashes = req.block_hashes
+        if n <= len(hashes) and self.snapshots.lookup((self.group_id, hashes[n - 1])) is not None:
+            return  # another request saved this very prefix's state
         snap = self.snapshots.allocate(1)[0]
-        self.held.setdefault(req.request_id, []).append((end // self.block_size, snap))
+        self.pending.setdefault(req.request_id, []).append((n, snap))
         self.saves.append((self.req_block_ids[req.request_id][0], self.first_snapshot + snap.block_id))
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -295,19 +303,27 @@ class StateSlotManager(KVManager):
         return restores, saves
 
     def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:
-        """Register the request's saved snapshots whose block is now computed (and hashed)."""
-        for i, (n, snap) in enumerate(self.held.get(rid, ())):
-            if 0 < n <= num_full:
-                self.snapshots.cache(snap, (self.group_id, hashes[n - 1]))
-                self.held[rid][i] = (-1, snap)
+        """Register the request's saved snapshots whose block is now computed (and hashed), and let them go."""
+        pending = self.pending.get(rid)
+        if not pending:
+            return
+        done = [(n, snap) for n, snap in pending if n <= num_full]
+        for n, snap in done:
+            self.snapshots.cache(snap, (self.group_id, hashes[n - 1]))
+        self.snapshots.release(snap for _, snap in done)
+        rest = [p for p in pending if p[0] > num_full]
+        if rest:
+            self.pending[rid] = rest
+        else:
+            del self.pending[rid]
 
     def free(self, rid: str) -> None:
         slots = self.req_block_ids.pop(rid, None)
         if slots:
             self.free_slots.extend(slots)
-        held = self.held.pop(rid, ())
-        if held:  # the deepest snapshot first on the free list: evicted first (as blocks free tail first)
-            self.snapshots.release(snap for _, snap in reversed(held))
+        pending = self.pending.pop(rid, ())
+        if pending:  # saved (or about to be) but never registered: free, without a hash
+            self.snapshots.release(snap for _, snap in pending)
 
     def reset_prefix_cache(self) -> None:
         super().reset_prefix_cache()
