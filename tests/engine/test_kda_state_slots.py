@@ -205,3 +205,11 @@ def copy_slots_on(device):
         assert torch.equal(recurrent[3], recurrent[1]) and (recurrent[3] == i + 0.5).all()
         assert torch.equal(conv[4], conv[2]) and (conv[4] == -i - 1.0).all()
         assert torch.equal(conv[3], conv[1]) and recurrent[4].abs().sum() == 0  # whole slots, both parts
+
+
+def test_state_only_model_has_no_prefix_caching(caplog):
+    """A hit's length is counted in a group with a block per block_size tokens: without one, no hits."""
+    with caplog.at_level(logging.INFO, logger="kestrel.engine.kv.coordinator"):
+        kv = KVCacheManager(8, groups=group_layers({"k": KDA}, block_size=4, max_num_seqs=2, num_snapshots=2))
+    assert not kv.enable_prefix_caching and "no layer with a block per block_size tokens" in caplog.text
+    assert kv.aligned_chunk(0, 14) == 14

@@ -64,11 +64,13 @@ def state_group(llm):
     return next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
 
 
-def test_hit_with_chunked_prefill_and_preemption(kimi, reference, recorded):
+@pytest.mark.parametrize("pipelined", ["off", "on"])
+def test_hit_with_chunked_prefill_and_preemption(kimi, reference, recorded, pipelined):
+    """Pipelined: step N + 1 is scheduled and launched before step N's result (its saves registered later)."""
     llm = LLM(str(kimi), progress=False, max_model_len=256, block_size=4, num_kv_blocks=24,
-              max_num_batched_tokens=8, max_num_seqs=4)
+              max_num_batched_tokens=8, max_num_seqs=4, async_scheduling=pipelined)
     core = llm.engine.core
-    assert core.kv.enable_prefix_caching
+    assert core.kv.enable_prefix_caching and core.pipelined == (pipelined == "on")
     prompts = [FIRST, SECOND, *OTHERS]
     outs = llm.generate(prompts, params())
     assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in prompts]

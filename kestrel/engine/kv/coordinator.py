@@ -54,6 +54,10 @@ class KVCacheManager:
         self._held_ids = self._uniform[0].req_block_ids if self._uniform else {}
         self._hit_group = self.managers.index(self._uniform[0]) if self._uniform else None  # counts hit blocks
         self._cached_counts = self._uniform[0].num_cached if self._uniform else None
+        if self.enable_prefix_caching and not self._uniform:  # a hit's length is counted in a uniform group
+            logger.info("Prefix caching is off for this model: it has no layer with a block per block_size tokens")
+            self.enable_prefix_caching = self._align_chunks = False
+            self._planners = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
