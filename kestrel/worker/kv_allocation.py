@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KVCacheGroup
 
 
@@ -60,7 +61,7 @@ def copy_state_slots(groups: list[KVCacheGroup], layers: dict, copies: list[tupl
     for gid, (srcs, dsts) in by_group.items():
         names = groups[gid].layer_names
         device = layers[names[0]].state_rows.device
-        src, dst = (torch.tensor(ids, dtype=torch.int64, device=device) for ids in (srcs, dsts))
+        src, dst = (to_device(ids, torch.int64, device) for ids in (srcs, dsts))  # no host sync
         for name in names:
             rows = layers[name].state_rows
             rows.index_copy_(0, dst, rows.index_select(0, src))
