@@ -126,6 +126,10 @@ class CacheConfig:
     num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory",
                                    aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
+    num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
+                                               "recurrent state (Kimi Linear): states saved at block boundaries "
+                                               "for prefix hits, taken from the KV-cache memory; default "
+                                               "max_num_seqs, 0 turns prefix caching off for such models")
     kv_cache_dtype: str = _f("auto", "KV-cache dtype: auto (the model's), fp8 (= fp8_e4m3) or fp8_e5m2: float8 K/V "
                                      "with a per-tensor scale per layer (the checkpoint's k_scale / v_scale, "
                                      "--calculate-kv-scales, else 1.0), twice the tokens of a bf16 cache; "

@@ -4,7 +4,9 @@ of a step between its two compute paths.
 The cache is a state slot per request (kestrel/core/kv_spec.py KDAStateSpec): the recurrent state and the short
 convolution's last inputs, carried from one step (or prefill chunk) to the next. The request's slot is its one
 block-table entry. A request without computed tokens (new, or preempted and now recomputed) starts from zero
-state whatever its slot holds; slot 0 is the null slot that CUDA-graph padding rows read and write.
+state whatever its slot holds; slot 0 is the null slot that CUDA-graph padding rows read and write. A prefix hit
+has computed tokens: the runner copied a snapshot into its slot before the step (prefix caching,
+kestrel/engine/kv/managers.py StateSlotManager), so it continues that state like a next chunk.
 
 The batch lists decodes first: they take the backend's decode path (one token per request, vectorised over
 requests, graph-safe; the fused Triton kernel where the gate table allows it), the prefills and chunks after them
@@ -47,8 +49,9 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
               slot_mapping: torch.Tensor) -> KDAMetadata:
         c = common
         slots = block_table[:, 0]
-        # the memory profile's dummy tables number blocks, not slots: ids beyond the pool read the null slot
-        slots = torch.where(slots < self.spec.num_state_slots, slots, 0)
+        # the memory profile's dummy tables number blocks, not slots: ids beyond the requests' slots (the snapshot
+        # slots too, which only copies touch) read the null slot
+        slots = torch.where(slots < self.spec.num_state_slots - self.spec.num_snapshot_slots, slots, 0)
         qsl, sl = c.query_start_loc_cpu, c.seq_lens_cpu
         has_init = [sl[b] > qsl[b + 1] - qsl[b] for b in range(c.num_reqs)] if qsl is not None else None
         return KDAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,

@@ -40,6 +40,11 @@ class KVCacheSpec:
         return 0
 
     @property
+    def num_snapshot_slots(self) -> int:
+        """Of num_state_slots, the last ones that keep prefix-cache snapshots of a state (not a running request's)."""
+        return 0
+
+    @property
     def page_bytes(self) -> int:
         """What one block costs in one layer."""
         return parts_bytes(self.page_parts())
@@ -136,11 +141,14 @@ class KDAStateSpec(KVCacheSpec):
     layer and slot: the recurrent state, float32 [num_heads, head_dim, head_dim] (key dim x value dim), and the
     short convolution's last conv_width - 1 inputs of q, k and v, `dtype` [3 * num_heads * head_dim,
     conv_width - 1]. `num_slots` is the slot pool, slot 0 (the null slot, read and written by CUDA-graph padding
-    rows) included: group_layers stamps max_num_seqs + 1 on it. The request's one table entry is its slot."""
+    rows) included: group_layers stamps max_num_seqs + 1 on it. The request's one table entry is its slot.
+    `num_snapshots` more slots follow them: states saved at block boundaries for prefix caching (the slot
+    manager's snapshot pool), part of the same allocation and so of the KV budget."""
     num_heads: int = 1
     head_dim: int = 1
     conv_width: int = 4
     num_slots: int = 0
+    num_snapshots: int = 0
 
     def page_parts(self):
         return []
@@ -151,7 +159,11 @@ class KDAStateSpec(KVCacheSpec):
 
     @property
     def num_state_slots(self) -> int:
-        return self.num_slots
+        return self.num_slots + self.num_snapshots
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return self.num_snapshots
 
     def layer_view(self, rows, state=None):
         """(recurrent [num_slots, H, D, D] float32, conv [num_slots, 3 H D, conv_width - 1])."""
@@ -169,19 +181,20 @@ class KVCacheGroup:
 
 
 def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
-                 max_num_seqs: int | None = None) -> list[KVCacheGroup]:
+                 max_num_seqs: int | None = None, num_snapshots: int = 0) -> list[KVCacheGroup]:
     """Group layers by spec, in model order (`block_size`, when given, is stamped on every spec: the configured
     one). With several specs, each spec's layers are cut into groups of the smallest spec's layer count, so every
     group has (at most) the same number of layers: Gemma 3's 4 full and 22 sliding layers become 1 + 6 groups of
     4 layers that share 4 cache slots. Specs may differ in page size: a slot's rows are as wide as its widest.
     Kinds with a per-request state (state_parts) take no pages: all layers of one such spec form one group, and
-    `max_num_seqs`, when given, sizes their slot pools (their `num_slots` field: one per request + the null slot)."""
+    `max_num_seqs`, when given, sizes their slot pools (their `num_slots` field: one per request + the null slot),
+    and `num_snapshots` their snapshot slots (prefix caching: 0 keeps none)."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in specs.items():
         if block_size is not None:
             spec = replace(spec, block_size=block_size)
         if max_num_seqs is not None and spec.state_parts():
-            spec = replace(spec, num_slots=max_num_seqs + 1)
+            spec = replace(spec, num_slots=max_num_seqs + 1, num_snapshots=num_snapshots)
         by_spec.setdefault(spec, []).append(name)
     sizes = {s.block_size for s in by_spec}
     if len(sizes) > 1:

@@ -5,7 +5,10 @@ runner (or, with tensor parallelism, every worker rank) keeps its own batch stat
   outputs known so far): tokens, sampling parameters and block ids per KV-cache group.
 - `chunks`: every request of this step in batch order (decodes first): how many tokens to compute from where,
   whether the step samples a token for it, and the block ids appended since the last step.
-- `finished_ids`: requests finished, aborted or preempted since the last step: the runner drops their state."""
+- `finished_ids`: requests finished, aborted or preempted since the last step: the runner drops their state.
+- `state_restores` / `state_saves`: state-slot copies (group id, src slot, dst slot) of cache kinds that keep a
+  per-request state: a prefix hit's snapshot into the request's slot before the forward, and a slot into a
+  snapshot after it (kestrel/engine/kv/managers.py StateSlotManager)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -68,6 +71,8 @@ class StepInput:
     # each in schedule order; decided once by the scheduler, read as is by the runner and the executors
     chunks: list[ScheduledChunk] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    state_restores: list[tuple[int, int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -205,7 +205,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if len(req.output_token_ids) >= req.max_tokens:
                 continue  # its in-flight token is its last one
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             draft = drafts.get(req.request_id, ())[:budget - num_new] if drafts else []
             num_new += len(draft)
             while True:
@@ -236,6 +236,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill or num_hit + budget < req.extras.bidirectional_len:
                     break
                 num_new = budget
+            num_new = self._chunk(num_hit, num_new)
             if not self.kv.allocate_slots(req, num_new, computed):
                 break
             self.waiting.pop()
@@ -250,6 +251,11 @@ class Scheduler:
             budget -= num_new
         out.step = self._step_input(out)
         return out
+
+    def _chunk(self, start: int, num_new: int) -> int:
+        """Tokens of a chunk after `start`: cut at a block boundary where the cache keeps state snapshots only
+        at chunk ends (KVCacheManager.aligned_chunk); whole when chunked prefill is off."""
+        return self.kv.aligned_chunk(start, num_new) if self.config.enable_chunked_prefill else num_new
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         """The runner's deltas: new (or resumed) requests in full, block ids appended since each request's last
@@ -276,6 +282,7 @@ class Scheduler:
             step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
                                               new_ids, s.draft_token_ids))
         step.chunks.sort(key=lambda c: c.num_new_tokens != 1)  # the runner's row order: decode rows first
+        step.state_restores, step.state_saves = self.kv.take_state_copies()
         return step
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],

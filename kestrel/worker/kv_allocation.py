@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KVCacheGroup
 
 
@@ -33,7 +34,8 @@ def state_bytes(groups: list[KVCacheGroup]) -> int:
 def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
                       device: torch.device) -> list[torch.Tensor]:
     """Zeroed slots of `num_blocks` rows (and each stateful layer's state slots); sets each layer's `kv_cache`
-    to its spec's view of them. Returns the tensors allocated."""
+    to its spec's view of them (and a stateful layer's `state_rows` to its state slots, uint8 [num_state_slots,
+    state_bytes]: what copy_state_slots copies). Returns the tensors allocated."""
     slots = [torch.zeros((num_blocks, row), dtype=torch.uint8, device=device) for row in slot_row_bytes(groups)]
     tensors = list(slots)
     for g in groups:
@@ -42,5 +44,24 @@ def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
             if g.spec.state_bytes:
                 state = torch.zeros((g.spec.num_state_slots, g.spec.state_bytes), dtype=torch.uint8, device=device)
                 tensors.append(state)
+                layers[name].state_rows = state
             layers[name].kv_cache = g.spec.layer_view(slots[i], state)
     return tensors
+
+
+def copy_state_slots(groups: list[KVCacheGroup], layers: dict, copies: list[tuple[int, int, int]]) -> None:
+    """Copy whole state slots, (group id, src slot, dst slot) each, in every layer of the group: prefix-cache
+    snapshots saved and restored (kestrel/engine/kv/managers.py StateSlotManager). On the device's current
+    stream, so in order with the forwards that write and read the slots (CUDA graphs included)."""
+    by_group: dict[int, tuple[list[int], list[int]]] = {}
+    for gid, src, dst in copies:
+        srcs, dsts = by_group.setdefault(gid, ([], []))
+        srcs.append(src)
+        dsts.append(dst)
+    for gid, (srcs, dsts) in by_group.items():
+        names = groups[gid].layer_names
+        device = layers[names[0]].state_rows.device
+        src, dst = (to_device(ids, torch.int64, device) for ids in (srcs, dsts))  # no host sync
+        for name in names:
+            rows = layers[name].state_rows
+            rows.index_copy_(0, dst, rows.index_select(0, src))

@@ -102,8 +102,10 @@ class ModelRunner:
         features require) and give each layer its impl."""
         ctx = self.loaded.context
         specs = kv_quant.specs_with_cache_dtype(ctx.kv_cache_specs, self.config.cache.kv_cache_dtype)
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(specs, self.block_size,
-                                                                   self.config.scheduler.max_num_seqs)
+        cache, max_seqs = self.config.cache, self.config.scheduler.max_num_seqs
+        snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
+                     ) if cache.enable_prefix_caching else 0
+        self.kv_cache_groups: list[KVCacheGroup] = group_layers(specs, self.block_size, max_seqs, snapshots)
         self.backends, self.builders = [], []
         requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
         for g in self.kv_cache_groups:
@@ -324,6 +326,9 @@ class ModelRunner:
         chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)
         states = [self.requests[c.request_id] for c in chunks]
         ctx = self._prepare(chunks, states, prev)
+        layers = self.loaded.context.attention_layers
+        if step.state_restores:  # prefix hits start from a snapshot of their state
+            kv_allocation.copy_state_slots(self.kv_cache_groups, layers, step.state_restores)
         for failed in self._hooks["failed_requests"]:
             inf.out.failed.update(failed(chunks, states))
         if before_forward is not None:
@@ -363,6 +368,8 @@ class ModelRunner:
             sample_idx = logits_positions(chunks, qsl, skip=inf.out.pooled)
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
+        if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
+            kv_allocation.copy_state_slots(self.kv_cache_groups, layers, step.state_saves)
         if samplers:
             inf.rows = {c.request_id: i for i, (c, _) in enumerate(samplers)}
             inf.drafts = {c.request_id: c.draft_token_ids for c, _ in samplers if c.draft_token_ids}

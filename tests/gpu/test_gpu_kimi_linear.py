@@ -1,7 +1,8 @@
 """GPU checks for Kimi Linear (skipped without CUDA): a tiny checkpoint with Kimi-Linear's KDA head size (128) in
 bf16, the fused Triton decode selected by the gate table, teacher-forced against transformers (float32, on weights
-bf16 holds exactly: the exact model) with CUDA graphs on and off, and graph replay (fused decode over the null-slot
-padding) equal to eager."""
+bf16 holds exactly: the exact model) with CUDA graphs on and off, graph replay (fused decode over the null-slot
+padding) equal to eager, and a prefix-cache hit (a state snapshot copied on the GPU, pipelined steps, graphs on)
+giving the tokens of a run that computed the whole prompt."""
 import pytest
 
 from kestrel import LLM, SamplingParams
@@ -40,3 +41,25 @@ def test_cuda_graph_replay_equals_eager(kimi):
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert a == b
+
+
+def test_prefix_hit_from_a_snapshot_equals_a_fresh_run(kimi):
+    """A next turn hits the first prompt's snapshot at its last full block (32 of 33 tokens, blocks of 16),
+    restored into its slot on the GPU before the forward; its tokens equal a fresh engine's, which computes the
+    same 32-token chunk and tail itself (the chunk rule cuts the same way), decodes through the same graphs."""
+    first = [(7 * i + 3) % 300 + 20 for i in range(33)]
+    extended = first + [11, 12, 13]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def engine():
+        llm = LLM(str(kimi), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, max_model_len=512)
+        assert llm.engine.core.executor.runner.graphs is not None and llm.engine.core.kv.enable_prefix_caching
+        return llm
+
+    warm = engine()
+    warm.generate([first], params)
+    hit = warm.generate([extended], params)[0]
+    assert hit.num_cached_tokens == 32 and warm.engine.core.kv.prefix_hits >= 32
+    fresh = engine().generate([extended], params)[0]
+    assert fresh.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids

@@ -1,10 +1,8 @@
 """Kimi Linear (Kimi Delta Attention + NoPE MLA + MoE with a shared expert and a dense first layer) against
 transformers 5.17 on the same tiny weights (CPU, float32): greedy tokens identical for 24 tokens on mixed-length
 prompts; also with chunked prefill cutting through the KDA layers (a chunk continuing its request's state, asserted
-from the calls) and preemption (asserted from the counter), and with prefix caching asked for (turned off for the
-model, with its log line, and no hit)."""
-import logging
-
+from the calls) and preemption (asserted from the counter), prefix caching off. Prefix caching on (state
+snapshots): tests/models/test_kimi_linear_prefix.py."""
 import pytest
 
 from kestrel import LLM, SamplingParams
@@ -49,28 +47,30 @@ def generate(path, prompts, **kw):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_greedy_matches_transformers(kimi, reference, prefills, caplog):
-    with caplog.at_level(logging.INFO, logger="kestrel.engine.kv.coordinator"):
-        tokens, llm = generate(kimi, PROMPTS)
+def test_greedy_matches_transformers(kimi, reference, prefills):
+    tokens, llm = generate(kimi, PROMPTS)
     assert tokens == reference
     core = llm.engine.core
     runner = core.executor.runner
     assert sorted(type(g.spec).__name__ for g in runner.kv_cache_groups) == ["KDAStateSpec", "MLASpec"]
     kda = next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
     assert len(kda.layer_names) == 3  # every KDA layer in one state group
-    assert kda.spec.num_state_slots == llm.engine.config.scheduler.max_num_seqs + 1  # + the null slot
+    max_num_seqs = llm.engine.config.scheduler.max_num_seqs
+    assert kda.spec.num_slots == max_num_seqs + 1  # + the null slot
+    assert kda.spec.num_snapshot_slots == max_num_seqs  # prefix caching (on by default) keeps state snapshots
     assert {b.name for b in runner.backends} == {"torch_kda", "torch_mla"}
-    assert sorted(q for q, init, _ in prefills) == sorted(len(p) for p in PROMPTS * 3 if len(p) > 1)  # 3 layers
-    assert all(not init and slot != 0 for _, init, slot in prefills)  # fresh state; never the null slot
-    # prefix caching (on by default) is off for this model, said once, and nothing was looked up
-    assert "Prefix caching is off for this model: its KDAStateSpec layers" in caplog.text
-    assert not core.kv.enable_prefix_caching and core.kv.prefix_queries == 0
+    # prefix caching cuts a prompt crossing a block boundary (16 tokens) at its last one: 30 = 16 + 14
+    assert sorted(q for q, init, _ in prefills if not init) == sorted([4, 13, 16, 9] * 3)  # 3 layers
+    assert sorted(q for q, init, _ in prefills if init) == [14] * 3  # the 30-token prompt's tail continued
+    assert all(slot != 0 for _, _, slot in prefills)  # never the null slot
+    assert core.kv.enable_prefix_caching and core.kv.prefix_hits == 0  # no prompt shares a block with another
     state = core.kv.managers[runner.kv_cache_groups.index(kda)]
-    assert sorted(state.free_slots) == list(range(1, kda.spec.num_state_slots))  # every slot back, 0 never out
+    assert sorted(state.free_slots) == list(range(1, kda.spec.num_slots))  # every slot back, 0 never out
 
 
 def test_chunked_prefill_and_preemption(kimi, reference, prefills):
-    tokens, llm = generate(kimi, PROMPTS, block_size=4, num_kv_blocks=20, max_num_batched_tokens=8)
+    tokens, llm = generate(kimi, PROMPTS, block_size=4, num_kv_blocks=20, max_num_batched_tokens=8,
+                           enable_prefix_caching=False)
     core = llm.engine.core
     assert tokens == reference
     assert core.scheduler.num_preemptions > 0
@@ -80,6 +80,8 @@ def test_chunked_prefill_and_preemption(kimi, reference, prefills):
     assert fresh == 3 * (len(PROMPTS) - 1 + core.scheduler.num_preemptions)  # less the one-token prompt
     runner = core.executor.runner
     assert [type(g.spec) for g in runner.kv_cache_groups].count(MLASpec) == 1
+    kda = next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
+    assert kda.spec.num_snapshot_slots == 0  # no prefix caching, no snapshots
     again = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))[0]
     assert again.num_cached_tokens == 0 and core.kv.prefix_hits == 0
     assert again.outputs[0].token_ids == reference[2]
@@ -92,7 +94,7 @@ def test_slots_reused_without_leaking_state(kimi, reference):
     assert tokens == reference
     runner = llm.engine.core.executor.runner
     kda = next(g for g in runner.kv_cache_groups if isinstance(g.spec, KDAStateSpec))
-    assert kda.spec.num_state_slots == 3
+    assert kda.spec.num_slots == 3 and kda.spec.num_state_slots == 3 + 2  # + 2 snapshot slots
 
 
 def test_embedding_contract_and_profile_batch(kimi):

@@ -9,7 +9,7 @@ import torch
 
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
 from kestrel.core.step import PLACEHOLDER
-from kestrel.engine.kv.managers import manager_class
+from kestrel.engine.kv.managers import KVManager, manager_class
 from kestrel.engine.kv.pool import BlockPool, KVBlock, hash_block
 from kestrel.engine.request import Request
 
@@ -31,14 +31,19 @@ class KVCacheManager:
             raise ValueError(f"KV-cache groups of block sizes {sorted({s.block_size for s in specs})} under one "
                              f"coordinator of block size {block_size or self.block_size}")
         classes = [manager_class(s) for s in specs]
-        no_hits = sorted({type(s).__name__ for c, s in zip(classes, specs) if not c.supports_prefix_caching})
-        if enable_prefix_caching and no_hits:
-            logger.info("Prefix caching is off for this model: its %s layers keep a per-request state that a "
-                        "cached prefix cannot restore", ", ".join(no_hits))
-            enable_prefix_caching = False
-        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, reserve_null=any(c.needs_null_block for c in classes))
         self.managers = [c(i, s, self.pool) for i, (c, s) in enumerate(zip(classes, specs))]
+        no_hits = sorted({type(m.spec).__name__ for m in self.managers if not m.supports_prefix_caching})
+        if enable_prefix_caching and no_hits:
+            logger.info("Prefix caching is off for this model: its %s layers keep a per-request state that a "
+                        "cached prefix cannot restore (no state snapshots)", ", ".join(no_hits))
+            enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
+        self._align_chunks = enable_prefix_caching and any(m.align_chunks for m in self.managers)
+        # managers that act at given positions of a step (plan_step) and hand the runner state copies: prefix
+        # caching's state snapshots, so none without it
+        self._planners = [m for m in self.managers if type(m).plan_step is not KVManager.plan_step
+                          and enable_prefix_caching]
         self._hit_order = sorted(self.managers, key=lambda m: m.hit_order)  # stable: group order within a rank
         # The decode fast path (allocate_slots): groups that free during a request, one representative per
         # release key; groups with uniform tables, whose new-block count is computed once; the others.
@@ -49,6 +54,10 @@ class KVCacheManager:
         self._held_ids = self._uniform[0].req_block_ids if self._uniform else {}
         self._hit_group = self.managers.index(self._uniform[0]) if self._uniform else None  # counts hit blocks
         self._cached_counts = self._uniform[0].num_cached if self._uniform else None
+        if self.enable_prefix_caching and not self._uniform:  # a hit's length is counted in a uniform group
+            logger.info("Prefix caching is off for this model: it has no layer with a block per block_size tokens")
+            self.enable_prefix_caching = self._align_chunks = False
+            self._planners = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
@@ -98,6 +107,17 @@ class KVCacheManager:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
+    def aligned_chunk(self, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens after `start` to compute in one chunk: all, or, where a cache kind keeps
+        its hits only at chunk ends (state snapshots), up to the last block boundary the chunk crosses. The rule:
+        a chunk crossing a block boundary ends on one, so every prefill's full blocks, its last one included,
+        end a chunk (the tail after the last boundary runs as the next step: one more step per prompt, the
+        price of a snapshot there); a chunk within one block (a decode, a small budget) is kept whole."""
+        if not self._align_chunks:
+            return num_new
+        boundary = (start + num_new) // self.block_size * self.block_size
+        return boundary - start if boundary > start else num_new
+
     # ---- hashing
     def _block_hashes(self, req: Request) -> list[bytes]:
         bs, hashes = self.block_size, req.block_hashes
@@ -136,7 +156,7 @@ class KVCacheManager:
         a request's first) they all need the same number of new blocks: computed once, not per group, and most
         decode steps free nothing and allocate nothing. Hits, or a group of another kind, take
         _allocate_per_group (the plain form)."""
-        if self._others or (computed and any(computed)):
+        if self._others or self._planners or (computed and any(computed)):
             return self._allocate_per_group(req, num_new_tokens, computed)
         rid, bs = req.request_id, self.block_size
         num_computed = req.num_computed_tokens
@@ -171,16 +191,33 @@ class KVCacheManager:
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
         need = [m.num_new_blocks(rid, total, h) for m, h in zip(self.managers, hits)]
         if not any(need) and not any(hits) and all(rid in m.req_block_ids for m in self._others):
+            self._plan(req, total - num_new_tokens, total)
             return True  # fits in what it holds (most decode steps)
-        reclaimed = len({b.block_id for h in hits for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
+        shared = [m.shared_pool_hits(h) for m, h in zip(self.managers, hits)]
+        reclaimed = len({b.block_id for h in shared for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
         if sum(need) + reclaimed > self.pool.num_free or not all(m.can_add(rid) for m in self._others):
             return False
-        for h in hits:  # every group's hits leave the free list before any new block is taken from it
+        for h in shared:  # every group's hits leave the free list before any new block is taken from it
             self.pool.touch(h)
         for m, h, n in zip(self.managers, hits, need):
             m.add(rid, h, self.pool.allocate(n))
         self.grown.add(rid)
+        self._plan(req, total - num_new_tokens, total)
         return True
+
+    def _plan(self, req: Request, start: int, end: int) -> None:
+        for m in self._planners:
+            m.plan_step(req, start, end)
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The state-slot copies (group id, src slot, dst slot) the steps scheduled since the last call ask of
+        the runner: restores (before the forward) and saves (after it)."""
+        restores, saves = [], []
+        for m in self._planners:
+            r, s = m.take_copies()
+            restores += [(m.group_id, a, b) for a, b in r]
+            saves += [(m.group_id, a, b) for a, b in s]
+        return restores, saves
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's fully computed blocks in the prefix cache."""
@@ -206,5 +243,5 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         self.pool.reset_prefix_cache()
         for m in self.managers:
-            m.num_cached = {k: 0 for k in m.num_cached}
+            m.reset_prefix_cache()
         return True

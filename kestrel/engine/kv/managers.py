@@ -9,7 +9,8 @@ FullAttentionManager. A kind that holds a fixed-size state per request instead o
 `uniform_table = False`, `blocks_needed` and `num_new_blocks` 0 (it takes nothing from the block pool),
 `can_add` says whether its own slot pool has room, `add` takes a slot and records it as the request's one table
 entry (`req_block_ids[rid] = [slot]`), `free` gives it back, and `max_hit` returns 0 unless it keeps state
-snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one). Its spec declares
+snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one without; StateSlotManager
+below keeps them: `plan_step` saves, `take_copies` hands the runner its slot copies). Its spec declares
 `state_parts` and `num_state_slots` (the slot pool's size, null slot included) and views its state in
 `layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
 from __future__ import annotations
@@ -31,9 +32,13 @@ class KVManager:
       early stay, as the null block), so every such group needs the same number of new blocks in a step: the
       coordinator computes it once for all of them (the decode fast path). False: asked on its own.
     * supports_prefix_caching: False for a kind that can never serve a hit (a per-request state kept without
-      snapshots at block boundaries): the coordinator then turns prefix caching off for the model, saying so once."""
+      snapshots at block boundaries): the coordinator then turns prefix caching off for the model, saying so once.
+      (Read from the instance: a kind may decide it from its spec.)
+    * align_chunks: its hits exist only where a chunk ended on a block boundary (state snapshots): the scheduler
+      cuts a chunk that crosses a block boundary at the last one it crosses (KVCacheManager.aligned_chunk)."""
     needs_null_block = False
     supports_prefix_caching = True
+    align_chunks = False
     hit_order = 0
     release_key = None
     uniform_table = True
@@ -61,6 +66,15 @@ class KVManager:
     def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:
         """Register the request's first `num_full` blocks (now fully computed) in the prefix cache."""
 
+    def shared_pool_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
+        """Of a hit's entries, those from the shared block pool (the coordinator takes their references); a
+        kind whose hits come from a pool of its own takes them in add()."""
+        return hits
+
+    def reset_prefix_cache(self) -> None:
+        """Forget what was registered (the pool's map is cleared by the coordinator)."""
+        self.num_cached = {k: 0 for k in self.num_cached}
+
     # ---- allocation
     def frees_due(self, rid: str, num_computed: int) -> bool:
         """Whether remove_skipped would free anything now (cheap: asked for every request at every step)."""
@@ -79,6 +93,15 @@ class KVManager:
 
     def add(self, rid: str, hits: list[KVBlock], new: list[KVBlock]) -> None:
         raise NotImplementedError
+
+    def plan_step(self, req, start: int, end: int) -> None:
+        """The step will compute the request's tokens start..end (its allocation succeeded): a kind that acts
+        at given positions (a state snapshot at a block boundary) records it here. Asked only where overridden
+        and prefix caching is on."""
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """State-slot copies the runner makes for this step, (src, dst) pairs: before the forward, after it."""
+        return [], []
 
     def free(self, rid: str) -> None:
         """Release everything the request holds."""
@@ -197,26 +220,53 @@ class SlidingWindowManager(FullAttentionManager):
 class StateSlotManager(KVManager):
     """One state slot per request (a recurrent state: kestrel/core/kv_spec.py KDAStateSpec) from the group's own
     pool of spec.num_state_slots, slot 0 being the null slot no request gets. It takes no pool blocks; the slot is
-    the request's one table entry. No state snapshots: a prefix hit could not restore the state, so none is
-    offered. A slot's old contents are never read: the runner starts a request without computed tokens (new, or
-    preempted and recomputed) from a zero state."""
+    the request's one table entry. A slot's old contents are never read: the runner starts a request without
+    computed tokens (new, or preempted and recomputed) from a zero state.
+
+    Prefix caching, where the spec has snapshot slots (its last num_snapshot_slots): a prefill chunk that ends on
+    a block boundary saves the request's state there into a snapshot slot (a copy the runner makes after the
+    step's forward), and the snapshot is registered under the hash of the block it ends, once the attention
+    groups register that block. A hit of n blocks is the largest n (within the other groups' hit) whose block
+    n - 1 has a snapshot; the runner copies it into the request's slot before the forward, and the request
+    computes from token n * block_size on. Snapshots live in a BlockPool of their own (ids 0..S-1 are slots
+    first_snapshot + id), ref-counted: a save holds its snapshot from the step that schedules it until the
+    snapshot is registered (or its request ends first); registered, it waits on the free list, evicted least
+    recently used first (a hit takes and gives back a reference: the restore is queued before any later save
+    can overwrite it, as restores precede the forward and saves follow it), and a save is skipped when every
+    snapshot is held, or when its block has one already. Only chunk ends are saved, so the scheduler cuts
+    prefill chunks at block boundaries (align_chunks: the coordinator's aligned_chunk)."""
     uniform_table = False
-    supports_prefix_caching = False
+    hit_order = 2  # a snapshot hit only shortens the attention groups' hit (and a window's)
 
     def __init__(self, group_id: int, spec: KVCacheSpec, pool: BlockPool):
         super().__init__(group_id, spec, pool)
-        if spec.num_state_slots < 2:
-            raise ValueError(f"{type(spec).__name__} has {spec.num_state_slots} state slots: size the pool with "
+        num_snapshots = spec.num_snapshot_slots
+        num_working = spec.num_state_slots - num_snapshots
+        if num_working < 2:
+            raise ValueError(f"{type(spec).__name__} has {num_working} state slots: size the pool with "
                              "group_layers(..., max_num_seqs=...)")
-        self.free_slots = list(range(spec.num_state_slots - 1, 0, -1))  # popped from the end: 1 first
+        self.free_slots = list(range(num_working - 1, 0, -1))  # popped from the end: 1 first
+        self.first_snapshot = num_working
+        self.snapshots = BlockPool(num_snapshots) if num_snapshots else None
+        self.supports_prefix_caching = self.align_chunks = self.snapshots is not None
+        self.pending: dict[str, list[tuple[int, KVBlock]]] = {}  # rid -> (blocks it ends, snapshot) to register
+        self.restores: list[tuple[int, int]] = []  # (snapshot slot, request slot): before the next forward
+        self.saves: list[tuple[int, int]] = []  # (request slot, snapshot slot): after the next forward
 
     def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         return 0
 
     def max_hit(self, hashes: list[bytes], limit: int) -> int:
-        return 0
+        n = limit if self.snapshots else 0
+        while n > 0 and self.snapshots.lookup((self.group_id, hashes[n - 1])) is None:
+            n -= 1
+        return n
 
     def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
+        """The one snapshot a hit of n blocks restores (from the snapshot pool, not the shared one)."""
+        return [self.snapshots.lookup((self.group_id, hashes[n - 1]))] if n else []
+
+    def shared_pool_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
         return []
 
     def num_new_blocks(self, rid: str, total_tokens: int, hits: list[KVBlock]) -> int:
@@ -228,11 +278,57 @@ class StateSlotManager(KVManager):
     def add(self, rid: str, hits: list[KVBlock], new: list[KVBlock]) -> None:
         if rid not in self.req_block_ids:
             self.req_block_ids[rid] = [self.free_slots.pop()]
+        for snap in hits:  # a request's first step: it starts from the snapshot's state
+            self.snapshots.touch([snap])
+            self.snapshots.release([snap])  # to the free list's tail: the most recently used
+            self.restores.append((self.first_snapshot + snap.block_id, self.req_block_ids[rid][0]))
+
+    def plan_step(self, req, start: int, end: int) -> None:
+        """A prefill chunk computing tokens start..end that ends on a block boundary saves the state there (the
+        prompt's block hashes are known: the hit lookup computed them)."""
+        n = end // self.block_size
+        if (self.snapshots is None or end % self.block_size or start >= req.num_prompt_tokens
+                or not self.snapshots.num_free):
+            return
+        hashes = req.block_hashes
+        if n <= len(hashes) and self.snapshots.lookup((self.group_id, hashes[n - 1])) is not None:
+            return  # another request saved this very prefix's state
+        snap = self.snapshots.allocate(1)[0]
+        self.pending.setdefault(req.request_id, []).append((n, snap))
+        self.saves.append((self.req_block_ids[req.request_id][0], self.first_snapshot + snap.block_id))
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        restores, saves = self.restores, self.saves
+        self.restores, self.saves = [], []
+        return restores, saves
+
+    def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:
+        """Register the request's saved snapshots whose block is now computed (and hashed), and let them go."""
+        pending = self.pending.get(rid)
+        if not pending:
+            return
+        done = [(n, snap) for n, snap in pending if n <= num_full]
+        for n, snap in done:
+            self.snapshots.cache(snap, (self.group_id, hashes[n - 1]))
+        self.snapshots.release(snap for _, snap in done)
+        rest = [p for p in pending if p[0] > num_full]
+        if rest:
+            self.pending[rid] = rest
+        else:
+            del self.pending[rid]
 
     def free(self, rid: str) -> None:
         slots = self.req_block_ids.pop(rid, None)
         if slots:
             self.free_slots.extend(slots)
+        pending = self.pending.pop(rid, ())
+        if pending:  # saved (or about to be) but never registered: free, without a hash
+            self.snapshots.release(snap for _, snap in pending)
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.reset_prefix_cache()
 
 
 # spec class -> its manager, looked up along the spec's MRO (a subclass without a line of its own takes its
