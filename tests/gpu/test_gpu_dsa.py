@@ -86,3 +86,35 @@ class _Transformers:
                             **({} if seqs[0][j] == top else {seqs[0][j]: SimpleNamespace(
                                 rank=2, logprob=float(logp[j - 1, seqs[0][j]]))})})
         return [SimpleNamespace(prompt_logprobs=entries)]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_fp8_keys_every_token_selected_matches_transformers(dsa, monkeypatch, kind):
+    """--indexer-key-dtype fp8 through the Triton kernels (rotation + quantization in the write, fp8 scores): with
+    index_topk above every context on the sparse route the selection is every token, so teacher-forced >= 30/32."""
+    monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", False)
+    llm = _llm(dsa(kind, 2048), indexer_key_dtype="fp8")
+    assert llm.engine.core.executor.runner.kv_cache_groups[0].spec.index_dtype == torch.float8_e4m3fn
+    assert_teacher_forced(llm, dsa(kind, 2048), PROMPTS, n=32, device="cuda")
+
+
+def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
+    """index_topk 8 with fp8 keys against transformers (float32) scoring with DeepSeek's fp8 indexer
+    (tests/models/test_dsa_fp8.py): the same selection rule, so bf16 rounding alone separates them; held to the
+    bar of test_small_topk_no_worse_than_transformers_bf16 (>= 0.8 x transformers' own bf16 run)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+
+    from tests.models.test_dsa_fp8 import fp8_indexer_forward
+
+    path = dsa("deepseek_v32", 8)
+    llm = _llm(path, indexer_key_dtype="fp8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeepseekV32Indexer, "forward", fp8_indexer_forward)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+        hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        ours = theirs = 0
+        for p in PROMPTS:
+            ours += teacher_forced_errors(llm, hf, p, 32, "cuda")[0]
+            theirs += teacher_forced_errors(_Transformers(hf_bf16), hf, p, 32, "cuda")[0]
+    assert ours >= 0.8 * theirs, (ours, theirs)

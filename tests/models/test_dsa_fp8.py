@@ -28,7 +28,7 @@ def sylvester_hadamard(d: int) -> torch.Tensor:
 
 def deepseek_fp8(x: torch.Tensor) -> torch.Tensor:
     """x rotated, then float8 e4m3 with a ue8m0 scale per row (DeepSeek's act_quant), dequantized."""
-    x = x.float() @ sylvester_hadamard(x.shape[-1])
+    x = x.float() @ sylvester_hadamard(x.shape[-1]).to(x.device)
     scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448.0)))
     return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
