@@ -53,19 +53,26 @@ def test_every_token_selected_matches_transformers(dsa, monkeypatch, kind, layer
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("chunk", [None, 8])  # 8: chunked prefill over cached prefixes
 def test_small_topk_no_worse_than_transformers_bf16(dsa, kind, chunk):
-    from transformers import AutoModelForCausalLM
-
     path = dsa(kind, 8)
     llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
+    ours, theirs = _agreement_beside_transformers_bf16(llm, path)
+    # calibrated on the CPU (tiny V3.2, all MLPs dense, bf16 vs float32, these prompts): transformers bf16 103/128,
+    # ours 96, ours with the indexer's rotary layout swapped (a real bug) 43
+    assert ours >= 0.8 * theirs, (ours, theirs)
+
+
+def _agreement_beside_transformers_bf16(llm, path) -> tuple[int, int]:
+    """Teacher-forced tokens agreeing with transformers in float32 over PROMPTS x 32: ours, and transformers' own
+    bf16 run's."""
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     ours = theirs = 0
     for p in PROMPTS:
         ours += teacher_forced_errors(llm, hf, p, 32, "cuda")[0]
         theirs += teacher_forced_errors(_Transformers(hf_bf16), hf, p, 32, "cuda")[0]
-    # calibrated on the CPU (tiny V3.2, all MLPs dense, bf16 vs float32, these prompts): transformers bf16 103/128,
-    # ours 96, ours with the indexer's rotary layout swapped (a real bug) 43
-    assert ours >= 0.8 * theirs, (ours, theirs)
+    return ours, theirs
 
 
 class _Transformers:
@@ -102,7 +109,6 @@ def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
     """index_topk 8 with fp8 keys against transformers (float32) scoring with DeepSeek's fp8 indexer
     (tests/models/test_dsa_fp8.py): the same selection rule, so bf16 rounding alone separates them; held to the
     bar of test_small_topk_no_worse_than_transformers_bf16 (>= 0.8 x transformers' own bf16 run)."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
     from tests.models.test_dsa_fp8 import fp8_indexer_forward
@@ -111,10 +117,5 @@ def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
     llm = _llm(path, indexer_key_dtype="fp8")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DeepseekV32Indexer, "forward", fp8_indexer_forward)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-        hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-        ours = theirs = 0
-        for p in PROMPTS:
-            ours += teacher_forced_errors(llm, hf, p, 32, "cuda")[0]
-            theirs += teacher_forced_errors(_Transformers(hf_bf16), hf, p, 32, "cuda")[0]
+        ours, theirs = _agreement_beside_transformers_bf16(llm, path)
     assert ours >= 0.8 * theirs, (ours, theirs)
