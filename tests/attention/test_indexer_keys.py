@@ -1,5 +1,5 @@
 """FP8 indexer keys (kestrel/attention/indexer_keys.py) on their own: the Hadamard rotation is the normalized
-Sylvester matrix and leaves scores unchanged; the quantize / dequantize round trip stays within float8 e4m3's
+Walsh-Hadamard matrix and leaves scores unchanged; the quantize / dequantize round trip stays within float8 e4m3's
 rounding; fp8 scores select >= 95% of the float32 top-k on random inputs with 16 and 64 heads; the spec's pages
 hold 132 bytes a token for the keys at 128 dims, and the flag re-types only DSA specs."""
 import pytest
@@ -14,19 +14,19 @@ from kestrel.errors import ConfigError
 FP8 = torch.float8_e4m3fn
 
 
-def sylvester(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / d ** 0.5
+def walsh_hadamard(d: int) -> torch.Tensor:
+    """H[i, j] = (-1)^popcount(i & j) / sqrt(d): the Walsh-Hadamard matrix in natural (Sylvester) order."""
+    i = torch.arange(d)
+    bits = torch.tensor([bin(v).count("1") for v in (i[:, None] & i[None, :]).flatten().tolist()]).view(d, d)
+    return (1 - 2 * (bits % 2)).float() / d ** 0.5
 
 
 @pytest.mark.parametrize("d", [16, 32, 128])
-def test_hadamard_is_the_normalized_sylvester_matrix(d):
+def test_hadamard_is_the_normalized_walsh_hadamard_matrix(d):
     x = torch.randn(7, 3, d, generator=torch.Generator().manual_seed(d))
     got = hadamard_rotate(x)
     assert got.shape == x.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, x @ sylvester(d), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, x @ walsh_hadamard(d), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hadamard_rotate(got), x, rtol=1e-5, atol=1e-5)  # H is its own inverse
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_rotate(torch.randn(2, 24))
