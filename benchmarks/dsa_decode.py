@@ -5,6 +5,9 @@ decode over the whole context, at batch 1 and 64 and contexts 8k and 32k. Bytes 
 indexer key 256 (bf16) or 132 (--indexer-key-dtype fp8: Hadamard-rotated float8 e4m3 + a float32 scale, fp8
 queries with their scales in the head weights; the rotation and quantization of the step's own query and key
 are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
+Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py; the DSA
+total uses torch.topk, select_topk's default) and the sparse attention; the DSA total; its speedup and byte
+ceiling over dense ("w/ radix": the speedup with the radix top-k in the total).
 
     python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
@@ -23,6 +26,7 @@ from kestrel.attention.backends.torch_sparse_mla import request_of_tokens, selec
 from kestrel.attention.indexer_keys import dequantize_index_keys, quantize_index_keys, quantize_index_queries
 from kestrel.attention.ops.triton_mla import mla_decode_attention
 from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk, sparse_mla_attention
+from kestrel.attention.ops.triton_topk import radix_topk
 
 HEADS, L, R, PAGE = 16, 512, 64, 16
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
@@ -75,6 +79,9 @@ def check_errors(key_dtype: str) -> None:
     ref_cache = c["keys"].float() if key_dtype == "bf16" else keys_cache  # the reference dequantizes fp8
     want = select_topk_ref(iq.float(), iw, ref_cache, c["bt"], list(range(9)), [3000] * 8, TOPK)
     recall = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), want.cpu())) / want.numel()
+    radix = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, TOPK, topk_impl="radix")
+    same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), radix.cpu())) / got.numel()
+    print(f"{key_dtype} keys: radix top-k vs torch.topk on the same scores: {same:.4f} of the selection in common")
     scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
@@ -103,8 +110,8 @@ KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer k
 
 
 def kernels(iters: int, key_dtypes: list[str]) -> None:
-    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'sparse':>8} "
-          f"{'DSA us':>9} {'speedup':>8} {'byte ceiling':>12}")
+    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix':>8} "
+          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'byte ceiling':>12}")
     for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
         c = case(batch, ctx)
         dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
@@ -114,16 +121,21 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
             scores = timed(lambda: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx), iters)
             s = indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx)
             topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
+            radix = timed(lambda: radix_topk(s, TOPK), iters)
             idx = select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK)
             sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                         SCALE), iters)
             whole = timed(lambda: sparse_mla_attention(
                 c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
                 select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK), SCALE), iters)
+            whole_radix = timed(lambda: sparse_mla_attention(
+                c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK, topk_impl="radix"), SCALE), iters)
             latent_bytes = 2 * (L + R)
             ceiling = ctx * latent_bytes / (ctx * KEY_BYTES[key_dtype] + TOPK * latent_bytes)
-            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {sparse:>8.1f} "
-                  f"{whole:>9.1f} {dense / whole:>7.2f}x {ceiling:>11.2f}x")
+            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix:>8.1f} "
+                  f"{sparse:>8.1f} {whole:>9.1f} {dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x "
+                  f"{ceiling:>11.2f}x")
             del iq, iw, keys, s, idx
         del c
         torch.cuda.empty_cache()

@@ -48,3 +48,10 @@ def test_indexer_scores_fp8_keys_compiles(heads):
     ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "K": "*fp8e4nv", "KS": "*fp32", "BT": "*i32", "REQ": "*i32",
             "QPOS": "*i32", "S": "*fp32"}
     compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True))
+
+
+def test_radix_topk_compiles():
+    from kestrel.attention.ops import triton_topk
+
+    fn = triton_topk._radix_topk_kernel
+    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32"}), dict(BLOCK=1024))

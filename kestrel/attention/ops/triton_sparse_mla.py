@@ -9,8 +9,8 @@
   in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory. With FP8
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
   bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
-- `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row (a Triton radix select
-  for k = 2048 is later work); -1 where a row has fewer visible positions than k.
+- `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
+  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k.
 - `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
   BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
   separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
@@ -25,6 +25,7 @@ from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sp
                                                     split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
                                               _store_latent_out)
+from kestrel.attention.ops.triton_topk import radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
@@ -122,9 +123,12 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
 
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
-                budget_bytes: int = SCORE_BUDGET_BYTES) -> torch.Tensor:
+                budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch") -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
-    exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores."""
+    exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
+    topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort)."""
+    if topk_impl not in ("torch", "radix"):
+        raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
     out = torch.full((t, index_topk), -1, dtype=torch.int32, device=index_q.device)
     k = min(index_topk, width)
@@ -135,6 +139,9 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
         r1 = min(t, r0 + rows)
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
                                 q_pos[r0:r1], width)
+        if topk_impl == "radix":
+            radix_topk(scores, k, out[r0:r1])
+            continue
         best = scores.topk(k, dim=-1)
         out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
     return out
