@@ -125,3 +125,23 @@ def test_index_key_dtype_errors():
         specs_with_index_key_dtype({"layers.0": spec}, "fp8")
     with pytest.raises(ConfigError, match="--indexer-key-dtype fp16"):
         specs_with_index_key_dtype({"layers.0": spec}, "fp16")
+
+
+def test_triton_backend_reads_fp8_keys_only_with_triton_float8():
+    pytest.importorskip("triton")
+    from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLABackend
+    from kestrel.platform import fake_platform, set_platform_for_testing
+    from kestrel.platform.triton_gates import interpreter_mode
+
+    if interpreter_mode():
+        pytest.skip("the interpreter converts float8 on any machine")
+    spec = SparseMLASpec(torch.bfloat16, 512, 64, index_head_dim=128, index_dtype=FP8)
+    try:
+        set_platform_for_testing(fake_platform("sm_80"))
+        ok, why = TritonSparseMLABackend.validate_spec(spec)
+        assert not ok and "float8 indexer keys need Triton float8 conversions (sm_89+)" in why
+        assert TritonSparseMLABackend.validate_spec(SparseMLASpec(torch.bfloat16, 512, 64)) == (True, "")
+        set_platform_for_testing(fake_platform("sm_90"))
+        assert TritonSparseMLABackend.validate_spec(spec) == (True, "")
+    finally:
+        set_platform_for_testing(None)
