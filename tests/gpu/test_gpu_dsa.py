@@ -119,3 +119,55 @@ def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
         mp.setattr(DeepseekV32Indexer, "forward", fp8_indexer_forward)
         ours, theirs = _agreement_beside_transformers_bf16(llm, path)
     assert ours >= 0.8 * theirs, (ours, theirs)
+
+
+def _deepseek_index_case(batch: int, ctx: int, device: str = "cuda", dtype=torch.bfloat16, page: int = 16):
+    """DeepSeek-V3.2's indexer shapes (64 heads x 128) over a shuffled paged cache: one decode query per request
+    at the end of its ctx-token context."""
+    gen = torch.Generator().manual_seed(ctx)
+    nblk = -(-ctx // page)
+    bt = torch.randperm(batch * nblk, generator=gen).view(batch, nblk).int()
+    keys = torch.randn(batch * nblk, page, 128, generator=gen).to(dtype)
+    q = torch.randn(batch, 64, 128, generator=gen).to(dtype)
+    w = torch.rand(batch, 64, generator=gen) * (64 * 128) ** -0.5
+    req, pos = torch.arange(batch, dtype=torch.int32), torch.full((batch,), ctx - 1, dtype=torch.int32)
+    return [x.to(device) for x in (keys, bt, q, w, req, pos)]
+
+
+def test_fp8_indexer_kernels_at_deepseek_shapes():
+    """The Triton scores with fp8 keys against the reference reading the same fp8 values (relative error < 1e-2,
+    top-2048 recall >= 0.99), and the fp8 selection against the bf16 keys' (recall >= 0.95), 4 x 6000 tokens."""
+    from kestrel.attention.backends.torch_sparse_mla import select_topk_ref
+    from kestrel.attention.indexer_keys import quantize_index_keys, quantize_index_queries
+    from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk
+
+    batch, ctx, topk = 4, 6000, 2048
+    keys, bt, q, w, req, pos = _deepseek_index_case(batch, ctx)
+    k8, ks = quantize_index_keys(keys.view(-1, 128))
+    cache = (k8.view(keys.shape), ks.view(*keys.shape[:2], 1))
+    q8, w8 = quantize_index_queries(q, w)
+    got = indexer_scores(q8, w8, cache, bt, req, pos, ctx)
+    for b in range(batch):
+        deq = (cache[0][bt[b].long()].float() * cache[1][bt[b].long()]).flatten(0, 1)[:ctx]
+        want = (w8[b, :, None] * (q8[b].float() @ deq.T).relu()).sum(0)
+        assert (got[b] - want).norm() / want.norm() < 1e-2
+    qsl, lens = list(range(batch + 1)), [ctx] * batch
+
+    def recall(a, b):
+        return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a.cpu(), b.cpu())) / b.numel()
+
+    sel = select_topk(q8, w8, cache, bt, req, pos, ctx, topk)
+    assert recall(sel, select_topk_ref(q8, w8, cache, bt, qsl, lens, topk)) >= 0.99
+    assert recall(sel, select_topk_ref(q.float(), w, keys.float(), bt, qsl, lens, topk)) >= 0.95
+
+
+def test_radix_topk_at_32k():
+    """The radix top-k (triton_topk.py) picks torch.topk's set at DeepSeek's k = 2048 over 32k float32 scores."""
+    from kestrel.attention.ops.triton_topk import radix_topk
+
+    scores = torch.randn(8, 32768, device="cuda")
+    scores[0, 20000:] = float("-inf")
+    got = radix_topk(scores, 2048)
+    want = scores.topk(2048, dim=-1).indices
+    for g, w in zip(got.cpu(), want.cpu()):
+        assert set(g.tolist()) == set(w.tolist())
