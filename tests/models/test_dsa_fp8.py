@@ -2,7 +2,8 @@
 reference backend). The yardstick is transformers with its indexer scoring the way DeepSeek's own inference code
 does (written out below, independently of kestrel/attention/indexer_keys.py: a Sylvester Hadamard matrix, then
 float8 e4m3 with a power-of-two scale per 128-value row for the query's heads and the key): 24 greedy tokens
-identical at index_topk 4 and 8 (the selection decides), with chunked prefill, preemption and a prefix-cache hit.
+identical at index_topk 4 and 8 (the selection decides; GLM-5.2's shared layers too), with chunked prefill, preemption
+and a prefix-cache hit.
 
 transformers itself skips the rotation and the quantization (its docstring says so): against it, fp8 keys flip
 the tiny random indexer's many near-tied picks, which is why bf16 stays the default. Measured teacher-forced
@@ -92,7 +93,8 @@ def test_reference_fp8_indexer_changes_the_selection(checkpoints):
     assert fp8_reference(path, PROMPTS) != hf_greedy(path, PROMPTS, NUM_TOKENS)
 
 
-@pytest.mark.parametrize("kind,topk", [("deepseek_v32", 4), ("deepseek_v32", 8), ("glm_moe_dsa", 8)])
+@pytest.mark.parametrize("kind,topk", [("deepseek_v32", 4), ("deepseek_v32", 8), ("glm_moe_dsa", 8),
+                                       ("glm_moe_dsa_shared", 4)])
 def test_fp8_keys_match_deepseek_fp8_indexer(checkpoints, kind, topk):
     path = checkpoints(kind, topk)
     tokens, llm = kestrel_greedy(path, PROMPTS, NUM_TOKENS, indexer_key_dtype="fp8")
