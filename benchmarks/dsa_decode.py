@@ -2,9 +2,14 @@
 (16 heads, latent 512 + 64, a 64 x 128 indexer, index_topk 2048, bf16, page 16), by kernel timing (CUDA-graph
 replay): indexer scores over the paged key cache + top-k + sparse absorbed attention, against triton_mla's dense
 decode over the whole context, at batch 1 and 64 and contexts 8k and 32k. Bytes a token and layer: latent 1,152,
-indexer key 256 (bf16). FP8 indexer keys (132 B) are not implemented yet: their column says so.
+indexer key 256 (bf16) or 132 (--indexer-key-dtype fp8: Hadamard-rotated float8 e4m3 + a float32 scale, fp8
+queries with their scales in the head weights; the rotation and quantization of the step's own query and key
+are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
+Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py; the DSA
+total uses torch.topk, select_topk's default) and the sparse attention; the DSA total; its speedup and byte
+ceiling over dense ("w/ radix": the speedup with the radix top-k in the total).
 
-    python -m benchmarks.dsa_decode [--iters 50] [--e2e]
+    python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
 tokens per second of each (the 256-request short-context workload: python -m benchmarks.throughput --shape
@@ -18,8 +23,10 @@ import torch
 
 from benchmarks.mla_decode import time_us
 from kestrel.attention.backends.torch_sparse_mla import request_of_tokens, select_topk_ref, sparse_mla_attention_ref
+from kestrel.attention.indexer_keys import dequantize_index_keys, quantize_index_keys, quantize_index_queries
 from kestrel.attention.ops.triton_mla import mla_decode_attention
 from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk, sparse_mla_attention
+from kestrel.attention.ops.triton_topk import radix_topk
 
 HEADS, L, R, PAGE = 16, 512, 64, 16
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
@@ -41,6 +48,16 @@ def case(batch: int, ctx: int):
         iw=torch.randn(batch, INDEX_HEADS, device=dev) * (INDEX_HEADS * INDEX_DIM) ** -0.5)
 
 
+def index_inputs(c: dict, key_dtype: str):
+    """(index query, head weights, key cache) of the case in the indexer key format: the bf16 keys as they are, or
+    quantized (the bf16 keys of the case are the keys before rotation)."""
+    if key_dtype == "bf16":
+        return c["iq"], c["iw"], c["keys"]
+    k8, ks = quantize_index_keys(c["keys"].view(-1, INDEX_DIM))
+    q8, w8 = quantize_index_queries(c["iq"], c["iw"])
+    return q8, w8, (k8.view(c["keys"].shape), ks.view(*c["keys"].shape[:2], 1))
+
+
 def timed(fn, iters: int) -> float:
     try:
         return time_us(fn, iters)
@@ -53,51 +70,81 @@ def timed(fn, iters: int) -> float:
         return (time.perf_counter() - t0) / iters * 1e6
 
 
-def check_errors() -> None:
-    """The kernels against the float32 reference on one small case (8 decodes x 3000)."""
+def check_errors(key_dtype: str) -> None:
+    """The kernels against the float32 reference on one small case (8 decodes x 3000); with fp8 keys the reference
+    reads the same fp8 values, and the recall against the unquantized keys' top-k is printed beside it."""
     c = case(8, 3000)
-    got = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], 3000, TOPK)
-    want = select_topk_ref(c["iq"].float(), c["iw"], c["keys"].float(), c["bt"], list(range(9)), [3000] * 8, TOPK)
+    iq, iw, keys_cache = index_inputs(c, key_dtype)
+    got = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, TOPK)
+    ref_cache = c["keys"].float() if key_dtype == "bf16" else keys_cache  # the reference dequantizes fp8
+    want = select_topk_ref(iq.float(), iw, ref_cache, c["bt"], list(range(9)), [3000] * 8, TOPK)
     recall = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), want.cpu())) / want.numel()
-    scores = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], 3000)
+    radix = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, TOPK, topk_impl="radix")
+    same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), radix.cpu())) / got.numel()
+    print(f"{key_dtype} keys: radix top-k vs torch.topk on the same scores: {same:.4f} of the selection in common")
+    scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
-        keys = c["keys"][c["bt"][b].long()].flatten(0, 1)[:3000].float()
-        ref_rows.append((c["iw"][b, :, None] * (c["iq"][b].float() @ keys.T).relu()).sum(0))
+        blocks = c["bt"][b].long()
+        if key_dtype == "bf16":
+            keys = c["keys"][blocks].flatten(0, 1)[:3000].float()
+        else:
+            keys = dequantize_index_keys(keys_cache[0][blocks].flatten(0, 1), keys_cache[1][blocks].flatten(0, 1))
+            keys = keys[:3000]
+        ref_rows.append((iw[b, :, None] * (iq[b].float() @ keys.T).relu()).sum(0))
     ref = torch.stack(ref_rows)
+    if key_dtype == "fp8":
+        exact = select_topk_ref(c["iq"].float(), c["iw"], c["keys"].float(), c["bt"], list(range(9)), [3000] * 8,
+                                TOPK)
+        vs_bf16 = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), exact.cpu())) / exact.numel()
+        print(f"fp8 keys: top-{TOPK} recall against the unquantized keys {vs_bf16:.4f}")
     out = sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], got, SCALE)
     ref_out = sparse_mla_attention_ref(c["q_lat"].float(), c["q_pe"].float(), c["latent"].float(), c["bt"],
-                                       request_of_tokens(list(range(9)), "cuda"), got.long(), SCALE)
-    print(f"indexer scores rel err {((scores - ref).norm() / ref.norm()).item():.2e}; top-{TOPK} recall "
-          f"{recall:.4f}; sparse attention rel err {((out.float() - ref_out).norm() / ref_out.norm()).item():.2e}")
+                                       request_of_tokens(list(range(9)), c["bt"].device), got.long(), SCALE)
+    print(f"{key_dtype} keys: indexer scores rel err {((scores - ref).norm() / ref.norm()).item():.2e}; top-{TOPK} "
+          f"recall {recall:.4f}; sparse attention rel err "
+          f"{((out.float() - ref_out).norm() / ref_out.norm()).item():.2e}")
 
 
-def kernels(iters: int) -> None:
-    print(f"{'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'sparse':>8} {'DSA us':>9} "
-          f"{'speedup':>8} {'byte ceiling':>12} {'fp8 keys':>9}")
+KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer key in the page
+
+
+def kernels(iters: int, key_dtypes: list[str]) -> None:
+    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix':>8} "
+          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'byte ceiling':>12}")
     for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
         c = case(batch, ctx)
         dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
                                                    max_seq_len=ctx), iters)
-        scores = timed(lambda: indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx), iters)
-        s = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx)
-        topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
-        idx = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK)
-        sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
-                                                    SCALE), iters)
-        whole = timed(lambda: sparse_mla_attention(
-            c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
-            select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK), SCALE), iters)
-        ceiling = ctx * (L + R) / (ctx * INDEX_DIM + TOPK * (L + R))
-        print(f"{batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {sparse:>8.1f} {whole:>9.1f} "
-              f"{dense / whole:>7.2f}x {ceiling:>11.2f}x {'n/a':>9}")
-        del c, s, idx
+        for key_dtype in key_dtypes:
+            iq, iw, keys = index_inputs(c, key_dtype)
+            scores = timed(lambda: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx), iters)
+            s = indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx)
+            topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
+            radix = timed(lambda: radix_topk(s, TOPK), iters)
+            idx = select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK)
+            sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
+                                                        SCALE), iters)
+            whole = timed(lambda: sparse_mla_attention(
+                c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK), SCALE), iters)
+            whole_radix = timed(lambda: sparse_mla_attention(
+                c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK, topk_impl="radix"), SCALE), iters)
+            latent_bytes = 2 * (L + R)
+            ceiling = ctx * latent_bytes / (ctx * KEY_BYTES[key_dtype] + TOPK * latent_bytes)
+            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix:>8.1f} "
+                  f"{sparse:>8.1f} {whole:>9.1f} {dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x "
+                  f"{ceiling:>11.2f}x")
+            del iq, iw, keys, s, idx
+        del c
         torch.cuda.empty_cache()
 
 
-def e2e(prompt_len: int = 32768, n: int = 8, out_len: int = 65) -> None:
+def e2e(key_dtypes: list[str], prompt_len: int = 32768, n: int = 8, out_len: int = 65) -> None:
     """Decode throughput at 32k contexts: a prefill-only run (max_tokens 1) and a full run on fresh prompts of the
-    same lengths (no prefix-cache hits); the difference is the decode steps'."""
+    same lengths (no prefix-cache hits); the difference is the decode steps'. The DSA shape once per indexer key
+    format, then its dense twin."""
     import random
 
     from benchmarks.common import write_shape
@@ -108,9 +155,10 @@ def e2e(prompt_len: int = 32768, n: int = 8, out_len: int = 65) -> None:
     def prompts():
         return [[rng.randint(0, 9999) for _ in range(prompt_len)] for _ in range(n)]
 
-    for shape in ("deepseek-v2-lite-dsa", "deepseek-v2-lite-dsa-dense"):
+    runs = [("deepseek-v2-lite-dsa", k) for k in key_dtypes] + [("deepseek-v2-lite-dsa-dense", "bf16")]
+    for shape, key_dtype in runs:
         llm = LLM(str(write_shape(shape)), load_format="dummy", dtype="bfloat16", progress=False,
-                  max_model_len=prompt_len + out_len + 16)
+                  max_model_len=prompt_len + out_len + 16, indexer_key_dtype=key_dtype)
         llm.generate(prompts()[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         seconds = []
         for max_tokens in (1, out_len):
@@ -119,7 +167,8 @@ def e2e(prompt_len: int = 32768, n: int = 8, out_len: int = 65) -> None:
             seconds.append(time.perf_counter() - t0)
         backend = llm.engine.core.executor.runner.backend.name
         decode = seconds[1] - seconds[0]
-        print(f"{shape} ({backend}): {n} x {prompt_len}: prefill {seconds[0]:.2f} s; {out_len - 1} decode steps "
+        print(f"{shape} ({backend}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill {seconds[0]:.2f} s; "
+              f"{out_len - 1} decode steps "
               f"{decode:.2f} s, {n * (out_len - 1) / decode:.1f} out tok/s")
         del llm
         torch.cuda.empty_cache()
@@ -129,11 +178,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8", "both"], default="both")
     args = ap.parse_args()
-    check_errors()
-    kernels(args.iters)
+    key_dtypes = ["bf16", "fp8"] if args.indexer_key_dtype == "both" else [args.indexer_key_dtype]
+    for key_dtype in key_dtypes:
+        check_errors(key_dtype)
+    kernels(args.iters, key_dtypes)
     if args.e2e:
-        e2e()
+        e2e(key_dtypes)
 
 
 if __name__ == "__main__":

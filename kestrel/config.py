@@ -135,6 +135,12 @@ class CacheConfig:
                                      "--calculate-kv-scales, else 1.0), twice the tokens of a bf16 cache; "
                                      "full-attention and sliding-window layers (not MLA)",
                              choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    indexer_key_dtype: str = _f("bf16", "DSA models (DeepSeek-V3.2, GLM-5): the lightning indexer's cached keys. "
+                                        "bf16: the model's dtype, unquantized, as transformers scores; fp8: "
+                                        "Hadamard-rotated float8 e4m3 + a power-of-two float32 scale per token "
+                                        "(132 instead of 256 bytes a token at 128 dims), as DeepSeek's own "
+                                        "inference code; the top-k may differ at near-ties",
+                                choices=["bf16", "fp8"])
     calculate_kv_scales: bool = _f(False, "with an fp8 KV cache: each layer's K and V scales from the first batch "
                                           "written to the cache (2 x its largest |value| maps to the float8 "
                                           "maximum) instead of the checkpoint's or 1.0")

@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from kestrel.attention.backend import CommonAttentionMetadata
+from kestrel.attention.indexer_keys import quantize_index_keys, quantize_index_queries
 from kestrel.attention.mla import MLAAttention, MLAImpl, MLAMetadata, MLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
 
@@ -97,9 +98,15 @@ class SparseMLAImpl(MLAImpl):
                        layer: "SparseMLAAttention"):
         """As forward_mla, plus the indexer: index_k [T, D_I] (rotated; None on a shared layer), index_q
         [n, H_I, D_I] (rotated) and index_w [n, H_I] float32 for (at least) the n = num_scored_tokens leading
-        tokens. Writes the keys first, then scores."""
+        tokens. Writes the keys first, then scores. An FP8 key cache (a (keys, scales) pair: indexer_keys.py)
+        gets the keys Hadamard-rotated and quantized, (keys, scales), and scores fp8 queries whose scales are
+        folded into the weights."""
         latent, index_cache = cache
         n = meta.num_scored_tokens
+        if index_k is not None and isinstance(index_cache, tuple):
+            index_k = quantize_index_keys(index_k)
+            if n:
+                index_q, index_w = quantize_index_queries(index_q[:n], index_w[:n])
         if index_k is not None:
             self.write_index_keys(index_k, index_cache, meta.slot_mapping)
             if n:
@@ -114,6 +121,8 @@ class SparseMLAImpl(MLAImpl):
         return self.attend_sparse(q_lat, q_pe, cache, meta, meta.topk_indices)
 
     def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
+        """index_k [T, D] into index_cache [blocks, bs, D]; or, FP8, (keys, scales) [T, D], [T, 1] into the
+        (keys, scales) cache parts."""
         raise NotImplementedError
 
     def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:

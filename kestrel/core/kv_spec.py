@@ -126,13 +126,24 @@ class SparseMLASpec(MLASpec):
     preemption move them together. The layer view is (latent [blocks, bs, latent_dim], index_k [blocks, bs,
     index_head_dim]). A layer that shares another layer's top-k (GLM-5.2 "shared") keeps the index part unused.
     `index_topk` (keys each query attends to) and `layer_dense_prefill` (the layer class's declared
-    supports_dense_mha_prefill) are what the metadata builder routes a step by."""
+    supports_dense_mha_prefill) are what the metadata builder routes a step by.
+    `index_dtype` float8 (--indexer-key-dtype fp8, kestrel/attention/indexer_keys.py): the keys are float8 with a
+    float32 scale per token after them, (index_head_dim + 4) bytes a token, and the layer view is (latent,
+    (keys [blocks, bs, index_head_dim], scales [blocks, bs, 1])). None: the keys in `dtype`."""
     index_head_dim: int = 128
     index_topk: int = 2048
     layer_dense_prefill: bool = False
+    index_dtype: torch.dtype | None = None
 
     def page_parts(self):
-        return [*super().page_parts(), (self.dtype, (self.block_size, self.index_head_dim))]
+        bs = self.block_size
+        if self.index_dtype is None:
+            return [*super().page_parts(), (self.dtype, (bs, self.index_head_dim))]
+        return [*super().page_parts(), (self.index_dtype, (bs, self.index_head_dim)), (torch.float32, (bs, 1))]
+
+    def layer_view(self, rows, state=None):
+        views = self.part_views(rows)
+        return (views[0], views[1]) if len(views) == 2 else (views[0], (views[1], views[2]))
 
 
 @dataclass(frozen=True)

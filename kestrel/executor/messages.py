@@ -33,8 +33,9 @@ def encode_groups(groups: list[KVCacheGroup]) -> list[dict]:
     out = []
     for g in groups:
         fields = {f.name: getattr(g.spec, f.name) for f in dataclasses.fields(g.spec)}
-        fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
-        out.append({"group_id": g.group_id, "spec": type(g.spec).__name__, "fields": fields,
+        dtypes = [name for name, value in fields.items() if isinstance(value, torch.dtype)]
+        fields.update({name: str(fields[name]).removeprefix("torch.") for name in dtypes})
+        out.append({"group_id": g.group_id, "spec": type(g.spec).__name__, "fields": fields, "dtypes": dtypes,
                     "layer_names": list(g.layer_names)})
     return out
 
@@ -45,6 +46,7 @@ def decode_groups(data: list[dict]) -> list[KVCacheGroup]:
         spec_cls = getattr(kv_spec, d["spec"])
         if not (isinstance(spec_cls, type) and issubclass(spec_cls, kv_spec.KVCacheSpec)):
             raise ValueError(f"unknown KV cache spec {d['spec']!r}")
-        fields = dict(d["fields"], dtype=getattr(torch, d["fields"]["dtype"]))
+        fields = dict(d["fields"])
+        fields.update({name: getattr(torch, fields[name]) for name in d["dtypes"]})
         groups.append(KVCacheGroup(d["group_id"], spec_cls(**fields), list(d["layer_names"])))
     return groups

@@ -36,10 +36,15 @@ def quantize_per_tensor_dynamic(x: torch.Tensor, dtype=torch.float8_e4m3fn) -> t
     return _cast(x, scale, dtype), scale
 
 
-def quantize_per_token(x: torch.Tensor, dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row of a [M, K] tensor. Returns (q [M, K], scale [M, 1] contiguous fp32)."""
+def quantize_per_token(x: torch.Tensor, dtype=torch.float8_e4m3fn,
+                       power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of a [..., K] tensor. Returns (q [..., K], scale [..., 1] contiguous fp32).
+    power_of_two: each scale rounded up to a power of two (DeepSeek's ue8m0 scale format)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax.clamp(min=_EPS) / fp8_max(dtype)).contiguous()
+    scale = amax.clamp(min=_EPS) / fp8_max(dtype)
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.contiguous()
     return _cast(x, scale, dtype), scale
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kestrel.attention import kv_quant
 from kestrel.attention.backend import CommonAttentionMetadata
+from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
@@ -102,6 +103,7 @@ class ModelRunner:
         features require) and give each layer its impl."""
         ctx = self.loaded.context
         specs = kv_quant.specs_with_cache_dtype(ctx.kv_cache_specs, self.config.cache.kv_cache_dtype)
+        specs = specs_with_index_key_dtype(specs, self.config.cache.indexer_key_dtype)
         cache, max_seqs = self.config.cache, self.config.scheduler.max_num_seqs
         snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
                      ) if cache.enable_prefix_caching else 0

@@ -22,8 +22,9 @@ def test_write_index_keys_compiles():
 @pytest.mark.parametrize("heads", [32, 64])
 def test_indexer_scores_compiles(heads):
     fn = ops._indexer_scores_kernel
-    ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32", "S": "*fp32"}
-    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False))
+    ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "KS": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32",
+            "S": "*fp32"}
+    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=False))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -33,3 +34,24 @@ def test_sparse_mla_compiles(split):
             "PO": "*fp32", "PLSE": "*fp32"}
     compile_ok(fn, _sig(fn, ptrs, ("qk_scale",)), dict(L=512, R=64, PAGE=16, BLOCK_H=16, BLOCK_N=64, SPLIT=split,
                                                       UPCAST=False), num_warps=8)
+
+
+def test_fp8_index_key_write_compiles():
+    fn = ops._write_rows_kernel
+    compile_ok(fn, _sig(fn, {"X": "*fp8e4nv", "C": "*fp8e4nv", "SLOT": "*i64"}), dict(D=128, D_PAD=128, PAGE=16))
+    compile_ok(fn, _sig(fn, {"X": "*fp32", "C": "*fp32", "SLOT": "*i64"}), dict(D=1, D_PAD=1, PAGE=16))  # scales
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_indexer_scores_fp8_keys_compiles(heads):
+    fn = ops._indexer_scores_kernel
+    ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "K": "*fp8e4nv", "KS": "*fp32", "BT": "*i32", "REQ": "*i32",
+            "QPOS": "*i32", "S": "*fp32"}
+    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True))
+
+
+def test_radix_topk_compiles():
+    from kestrel.attention.ops import triton_topk
+
+    fn = triton_topk._radix_topk_kernel
+    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32"}), dict(BLOCK=1024))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.backends.torch_mla import TorchMLABackend, TorchMLAImpl, write_rows_ref
+from kestrel.attention.indexer_keys import dequantize_index_keys
 from kestrel.attention.sparse_mla import SparseMLAImpl, SparseMLAMetadata, SparseMLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
 
@@ -24,6 +25,24 @@ def gather_rows(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
     return cache[block_table_row[:-(-seq_len // bs)].long()].flatten(0, 1)[:seq_len]
 
 
+def gather_index_keys(index_cache, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A request's first seq_len indexer keys -> [seq_len, D]; an FP8 (keys, scales) cache dequantized (float32)."""
+    if isinstance(index_cache, tuple):
+        keys, scales = index_cache
+        return dequantize_index_keys(gather_rows(keys, block_table_row, seq_len),
+                                     gather_rows(scales, block_table_row, seq_len))
+    return gather_rows(index_cache, block_table_row, seq_len)
+
+
+def write_index_keys_ref(index_k, index_cache, slot_mapping) -> None:
+    """SparseMLAImpl.write_index_keys' contract: one tensor, or FP8 (keys, scales) part by part."""
+    if isinstance(index_cache, tuple):
+        for rows, part in zip(index_k, index_cache):
+            write_rows_ref(rows, part, slot_mapping)
+    else:
+        write_rows_ref(index_k, index_cache, slot_mapping)
+
+
 def index_scores_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [r, H, D], w [r, H] (scales folded in), keys [S, D] -> [r, S] float32 sum_h w * ReLU(q_h . k)."""
     logits = torch.einsum("rhd,sd->rhs", q.float(), keys.float()).relu_()
@@ -33,7 +52,8 @@ def index_scores_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> to
 def select_topk_ref(index_q, index_w, index_cache, block_tables, query_start_loc: list[int], seq_lens: list[int],
                     index_topk: int, budget_bytes: int = SCORE_BUDGET_BYTES) -> torch.Tensor:
     """Per query token, the positions of its min(index_topk, visible) best-scoring visible tokens -> [T, k] int64
-    (k = min(index_topk, longest context), -1 padding). Queries sit at the end of their request's context."""
+    (k = min(index_topk, longest context), -1 padding). Queries sit at the end of their request's context.
+    index_cache: [blocks, bs, D], or FP8 (keys, scales) with index_q float8 and its scales in index_w."""
     t, heads = index_q.shape[:2]
     k = min(index_topk, max(seq_lens, default=0))
     out = torch.full((t, k), -1, dtype=torch.int64, device=index_q.device)
@@ -41,7 +61,7 @@ def select_topk_ref(index_q, index_w, index_cache, block_tables, query_start_loc
         s, e = query_start_loc[b], query_start_loc[b + 1]
         if e == s:
             continue
-        keys = gather_rows(index_cache, block_tables[b], seq_len)
+        keys = gather_index_keys(index_cache, block_tables[b], seq_len)
         rows = max(1, budget_bytes // (heads * seq_len * 4))
         for r0 in range(s, e, rows):
             r1 = min(e, r0 + rows)
@@ -73,7 +93,7 @@ def sparse_mla_attention_ref(q_lat, q_pe, cache, block_tables, token_req: torch.
 
 class TorchSparseMLAImpl(SparseMLAImpl, TorchMLAImpl):
     def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
-        write_rows_ref(index_k, index_cache, slot_mapping)
+        write_index_keys_ref(index_k, index_cache, slot_mapping)
 
     def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:
         nr = meta.num_absorbed_reqs

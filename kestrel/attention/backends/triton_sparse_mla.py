@@ -10,6 +10,8 @@ from kestrel.attention.backends.triton_mla import TritonMLABackend, TritonMLAImp
 from kestrel.attention.ops.triton_sparse_mla import select_topk, sparse_mla_attention, write_index_keys
 from kestrel.attention.sparse_mla import SparseMLAImpl, SparseMLAMetadata, SparseMLAMetadataBuilder
 from kestrel.core.kv_spec import SparseMLASpec
+from kestrel.platform import is_fp8_fnuz, supports_triton_fp8
+from kestrel.platform.triton_gates import interpreter_mode
 
 
 class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
@@ -39,4 +41,7 @@ class TritonSparseMLABackend(TritonMLABackend):
         d = getattr(spec, "index_head_dim", 0)
         if ok and (d & (d - 1) or d < 16):
             return False, f"index head dim {d}: the kernel needs a power of two >= 16"
+        fp8_ok = interpreter_mode() or (supports_triton_fp8() and not is_fp8_fnuz())
+        if ok and getattr(spec, "index_dtype", None) is not None and not fp8_ok:
+            return False, "float8 indexer keys need Triton float8 conversions (sm_89+)"
         return ok, why

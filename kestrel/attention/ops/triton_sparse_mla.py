@@ -1,12 +1,16 @@
 """DSA (sparse MLA) kernels in Triton, over the paged caches of SparseMLASpec: the latent cache
 [blocks, block_size, L + R] and the indexer-key cache [blocks, block_size, D_I].
 
-- `write_index_keys`: one row per token into the key cache (slot -1: padding, skipped).
+- `write_index_keys`: one row per token into the key cache (slot -1: padding, skipped); an FP8 cache
+  (kestrel/attention/indexer_keys.py: keys [blocks, bs, D] float8 + scales [blocks, bs, 1] float32) takes the
+  already rotated and quantized (keys, scales) part by part.
 - `indexer_scores`: I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) for the positions s of token t's request,
   -inf past the token's own position. One program per (token, tile of BLOCK_N positions): every head's query sits
-  in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory.
-- `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row (a Triton radix select
-  for k = 2048 is later work); -1 where a row has fewer visible positions than k.
+  in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory. With FP8
+  keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
+  bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
+- `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
+  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k.
 - `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
   BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
   separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
@@ -21,6 +25,7 @@ from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sp
                                                     split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
                                               _store_latent_out)
+from kestrel.attention.ops.triton_topk import radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
@@ -38,9 +43,14 @@ def _write_rows_kernel(X, C, SLOT, stride_x, stride_cb, stride_ct, D: tl.constex
     tl.store(C + _slot_offset(slot, stride_cb, stride_ct, PAGE) + offs, x.to(C.dtype.element_ty), mask=offs < D)
 
 
-def write_index_keys(index_k: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_index_keys(index_k, cache, slot_mapping: torch.Tensor) -> None:
     """index_k [T, D] -> cache [blocks, block_size, D] rows at slot_mapping[:T] (any block stride: the layer's
-    view of its page, the latents before the keys)."""
+    view of its page, the latents before the keys). FP8: (keys [T, D], scales [T, 1]) into the (keys, scales)
+    cache parts."""
+    if isinstance(cache, tuple):
+        for rows, part in zip(index_k, cache):
+            write_index_keys(rows, part, slot_mapping)
+        return
     t, d = index_k.shape
     if t == 0:
         return
@@ -51,10 +61,11 @@ def write_index_keys(index_k: torch.Tensor, cache: torch.Tensor, slot_mapping: t
 
 
 @triton.jit(do_not_specialize=["width", "num_heads"])
-def _indexer_scores_kernel(Q, W, K, BT, REQ, QPOS, S, width, num_heads,
-                           stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_btb, stride_st,
+def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
+                           stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
+                           stride_btb, stride_st,
                            D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr):
+                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -73,8 +84,14 @@ def _indexer_scores_kernel(Q, W, K, BT, REQ, QPOS, S, width, num_heads,
         q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
                     other=0.0)  # [H_PAD, D]
         w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
+        if KEY_FP8 and not UPCAST:
+            q, k = q.to(tl.bfloat16), k.to(tl.bfloat16)
         logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
-        score = tl.where(visible, tl.sum(logits * w[:, None], axis=0), float("-inf"))
+        weighted = tl.sum(logits * w[:, None], axis=0)
+        if KEY_FP8:
+            offs_blk = (offs_n % PAGE).to(tl.int64)
+            weighted = weighted * tl.load(KS + blk * stride_ksb + offs_blk * stride_kst, mask=visible, other=0.0)
+        score = tl.where(visible, weighted, float("-inf"))
     tl.store(S + t * stride_st + offs_n, score, mask=in_row)
 
 
@@ -82,7 +99,9 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
                    block_n: int = 64) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
-    -inf past each token's position. D a power of two >= 16."""
+    -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
+    [blocks, page, 1] float32), index_q float8 with its scales folded into index_w (indexer_keys.py)."""
+    cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
         raise ValueError(f"index head dim {d} (cache {cache.shape[-1]}): a power of two >= 16")
@@ -92,19 +111,24 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
         out = torch.empty(t, width, dtype=torch.float32, device=index_q.device)
     if t == 0 or width == 0:
         return out
+    fp8 = scales is not None
+    ks = scales if fp8 else cache  # unread without FP8
     _indexer_scores_kernel[(t, triton.cdiv(width, block_n))](
-        index_q, index_w, cache, block_tables, token_req, q_pos, out, width, h,
+        index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, width, h,
         index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
-        block_tables.stride(0), out.stride(0),
+        ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
         D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
-        UPCAST=_upcast(index_q.dtype))
+        UPCAST=_upcast(index_q.dtype) or (fp8 and interpreter_mode()), KEY_FP8=fp8)
     return out
 
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
-                budget_bytes: int = SCORE_BUDGET_BYTES) -> torch.Tensor:
+                budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch") -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
-    exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes)."""
+    exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
+    topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort)."""
+    if topk_impl not in ("torch", "radix"):
+        raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
     out = torch.full((t, index_topk), -1, dtype=torch.int32, device=index_q.device)
     k = min(index_topk, width)
@@ -115,6 +139,9 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
         r1 = min(t, r0 + rows)
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
                                 q_pos[r0:r1], width)
+        if topk_impl == "radix":
+            radix_topk(scores, k, out[r0:r1])
+            continue
         best = scores.topk(k, dim=-1)
         out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
     return out
