@@ -178,7 +178,8 @@ def _generate(path, newcomer: bool, **kw):
 
 
 @pytest.mark.parametrize("opts", [dict(async_scheduling="off"), dict(async_scheduling="on"),
-                                  dict(async_scheduling="off", max_num_seqs=64)])
+                                  dict(async_scheduling="off", max_num_seqs=64),
+                                  dict(async_scheduling="on", max_num_seqs=64)])
 def test_engine_tokens_unchanged_and_newcomer_runs_in_a_small_batch(tiny_llama, opts):
     alone, _, _, _ = _generate(tiny_llama, False, **opts)
     shared, small_tokens, log, small = _generate(tiny_llama, True, **opts)
