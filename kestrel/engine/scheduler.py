@@ -10,7 +10,8 @@ the scheduler, each group runs at most `contended_running_cap()` sequences a ste
 sequences (those with the least computed work) pause: they keep their blocks and slot and are left out of the
 step, so another user's step costs about what it costs beside `cap` rows, not beside the whole big request.
 Only where a newcomer of another group needs a sequence slot or blocks is a paused sequence preempted
-(recomputed later). Waiting sequences of a group at its cap are passed over. A group alone is never capped."""
+(recomputed later); when the pool runs dry, paused sequences are also the first to go. Waiting sequences of a
+group at its cap are passed over. A group alone is never capped."""
 from __future__ import annotations
 
 import heapq
