@@ -195,3 +195,21 @@ def test_engine_tokens_unchanged_and_newcomer_runs_in_a_small_batch(tiny_llama, 
         assert sum(len(out.preempted) for out in log) == 1  # the one slot the newcomer needed
     else:
         assert not any(out.preempted for out in log)
+
+
+def test_paused_sequences_give_way_first_when_blocks_run_out():
+    """Without the rule the newcomer, latest to arrive, would be the one preempted (FCFS evicts the newest)."""
+    def group():
+        return big_group(n=16, max_tokens=24, prompt_len=lambda i: 3)
+
+    big = group()
+    s, log = make(max_seqs=32, num_blocks=40, cap=4), []
+    for r in big:
+        s.add_request(r)
+    step(s, log)
+    newcomer = seq("small", "small", 3, max_tokens=24, t=1.0)
+    s.add_request(newcomer)
+    run(s, log)
+    assert s.num_preemptions > 0 and newcomer.num_preemptions == 0
+    assert len(newcomer.output_token_ids) == 24
+    assert tokens(big) == reference(group)
