@@ -3,10 +3,13 @@ while a victim sends short requests one after another. Reports the victim's late
 the flood (p50, p99, worst), the ratio of the p99s, every non-200 answer the victim got, and how long the engine
 takes to drop the flood's sequences after its client disconnects.
 
-    python -m benchmarks.flood [--shape qwen3-0.6b] [--victims 40] [--json flood.json]
+    python -m benchmarks.flood [--shape qwen3-0.6b] [--victims 40] [--shares 0,-1] [--json flood.json]
 
 The server runs `kestrel serve --load-format dummy` on the shape with a trained byte-level BPE tokenizer
-(benchmarks/structured.py) and its default --max-seqs-per-request (half of --max-num-seqs)."""
+(benchmarks/structured.py) and its default --max-seqs-per-request (half of --max-num-seqs). One case per
+(--windows, --shares) pair: --shares are --contended-seqs-per-request values (the engine's fair share: 0 is its
+default, a quarter of the window; -1 turns it off); each row counts the steps in which the rule paused sequences
+and the preemptions in the run."""
 from __future__ import annotations
 
 import argparse
@@ -66,10 +69,11 @@ def summary(name: str, xs: list[float]) -> dict:
                 p99_ms=round(1000 * percentile(xs, 99), 1), worst_ms=round(1000 * max(xs), 1))
 
 
-def run_case(folder, window: int, args) -> dict:
-    server_args = f"--load-format dummy --max-seqs-per-request {window} {args.server_args}"
+def run_case(folder, window: int, share: int, args) -> dict:
+    server_args = (f"--load-format dummy --max-seqs-per-request {window} --contended-seqs-per-request {share} "
+                   f"{args.server_args}")
     proc, url = start_server(SimpleNamespace(model=str(folder), server_args=server_args,
-                                             server_log=f"{args.server_log}.w{window}", startup_timeout=300))
+                                             server_log=f"{args.server_log}.w{window}.s{share}", startup_timeout=300))
     print(f"started kestrel serve {folder} {shlex.join(shlex.split(server_args))} at {url}", flush=True)
     try:
         victim(url, 5, args.victim_tokens)  # warm-up
@@ -88,6 +92,8 @@ def run_case(folder, window: int, args) -> dict:
         tokens0, t0 = metric(url, "vllm:iteration_tokens_total_sum"), time.monotonic()
         loaded, loaded_bad = victim(url, args.victims, args.victim_tokens)
         tok_s = (metric(url, "vllm:iteration_tokens_total_sum") - tokens0) / (time.monotonic() - t0)
+        paused_steps = metric(url, "kestrel_fair_share_paused_steps_total")
+        preemptions = metric(url, "vllm:num_preemptions_total")
         busy_at_end = in_engine(url)
         flood_done = conn.sock is None  # the response came back already: the flood was too small
         conn.sock.close() if conn.sock else None
@@ -100,9 +106,11 @@ def run_case(folder, window: int, args) -> dict:
         proc.terminate()
         proc.wait(timeout=30)
     i, f = summary("idle", idle), summary("flood", loaded)
-    return dict(window=window or "default", idle_p50_ms=i["p50_ms"], idle_p99_ms=i["p99_ms"], flood_p50_ms=f["p50_ms"],
+    return dict(window=window or "default", share="off" if share < 0 else share or "default",
+                idle_p50_ms=i["p50_ms"], idle_p99_ms=i["p99_ms"], flood_p50_ms=f["p50_ms"],
                 flood_p99_ms=f["p99_ms"], p99_ratio=round(f["p99_ms"] / i["p99_ms"], 2),
-                engine_tok_s_under_flood=round(tok_s), non_200=len(idle_bad) + len(loaded_bad),
+                engine_tok_s_under_flood=round(tok_s), paused_steps=round(paused_steps),
+                preemptions=round(preemptions), non_200=len(idle_bad) + len(loaded_bad),
                 in_engine=f"{busy_at_start:.0f}..{busy_at_end:.0f}", left_after_drop=f"{left:.0f} in {drained_s:.1f} s",
                 flood_finished_early=flood_done)
 
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="victim requests per phase (p99 of fewer than 100 is the worst one)")
     ap.add_argument("--victim-tokens", type=int, default=16)
     ap.add_argument("--windows", default="0", help="comma-separated --max-seqs-per-request values (0: default)")
+    ap.add_argument("--shares", default="0", help="comma-separated --contended-seqs-per-request values (0: default, "
+                                                  "a quarter of the window; -1: the engine's fair share off)")
     ap.add_argument("--server-args", default="", help="extra `kestrel serve` flags")
     ap.add_argument("--server-log", default="flood-server.log")
     ap.add_argument("--json", default=None)
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.structured import SMOKE_SHAPE, model_dir
 
     folder = model_dir(args.shape, (SHAPES.get(args.shape) or SMOKE_SHAPE)["vocab_size"])
-    rows = [run_case(folder, int(w), args) for w in args.windows.split(",")]
+    rows = [run_case(folder, int(w), int(sh), args) for w in args.windows.split(",") for sh in args.shares.split(",")]
     print_table(f"victim latency, {args.shape}: {args.victim_tokens}-token completions one at a time, idle and "
                 f"under a flood of {args.prompts} prompts x n={args.n} = {args.prompts * args.n} sequences x "
                 f"{args.flood_tokens} tokens (bar: p99 ratio <= 2.0, no non-200, nothing left after the drop)", rows)

@@ -169,6 +169,25 @@ class SchedulerConfig:
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
                                       "one huge request leaves room for others (0: half of --max-num-seqs); a "
                                       "quarter of it while other requests are being served")
+    contended_seqs_per_request: int = _f(
+        0, "engine: while sequences of more than one API request are in the engine, each request (its prompts x "
+           "n) runs at most this many sequences a step; the rest keep their KV cache and pause until the others "
+           "are done, and are preempted (recomputed later) only where a newcomer needs their slot or KV blocks. "
+           "Keeps another user's steps close to an idle engine's cost while a huge request runs; a request alone "
+           "is never capped (0: the server's contended window, a quarter of --max-seqs-per-request; -1: no cap)")
+
+    def request_window(self) -> int:
+        """The server's admission window of one API request (--max-seqs-per-request, 0: half of --max-num-seqs)."""
+        return self.max_seqs_per_request or max(1, self.max_num_seqs // 2)
+
+    def contended_window(self) -> int:
+        """The window while other requests are being served: a quarter of it."""
+        return max(1, self.request_window() // 4)
+
+    def contended_running_cap(self) -> int | None:
+        """Most running sequences of one request group a step while another group has work (None: no cap)."""
+        n = self.contended_seqs_per_request
+        return None if n < 0 else n or self.contended_window()
 
 
 @dataclass

@@ -78,11 +78,11 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
-        ids = []
+        ids, group = [], self.engine.new_group_id()  # one call: one request group, never capped against itself
         try:
             for i, (p, sp) in enumerate(zip(prompts, plist)):
                 ids.append(self.engine.add_request(p, sp, priority=priority[i] if priority else 0,
-                                                   lora_request=loras[i]))
+                                                   lora_request=loras[i], group_id=group))
         except BaseException:  # a bad prompt (too long, say) fails the call; the prompts before it do not run
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -119,10 +119,10 @@ class LLM:
     def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool | None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = []
+        ids, group = [], self.engine.new_group_id()
         try:
             for p in prompts:
-                ids.append(self.engine.add_request(_prompt_of(p), pooling_sampling(), pooling=pooling))
+                ids.append(self.engine.add_request(_prompt_of(p), pooling_sampling(), pooling=pooling, group_id=group))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

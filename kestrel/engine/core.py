@@ -74,7 +74,7 @@ class EngineCore:
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, self.eos_token_id, r.max_tokens,
-                      r.priority, r.arrival_time, extras=r.extras)
+                      r.priority, r.arrival_time, extras=r.extras, group_id=r.group_id)
         if req.lora_id:
             if req.lora_id not in self.loras:
                 # unloaded while the request was on its way: end it (the frontend sees "abort"), never hang it
@@ -211,6 +211,7 @@ class EngineCore:
         stats = SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
                                self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
                                self.kv.prefix_hits, self.scheduler.num_preemptions,
+                               num_paused_steps=self.scheduler.num_paused_steps,
                                step_prompt_tokens=step_prompt_tokens, step_generation_tokens=step_generation_tokens)
         sp = self.speculation
         if sp is not None:

@@ -19,6 +19,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     extras: RequestExtras = NO_EXTRAS  # per-request features: adapter, images, attention-mask policy, cache salt
+    # the API request this sequence belongs to (its prompts x n share it): the scheduler's per-group running cap
+    # while other groups have work ("": a group of its own)
+    group_id: str = ""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -48,6 +51,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    num_paused_steps: int = 0  # steps in which a request group's sequences beyond its fair share sat out
     # speculative decoding (cumulative): verify steps of one request, drafted tokens, accepted ones, accepted
     # drafts per position
     spec_num_drafts: int = 0

@@ -46,7 +46,12 @@ class Request(TokenSequence):
     extras: RequestExtras = NO_EXTRAS  # per-request features, passed whole to the runner (kestrel/core/extras.py)
     grammar: object = None  # structured outputs (engine-side only): a compile future, then its RequestGrammar
     num_sent_blocks: list[int] | None = None  # per KV group, block ids the model runner already has
+    group_id: str = ""  # the API request it belongs to ("": its own); see Scheduler, "fair share"
     _prefix_digest: bytes | None = None
+
+    @property
+    def group(self) -> str:
+        return self.group_id or self.request_id
 
     @property
     def lora_id(self) -> int:

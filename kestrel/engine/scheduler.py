@@ -3,12 +3,20 @@ first (decodes, then ongoing chunked prefills), then waiting ones in FCFS or pri
 runs dry, the lowest-priority running request is preempted and later recomputed (its output is kept).
 
 Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens` of it (capped
-by the budget), so prefill, chunked prefill, decode and recompute after preemption are one rule."""
+by the budget), so prefill, chunked prefill, decode and recompute after preemption are one rule.
+
+Fair share: while requests of more than one group (the sequences of one API request, `Request.group`) are in
+the scheduler, each group runs at most `contended_running_cap()` sequences a step. A group's excess running
+sequences (those with the least computed work) pause: they keep their blocks and slot and are left out of the
+step, so another user's step costs about what it costs beside `cap` rows, not beside the whole big request.
+Only where a newcomer of another group needs a sequence slot or blocks is a paused sequence preempted
+(recomputed later); when the pool runs dry, paused sequences are also the first to go. Waiting sequences of a
+group at its cap are passed over. A group alone is never capped."""
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kestrel.config import SchedulerConfig
@@ -67,11 +75,13 @@ class WaitingQueue:
         self._heap: list = []
         self._seq = itertools.count()
         self._removed: set[str] = set()
+        self.groups: Counter[str] = Counter()  # waiting requests per request group
 
     def _key(self, r: Request):
         return (r.priority, r.arrival_time, next(self._seq))
 
     def push(self, r: Request) -> None:
+        self.groups[r.group] += 1
         if self.policy == "priority":
             heapq.heappush(self._heap, (*self._key(r), r))
         else:
@@ -81,7 +91,31 @@ class WaitingQueue:
         if self.policy == "priority":
             self.push(r)  # order is by key anyway
         else:
+            self.groups[r.group] += 1
             self._dq.appendleft(r)
+
+    def _left(self, r: Request) -> None:
+        self.groups[r.group] -= 1
+        if not self.groups[r.group]:
+            del self.groups[r.group]
+
+    def in_order(self):
+        """The waiting requests in the order they are admitted (a sort of the heap under the priority policy)."""
+        if self.policy == "priority":
+            return (e[-1] for e in sorted(self._heap) if e[-1].request_id not in self._removed)
+        return iter(self._dq)
+
+    def take(self, r: Request) -> None:
+        """Remove `r`, found by in_order(), to run it."""
+        if r is self.peek():
+            self.pop()
+        elif self.policy == "priority":
+            self._heap = [e for e in self._heap if e[-1] is not r]
+            heapq.heapify(self._heap)
+            self._left(r)
+        else:
+            self._dq.remove(r)
+            self._left(r)
 
     def _clean(self) -> None:
         while self._heap and self._heap[0][-1].request_id in self._removed:
@@ -96,14 +130,18 @@ class WaitingQueue:
     def pop(self) -> Request:
         if self.policy == "priority":
             self._clean()
-            return heapq.heappop(self._heap)[-1]
-        return self._dq.popleft()
+            r = heapq.heappop(self._heap)[-1]
+        else:
+            r = self._dq.popleft()
+        self._left(r)
+        return r
 
     def remove(self, r: Request) -> None:
         if self.policy == "priority":
             self._removed.add(r.request_id)
         else:
             self._dq.remove(r)
+        self._left(r)
 
     def __len__(self) -> int:
         if self.policy == "priority":
@@ -127,6 +165,12 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_sync_requests = 0  # live requests that rule out pipelined decode (see needs_sync)
+        if config.contended_seqs_per_request < -1:
+            raise ValueError(f"contended_seqs_per_request must be -1 (no cap), 0 (the server's contended window) "
+                             f"or more, got {config.contended_seqs_per_request}")
+        self.contended_cap = config.contended_running_cap()  # fair share (module docstring); None: off
+        self.group_sizes: Counter[str] = Counter()  # live (running or waiting) requests per request group
+        self.num_paused_steps = 0  # steps in which the fair share left running sequences out
 
     # ---- requests in and out
     def add_request(self, req: Request) -> None:
@@ -137,6 +181,7 @@ class Scheduler:
                              f"{self.max_prompt_tokens} tokens)")
         req.extras.check_step_budget(self.config.max_num_batched_tokens)
         self.requests[req.request_id] = req
+        self.group_sizes[req.group] += 1
         if needs_sync(req):
             self.num_sync_requests += 1
         self.waiting.push(req)
@@ -157,7 +202,10 @@ class Scheduler:
         if needs_sync(req):
             self.num_sync_requests -= 1
         self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.group_sizes[req.group] -= 1
+            if not self.group_sizes[req.group]:
+                del self.group_sizes[req.group]
         self._finished_ids.append(req.request_id)
         req.num_sent_blocks = None
 
@@ -189,6 +237,32 @@ class Scheduler:
         out.preempted.append(req)
         req.num_sent_blocks = None  # the runner drops it; a resume sends it anew
 
+    # ---- fair share between request groups (module docstring)
+    def _share(self) -> int | None:
+        """This step's cap on one group's running sequences: None while at most one group has work."""
+        return self.contended_cap if len(self.group_sizes) > 1 else None
+
+    def _paused(self, cap: int) -> list[Request]:
+        """The running requests over their group's cap, least computed work first (then the newest): left out of
+        this step, and the first to preempt where a newcomer needs room."""
+        groups: dict[str, list[tuple[int, int, Request]]] = {}
+        for i, r in enumerate(self.running):  # running is in admission order
+            groups.setdefault(r.group, []).append((r.num_computed_tokens, -i, r))
+        paused = []
+        for rows in groups.values():
+            if len(rows) > cap:
+                rows.sort(key=lambda e: e[:2])
+                paused += rows[:len(rows) - cap]
+        return [r for *_, r in sorted(paused, key=lambda e: e[:2])]
+
+    def _next_waiting(self, running_per_group: Counter | None, cap: int | None) -> Request | None:
+        """The waiting request to admit next: the queue's head, or under a cap the first whose group is below it."""
+        if cap is None:
+            return self.waiting.peek()
+        if all(running_per_group[g] >= cap for g in self.waiting.groups):
+            return None
+        return next((r for r in self.waiting.in_order() if running_per_group[r.group] < cap), None)
+
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """`drafts` (speculative decoding): proposed tokens per running request whose known tokens are all
         computed but the last; they count in the token budget and are verified by the step's sampling."""
@@ -196,13 +270,17 @@ class Scheduler:
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        cap = self._share()
+        paused = self._paused(cap) if cap is not None else []  # least computed first: the first to preempt
+        paused_ids = {r.request_id for r in paused}
+        self.num_paused_steps += bool(paused)
 
         # 1. running requests: decodes first, then ongoing prefill chunks
         for req in sorted(self.running, key=lambda r: r.in_prefill):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or req.request_id in paused_ids:
+                continue  # preempted earlier in this loop, or over its group's share
             if len(req.output_token_ids) >= req.max_tokens:
                 continue  # its in-flight token is its last one
             num_new = self._chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
@@ -214,6 +292,9 @@ class Scheduler:
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break
+                if paused:  # a sequence over its group's share gives way first
+                    self._preempt(paused.pop(0), out)
+                    continue
                 victims = [r for r in self.running if r is not req and r.request_id not in scheduled_ids]
                 victim = max(victims, key=self._priority_key) if victims else req
                 if victim is req or self._priority_key(victim) < self._priority_key(req):
@@ -221,14 +302,22 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
 
-        # 2. waiting requests, while budget, sequence slots, blocks and LoRA slots last
+        # 2. waiting requests, while budget, sequence slots, blocks and LoRA slots last; under a share, a paused
+        # sequence is preempted where a newcomer needs its slot or blocks
+        kv_short = bool(out.preempted)
         loras = {r.lora_id for r in self.running if r.lora_id}
-        while not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
+        running_per_group = Counter(r.group for r in self.running) if cap is not None else None
+        while not kv_short and budget > 0:
+            req = self._next_waiting(running_per_group, cap)
             if req is None:
                 break
             if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
                 break  # its adapter needs a device slot that running requests hold: wait for them
+            if len(self.running) >= self.config.max_num_seqs:
+                if not paused:
+                    break
+                self._preempt_paused(paused, running_per_group, out)
+                continue  # the preempted sequence waits at the front now: look again
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if num_new > budget:
@@ -238,8 +327,13 @@ class Scheduler:
                 num_new = budget
             num_new = self._chunk(num_hit, num_new)
             if not self.kv.allocate_slots(req, num_new, computed):
-                break
-            self.waiting.pop()
+                if not paused:
+                    break
+                self._preempt_paused(paused, running_per_group, out)
+                continue
+            self.waiting.take(req)
+            if running_per_group is not None:
+                running_per_group[req.group] += 1
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -256,6 +350,12 @@ class Scheduler:
         """Tokens of a chunk after `start`: cut at a block boundary where the cache keeps state snapshots only
         at chunk ends (KVCacheManager.aligned_chunk); whole when chunked prefill is off."""
         return self.kv.aligned_chunk(start, num_new) if self.config.enable_chunked_prefill else num_new
+
+    def _preempt_paused(self, paused: list[Request], running_per_group: Counter, out: SchedulerOutput) -> None:
+        """Make room for a newcomer: preempt the paused sequence with the least computed work."""
+        victim = paused.pop(0)
+        self._preempt(victim, out)
+        running_per_group[victim.group] -= 1
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         """The runner's deltas: new (or resumed) requests in full, block ids appended since each request's last

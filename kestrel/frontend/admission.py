@@ -35,12 +35,15 @@ class AdmissionPolicy:
 
 
 class AdmissionWindow:
-    """A counting window shared by the streams of one API request; waiters are served in arrival order."""
+    """A counting window shared by the streams of one API request; waiters are served in arrival order.
+    `group_id` names the request to the engine core (EngineCoreRequest.group_id), whose scheduler caps a group's
+    running sequences while other groups have work ("": each stream is a group of its own)."""
 
-    def __init__(self, size: int, contended: int | None = None, policy: AdmissionPolicy | None = None):
+    def __init__(self, size: int, contended: int | None = None, policy: AdmissionPolicy | None = None,
+                 group_id: str = ""):
         if size < 1:
             raise ValueError(f"an admission window needs at least one slot, got {size}")
-        self.size = size
+        self.size, self.group_id = size, group_id
         self.contended = max(1, min(size, contended if contended is not None else size))
         self.policy = policy
         self.in_use = 0

@@ -297,13 +297,13 @@ class AsyncEngine:
                                 code="model_not_found")
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running", param="request_id")
+        window = window or self.admission_window()
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0,
-                                                      pooling=pooling)
+                                                      pooling=pooling, group_id=window.group_id)
         check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window or self.admission_window(),
-                            stream)
+        return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window, stream)
 
     async def encode(self, prompt: str | list[int], pooling: PoolingParams, request_id: str | None = None,
                      priority: int = 0, window: AdmissionWindow | None = None) -> RequestOutput:
@@ -323,8 +323,7 @@ class AsyncEngine:
         """A new window for one API request: --max-seqs-per-request sequences in the engine at once, a quarter of
         that while other requests are being served (kestrel/frontend/admission.py)."""
         s = self.config.scheduler
-        size = s.max_seqs_per_request or max(1, s.max_num_seqs // 2)
-        return AdmissionWindow(size, max(1, size // 4), self._admission)
+        return AdmissionWindow(s.request_window(), s.contended_window(), self._admission, group_id=uuid.uuid4().hex)
 
     def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
         """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""

@@ -221,8 +221,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int] | dict | ProcessedPrompt, params: SamplingParams,
                 priority: int = 0, arrival_time: float | None = None, lora_id: int = 0,
-                pooling: PoolingParams | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
-        """`pooling`: a pooling request (embedding, class scores; its params are pooling_sampling())."""
+                pooling: PoolingParams | None = None, group_id: str = "") -> tuple[list[int], list[EngineCoreRequest]]:
+        """`pooling`: a pooling request (embedding, class scores; its params are pooling_sampling()). `group_id`:
+        the API request these sequences belong to, shared with its other prompts ("": this request's id)."""
         check_request_kind(self.pooling, pooling)
         params.validate(self.vocab_size, self.max_logprobs)
         if params.bad_words:
@@ -271,7 +272,7 @@ class InputProcessor:
         for i in range(params.n):
             p = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, max_tokens,
-                                          arrival, priority, extras))
+                                          arrival, priority, extras, group_id or request_id))
         return ids, reqs
 
 

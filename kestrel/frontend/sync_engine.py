@@ -52,8 +52,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None,
-                    pooling: PoolingParams | None = None) -> str:
-        """`pooling`: a pooling request (params: kestrel.frontend.pooling.pooling_sampling())."""
+                    pooling: PoolingParams | None = None, group_id: str = "") -> str:
+        """`pooling`: a pooling request (params: kestrel.frontend.pooling.pooling_sampling()). `group_id`: the
+        request group it belongs to (new_group_id(); "": a group of its own): while more than one group has work,
+        the scheduler runs at most --contended-seqs-per-request sequences of each."""
         request_id = request_id or f"req-{next(self._ids)}"
         if isinstance(lora_request, str):
             if lora_request not in self.loras:
@@ -61,13 +63,16 @@ class LLMEngine:
             lora_request = self.loras[lora_request]
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0,
-                                                      pooling=pooling)
+                                                      pooling=pooling, group_id=group_id)
         check_fits_kv_cache(len(ids), self.core.scheduler.max_prompt_tokens)
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream)
         for r in core_reqs:
             self.core.add_request(r)
         return request_id
+
+    def new_group_id(self) -> str:
+        return f"group-{next(self._ids)}"
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort(request_id))

@@ -46,6 +46,8 @@ _COUNTERS = [
     ("vllm:prefix_cache_queries", "Prefix-cache queries, in blocks.", "prefix_queries"),
     ("vllm:prefix_cache_hits", "Prefix-cache hits, in blocks.", "prefix_hits"),
     ("vllm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("kestrel_fair_share_paused_steps", "Steps in which a request's sequences beyond --contended-seqs-per-request "
+     "sat out beside another request's.", "num_paused_steps"),
     ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
