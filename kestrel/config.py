@@ -187,6 +187,9 @@ class SchedulerConfig:
     def contended_running_cap(self) -> int | None:
         """Most running sequences of one request group a step while another group has work (None: no cap)."""
         n = self.contended_seqs_per_request
+        if n < -1:
+            raise ValueError(f"contended_seqs_per_request must be -1 (no cap), 0 (the server's contended window) "
+                             f"or more, got {n}")
         return None if n < 0 else n or self.contended_window()
 
 

@@ -211,7 +211,7 @@ class EngineCore:
         stats = SchedulerStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv.usage,
                                self.kv.num_blocks, self.kv.num_free_blocks, self.kv.prefix_queries,
                                self.kv.prefix_hits, self.scheduler.num_preemptions,
-                               num_paused_steps=self.scheduler.num_paused_steps,
+                               num_paused_steps=self.scheduler.fair.num_paused_steps,
                                step_prompt_tokens=step_prompt_tokens, step_generation_tokens=step_generation_tokens)
         sp = self.speculation
         if sp is not None:

@@ -5,24 +5,19 @@ runs dry, the lowest-priority running request is preempted and later recomputed 
 Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens` of it (capped
 by the budget), so prefill, chunked prefill, decode and recompute after preemption are one rule.
 
-Fair share: while requests of more than one group (the sequences of one API request, `Request.group`) are in
-the scheduler, each group runs at most `contended_running_cap()` sequences a step. A group's excess running
-sequences (those with the least computed work) pause: they keep their blocks and slot and are left out of the
-step, so another user's step costs about what it costs beside `cap` rows, not beside the whole big request.
-Only where a newcomer of another group needs a sequence slot or blocks is a paused sequence preempted
-(recomputed later); when the pool runs dry, paused sequences are also the first to go. Waiting sequences of a
-group at its cap are passed over. A group alone is never capped."""
+Fair share between request groups (kestrel/engine/fair_share.py): while more than one API request has work, a
+group's running sequences beyond its cap sit steps out, and are the first preempted where a newcomer needs room."""
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.step import NewRequestData, ScheduledChunk, StepInput
+from kestrel.engine.fair_share import FairShare
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
+from kestrel.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -66,89 +61,6 @@ def needs_sync(req: Request) -> bool:
             or p.logprobs is not None or p.prompt_logprobs is not None or p.bans_after_prefix)
 
 
-class WaitingQueue:
-    """FCFS deque, or a heap on (priority, arrival, seq) for the priority policy."""
-
-    def __init__(self, policy: str):
-        self.policy = policy
-        self._dq: deque[Request] = deque()
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._removed: set[str] = set()
-        self.groups: Counter[str] = Counter()  # waiting requests per request group
-
-    def _key(self, r: Request):
-        return (r.priority, r.arrival_time, next(self._seq))
-
-    def push(self, r: Request) -> None:
-        self.groups[r.group] += 1
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (*self._key(r), r))
-        else:
-            self._dq.append(r)
-
-    def push_front(self, r: Request) -> None:
-        if self.policy == "priority":
-            self.push(r)  # order is by key anyway
-        else:
-            self.groups[r.group] += 1
-            self._dq.appendleft(r)
-
-    def _left(self, r: Request) -> None:
-        self.groups[r.group] -= 1
-        if not self.groups[r.group]:
-            del self.groups[r.group]
-
-    def in_order(self):
-        """The waiting requests in the order they are admitted (a sort of the heap under the priority policy)."""
-        if self.policy == "priority":
-            return (e[-1] for e in sorted(self._heap) if e[-1].request_id not in self._removed)
-        return iter(self._dq)
-
-    def take(self, r: Request) -> None:
-        """Remove `r`, found by in_order(), to run it."""
-        if r is self.peek():
-            self.pop()
-        elif self.policy == "priority":
-            self._heap = [e for e in self._heap if e[-1] is not r]
-            heapq.heapify(self._heap)
-            self._left(r)
-        else:
-            self._dq.remove(r)
-            self._left(r)
-
-    def _clean(self) -> None:
-        while self._heap and self._heap[0][-1].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[-1].request_id)
-
-    def peek(self) -> Request | None:
-        if self.policy == "priority":
-            self._clean()
-            return self._heap[0][-1] if self._heap else None
-        return self._dq[0] if self._dq else None
-
-    def pop(self) -> Request:
-        if self.policy == "priority":
-            self._clean()
-            r = heapq.heappop(self._heap)[-1]
-        else:
-            r = self._dq.popleft()
-        self._left(r)
-        return r
-
-    def remove(self, r: Request) -> None:
-        if self.policy == "priority":
-            self._removed.add(r.request_id)
-        else:
-            self._dq.remove(r)
-        self._left(r)
-
-    def __len__(self) -> int:
-        if self.policy == "priority":
-            return sum(1 for *_, r in self._heap if r.request_id not in self._removed)
-        return len(self._dq)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 0):
         self.config = config
@@ -165,12 +77,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.num_sync_requests = 0  # live requests that rule out pipelined decode (see needs_sync)
-        if config.contended_seqs_per_request < -1:
-            raise ValueError(f"contended_seqs_per_request must be -1 (no cap), 0 (the server's contended window) "
-                             f"or more, got {config.contended_seqs_per_request}")
-        self.contended_cap = config.contended_running_cap()  # fair share (module docstring); None: off
-        self.group_sizes: Counter[str] = Counter()  # live (running or waiting) requests per request group
-        self.num_paused_steps = 0  # steps in which the fair share left running sequences out
+        self.fair = FairShare(config.contended_running_cap())
 
     # ---- requests in and out
     def add_request(self, req: Request) -> None:
@@ -181,7 +88,7 @@ class Scheduler:
                              f"{self.max_prompt_tokens} tokens)")
         req.extras.check_step_budget(self.config.max_num_batched_tokens)
         self.requests[req.request_id] = req
-        self.group_sizes[req.group] += 1
+        self.fair.joined(req)
         if needs_sync(req):
             self.num_sync_requests += 1
         self.waiting.push(req)
@@ -203,9 +110,7 @@ class Scheduler:
             self.num_sync_requests -= 1
         self.kv.free(req)
         if self.requests.pop(req.request_id, None) is not None:
-            self.group_sizes[req.group] -= 1
-            if not self.group_sizes[req.group]:
-                del self.group_sizes[req.group]
+            self.fair.left(req)
         self._finished_ids.append(req.request_id)
         req.num_sent_blocks = None
 
@@ -237,32 +142,6 @@ class Scheduler:
         out.preempted.append(req)
         req.num_sent_blocks = None  # the runner drops it; a resume sends it anew
 
-    # ---- fair share between request groups (module docstring)
-    def _share(self) -> int | None:
-        """This step's cap on one group's running sequences: None while at most one group has work."""
-        return self.contended_cap if len(self.group_sizes) > 1 else None
-
-    def _paused(self, cap: int) -> list[Request]:
-        """The running requests over their group's cap, least computed work first (then the newest): left out of
-        this step, and the first to preempt where a newcomer needs room."""
-        groups: dict[str, list[tuple[int, int, Request]]] = {}
-        for i, r in enumerate(self.running):  # running is in admission order
-            groups.setdefault(r.group, []).append((r.num_computed_tokens, -i, r))
-        paused = []
-        for rows in groups.values():
-            if len(rows) > cap:
-                rows.sort(key=lambda e: e[:2])
-                paused += rows[:len(rows) - cap]
-        return [r for *_, r in sorted(paused, key=lambda e: e[:2])]
-
-    def _next_waiting(self, running_per_group: Counter | None, cap: int | None) -> Request | None:
-        """The waiting request to admit next: the queue's head, or under a cap the first whose group is below it."""
-        if cap is None:
-            return self.waiting.peek()
-        if all(running_per_group[g] >= cap for g in self.waiting.groups):
-            return None
-        return next((r for r in self.waiting.in_order() if running_per_group[r.group] < cap), None)
-
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """`drafts` (speculative decoding): proposed tokens per running request whose known tokens are all
         computed but the last; they count in the token budget and are verified by the step's sampling."""
@@ -270,10 +149,9 @@ class Scheduler:
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        cap = self._share()
-        paused = self._paused(cap) if cap is not None else []  # least computed first: the first to preempt
+        cap = self.fair.cap()
+        paused = self.fair.paused(self.running, cap)  # least computed first: the first to preempt
         paused_ids = {r.request_id for r in paused}
-        self.num_paused_steps += bool(paused)
 
         # 1. running requests: decodes first, then ongoing prefill chunks
         for req in sorted(self.running, key=lambda r: r.in_prefill):
@@ -308,7 +186,7 @@ class Scheduler:
         loras = {r.lora_id for r in self.running if r.lora_id}
         running_per_group = Counter(r.group for r in self.running) if cap is not None else None
         while not kv_short and budget > 0:
-            req = self._next_waiting(running_per_group, cap)
+            req = self.fair.next_waiting(self.waiting, running_per_group, cap)
             if req is None:
                 break
             if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
