@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import PreNormCapture, WindowDrafter
+from kestrel.worker.window_drafter import FinalNormInput, WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -31,8 +31,8 @@ def num_mtp_layers(hf_config) -> int:
 
 
 class MtpDrafter(WindowDrafter):
-    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64,
-                 max_batch: int | None = None):
+    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, max_tokens: int = 8192,
+                 window: int = 64, max_batch: int | None = None):
         from safetensors import safe_open
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
@@ -47,7 +47,8 @@ class MtpDrafter(WindowDrafter):
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
                               f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
                               f"start without speculative_config")
-        super().__init__(k, device, dtype, window, max_batch)
+        super().__init__(target, [FinalNormInput()], hf_config.hidden_size, k, device, dtype, max_tokens, window,
+                         max_batch)
         self.target = target
         cfg = ds.DeepseekV3Config.from_dict(hf_config.to_dict())
         cfg._attn_implementation = "eager"
@@ -76,7 +77,6 @@ class MtpDrafter(WindowDrafter):
             layer.load_state_dict(state[i])
         self.layers.to(device=device, dtype=dtype).eval()
         self.rotary.to(device)
-        self.capture = PreNormCapture(target)
 
     def embed(self, ids):
         return self.target.embed_input_ids(ids)

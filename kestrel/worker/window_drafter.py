@@ -1,6 +1,10 @@
 """What the runner's draft models (speculative_config method "mtp": kestrel/worker/mtp_drafter.py, "eagle3":
-kestrel/worker/eagle3_drafter.py) share: a hook that captures the target's hidden states during its forward, a window
-of each request's last accepted positions, and greedy chained drafting over that window.
+kestrel/worker/eagle3_drafter.py) share: the capture of the target's hidden states during its forward, a window of
+each request's last accepted positions, and greedy chained drafting over that window.
+
+A subclass declares which hidden states it reads (taps: FinalNormInput, LayerInput). Their hooks copy them into one
+static buffer on the device (HiddenCapture), so eager steps and CUDA graph replays (decode and verify graphs are
+captured with the hooks in place) fill it alike; after the forward the runner takes the step's rows.
 
 A draft model at position t reads a hidden state derived from the target's forward at t (`window_hidden` of what the
 capture gave) and the embedding of token t+1, and predicts token t+2. For each request the drafter keeps the last
@@ -17,13 +21,14 @@ import torch
 
 
 class WindowDrafter:
-    """Subclasses set `self.capture` (whose pop() gives the last target forward's hidden states, one row per token)
-    and implement embed, draft_layer and draft_tokens; window_hidden maps captured rows to the draft's hidden input."""
+    """Subclasses pass the target, the hidden states they read (`taps`, each `width` wide) and implement embed,
+    draft_layer and draft_tokens; window_hidden maps captured rows to the draft's hidden input. `max_tokens`: the
+    most tokens of one target forward (the runner's max(max_num_batched_tokens, max_num_seqs))."""
 
-    capture = None
-
-    def __init__(self, k: int, device, dtype, window: int = 64, max_batch: int | None = None):
+    def __init__(self, target, taps: list, width: int, k: int, device, dtype, max_tokens: int, window: int = 64,
+                 max_batch: int | None = None):
         self.k, self.device, self.dtype, self.window, self.max_batch = k, device, dtype, window, max_batch
+        self.capture = HiddenCapture(target, taps, width, max_tokens, device, dtype)
         # request id -> (positions [W], hidden states [W, H], the token after each position [W])
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -96,6 +101,20 @@ class WindowDrafter:
         return dict(zip(rids, drafts))
 
 
+def build_drafter(spec, target, hf_config, target_path: str, device, dtype, max_tokens: int) -> WindowDrafter | None:
+    """The runner's draft model for a speculative_config (methods mtp, eagle3); None where the engine drafts."""
+    kw = dict(max_tokens=max_tokens, max_batch=spec.disable_by_batch_size) if spec is not None else {}
+    if spec is not None and spec.method == "mtp":
+        from kestrel.worker.mtp_drafter import MtpDrafter
+
+        return MtpDrafter(target, hf_config, target_path, spec.num_speculative_tokens, device, dtype, **kw)
+    if spec is not None and spec.method == "eagle3":
+        from kestrel.worker.eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(target, hf_config, spec.model, spec.num_speculative_tokens, device, dtype, **kw)
+    return None
+
+
 def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     """[B, 1, W, W] additive mask for left-padded windows (`valid` [B, W]): a query sees the valid keys at or
     before it; a padding query sees itself only (no row is all -inf)."""
@@ -106,55 +125,61 @@ def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-class PreNormCapture:
-    """A forward hook on the target's final norm: its pre-norm input (hidden + residual, the norm's second
-    output) of the last forward."""
+class FinalNormInput:
+    """The input of the target's final norm (hidden + residual: the norm's second output where it fuses the add),
+    as MTP reads it. A forward hook on model.norm."""
 
-    def __init__(self, model):
-        self.last = None
-        model.norm.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        self.last = output[1] if isinstance(output, tuple) else args[0]
-
-    def pop(self) -> torch.Tensor:
-        out, self.last = self.last, None
-        return out
+    def attach(self, model, write) -> None:
+        model.norm.register_forward_hook(lambda module, args, output: write(
+            output[1] if isinstance(output, tuple) else args[0]))
 
 
-class LayerInputCapture:
-    """Forward pre-hooks on some of the target's decoder layers (called as layer(positions, hidden, residual,
-    ...)): the residual stream entering each (hidden + residual; the embeddings for layer 0) of the last forward,
-    concatenated along the hidden dimension in layer order."""
+class LayerInput:
+    """The residual stream entering one of the target's decoder layers (called as layer(positions, hidden,
+    residual, ...): hidden + residual; the embeddings for layer 0), as EAGLE-3 reads it. A forward pre-hook."""
 
-    def __init__(self, model, layer_ids: list[int]):
-        self.layer_ids = sorted(layer_ids)
-        self.seen: dict[int, torch.Tensor] = {}
-        for i in self.layer_ids:
-            model.layers[i].register_forward_pre_hook(self._hook(i))
+    def __init__(self, layer: int):
+        self.layer = layer
 
-    def _hook(self, i: int):
-        def hook(module, args):
-            hidden, residual = args[1], args[2]
-            self.seen[i] = hidden if residual is None else hidden + residual
-        return hook
+    def attach(self, model, write) -> None:
+        model.layers[self.layer].register_forward_pre_hook(
+            lambda module, args: write(args[1]) if args[2] is None else write(args[1], args[2]))
 
-    def pop(self) -> torch.Tensor | None:
-        if len(self.seen) != len(self.layer_ids):
-            self.seen = {}
-            return None
-        out = torch.cat([self.seen[i] for i in self.layer_ids], dim=-1)
-        self.seen = {}
-        return out
+
+class HiddenCapture:
+    """The target hidden states a drafter reads (`taps`, each `width` wide, side by side in tap order), one row per
+    token of the last forward, in a buffer [max_tokens, len(taps) * width] allocated once. The taps' hooks copy
+    into it on the device: the copies are kernels of the forward, so a CUDA graph captured with the hooks in place
+    refills the buffer on every replay, and an eager step runs the very same hooks."""
+
+    def __init__(self, model, taps: list, width: int, max_tokens: int, device, dtype):
+        self.buffer = torch.zeros(max_tokens, len(taps) * width, dtype=dtype, device=device)
+        for i, tap in enumerate(taps):
+            tap.attach(model, self._writer(self.buffer[:, i * width:(i + 1) * width]))
+
+    @staticmethod
+    def _writer(columns: torch.Tensor):
+        def write(hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+            n = hidden.shape[0]
+            if n > columns.shape[0]:
+                raise RuntimeError(f"a target forward of {n} tokens; the drafter's capture holds "
+                                   f"{columns.shape[0]} (max_num_batched_tokens)")
+            if residual is None:
+                columns[:n].copy_(hidden)
+            else:  # the sum in the inputs' type, rounded once into the buffer's
+                torch.add(hidden, residual, out=columns[:n])
+        return write
+
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        """The last forward's first `num_tokens` rows, copied (queued behind the forward): the next step's forward
+        may overwrite the buffer before the drafter reads them (pipelined steps)."""
+        return self.buffer[:num_tokens].clone()
 
 
 def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
     """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
-    (out.next_drafts). A step without captured hidden states (a CUDA graph replay) drops the windows it touched."""
-    if inf.target_hidden is None or inf.target_hidden[0] is None:
-        for rid in inf.rows:
-            drafter.forget(rid)
-        inf.target_hidden = None
+    (out.next_drafts)."""
+    if inf.target_hidden is None:  # an empty step
         return
     hidden, qsl, chunks = inf.target_hidden
     inf.target_hidden = None
