@@ -36,3 +36,16 @@ def test_copying_draft_is_accepted(tmp_path, tiny_tokenizer):
     llm.generate(MIXED_PROMPTS * 4, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     sp = llm.engine.core.speculation
     assert sp.num_draft_tokens > 100 and sp.num_accepted_tokens >= 0.9 * sp.num_draft_tokens
+
+
+def test_graphs_with_the_draft_loaded_equal_eager(tmp_path, tiny_tokenizer):
+    """Decode graphs (above disable_by_batch_size) and verify graphs (below it) replay with the draft's capture in
+    place: tokens and drafts as with enforce_eager (tests/gpu/test_gpu_spec_decode.py)."""
+    from tests.gpu.test_gpu_spec_decode import check_drafter_graphs_equal_eager
+
+    target = eagle3_target(tmp_path, tokenizer=tiny_tokenizer, hidden_size=256, intermediate_size=512,
+                           logit_scale=4.0)
+    draft = eagle3_draft(tmp_path, target, "speculators", own_embed=True)
+    runner = check_drafter_graphs_equal_eager(target, {**eagle3(draft, 3), "disable_by_batch_size": 4},
+                                              MIXED_PROMPTS * 3)
+    assert runner.graphs.replays > 5 and runner.verify_graphs is not None and runner.verify_graphs.replays > 5
