@@ -200,5 +200,5 @@ class Eagle3Drafter(WindowDrafter):
         """Logits over the draft vocabulary from layer outputs."""
         return self.net.lm_head(self.net.norm(last))
 
-    def draft_tokens(self, j, last):
-        return self.draft_to_target[self.draft_logits(last).argmax(-1)].tolist()
+    def draft_token_ids(self, j, last):
+        return self.draft_to_target[self.draft_logits(last).argmax(-1)]

@@ -28,6 +28,7 @@ from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
+from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.verify_graphs import capture_verify_graphs
@@ -245,6 +246,8 @@ class ModelRunner:
         self.buffers = self._new_buffers()
         self.graphs = capture_graphs(self)
         self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
+        if self.drafter is not None:
+            self.drafter.graphs = capture_draft_graphs(self.drafter, self.graphs)
         if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
             for g in self.kv_cache_groups:
                 for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():

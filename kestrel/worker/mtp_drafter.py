@@ -31,6 +31,8 @@ def num_mtp_layers(hf_config) -> int:
 
 
 class MtpDrafter(WindowDrafter):
+    graphable = False  # transformers' eager MoE experts (DeepSeek's MTP layers) pick the experts hit on the host
+
     def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, max_tokens: int = 8192,
                  window: int = 64, max_batch: int | None = None):
         from safetensors import safe_open
@@ -84,9 +86,9 @@ class MtpDrafter(WindowDrafter):
     def draft_layer(self, j, embeds, hidden, pos, mask):
         return self.layers[min(j, len(self.layers) - 1)](embeds, hidden, pos, mask, self.rotary)
 
-    def draft_tokens(self, j, last):
+    def draft_token_ids(self, j, last):
         head_norm = self.layers[min(j, len(self.layers) - 1)].shared_head.norm
-        return self.target.compute_logits(head_norm(last)).argmax(-1).tolist()
+        return self.target.compute_logits(head_norm(last)).argmax(-1)
 
 
 class _SharedHead(torch.nn.Module):

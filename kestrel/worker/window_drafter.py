@@ -22,8 +22,10 @@ import torch
 
 class WindowDrafter:
     """Subclasses pass the target, the hidden states they read (`taps`, each `width` wide) and implement embed,
-    draft_layer and draft_tokens; window_hidden maps captured rows to the draft's hidden input. `max_tokens`: the
+    draft_layer and draft_token_ids; window_hidden maps captured rows to the draft's hidden input. `max_tokens`: the
     most tokens of one target forward (the runner's max(max_num_batched_tokens, max_num_seqs))."""
+
+    graphable = True  # its chain can be captured in a CUDA graph (no host sync inside its layers)
 
     def __init__(self, target, taps: list, width: int, k: int, device, dtype, max_tokens: int, window: int = 64,
                  max_batch: int | None = None):
@@ -31,6 +33,7 @@ class WindowDrafter:
         self.capture = HiddenCapture(target, taps, width, max_tokens, device, dtype)
         # request id -> (positions [W], hidden states [W, H], the token after each position [W])
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs = None  # DraftGraphs where captured (kestrel/worker/draft_graphs.py)
 
     def window_hidden(self, captured: torch.Tensor) -> torch.Tensor:
         return captured.to(self.dtype)
@@ -44,8 +47,9 @@ class WindowDrafter:
         positions [B, W], the attention mask [B, 1, W, W] of padded_causal_mask)."""
         raise NotImplementedError
 
-    def draft_tokens(self, j: int, last: torch.Tensor) -> list[int]:
-        """The greedy target token ids predicted from the layer outputs at the windows' last positions [B, H]."""
+    def draft_token_ids(self, j: int, last: torch.Tensor) -> torch.Tensor:
+        """The greedy target token ids [B] predicted from the layer outputs at the windows' last positions [B, H]
+        (on the device: no host sync inside the chain)."""
         raise NotImplementedError
 
     def after_step(self, inf, out, requests) -> None:
@@ -70,13 +74,14 @@ class WindowDrafter:
 
     @torch.inference_mode()
     def propose(self, rids: list[str]) -> dict[str, list[int]]:
-        """Up to k greedy drafts after each request's last token (its last window entry's next token), the
-        windows left-padded into one batch, so a draft step is one forward for all of them."""
+        """k greedy drafts after each request's last token (its last window entry's next token), the windows
+        left-padded to `window` positions in one batch [B, window], so a draft step is k forwards for all of them,
+        of one shape per batch size (a CUDA graph per batch bucket where captured: kestrel/worker/draft_graphs.py)."""
         rids = [r for r in rids if r in self.windows]
         if not rids:
             return {}
         rows = [self.windows[r] for r in rids]
-        b, w = len(rows), max(len(r[0]) for r in rows)
+        b, w = len(rows), self.window
         pos = torch.zeros(b, w, dtype=torch.int64, device=self.device)
         ids = torch.zeros(b, w, dtype=torch.int64, device=self.device)
         h = torch.zeros(b, w, rows[0][1].shape[-1], dtype=self.dtype, device=self.device)
@@ -84,21 +89,24 @@ class WindowDrafter:
         for i, (p, hid, nxt) in enumerate(rows):
             n = len(p)
             pos[i, w - n:], h[i, w - n:], ids[i, w - n:], valid[i, w - n:] = p, hid, nxt, True
-        drafts: list[list[int]] = [[] for _ in rids]
+        run = self.graphs.run if self.graphs is not None else self.chain
+        return dict(zip(rids, run(pos, ids, h, valid).tolist()))
+
+    def chain(self, pos: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The k chained drafts [B, k] from left-padded windows (positions, next tokens, hidden states, valid
+        [B, W]); device work only, of fixed shapes: what a draft CUDA graph holds."""
+        toks = []
         for j in range(self.k):
             out = self.draft_layer(j, self.embed(ids), h, pos, padded_causal_mask(valid, self.dtype))
-            toks = self.draft_tokens(j, out[:, -1])
-            for row, tok in zip(drafts, toks):
-                row.append(tok)
-            # the next position: the layer's output stands in for the target's hidden state (a row's window keeps
-            # its last `window` entries: the first column goes once the batch is wider than that)
-            keep = slice(1, None) if w >= self.window else slice(None)
-            pos = torch.cat([pos[:, keep], pos[:, -1:] + 1], dim=1)
-            h = torch.cat([h[:, keep], out[:, -1:]], dim=1)
-            ids = torch.cat([ids[:, keep], ids.new_tensor(toks)[:, None]], dim=1)
-            valid = torch.cat([valid[:, keep], valid.new_ones(b, 1)], dim=1)
-            w = pos.shape[1]
-        return dict(zip(rids, drafts))
+            tok = self.draft_token_ids(j, out[:, -1])
+            toks.append(tok)
+            # the next position: the layer's output stands in for the target's hidden state; the oldest column
+            # goes (a row's window keeps its last W entries; for a shorter row it is padding)
+            pos = torch.cat([pos[:, 1:], pos[:, -1:] + 1], dim=1)
+            h = torch.cat([h[:, 1:], out[:, -1:]], dim=1)
+            ids = torch.cat([ids[:, 1:], tok[:, None]], dim=1)
+            valid = torch.cat([valid[:, 1:], torch.ones_like(valid[:, -1:])], dim=1)
+        return torch.stack(toks, dim=1)
 
 
 def build_drafter(spec, target, hf_config, target_path: str, device, dtype, max_tokens: int) -> WindowDrafter | None:

@@ -40,7 +40,8 @@ def test_copying_draft_is_accepted(tmp_path, tiny_tokenizer):
 
 def test_graphs_with_the_draft_loaded_equal_eager(tmp_path, tiny_tokenizer):
     """Decode graphs (above disable_by_batch_size) and verify graphs (below it) replay with the draft's capture in
-    place: tokens and drafts as with enforce_eager (tests/gpu/test_gpu_spec_decode.py)."""
+    place, and the draft's own k forwards replay draft graphs: tokens and drafts as with enforce_eager (no graphs
+    anywhere; tests/gpu/test_gpu_spec_decode.py)."""
     from tests.gpu.test_gpu_spec_decode import check_drafter_graphs_equal_eager
 
     target = eagle3_target(tmp_path, tokenizer=tiny_tokenizer, hidden_size=256, intermediate_size=512,
@@ -49,3 +50,4 @@ def test_graphs_with_the_draft_loaded_equal_eager(tmp_path, tiny_tokenizer):
     runner = check_drafter_graphs_equal_eager(target, {**eagle3(draft, 3), "disable_by_batch_size": 4},
                                               MIXED_PROMPTS * 3)
     assert runner.graphs.replays > 5 and runner.verify_graphs is not None and runner.verify_graphs.replays > 5
+    assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs and runner.drafter.graphs.replays > 5
