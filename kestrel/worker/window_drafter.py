@@ -13,7 +13,9 @@ layer over that window in plain PyTorch with a causal mask: no cache of its own.
 dropped, so drafts are approximate where the draft layer would look further back: that costs acceptance, never
 correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's output back as the
 hidden state of the next position, with the draft just made as its token (vLLM's chaining for MTP and EAGLE-3).
-The windows of all requests that draft in a step are left-padded into one batch: k forwards a step, not k per request.
+The windows of all requests that draft in a step are left-padded to `window` positions in one batch [B, window]:
+k forwards a step, not k per request, of one shape per batch size, which kestrel/worker/draft_graphs.py captures
+as CUDA graphs per batch bucket where the drafter is `graphable`.
 """
 from __future__ import annotations
 
