@@ -2,6 +2,7 @@
 greedy output, teacher-forced through the plain engine, is its argmax at >= 30 of 32 positions (as for n-gram); a
 draft that copies its bigram target is accepted almost always (a bf16 near-tie may flip a draft)."""
 import pytest
+import torch
 
 from kestrel import LLM, SamplingParams
 from tests.agreement import MIXED_PROMPTS
@@ -51,3 +52,19 @@ def test_graphs_with_the_draft_loaded_equal_eager(tmp_path, tiny_tokenizer):
                                               MIXED_PROMPTS * 3)
     assert runner.graphs.replays > 5 and runner.verify_graphs is not None and runner.verify_graphs.replays > 5
     assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs and runner.drafter.graphs.replays > 5
+    # the draft graphs alone, at the buckets' own sizes: the drafts of the same chain run eagerly
+    drafter, g = runner.drafter, torch.Generator().manual_seed(0)
+    for i, n in enumerate([64, 10, 1, 33]):
+        drafter.windows[f"w{i}"] = (torch.arange(n, device="cuda") + 5,
+                                    torch.randn(n, 256, generator=g).to("cuda", torch.bfloat16),
+                                    torch.randint(3, 200, (n,), generator=g).cuda())
+    graphs = drafter.graphs
+    for rids in (["w0"], ["w0", "w1"], ["w0", "w1", "w2", "w3"]):
+        replays = graphs.replays
+        replayed = drafter.propose(rids)
+        assert graphs.replays == replays + 1
+        drafter.graphs = None
+        try:
+            assert replayed == drafter.propose(rids)
+        finally:
+            drafter.graphs = graphs
