@@ -28,6 +28,7 @@ class DecodeGraphs:
         self.contexts: dict[int, object] = {}
         self.pool = None
         self.arange = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=self.buf.device)
+        self.replays = 0  # steps served by a graph (tests check that graphs were used)
 
     def _context(self, b: int):
         if b not in self.contexts:
@@ -82,4 +83,5 @@ class DecodeGraphs:
             for builder, meta in zip(self.runner.builders, self.contexts[padded].attn_metadata):
                 builder.prepare_replay(meta, b, padded)
         self.graphs[padded].replay()
+        self.replays += 1
         return self.logits[padded][:b]

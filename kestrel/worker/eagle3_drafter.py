@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import LayerInputCapture, WindowDrafter
+from kestrel.worker.window_drafter import LayerInput, WindowDrafter
 
 _ALT = "use method 'ngram' or start without speculative_config"
 
@@ -125,8 +125,8 @@ def _check_target(target, num_layers: int, aux: list[int]) -> None:
 
 
 class Eagle3Drafter(WindowDrafter):
-    def __init__(self, target, hf_config, draft_path: str, k: int, device, dtype, window: int = 64,
-                 max_batch: int | None = None):
+    def __init__(self, target, hf_config, draft_path: str, k: int, device, dtype, max_tokens: int = 8192,
+                 window: int = 64, max_batch: int | None = None):
         from transformers import LlamaConfig
         from transformers.models.llama import modeling_llama as ll
 
@@ -181,11 +181,11 @@ class Eagle3Drafter(WindowDrafter):
         if to_target.shape != (draft_vocab,) or int(to_target.min()) < 0 or int(to_target.max()) >= target_vocab:
             raise ConfigError(f"speculative_config method 'eagle3': the draft {folder}'s d2t maps outside the "
                               f"target's {target_vocab} tokens")
-        super().__init__(k, device, dtype, window, max_batch)
+        super().__init__(target, [LayerInput(i) for i in sorted(aux)], target_hidden, k, device, dtype, max_tokens,
+                         window, max_batch)
         self.target, self.aux_layers, self.draft_to_target = target, sorted(aux), to_target.to(device)
         self.net.to(device=device, dtype=dtype).eval()
         self.rotary = ll.LlamaRotaryEmbedding(cfg).to(device)
-        self.capture = LayerInputCapture(target, aux)
 
     def window_hidden(self, captured):
         return self.net.fc(captured.to(self.dtype))
@@ -200,5 +200,5 @@ class Eagle3Drafter(WindowDrafter):
         """Logits over the draft vocabulary from layer outputs."""
         return self.net.lm_head(self.net.norm(last))
 
-    def draft_tokens(self, j, last):
-        return self.draft_to_target[self.draft_logits(last).argmax(-1)].tolist()
+    def draft_token_ids(self, j, last):
+        return self.draft_to_target[self.draft_logits(last).argmax(-1)]

@@ -28,10 +28,12 @@ from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
+from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.verify_graphs import capture_verify_graphs
 from kestrel.worker.warm_up import capture_graphs, precompile_kernels
+from kestrel.worker.window_drafter import build_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +72,8 @@ class ModelRunner:
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
         # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states
-        self.drafter = None
-        if spec is not None and spec.method == "mtp":
-            from kestrel.worker.mtp_drafter import MtpDrafter
-
-            self.drafter = MtpDrafter(self.model, self.hf_config, self.loaded.path, spec.num_speculative_tokens,
-                                      self.device, self.dtype, max_batch=spec.disable_by_batch_size)
-        elif spec is not None and spec.method == "eagle3":
-            from kestrel.worker.eagle3_drafter import Eagle3Drafter
-
-            self.drafter = Eagle3Drafter(self.model, self.hf_config, spec.model, spec.num_speculative_tokens,
-                                         self.device, self.dtype, max_batch=spec.disable_by_batch_size)
+        self.drafter = build_drafter(spec, self.model, self.hf_config, self.loaded.path, self.device, self.dtype,
+                                     self.max_step_tokens)
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
@@ -187,10 +180,15 @@ class ModelRunner:
             metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
         return ForwardContext(metas)
 
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens of one step's forward (the persistent buffers' size)."""
+        sc = self.config.scheduler
+        return max(sc.max_num_batched_tokens, sc.max_num_seqs)
+
     def _new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
         sc = self.config.scheduler
-        return InputBuffers(max_tokens or max(sc.max_num_batched_tokens, sc.max_num_seqs),
-                            max(max_reqs, sc.max_num_seqs),
+        return InputBuffers(max_tokens or self.max_step_tokens, max(max_reqs, sc.max_num_seqs),
                             cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
                             len(self.kv_cache_groups))
 
@@ -248,6 +246,8 @@ class ModelRunner:
         self.buffers = self._new_buffers()
         self.graphs = capture_graphs(self)
         self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
+        if self.drafter is not None:
+            self.drafter.graphs = capture_draft_graphs(self.drafter, self.graphs)
         if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
             for g in self.kv_cache_groups:
                 for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():
@@ -344,8 +344,7 @@ class ModelRunner:
         for embeds in self._hooks["inputs_embeds"]:
             out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = out if out is not None else inputs_embeds
-        # runner drafts read the target's hidden states, which a CUDA graph replay does not expose (yet)
-        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"]) and self.drafter is None
+        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   and graph_ok else None)
         vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
@@ -359,8 +358,6 @@ class ModelRunner:
         else:
             hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
                                 ctx, inputs_embeds=inputs_embeds)
-            if self.drafter is not None:
-                inf.target_hidden = (self.drafter.capture.pop(), list(qsl), chunks)
             for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
                 inf.out.pooled.update(pool(chunks, states, hidden, qsl))
             for rid in inf.out.pooled:
@@ -370,6 +367,8 @@ class ModelRunner:
             sample_idx = logits_positions(chunks, qsl, skip=inf.out.pooled)
             logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
                       if samplers else None)
+        if self.drafter is not None:  # its capture's buffer was filled by the forward or the graph replay
+            inf.target_hidden = (self.drafter.capture.rows(meta.num_tokens), list(qsl), chunks)
         if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
             kv_allocation.copy_state_slots(self.kv_cache_groups, layers, step.state_saves)
         if samplers:

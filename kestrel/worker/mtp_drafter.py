@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import PreNormCapture, WindowDrafter
+from kestrel.worker.window_drafter import FinalNormInput, WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -31,8 +31,10 @@ def num_mtp_layers(hf_config) -> int:
 
 
 class MtpDrafter(WindowDrafter):
-    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, window: int = 64,
-                 max_batch: int | None = None):
+    graphable = False  # transformers' eager MoE experts (DeepSeek's MTP layers) pick the experts hit on the host
+
+    def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, max_tokens: int = 8192,
+                 window: int = 64, max_batch: int | None = None):
         from safetensors import safe_open
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
@@ -47,7 +49,8 @@ class MtpDrafter(WindowDrafter):
             raise ConfigError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with MTP layers "
                               f"(num_nextn_predict_layers > 0), not {arch} with {n_mtp}: use method 'ngram' or "
                               f"start without speculative_config")
-        super().__init__(k, device, dtype, window, max_batch)
+        super().__init__(target, [FinalNormInput()], hf_config.hidden_size, k, device, dtype, max_tokens, window,
+                         max_batch)
         self.target = target
         cfg = ds.DeepseekV3Config.from_dict(hf_config.to_dict())
         cfg._attn_implementation = "eager"
@@ -76,7 +79,6 @@ class MtpDrafter(WindowDrafter):
             layer.load_state_dict(state[i])
         self.layers.to(device=device, dtype=dtype).eval()
         self.rotary.to(device)
-        self.capture = PreNormCapture(target)
 
     def embed(self, ids):
         return self.target.embed_input_ids(ids)
@@ -84,9 +86,9 @@ class MtpDrafter(WindowDrafter):
     def draft_layer(self, j, embeds, hidden, pos, mask):
         return self.layers[min(j, len(self.layers) - 1)](embeds, hidden, pos, mask, self.rotary)
 
-    def draft_tokens(self, j, last):
+    def draft_token_ids(self, j, last):
         head_norm = self.layers[min(j, len(self.layers) - 1)].shared_head.norm
-        return self.target.compute_logits(head_norm(last)).argmax(-1).tolist()
+        return self.target.compute_logits(head_norm(last)).argmax(-1)
 
 
 class _SharedHead(torch.nn.Module):

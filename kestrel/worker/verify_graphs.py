@@ -33,7 +33,6 @@ class VerifyGraphs(DecodeGraphs):
         dev = self.buf.device
         self.starts = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=dev) * self.q
         self.pad_positions = torch.arange(self.q, dtype=torch.int64, device=dev).repeat(self.buf.max_reqs)
-        self.replays = 0
 
     def fits(self, chunks) -> bool:
         """Is this step a uniform verify step (every row samples after exactly k drafts)?"""

@@ -1,6 +1,10 @@
 """What the runner's draft models (speculative_config method "mtp": kestrel/worker/mtp_drafter.py, "eagle3":
-kestrel/worker/eagle3_drafter.py) share: a hook that captures the target's hidden states during its forward, a window
-of each request's last accepted positions, and greedy chained drafting over that window.
+kestrel/worker/eagle3_drafter.py) share: the capture of the target's hidden states during its forward, a window of
+each request's last accepted positions, and greedy chained drafting over that window.
+
+A subclass declares which hidden states it reads (taps: FinalNormInput, LayerInput). Their hooks copy them into one
+static buffer on the device (HiddenCapture), so eager steps and CUDA graph replays (decode and verify graphs are
+captured with the hooks in place) fill it alike; after the forward the runner takes the step's rows.
 
 A draft model at position t reads a hidden state derived from the target's forward at t (`window_hidden` of what the
 capture gave) and the embedding of token t+1, and predicts token t+2. For each request the drafter keeps the last
@@ -9,7 +13,9 @@ layer over that window in plain PyTorch with a causal mask: no cache of its own.
 dropped, so drafts are approximate where the draft layer would look further back: that costs acceptance, never
 correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's output back as the
 hidden state of the next position, with the draft just made as its token (vLLM's chaining for MTP and EAGLE-3).
-The windows of all requests that draft in a step are left-padded into one batch: k forwards a step, not k per request.
+The windows of all requests that draft in a step are left-padded to `window` positions in one batch [B, window]:
+k forwards a step, not k per request, of one shape per batch size, which kestrel/worker/draft_graphs.py captures
+as CUDA graphs per batch bucket where the drafter is `graphable`.
 """
 from __future__ import annotations
 
@@ -17,15 +23,19 @@ import torch
 
 
 class WindowDrafter:
-    """Subclasses set `self.capture` (whose pop() gives the last target forward's hidden states, one row per token)
-    and implement embed, draft_layer and draft_tokens; window_hidden maps captured rows to the draft's hidden input."""
+    """Subclasses pass the target, the hidden states they read (`taps`, each `width` wide) and implement embed,
+    draft_layer and draft_token_ids; window_hidden maps captured rows to the draft's hidden input. `max_tokens`: the
+    most tokens of one target forward (the runner's max(max_num_batched_tokens, max_num_seqs))."""
 
-    capture = None
+    graphable = True  # its chain can be captured in a CUDA graph (no host sync inside its layers)
 
-    def __init__(self, k: int, device, dtype, window: int = 64, max_batch: int | None = None):
+    def __init__(self, target, taps: list, width: int, k: int, device, dtype, max_tokens: int, window: int = 64,
+                 max_batch: int | None = None):
         self.k, self.device, self.dtype, self.window, self.max_batch = k, device, dtype, window, max_batch
+        self.capture = HiddenCapture(target, taps, width, max_tokens, device, dtype)
         # request id -> (positions [W], hidden states [W, H], the token after each position [W])
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs = None  # DraftGraphs where captured (kestrel/worker/draft_graphs.py)
 
     def window_hidden(self, captured: torch.Tensor) -> torch.Tensor:
         return captured.to(self.dtype)
@@ -39,8 +49,9 @@ class WindowDrafter:
         positions [B, W], the attention mask [B, 1, W, W] of padded_causal_mask)."""
         raise NotImplementedError
 
-    def draft_tokens(self, j: int, last: torch.Tensor) -> list[int]:
-        """The greedy target token ids predicted from the layer outputs at the windows' last positions [B, H]."""
+    def draft_token_ids(self, j: int, last: torch.Tensor) -> torch.Tensor:
+        """The greedy target token ids [B] predicted from the layer outputs at the windows' last positions [B, H]
+        (on the device: no host sync inside the chain)."""
         raise NotImplementedError
 
     def after_step(self, inf, out, requests) -> None:
@@ -65,13 +76,14 @@ class WindowDrafter:
 
     @torch.inference_mode()
     def propose(self, rids: list[str]) -> dict[str, list[int]]:
-        """Up to k greedy drafts after each request's last token (its last window entry's next token), the
-        windows left-padded into one batch, so a draft step is one forward for all of them."""
+        """k greedy drafts after each request's last token (its last window entry's next token), the windows
+        left-padded to `window` positions in one batch [B, window], so a draft step is k forwards for all of them,
+        of one shape per batch size (a CUDA graph per batch bucket where captured: kestrel/worker/draft_graphs.py)."""
         rids = [r for r in rids if r in self.windows]
         if not rids:
             return {}
         rows = [self.windows[r] for r in rids]
-        b, w = len(rows), max(len(r[0]) for r in rows)
+        b, w = len(rows), self.window
         pos = torch.zeros(b, w, dtype=torch.int64, device=self.device)
         ids = torch.zeros(b, w, dtype=torch.int64, device=self.device)
         h = torch.zeros(b, w, rows[0][1].shape[-1], dtype=self.dtype, device=self.device)
@@ -79,21 +91,38 @@ class WindowDrafter:
         for i, (p, hid, nxt) in enumerate(rows):
             n = len(p)
             pos[i, w - n:], h[i, w - n:], ids[i, w - n:], valid[i, w - n:] = p, hid, nxt, True
-        drafts: list[list[int]] = [[] for _ in rids]
+        run = self.graphs.run if self.graphs is not None else self.chain
+        return dict(zip(rids, run(pos, ids, h, valid).tolist()))
+
+    def chain(self, pos: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The k chained drafts [B, k] from left-padded windows (positions, next tokens, hidden states, valid
+        [B, W]); device work only, of fixed shapes: what a draft CUDA graph holds."""
+        toks = []
         for j in range(self.k):
             out = self.draft_layer(j, self.embed(ids), h, pos, padded_causal_mask(valid, self.dtype))
-            toks = self.draft_tokens(j, out[:, -1])
-            for row, tok in zip(drafts, toks):
-                row.append(tok)
-            # the next position: the layer's output stands in for the target's hidden state (a row's window keeps
-            # its last `window` entries: the first column goes once the batch is wider than that)
-            keep = slice(1, None) if w >= self.window else slice(None)
-            pos = torch.cat([pos[:, keep], pos[:, -1:] + 1], dim=1)
-            h = torch.cat([h[:, keep], out[:, -1:]], dim=1)
-            ids = torch.cat([ids[:, keep], ids.new_tensor(toks)[:, None]], dim=1)
-            valid = torch.cat([valid[:, keep], valid.new_ones(b, 1)], dim=1)
-            w = pos.shape[1]
-        return dict(zip(rids, drafts))
+            tok = self.draft_token_ids(j, out[:, -1])
+            toks.append(tok)
+            # the next position: the layer's output stands in for the target's hidden state; the oldest column
+            # goes (a row's window keeps its last W entries; for a shorter row it is padding)
+            pos = torch.cat([pos[:, 1:], pos[:, -1:] + 1], dim=1)
+            h = torch.cat([h[:, 1:], out[:, -1:]], dim=1)
+            ids = torch.cat([ids[:, 1:], tok[:, None]], dim=1)
+            valid = torch.cat([valid[:, 1:], torch.ones_like(valid[:, -1:])], dim=1)
+        return torch.stack(toks, dim=1)
+
+
+def build_drafter(spec, target, hf_config, target_path: str, device, dtype, max_tokens: int) -> WindowDrafter | None:
+    """The runner's draft model for a speculative_config (methods mtp, eagle3); None where the engine drafts."""
+    kw = dict(max_tokens=max_tokens, max_batch=spec.disable_by_batch_size) if spec is not None else {}
+    if spec is not None and spec.method == "mtp":
+        from kestrel.worker.mtp_drafter import MtpDrafter
+
+        return MtpDrafter(target, hf_config, target_path, spec.num_speculative_tokens, device, dtype, **kw)
+    if spec is not None and spec.method == "eagle3":
+        from kestrel.worker.eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(target, hf_config, spec.model, spec.num_speculative_tokens, device, dtype, **kw)
+    return None
 
 
 def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
@@ -106,55 +135,61 @@ def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-class PreNormCapture:
-    """A forward hook on the target's final norm: its pre-norm input (hidden + residual, the norm's second
-    output) of the last forward."""
+class FinalNormInput:
+    """The input of the target's final norm (hidden + residual: the norm's second output where it fuses the add),
+    as MTP reads it. A forward hook on model.norm."""
 
-    def __init__(self, model):
-        self.last = None
-        model.norm.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        self.last = output[1] if isinstance(output, tuple) else args[0]
-
-    def pop(self) -> torch.Tensor:
-        out, self.last = self.last, None
-        return out
+    def attach(self, model, write) -> None:
+        model.norm.register_forward_hook(lambda module, args, output: write(
+            output[1] if isinstance(output, tuple) else args[0]))
 
 
-class LayerInputCapture:
-    """Forward pre-hooks on some of the target's decoder layers (called as layer(positions, hidden, residual,
-    ...)): the residual stream entering each (hidden + residual; the embeddings for layer 0) of the last forward,
-    concatenated along the hidden dimension in layer order."""
+class LayerInput:
+    """The residual stream entering one of the target's decoder layers (called as layer(positions, hidden,
+    residual, ...): hidden + residual; the embeddings for layer 0), as EAGLE-3 reads it. A forward pre-hook."""
 
-    def __init__(self, model, layer_ids: list[int]):
-        self.layer_ids = sorted(layer_ids)
-        self.seen: dict[int, torch.Tensor] = {}
-        for i in self.layer_ids:
-            model.layers[i].register_forward_pre_hook(self._hook(i))
+    def __init__(self, layer: int):
+        self.layer = layer
 
-    def _hook(self, i: int):
-        def hook(module, args):
-            hidden, residual = args[1], args[2]
-            self.seen[i] = hidden if residual is None else hidden + residual
-        return hook
+    def attach(self, model, write) -> None:
+        model.layers[self.layer].register_forward_pre_hook(
+            lambda module, args: write(args[1]) if args[2] is None else write(args[1], args[2]))
 
-    def pop(self) -> torch.Tensor | None:
-        if len(self.seen) != len(self.layer_ids):
-            self.seen = {}
-            return None
-        out = torch.cat([self.seen[i] for i in self.layer_ids], dim=-1)
-        self.seen = {}
-        return out
+
+class HiddenCapture:
+    """The target hidden states a drafter reads (`taps`, each `width` wide, side by side in tap order), one row per
+    token of the last forward, in a buffer [max_tokens, len(taps) * width] allocated once. The taps' hooks copy
+    into it on the device: the copies are kernels of the forward, so a CUDA graph captured with the hooks in place
+    refills the buffer on every replay, and an eager step runs the very same hooks."""
+
+    def __init__(self, model, taps: list, width: int, max_tokens: int, device, dtype):
+        self.buffer = torch.zeros(max_tokens, len(taps) * width, dtype=dtype, device=device)
+        for i, tap in enumerate(taps):
+            tap.attach(model, self._writer(self.buffer[:, i * width:(i + 1) * width]))
+
+    @staticmethod
+    def _writer(columns: torch.Tensor):
+        def write(hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+            n = hidden.shape[0]
+            if n > columns.shape[0]:
+                raise RuntimeError(f"a target forward of {n} tokens; the drafter's capture holds "
+                                   f"{columns.shape[0]} (max_num_batched_tokens)")
+            if residual is None:
+                columns[:n].copy_(hidden)
+            else:  # the sum in the inputs' type, rounded once into the buffer's
+                torch.add(hidden, residual, out=columns[:n])
+        return write
+
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        """The last forward's first `num_tokens` rows, copied (queued behind the forward): the next step's forward
+        may overwrite the buffer before the drafter reads them (pipelined steps)."""
+        return self.buffer[:num_tokens].clone()
 
 
 def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
     """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
-    (out.next_drafts). A step without captured hidden states (a CUDA graph replay) drops the windows it touched."""
-    if inf.target_hidden is None or inf.target_hidden[0] is None:
-        for rid in inf.rows:
-            drafter.forget(rid)
-        inf.target_hidden = None
+    (out.next_drafts)."""
+    if inf.target_hidden is None:  # an empty step
         return
     hidden, qsl, chunks = inf.target_hidden
     inf.target_hidden = None

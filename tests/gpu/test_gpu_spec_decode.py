@@ -2,7 +2,8 @@
 the speculative engine's greedy output, teacher-forced through the plain engine, is its argmax at >= 30 of 32
 positions (a near-tie may flip between the decode and the verify kernels; after a flip a free-running
 comparison would differ everywhere); the replay proposer at alpha 1 is accepted in full; seeded sampling (the
-fused Gumbel sampler) agrees with plain decoding on most requests."""
+fused Gumbel sampler) agrees with plain decoding on most requests; with a runner drafter (MTP here, EAGLE-3 in
+test_gpu_spec_eagle3.py) CUDA graphs are captured and replayed, and tokens and drafts match enforce_eager."""
 import pytest
 
 from kestrel import LLM, SamplingParams
@@ -85,3 +86,63 @@ def test_verify_graphs_equal_eager(model, plain):
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert a == b
     assert vg.replays > 5
+
+
+def drafts_by_window(llm) -> dict:
+    """Record the runner drafter's proposals: (window start, the window's tokens) -> the drafts made from it."""
+    drafter = llm.engine.core.executor.runner.drafter
+    propose, seen = drafter.propose, {}
+
+    def recording(rids):
+        drafts = propose(rids)
+        for rid, d in drafts.items():
+            pos, _, ids = drafter.windows[rid]
+            seen[(int(pos[0]), tuple(ids.tolist()))] = d
+        return drafts
+
+    drafter.propose = recording
+    return seen
+
+
+def check_drafter_graphs_equal_eager(path, spec: dict, prompts: list[list[int]]) -> tuple:
+    """A runner drafter (MTP, EAGLE-3) with CUDA graphs on, against the same engine with enforce_eager: graphs are
+    captured with the drafter loaded and replayed; the greedy tokens, teacher-forced through the eager engine, are
+    its argmax at all positions but 2 of each request; the drafts made from the same windows agree (they read the
+    hidden states that graph replays wrote into the capture buffer: stale or missing rows would change them; a
+    bf16 near-tie between the graph's and the eager kernels may flip one). Requests end at different lengths, so
+    the batch shrinks through `disable_by_batch_size`: decode steps without drafts above it, verify steps below.
+    Returns the runner with graphs (to check which graphs replayed)."""
+    params = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    graphs = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec)
+    runner = graphs.engine.core.executor.runner
+    assert runner.drafter is not None and runner.graphs is not None
+    eager = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec,
+                enforce_eager=True)
+    assert eager.engine.core.executor.runner.graphs is None
+    with_graphs, without = drafts_by_window(graphs), drafts_by_window(eager)
+    outs = graphs.generate(prompts, params)
+    eager.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        tokens = o.outputs[0].token_ids
+        assert teacher_forced_agree(eager, p, tokens) >= len(tokens) - 2, p
+    shared = set(with_graphs) & set(without)
+    assert len(shared) >= 20
+    assert sum(with_graphs[w] == without[w] for w in shared) >= 0.9 * len(shared)
+    assert graphs.engine.core.speculation.num_draft_tokens > 0
+    return runner
+
+
+def test_mtp_drafter_with_decode_graphs_equals_eager(tmp_path, tiny_tokenizer):
+    """DeepSeek MTP on the MLA backend (verify steps stay eager there: its metadata is not the plain paged one;
+    decode steps above disable_by_batch_size replay decode graphs and feed the drafter's windows; the MTP layer
+    itself drafts eagerly)."""
+    from tests.spec_decode.mtp_tiny import mtp_checkpoint
+
+    # the target dense (first_k_dense_replace) with the MLA kernel's dimensions (tests/gpu/test_gpu_mla.py)
+    path = mtp_checkpoint(tmp_path, tokenizer=tiny_tokenizer, hidden_size=256, intermediate_size=512,
+                          kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
+                          first_k_dense_replace=3, logit_scale=4.0)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 4}
+    runner = check_drafter_graphs_equal_eager(path, spec, MIXED_PROMPTS * 2)
+    assert runner.graphs.replays > 10
+    assert runner.drafter.graphs is None  # its layer's eager MoE syncs on the host: drafting stays eager

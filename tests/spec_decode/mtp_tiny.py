@@ -10,17 +10,18 @@ import torch
 from tests.tiny import make_checkpoint
 
 
-def mtp_checkpoint(root: Path, num_mtp_layers: int = 1, seed: int = 0, bigram: bool = False) -> Path:
+def mtp_checkpoint(root: Path, num_mtp_layers: int = 1, seed: int = 0, bigram: bool = False, **checkpoint_kw) -> Path:
     """`bigram`: every attention and MLP output projection zeroed in the target (its next token is a function of
     the last token only) and an MTP layer that passes enorm(embed(token t+1)) through, so its draft is exactly the
-    target's next token after token t+1: every greedy draft is accepted."""
+    target's next token after token t+1: every greedy draft is accepted. `checkpoint_kw` go to make_checkpoint
+    (wider dimensions for the GPU kernels, a tokenizer)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
     path = make_checkpoint("deepseek_v3_moe", root, seed=seed,
                            name=f"deepseek_v3_mtp{num_mtp_layers}{'_bigram' if bigram else ''}",
-                           num_mtp_layers=num_mtp_layers)
+                           num_mtp_layers=num_mtp_layers, **checkpoint_kw)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     n = target.config.num_hidden_layers
     torch.manual_seed(seed + 1)
