@@ -35,6 +35,29 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.
     return F.silu(y).t(), window[:, -(k - 1):]
 
 
+def causal_conv_varlen(x: torch.Tensor, cu_seqlens: list[int], conv_states: torch.Tensor, weight: torch.Tensor):
+    """causal_conv over the requests of a step at once: request b owns x[cu_seqlens[b]:cu_seqlens[b + 1]] and
+    continues conv_states[b] [C, K - 1] (zeros for a fresh request). One depthwise conv1d runs over the tokens
+    laid out with each request's K - 1 previous inputs in front of its own; the outputs whose window crosses
+    into the previous request are never picked. -> (y [T, C] float32, new conv states [N, C, K - 1] in x's dtype),
+    each request's equal to causal_conv's."""
+    n, k1, dev = len(cu_seqlens) - 1, weight.shape[1] - 1, x.device
+    c = x.shape[1]
+    cu = torch.tensor(cu_seqlens)
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(n), lens)  # each token's request
+    tok = torch.arange(x.shape[0]) + (seq + 1) * k1  # each token's column in the laid-out input
+    first = cu[:-1] + torch.arange(n) * k1  # the column of request b's oldest previous input
+    prev_cols = (first[:, None] + torch.arange(k1)).flatten()
+    last_cols = (first + lens)[:, None] + torch.arange(k1)  # its last K - 1 inputs (the new state), [N, K - 1]
+    laid = x.new_empty(c, x.shape[0] + n * k1)
+    laid[:, prev_cols.to(dev)] = conv_states.to(x.dtype).permute(1, 0, 2).reshape(c, n * k1)
+    laid[:, tok.to(dev)] = x.t()
+    y = F.conv1d(laid.float().unsqueeze(0), weight.float().unsqueeze(1), groups=c)[0]  # column j: window ending at j + k1
+    y = F.silu(y[:, (tok - k1).to(dev)]).t()
+    return y, laid[:, last_cols.flatten().to(dev)].view(c, n, k1).permute(1, 0, 2)
+
+
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
     """Convolved q|k|v [T, 3 H D] (float32) -> float32 q (normalised, scaled), k (normalised), v, each [T, H, D]."""
     q, k, v = qkv.float().view(qkv.shape[0], 3, num_heads, head_dim).unbind(1)
@@ -79,6 +102,20 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 32):
         last = G[:, -1:, :]  # [H, 1, D]
         state.mul_(last.transpose(1, 2).exp()).add_((kc * (last - G).exp()).transpose(1, 2) @ delta)
     return out
+
+
+def delta_rule_varlen(q, k, v, g, beta, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      cu_seqlens_cpu: torch.Tensor, scale: float):
+    """The batched prefill's contract (what kestrel/kernels/fla_kda.py's chunk_kda_varlen computes), here one
+    request at a time through delta_rule_chunked: request b owns tokens cu_seqlens[b]:cu_seqlens[b + 1] of q, k, v,
+    g [T, H, D] float32 (q and k before their L2 norm; q scaled by `scale` after it) and beta [T, H], and starts
+    from initial_state[b] [H, D, D] float32. -> (o [T, H, D] float32, final states [N, H, D, D] float32)."""
+    q, k = l2norm(q.float()) * scale, l2norm(k.float())
+    out, final = torch.empty_like(v, dtype=torch.float32), initial_state.float().clone()
+    bounds = cu_seqlens_cpu.tolist()
+    for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out[s:e] = delta_rule_chunked(q[s:e], k[s:e], v[s:e].float(), g[s:e], beta[s:e], final[b])
+    return out, final
 
 
 def delta_rule_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
