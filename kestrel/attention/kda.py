@@ -45,11 +45,28 @@ def startup_kernels(platform: Platform, dtype: torch.dtype) -> list[str]:
 
 
 @dataclass
+class KDAPrefills:
+    """A step's prefills and chunks (the requests after the decodes) as one varlen batch, for forward_prefills."""
+    cu_seqlens_cpu: torch.Tensor  # [N + 1] int64: token offsets from the first prefill token
+    cu_seqlens: torch.Tensor  # the same on the device
+    fresh: torch.Tensor  # [N] bool on the device: starts from zero state (no computed tokens)
+    conv_layout: kda_ref.VarlenConvLayout
+
+    @classmethod
+    def build(cls, qsl: list[int], num_decodes: int, has_initial_state: list[bool], conv_width: int, device):
+        cu = [x - qsl[num_decodes] for x in qsl[num_decodes:]]
+        cu_cpu = torch.tensor(cu, dtype=torch.long)
+        fresh = torch.tensor([not x for x in has_initial_state[num_decodes:]])
+        return cls(cu_cpu, cu_cpu.to(device), fresh.to(device), kda_ref.VarlenConvLayout.build(cu, conv_width, device))
+
+
+@dataclass
 class KDAMetadata(AttentionMetadata):
     state_slots: torch.Tensor | None = None  # [num_reqs] int32: each request's slot (its table's first column)
     # per request: whether it continues a state (computed tokens before this step's); None in captured graphs,
     # which hold decodes only (always continuing)
     has_initial_state_cpu: list[bool] | None = None
+    prefills: KDAPrefills | None = None  # None: a decode-only step
 
 
 class KDAMetadataBuilder(AttentionMetadataBuilder):
@@ -62,9 +79,11 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
         slots = torch.where(slots < self.spec.num_state_slots - self.spec.num_snapshot_slots, slots, 0)
         qsl, sl = c.query_start_loc_cpu, c.seq_lens_cpu
         has_init = [sl[b] > qsl[b + 1] - qsl[b] for b in range(c.num_reqs)] if qsl is not None else None
+        prefills = (KDAPrefills.build(qsl[:c.num_reqs + 1], c.num_decodes, has_init, self.spec.conv_width, self.device)
+                    if has_init is not None and c.num_reqs > c.num_decodes else None)
         return KDAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
                            c.query_start_loc, c.seq_lens, block_table, slot_mapping, qsl, sl,
-                           state_slots=slots, has_initial_state_cpu=has_init)
+                           state_slots=slots, has_initial_state_cpu=has_init, prefills=prefills)
 
     def build_for_capture(self, common, block_table, slot_mapping) -> KDAMetadata:
         c = common
@@ -117,10 +136,8 @@ class KDAImpl(AttentionImpl):
         delta_rule = self.resolve_prefill(qkv.dtype)
         if delta_rule is not None:
             s, e = qsl[nd], qsl[meta.num_reqs]
-            cu = [x - s for x in qsl[nd:meta.num_reqs + 1]]
             out[s:e] = self.forward_prefills(w, qkv[s:e], f[s:e], beta_logits[s:e], gate[s:e], cache,
-                                             meta.state_slots[nd:meta.num_reqs], cu,
-                                             meta.has_initial_state_cpu[nd:meta.num_reqs], delta_rule)
+                                             meta.state_slots[nd:meta.num_reqs], meta.prefills, delta_rule)
             return out
         slots = meta.state_slots[nd:meta.num_reqs].tolist()
         for b, slot in zip(range(nd, meta.num_reqs), slots):
@@ -129,22 +146,20 @@ class KDAImpl(AttentionImpl):
                                             meta.has_initial_state_cpu[b])
         return out
 
-    def forward_prefills(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor, cu_seqlens: list[int],
-                         has_initial_state: list[bool], delta_rule: Callable):
-        """Several requests' new tokens at once (request b: tokens cu_seqlens[b]:cu_seqlens[b + 1]), each from
-        its slot's state (zeros without an initial state), as forward_prefill does for one; updates the slots."""
+    def forward_prefills(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor, prefills: KDAPrefills,
+                         delta_rule: Callable):
+        """Several requests' new tokens at once (as `prefills` lays them out), each from its slot's state (zeros
+        without an initial state), as forward_prefill does for one; updates the slots."""
         recurrent, conv = cache
         h, d = recurrent.shape[1], recurrent.shape[2]
-        idx = slots.long()
-        fresh = torch.tensor([not x for x in has_initial_state], device=qkv.device)
-        y, new_conv = kda_ref.causal_conv_varlen(qkv, cu_seqlens, torch.where(fresh.view(-1, 1, 1), 0, conv[idx]),
-                                                 w.conv_weight)
+        idx, fresh = slots.long(), prefills.fresh
+        y, new_conv = kda_ref.causal_conv_varlen(qkv, prefills.conv_layout,
+                                                 torch.where(fresh.view(-1, 1, 1), 0, conv[idx]), w.conv_weight)
         q, k, v = y.view(y.shape[0], 3, h, d).unbind(1)
         g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
         beta = torch.sigmoid(beta_logits.float())
         initial = torch.where(fresh.view(-1, 1, 1, 1), 0.0, recurrent[idx].float())
-        cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
-        o, final = delta_rule(q, k, v, g, beta, initial, cu_cpu.to(qkv.device, non_blocking=True), cu_cpu, d ** -0.5)
+        o, final = delta_rule(q, k, v, g, beta, initial, prefills.cu_seqlens, prefills.cu_seqlens_cpu, d ** -0.5)
         recurrent[idx] = final.to(recurrent.dtype)
         conv[idx] = new_conv.to(conv.dtype)
         return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)

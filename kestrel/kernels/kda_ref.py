@@ -7,6 +7,8 @@ Before it, q, k and v go through a depthwise causal convolution of width K over 
 previous inputs (the conv state), then SiLU; after it, a per-head RMSNorm gated by sigmoid(gate)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,27 +37,38 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.
     return F.silu(y).t(), window[:, -(k - 1):]
 
 
-def causal_conv_varlen(x: torch.Tensor, cu_seqlens: list[int], conv_states: torch.Tensor, weight: torch.Tensor):
-    """causal_conv over the requests of a step at once: request b owns x[cu_seqlens[b]:cu_seqlens[b + 1]] and
-    continues conv_states[b] [C, K - 1] (zeros for a fresh request). One depthwise conv1d runs over the tokens
-    laid out with each request's K - 1 previous inputs in front of its own; the outputs whose window crosses
-    into the previous request are never picked. -> (y [T, C] float32, new conv states [N, C, K - 1] in x's dtype),
-    each request's equal to causal_conv's."""
-    n, k1, dev = len(cu_seqlens) - 1, weight.shape[1] - 1, x.device
-    c = x.shape[1]
-    cu = torch.tensor(cu_seqlens)
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(n), lens)  # each token's request
-    tok = torch.arange(x.shape[0]) + (seq + 1) * k1  # each token's column in the laid-out input
-    first = cu[:-1] + torch.arange(n) * k1  # the column of request b's oldest previous input
-    prev_cols = (first[:, None] + torch.arange(k1)).flatten()
-    last_cols = (first + lens)[:, None] + torch.arange(k1)  # its last K - 1 inputs (the new state), [N, K - 1]
-    laid = x.new_empty(c, x.shape[0] + n * k1)
-    laid[:, prev_cols.to(dev)] = conv_states.to(x.dtype).permute(1, 0, 2).reshape(c, n * k1)
-    laid[:, tok.to(dev)] = x.t()
+@dataclass
+class VarlenConvLayout:
+    """Where causal_conv_varlen puts a step's requests: each request's K - 1 previous inputs, then its tokens, one
+    request after another along the columns of one input (on the step's device)."""
+    tokens: torch.Tensor  # [T] each token's column
+    previous: torch.Tensor  # [N * (K - 1)] the previous inputs' columns, request by request, oldest first
+    last: torch.Tensor  # [N * (K - 1)] each request's last K - 1 columns (its new conv state)
+    width: int  # the columns: T + N * (K - 1)
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], conv_width: int, device) -> "VarlenConvLayout":
+        n, k1 = len(cu_seqlens) - 1, conv_width - 1
+        cu = torch.tensor(cu_seqlens)
+        lens = cu[1:] - cu[:-1]
+        tokens = torch.arange(cu_seqlens[-1]) + (torch.repeat_interleave(torch.arange(n), lens) + 1) * k1
+        first = cu[:-1] + torch.arange(n) * k1  # request b's oldest previous input
+        previous = (first[:, None] + torch.arange(k1)).flatten()
+        last = ((first + lens)[:, None] + torch.arange(k1)).flatten()
+        return cls(tokens.to(device), previous.to(device), last.to(device), cu_seqlens[-1] + n * k1)
+
+
+def causal_conv_varlen(x: torch.Tensor, layout: VarlenConvLayout, conv_states: torch.Tensor, weight: torch.Tensor):
+    """causal_conv over the requests of a step at once (request b: the tokens the layout gives it), request b
+    continuing conv_states[b] [C, K - 1] (zeros for a fresh request). One depthwise conv1d runs over the layout's
+    input; the outputs whose window reaches into the previous request are never picked. -> (y [T, C] float32,
+    new conv states [N, C, K - 1] in x's dtype), each request's equal to causal_conv's."""
+    (n, c, k1), k = conv_states.shape, weight.shape[1]
+    laid = x.new_empty(c, layout.width)
+    laid[:, layout.previous] = conv_states.to(x.dtype).permute(1, 0, 2).reshape(c, n * k1)
+    laid[:, layout.tokens] = x.t()
     y = F.conv1d(laid.float().unsqueeze(0), weight.float().unsqueeze(1), groups=c)[0]  # column j: window ending at j + k1
-    y = F.silu(y[:, (tok - k1).to(dev)]).t()
-    return y, laid[:, last_cols.flatten().to(dev)].view(c, n, k1).permute(1, 0, 2)
+    return F.silu(y[:, layout.tokens - (k - 1)]).t(), laid[:, layout.last].view(c, n, k1).permute(1, 0, 2)
 
 
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):

@@ -26,7 +26,7 @@ def test_varlen_conv_equals_causal_conv_per_request(lens):
     states[0] = 0  # a fresh request: zeros, as causal_conv's None
     weight = torch.randn(C, K, generator=gen)
     cu = [0] + torch.tensor(lens).cumsum(0).tolist()
-    y, new_states = kda_ref.causal_conv_varlen(x, cu, states, weight)
+    y, new_states = kda_ref.causal_conv_varlen(x, kda_ref.VarlenConvLayout.build(cu, K, 'cpu'), states, weight)
     assert y.dtype == torch.float32 and new_states.shape == states.shape
     for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
         want_y, want_state = kda_ref.causal_conv(x[s:e], states[b] if b else None, weight)
@@ -61,23 +61,29 @@ BATCH = [(1, 9), (1, 30), (12, 12), (7, 7), (9, 25), (6, 22), (2, 2), (2, 40)]
 SLOTS = [3, 5, 1, 2, 4, 6, 7, 8]
 
 
-def layer_case(dtype=torch.float32):
+def layer_case(dtype=torch.float32, h: int = H, d: int = D, batch=BATCH, slots=SLOTS, device="cpu"):
+    """A KDA layer's weights, a step's projections (`batch`: (query tokens, seq_len) per request, decodes first)
+    in `dtype`, slot caches and the step's metadata, built by the KDA metadata builder."""
     gen = torch.Generator().manual_seed(11)
-    hd, t = H * D, sum(n for n, _ in BATCH)
-    w = SimpleNamespace(conv_weight=torch.randn(C, K, generator=gen) * 0.5, A_log=torch.rand(H, generator=gen),
-                        dt_bias=torch.randn(hd, generator=gen) - 2, o_norm_weight=1 + 0.2 * torch.randn(D, generator=gen),
+    hd, c, t = h * d, 3 * h * d, sum(n for n, _ in batch)
+    w = SimpleNamespace(conv_weight=torch.randn(c, K, generator=gen) * 0.5, A_log=torch.rand(h, generator=gen),
+                        dt_bias=torch.randn(hd, generator=gen) - 2, o_norm_weight=1 + 0.2 * torch.randn(d, generator=gen),
                         norm_eps=1e-5)
-    inputs = [torch.randn(t, n, generator=gen).to(dtype) for n in (C, hd, H, hd)]
-    num_slots = 10
-    cache = (torch.randn(num_slots, H, D, D, generator=gen) * 0.1, torch.randn(num_slots, C, K - 1, generator=gen).to(dtype))
-    spec = KDAStateSpec(dtype, num_heads=H, head_dim=D, conv_width=K, num_slots=num_slots)
-    qsl = [0] + torch.tensor([n for n, _ in BATCH]).cumsum(0).tolist()
-    seq_lens = [s for _, s in BATCH]
-    common = CommonAttentionMetadata(t, len(BATCH), 2, max(n for n, _ in BATCH), max(seq_lens),
-                                     torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-                                     qsl, seq_lens)
-    table = torch.tensor(SLOTS, dtype=torch.int32).view(-1, 1)
-    meta = KDAMetadataBuilder(spec, 1, torch.device("cpu")).build(common, table, torch.zeros(t, dtype=torch.long))
+    w = SimpleNamespace(**{n: x.to(device) if torch.is_tensor(x) else x for n, x in vars(w).items()})
+    inputs = [torch.randn(t, n, generator=gen).to(device, dtype) for n in (c, hd, h, hd)]
+    num_slots = max(slots) + 2
+    cache = (torch.randn(num_slots, h, d, d, generator=gen).to(device) * 0.1,
+             torch.randn(num_slots, c, K - 1, generator=gen).to(device, dtype))
+    spec = KDAStateSpec(dtype, num_heads=h, head_dim=d, conv_width=K, num_slots=num_slots)
+    qsl = [0] + torch.tensor([n for n, _ in batch]).cumsum(0).tolist()
+    seq_lens = [s for _, s in batch]
+    num_decodes = sum(1 for n, _ in batch if n == 1)
+    common = CommonAttentionMetadata(t, len(batch), num_decodes, max(n for n, _ in batch), max(seq_lens),
+                                     torch.tensor(qsl, dtype=torch.int32, device=device),
+                                     torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl, seq_lens)
+    table = torch.tensor(slots, dtype=torch.int32, device=device).view(-1, 1)
+    meta = KDAMetadataBuilder(spec, 1, torch.device(device)).build(common, table,
+                                                                   torch.zeros(t, dtype=torch.long, device=device))
     return w, inputs, cache, meta
 
 
