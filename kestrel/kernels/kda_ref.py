@@ -67,7 +67,8 @@ def causal_conv_varlen(x: torch.Tensor, layout: VarlenConvLayout, conv_states: t
     laid = x.new_empty(c, layout.width)
     laid[:, layout.previous] = conv_states.to(x.dtype).permute(1, 0, 2).reshape(c, n * k1)
     laid[:, layout.tokens] = x.t()
-    y = F.conv1d(laid.float().unsqueeze(0), weight.float().unsqueeze(1), groups=c)[0]  # column j: window ending at j + k1
+    # column j: the window ending at column j + K - 1
+    y = F.conv1d(laid.float().unsqueeze(0), weight.float().unsqueeze(1), groups=c)[0]
     return F.silu(y[:, layout.tokens - (k - 1)]).t(), laid[:, layout.last].view(c, n, k1).permute(1, 0, 2)
 
 

@@ -31,7 +31,7 @@ def import_kimi_reference_without_fla():
         sys.modules.update(hidden)
     for fn in (modeling_kimi_linear.chunk_kimi_delta_attention, modeling_kimi_linear.recurrent_kimi_delta_attention):
         assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
-            f"transformers' {fn.__name__} is bound to fla: import this module before anything imports transformers' Kimi"
+            f"transformers' {fn.__name__} is bound to fla: something imported transformers' Kimi model before this"
 
 
 import_kimi_reference_without_fla()
