@@ -22,15 +22,16 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_varlen_equals_reference(dtype):
-    """fla's chunk_kda_varlen and kda_ref.delta_rule_varlen (the contract): q and k before their L2 norm, the
-    forget gate's log decay, post-sigmoid beta, float32 initial states; outputs and final states within 1e-2."""
+def test_fla_varlen_equals_reference():
+    """fla's chunk_kda_varlen and kda_ref.delta_rule_varlen (the contract) on the dtypes a bf16 layer passes (the
+    convolution's output stays float32): float32 q, k (before their L2 norm) and v, the forget gate's log decay,
+    post-sigmoid beta, float32 initial states; per request, outputs and final states within 1e-2 relative error,
+    across fla's 64-token chunk boundaries (63, 64, 65 tokens) and from zero and nonzero states."""
     from kestrel.kernels.fla_kda import chunk_kda_varlen
 
     gen = torch.Generator().manual_seed(0)
     t = sum(LENS)
-    q, k, v = (torch.randn(t, H, D, generator=gen).cuda().to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(t, H, D, generator=gen).cuda() for _ in range(3))
     f = torch.randn(t, H * D, generator=gen).cuda()
     g = kda_ref.forget_gate(f, torch.rand(H, generator=gen).cuda(), torch.randn(H * D, generator=gen).cuda() - 2, D)
     beta = torch.rand(t, H, generator=gen).cuda()
@@ -39,8 +40,7 @@ def test_fla_varlen_equals_reference(dtype):
     cu_cpu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist())
     cu = cu_cpu.cuda()
     got, got_final = chunk_kda_varlen(q, k, v, g, beta, initial, cu, cu_cpu, D ** -0.5)
-    want, want_final = kda_ref.delta_rule_varlen(q.float(), k.float(), v.float(), g, beta, initial, cu, cu_cpu,
-                                                 D ** -0.5)
+    want, want_final = kda_ref.delta_rule_varlen(q, k, v, g, beta, initial, cu, cu_cpu, D ** -0.5)
     assert got.shape == want.shape and got_final.dtype == torch.float32
     for b, (s, e) in enumerate(zip(cu_cpu[:-1].tolist(), cu_cpu[1:].tolist())):
         assert rel_err(got[s:e], want[s:e]) < 1e-2, (b, LENS[b])
