@@ -10,11 +10,15 @@ kestrel/engine/kv/managers.py StateSlotManager), so it continues that state like
 
 The batch lists decodes first: they take the backend's decode path (one token per request, vectorised over
 requests, graph-safe; the fused Triton kernel where the gate table allows it), the prefills and chunks after them
-the per-request path (`forward_prefill`, carrying the state between chunks)."""
+the prefill path. Where the gate row `fla_chunk_kda` is open (CUDA, bf16/fp16, fla-core installed), all of a
+step's prefills and chunks go through one batched call (`forward_prefills`: one short convolution and one
+varlen fla chunk_kda over every request, initial states gathered from the slots and final states written back);
+elsewhere (the CPU, float32, no fla) one request at a time (`forward_prefill`, PyTorch's chunked form)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -23,11 +27,15 @@ from kestrel.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata)
 from kestrel.core.kv_spec import KDAStateSpec
 from kestrel.kernels import kda_ref
-from kestrel.platform import Platform
+from kestrel.platform import Platform, current_platform
 from kestrel.platform.gates import kernel_available
 
+logger = logging.getLogger(__name__)
+
+PREFILL_KERNEL = "fla_chunk_kda"  # the batched prefill's gate row
 # the gate-table rows (kestrel/platform/gates.py) of the optional KDA kernels
-KDA_KERNELS = ("triton_kda_fused_decode",)
+KDA_KERNELS = ("triton_kda_fused_decode", PREFILL_KERNEL)
+_UNRESOLVED = object()
 
 
 def startup_kernels(platform: Platform, dtype: torch.dtype) -> list[str]:
@@ -37,11 +45,28 @@ def startup_kernels(platform: Platform, dtype: torch.dtype) -> list[str]:
 
 
 @dataclass
+class KDAPrefills:
+    """A step's prefills and chunks (the requests after the decodes) as one varlen batch, for forward_prefills."""
+    cu_seqlens_cpu: torch.Tensor  # [N + 1] int64: token offsets from the first prefill token
+    cu_seqlens: torch.Tensor  # the same on the device
+    fresh: torch.Tensor  # [N] bool on the device: starts from zero state (no computed tokens)
+    conv_layout: kda_ref.VarlenConvLayout
+
+    @classmethod
+    def build(cls, qsl: list[int], num_decodes: int, has_initial_state: list[bool], conv_width: int, device):
+        cu = [x - qsl[num_decodes] for x in qsl[num_decodes:]]
+        cu_cpu = torch.tensor(cu, dtype=torch.long)
+        fresh = torch.tensor([not x for x in has_initial_state[num_decodes:]])
+        return cls(cu_cpu, cu_cpu.to(device), fresh.to(device), kda_ref.VarlenConvLayout.build(cu, conv_width, device))
+
+
+@dataclass
 class KDAMetadata(AttentionMetadata):
     state_slots: torch.Tensor | None = None  # [num_reqs] int32: each request's slot (its table's first column)
     # per request: whether it continues a state (computed tokens before this step's); None in captured graphs,
     # which hold decodes only (always continuing)
     has_initial_state_cpu: list[bool] | None = None
+    prefills: KDAPrefills | None = None  # None: a decode-only step
 
 
 class KDAMetadataBuilder(AttentionMetadataBuilder):
@@ -54,9 +79,11 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
         slots = torch.where(slots < self.spec.num_state_slots - self.spec.num_snapshot_slots, slots, 0)
         qsl, sl = c.query_start_loc_cpu, c.seq_lens_cpu
         has_init = [sl[b] > qsl[b + 1] - qsl[b] for b in range(c.num_reqs)] if qsl is not None else None
+        prefills = (KDAPrefills.build(qsl[:c.num_reqs + 1], c.num_decodes, has_init, self.spec.conv_width, self.device)
+                    if has_init is not None and c.num_reqs > c.num_decodes else None)
         return KDAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
                            c.query_start_loc, c.seq_lens, block_table, slot_mapping, qsl, sl,
-                           state_slots=slots, has_initial_state_cpu=has_init)
+                           state_slots=slots, has_initial_state_cpu=has_init, prefills=prefills)
 
     def build_for_capture(self, common, block_table, slot_mapping) -> KDAMetadata:
         c = common
@@ -71,7 +98,28 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
 
 class KDAImpl(AttentionImpl):
     """One KDA layer's core for a step, from its projections' outputs: the decode rows through `forward_decode`
-    (a subclass may replace it by a fused kernel), each prefill or chunk through `forward_prefill`."""
+    (a subclass may replace it by a fused kernel), the prefills and chunks through `forward_prefills` (batched)
+    where `varlen_delta_rule` is a kernel, else each through `forward_prefill`."""
+    # the batched prefill's delta rule (kda_ref.delta_rule_varlen's contract) or None (per request); resolved from
+    # the gate table at the layer's first prefill (`resolve_prefill`)
+    varlen_delta_rule: Callable | None | object = _UNRESOLVED
+
+    @classmethod
+    def prefill_kernel(cls, platform: Platform, dtype: torch.dtype) -> str | None:
+        """The batched prefill's gate row where it is open on `platform` for `dtype`; None: per request."""
+        return PREFILL_KERNEL if kernel_available(PREFILL_KERNEL, platform, dtype) else None
+
+    def resolve_prefill(self, dtype: torch.dtype) -> Callable | None:
+        if self.varlen_delta_rule is _UNRESOLVED:
+            if self.prefill_kernel(current_platform(), dtype) is None:
+                self.varlen_delta_rule = None
+            elif compiling_only():  # the precompile's dry run: fla's autotuner must time real launches
+                return None
+            else:
+                from kestrel.kernels.fla_kda import chunk_kda_varlen
+                self.varlen_delta_rule = chunk_kda_varlen
+                logger.debug("KDA prefill: fla-core chunk_kda, all of a step's prefills in one varlen call")
+        return self.varlen_delta_rule
 
     def forward_kda(self, w, qkv, f, beta_logits, gate, cache, meta: KDAMetadata) -> torch.Tensor:
         """w: the layer's weights (conv_weight [3HD, K], A_log [H], dt_bias [HD], o_norm_weight [D], norm_eps);
@@ -85,12 +133,36 @@ class KDAImpl(AttentionImpl):
             out[:nd] = self.forward_decode(w, qkv[:nd], f[:nd], beta_logits[:nd], gate[:nd], cache,
                                            meta.state_slots[:nd], meta.seq_lens[:nd])
         qsl = meta.query_start_loc_cpu
+        delta_rule = self.resolve_prefill(qkv.dtype)
+        if delta_rule is not None:
+            s, e = qsl[nd], qsl[meta.num_reqs]
+            out[s:e] = self.forward_prefills(w, qkv[s:e], f[s:e], beta_logits[s:e], gate[s:e], cache,
+                                             meta.state_slots[nd:meta.num_reqs], meta.prefills, delta_rule)
+            return out
         slots = meta.state_slots[nd:meta.num_reqs].tolist()
         for b, slot in zip(range(nd, meta.num_reqs), slots):
             s, e = qsl[b], qsl[b + 1]
             out[s:e] = self.forward_prefill(w, qkv[s:e], f[s:e], beta_logits[s:e], gate[s:e], cache, slot,
                                             meta.has_initial_state_cpu[b])
         return out
+
+    def forward_prefills(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor, prefills: KDAPrefills,
+                         delta_rule: Callable):
+        """Several requests' new tokens at once (as `prefills` lays them out), each from its slot's state (zeros
+        without an initial state), as forward_prefill does for one; updates the slots."""
+        recurrent, conv = cache
+        h, d = recurrent.shape[1], recurrent.shape[2]
+        idx, fresh = slots.long(), prefills.fresh
+        y, new_conv = kda_ref.causal_conv_varlen(qkv, prefills.conv_layout,
+                                                 torch.where(fresh.view(-1, 1, 1), 0, conv[idx]), w.conv_weight)
+        q, k, v = y.view(y.shape[0], 3, h, d).unbind(1)
+        g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
+        beta = torch.sigmoid(beta_logits.float())
+        initial = torch.where(fresh.view(-1, 1, 1, 1), 0.0, recurrent[idx].float())
+        o, final = delta_rule(q, k, v, g, beta, initial, prefills.cu_seqlens, prefills.cu_seqlens_cpu, d ** -0.5)
+        recurrent[idx] = final.to(recurrent.dtype)
+        conv[idx] = new_conv.to(conv.dtype)
+        return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
 
     def forward_prefill(self, w, qkv, f, beta_logits, gate, cache, slot: int, has_initial_state: bool):
         """One request's new tokens from its slot's state (zeros without an initial state); updates the slot."""
@@ -127,12 +199,21 @@ class KDAImpl(AttentionImpl):
         return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
 
 
+def compiling_only() -> bool:
+    """Inside the start-up precompile's dry run (launches only compile)."""
+    try:
+        from kestrel.kernels.triton_ops.precompile import compiling_only as active
+    except ImportError:  # no triton
+        return False
+    return active()
+
+
 class KDABackend(AttentionBackend):
-    """Base of the backends that run KDA over its state slots. `kernels`: the Triton kernels its decode path
-    launches (compiled at start-up by the warm-up forwards; what the gate-table test compares)."""
+    """Base of the backends that run KDA over its state slots. `kernels`: the optional kernels it launches where
+    their gate rows are open (compiled at start-up by the warm-up forwards; what the gate-table test compares)."""
     cache_specs = (KDAStateSpec,)
     builder_cls = KDAMetadataBuilder
-    kernels: ClassVar[tuple[str, ...]] = ()
+    kernels: ClassVar[tuple[str, ...]] = (PREFILL_KERNEL,)
 
 
 class DeltaAttention(nn.Module):

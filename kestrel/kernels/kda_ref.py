@@ -7,6 +7,8 @@ Before it, q, k and v go through a depthwise causal convolution of width K over 
 previous inputs (the conv state), then SiLU; after it, a per-head RMSNorm gated by sigmoid(gate)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,41 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.
     window = torch.cat([prev.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
     y = F.conv1d(window.float().unsqueeze(0), weight.float().unsqueeze(1), groups=weight.shape[0])[0]
     return F.silu(y).t(), window[:, -(k - 1):]
+
+
+@dataclass
+class VarlenConvLayout:
+    """Where causal_conv_varlen puts a step's requests: each request's K - 1 previous inputs, then its tokens, one
+    request after another along the columns of one input (on the step's device)."""
+    tokens: torch.Tensor  # [T] each token's column
+    previous: torch.Tensor  # [N * (K - 1)] the previous inputs' columns, request by request, oldest first
+    last: torch.Tensor  # [N * (K - 1)] each request's last K - 1 columns (its new conv state)
+    width: int  # the columns: T + N * (K - 1)
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], conv_width: int, device) -> "VarlenConvLayout":
+        n, k1 = len(cu_seqlens) - 1, conv_width - 1
+        cu = torch.tensor(cu_seqlens)
+        lens = cu[1:] - cu[:-1]
+        tokens = torch.arange(cu_seqlens[-1]) + (torch.repeat_interleave(torch.arange(n), lens) + 1) * k1
+        first = cu[:-1] + torch.arange(n) * k1  # request b's oldest previous input
+        previous = (first[:, None] + torch.arange(k1)).flatten()
+        last = ((first + lens)[:, None] + torch.arange(k1)).flatten()
+        return cls(tokens.to(device), previous.to(device), last.to(device), cu_seqlens[-1] + n * k1)
+
+
+def causal_conv_varlen(x: torch.Tensor, layout: VarlenConvLayout, conv_states: torch.Tensor, weight: torch.Tensor):
+    """causal_conv over the requests of a step at once (request b: the tokens the layout gives it), request b
+    continuing conv_states[b] [C, K - 1] (zeros for a fresh request). One depthwise conv1d runs over the layout's
+    input; the outputs whose window reaches into the previous request are never picked. -> (y [T, C] float32,
+    new conv states [N, C, K - 1] in x's dtype), each request's equal to causal_conv's."""
+    (n, c, k1), k = conv_states.shape, weight.shape[1]
+    laid = x.new_empty(c, layout.width)
+    laid[:, layout.previous] = conv_states.to(x.dtype).permute(1, 0, 2).reshape(c, n * k1)
+    laid[:, layout.tokens] = x.t()
+    # column j: the window ending at column j + K - 1
+    y = F.conv1d(laid.float().unsqueeze(0), weight.float().unsqueeze(1), groups=c)[0]
+    return F.silu(y[:, layout.tokens - (k - 1)]).t(), laid[:, layout.last].view(c, n, k1).permute(1, 0, 2)
 
 
 def prepare_qkv(qkv: torch.Tensor, num_heads: int, head_dim: int):
@@ -79,6 +116,20 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 32):
         last = G[:, -1:, :]  # [H, 1, D]
         state.mul_(last.transpose(1, 2).exp()).add_((kc * (last - G).exp()).transpose(1, 2) @ delta)
     return out
+
+
+def delta_rule_varlen(q, k, v, g, beta, initial_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                      cu_seqlens_cpu: torch.Tensor, scale: float):
+    """The batched prefill's contract (what kestrel/kernels/fla_kda.py's chunk_kda_varlen computes), here one
+    request at a time through delta_rule_chunked: request b owns tokens cu_seqlens[b]:cu_seqlens[b + 1] of q, k, v,
+    g [T, H, D] float32 (q and k before their L2 norm; q scaled by `scale` after it) and beta [T, H], and starts
+    from initial_state[b] [H, D, D] float32. -> (o [T, H, D] float32, final states [N, H, D, D] float32)."""
+    q, k = l2norm(q.float()) * scale, l2norm(k.float())
+    out, final = torch.empty_like(v, dtype=torch.float32), initial_state.float().clone()
+    bounds = cu_seqlens_cpu.tolist()
+    for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out[s:e] = delta_rule_chunked(q[s:e], k[s:e], v[s:e].float(), g[s:e], beta[s:e], final[b])
+    return out, final
 
 
 def delta_rule_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ only for the device that detection actually found; fake devices (tests) and olde
 """
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from dataclasses import dataclass
 
@@ -89,6 +90,13 @@ TRITON_MOE_ARCHS = ArchRule(cuda_min_sm=80)
 # uses. Not offered on ROCm until run there (vLLM widened its ROCm twin from gfx950 to gfx942 only once checked).
 TRITON_KDA_DECODE_ARCHS = ArchRule(cuda_min_sm=80)
 
+# fla-core's chunked KDA (`fla.ops.kda.chunk_kda`, the batched varlen prefill): plain Triton made for Ampere and newer
+# CUDA, run by us on the H200 (sm_90). Not offered on ROCm until run there.
+FLA_CHUNK_KDA_ARCHS = ArchRule(cuda_min_sm=80)
+# The one fla-core release the chunk_kda call is written against (its argument names and conventions were read in
+# this version's source: pyproject's `gpu` extra and scripts/device_wheels.sh pin the same).
+FLA_CORE_VERSION = "0.6.0"
+
 # Architectures whose FP8 e4m3 is the FNUZ variant (bias 8, no negative zero, max 240). gfx950 uses OCP e4m3fn.
 FP8_FNUZ_ARCHS = ArchRule(rocm=("gfx940", "gfx941", "gfx942"))
 
@@ -163,6 +171,26 @@ def check_triton_moe(platform: Platform | None = None) -> tuple[bool, str]:
 
 def check_triton_kda_decode(platform: Platform | None = None) -> tuple[bool, str]:
     return _then(check_triton, TRITON_KDA_DECODE_ARCHS, "fused KDA decode not validated here", platform)
+
+
+def installed_fla_core() -> str | None:
+    """fla-core's installed version, read from its package metadata (None: not installed). Never imports fla:
+    importing it where transformers is loaded rebinds transformers' KDA functions to fla's Triton kernels."""
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_fla_chunk_kda(platform: Platform | None = None) -> tuple[bool, str]:
+    ok, why = _then(check_triton, FLA_CHUNK_KDA_ARCHS, "fla chunk_kda not validated here", platform)
+    if not ok:
+        return ok, why
+    version = installed_fla_core()
+    if version != FLA_CORE_VERSION:
+        return False, (f"fla-core {FLA_CORE_VERSION} is not installed (found {version})" if version else
+                       f"fla-core is not installed (the GPU extra: pip install fla-core=={FLA_CORE_VERSION})")
+    return True, ""
 
 
 def check_triton_fp8(platform: Platform | None = None) -> tuple[bool, str]:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kestrel.platform import Platform, current_platform
-from kestrel.platform.capabilities import (check_fp8_scaled_mm, check_triton, check_triton_fp8,
+from kestrel.platform.capabilities import (check_fla_chunk_kda, check_fp8_scaled_mm, check_triton, check_triton_fp8,
                                            check_triton_kda_decode, check_triton_moe, check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
@@ -66,6 +66,13 @@ GATES: dict[str, KernelGate] = {
                     "delta-rule step on the float32 state, gated RMSNorm",
         requires=(check_triton_kda_decode,),
         notes=f"head_dim in {KDA_DECODE_HEAD_DIMS} (the D x D state in registers); one token per request",
+    ),
+    "fla_chunk_kda": KernelGate(
+        description="Kimi Delta Attention prefill: every prefill and chunk of a step in one fla-core chunk_kda call "
+                    "(varlen cu_seqlens, initial states gathered from the state slots)",
+        requires=(check_fla_chunk_kda,),
+        act_dtypes=(torch.bfloat16, torch.float16),
+        notes="fla-core at the pinned FLA_CORE_VERSION (a GPU-only extra); float32 models keep the PyTorch form",
     ),
 }
 

@@ -1,16 +1,40 @@
 """GPU checks for Kimi Linear (skipped without CUDA): a tiny checkpoint with Kimi-Linear's KDA head size (128) in
 bf16, the fused Triton decode selected by the gate table, teacher-forced against transformers (float32, on weights
-bf16 holds exactly: the exact model) with CUDA graphs on and off, graph replay (fused decode over the null-slot
-padding) equal to eager, and a prefix-cache hit (a state snapshot copied on the GPU, pipelined steps, graphs on)
-giving the tokens of a run that computed the whole prompt."""
+bf16 holds exactly: the exact model) with CUDA graphs on and off and with the prefill through fla-core's batched
+chunk_kda (where its gate row is open) or PyTorch's per-request form, graph replay (fused decode over the
+null-slot padding) equal to eager, and a prefix-cache hit (a state snapshot copied on the GPU, pipelined steps,
+graphs on) giving the tokens of a run that computed the whole prompt."""
+import inspect
+import sys
+
 import pytest
 
 from kestrel import LLM, SamplingParams
+from kestrel.attention.kda import PREFILL_KERNEL, KDAImpl
 from kestrel.platform.testing import requires_kernel
 from tests.agreement import MIXED_PROMPTS, assert_teacher_forced
 
 pytestmark = [pytest.mark.gpu, requires_kernel("triton_kda_fused_decode")]
 KV_BLOCKS = 2048
+
+
+def import_kimi_reference_without_fla():
+    """transformers 5.17 binds fla's Triton kernels into its Kimi model at import where fla is importable (the
+    GPU machine carries fla-core for our prefill): import the model with fla hidden, so the reference stays its
+    float32 PyTorch form, and check that it did."""
+    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+    for fn in (modeling_kimi_linear.chunk_kimi_delta_attention, modeling_kimi_linear.recurrent_kimi_delta_attention):
+        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
+            f"transformers' {fn.__name__} is bound to fla: something imported transformers' Kimi model before this"
+
+
+import_kimi_reference_without_fla()
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +44,31 @@ def kimi(tmp_path_factory, tiny_tokenizer):
     return kimi_linear_bf16_checkpoint(tmp_path_factory.mktemp("gpu_kimi"), tokenizer=tiny_tokenizer)
 
 
+FLA = pytest.param("fla", marks=requires_kernel(PREFILL_KERNEL))
+
+
+def kda_prefill_kernels(llm) -> set:
+    """The batched prefill kernel each KDA layer resolved (None: per request)."""
+    layers = llm.engine.core.executor.runner.loaded.context.attention_layers.values()
+    return {layer.impl.varlen_delta_rule for layer in layers if isinstance(layer.impl, KDAImpl)}
+
+
+@pytest.mark.parametrize("prefill", [FLA, "torch"])
 @pytest.mark.parametrize("eager", [False, True])
-def test_bf16_teacher_forced(kimi, eager):
+def test_bf16_teacher_forced(kimi, eager, prefill, monkeypatch):
+    if prefill == "torch":  # the per-request PyTorch prefill, as where the row is closed
+        monkeypatch.setattr(KDAImpl, "prefill_kernel", classmethod(lambda cls, platform, dtype: None))
     llm = LLM(str(kimi), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, max_model_len=512,
               enforce_eager=eager)
     runner = llm.engine.core.executor.runner
     assert "triton_kda" in {b.name for b in runner.backends}
     assert (runner.graphs is None) == eager
     assert_teacher_forced(llm, kimi, MIXED_PROMPTS, n=32, spare=1, device="cuda")
+    if prefill == "fla":
+        from kestrel.kernels.fla_kda import chunk_kda_varlen
+        assert kda_prefill_kernels(llm) == {chunk_kda_varlen}
+    else:
+        assert kda_prefill_kernels(llm) == {None}
 
 
 def test_cuda_graph_replay_equals_eager(kimi):

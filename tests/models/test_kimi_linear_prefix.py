@@ -118,3 +118,30 @@ def test_unchunked_prompt_keeps_its_last_full_block(kimi, reference, recorded):
     out = llm.generate([EXTENDED], params())[0]
     assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == reference[tuple(EXTENDED)]
     assert [init for _, init in recorded["prefills"][3:]] == [True] * 3  # EXTENDED's rest continued the snapshot
+
+
+def test_batched_prefill_path_gives_the_same_tokens(kimi, reference, monkeypatch):
+    """The batched prefill (kestrel/attention/kda.py forward_prefills: one call per layer and step for all its
+    prefills and chunks, states gathered from the slots and written back) with kda_ref's varlen delta rule in
+    fla's place (the CPU has no fla): the reference's tokens through a snapshot hit, chunks continuing states,
+    fresh prompts batched with them, and preemption."""
+    from kestrel.attention.kda import KDAImpl
+    from kestrel.kernels import kda_ref
+
+    calls = []
+
+    def delta_rule(q, k, v, g, beta, initial, cu, cu_cpu, scale):
+        calls.append(cu_cpu.tolist())
+        return kda_ref.delta_rule_varlen(q, k, v, g, beta, initial, cu, cu_cpu, scale)
+
+    monkeypatch.setattr(KDAImpl, "varlen_delta_rule", staticmethod(delta_rule))
+    per_request = []
+    monkeypatch.setattr(TorchKDAImpl, "forward_prefill", lambda *a: per_request.append(a))
+    llm = LLM(str(kimi), progress=False, max_model_len=256, block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=8, max_num_seqs=4)
+    prompts = [FIRST, SECOND, *OTHERS]
+    outs = llm.generate(prompts, params())
+    assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in prompts]
+    assert outs[1].num_cached_tokens == 24 and llm.engine.core.scheduler.num_preemptions > 0
+    assert not per_request  # every prefill went through the batched path
+    assert any(len(cu) > 2 for cu in calls)  # steps with several prefills in one call

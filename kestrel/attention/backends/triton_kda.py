@@ -1,12 +1,13 @@
 """Kimi Delta Attention with the fused Triton decode (kestrel/kernels/triton_ops/kda_decode.py: one launch per
-layer and step) for the decode rows; prefills and chunks keep the PyTorch chunked form. Offered only where the
+layer and step) for the decode rows; prefills and chunks as in every KDA backend (kestrel/attention/kda.py: one
+batched fla chunk_kda where its own gate row is open, else the PyTorch chunked form per request). Offered only where the
 gate table's row `triton_kda_fused_decode` (kestrel/platform/gates.py) is open: the same row decides what
 start-up compiles (`startup_kernels`) and which GPU tests run (requires_kernel)."""
 from __future__ import annotations
 
 import torch
 
-from kestrel.attention.kda import KDABackend, KDAImpl
+from kestrel.attention.kda import PREFILL_KERNEL, KDABackend, KDAImpl
 from kestrel.kernels.triton_ops.kda_decode import kda_fused_decode
 from kestrel.platform import Platform
 from kestrel.platform.gates import GATES, KDA_DECODE_HEAD_DIMS, kernel_gate
@@ -28,7 +29,7 @@ class TritonKDABackend(KDABackend):
     head_sizes = KDA_DECODE_HEAD_DIMS
     supports_cuda_graphs = True
     impl_cls = TritonKDAImpl
-    kernels = (KERNEL,)
+    kernels = (KERNEL, PREFILL_KERNEL)
 
     @classmethod
     def validate(cls, platform: Platform, dtype: torch.dtype, head_size: int, block_size: int) -> tuple[bool, str]:

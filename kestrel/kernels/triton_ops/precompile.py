@@ -63,10 +63,20 @@ class _CompileAndLinkPool(ThreadPoolExecutor):
         return super().submit(compile_and_link)
 
 
+_compiling_only = False
+
+
+def compiling_only() -> bool:
+    """Whether a compile_only block is active (code that must not run an autotuner on compile-only launches,
+    fla's chunk_kda, asks; kestrel/attention/kda.py)."""
+    return _compiling_only
+
+
 @contextlib.contextmanager
 def compile_only(workers: int | None = None):
     """Inside: launching a Triton kernel (`kernel[grid](...)`) compiles it in a thread pool and returns without
     running it. On exit: all compilations have finished (errors raise here). Yields a CompileCounter."""
+    global _compiling_only
     workers = workers or min(16, os.cpu_count() or 1)
     run = JITFunction.run
 
@@ -75,11 +85,13 @@ def compile_only(workers: int | None = None):
 
     with CompileCounter() as counter, _CompileAndLinkPool(workers, thread_name_prefix="triton-compile") as pool:
         JITFunction.run = compile_instead  # every launch site, ours and future ones, without a launch wrapper
+        _compiling_only = True
         try:
             with triton.AsyncCompileMode(pool):
                 yield counter
         finally:
             JITFunction.run = run
+            _compiling_only = False
 
 
 def precompile(dry_run, what: str = "start-up") -> CompileCounter | None:
