@@ -16,9 +16,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
 from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
@@ -27,59 +26,19 @@ from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
                                      check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
-from kestrel.engine.messages import EngineCoreOutputs, SchedulerStats
+from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.pooling import pooling_sampling
 from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
+from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink, RequestTiming
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class FinishedRequest:
-    """A finished request's sizes and phases (seconds; None where the request never got that far): queued from
-    its arrival to its first scheduling, prefill from then to its first token, decode from its first token to
-    its end, inference from its first scheduling to its end."""
-    e2e: float
-    queued: float | None
-    prefill: float | None
-    decode: float | None
-    inference: float | None
-    prompt_tokens: int
-    generation_tokens: int  # all its sequences
-    max_generation_tokens: int  # its longest sequence
-    n: int
-    max_tokens: int | None  # the request's max_tokens parameter (None: not given)
-    finish_reason: str | None
-
-
-class RequestMetricsSink(Protocol):
-    """Request latency hooks; ``engine`` is the index of the engine core that served the request."""
-
-    def on_routed(self, engine: int) -> None: ...
-    def on_frontend(self, stage: str, seconds: float) -> None: ...
-    def on_first_token(self, engine: int, ttft_s: float) -> None: ...
-    def on_tokens(self, engine: int, itl_s: float, count: int) -> None: ...
-    def on_finished(self, engine: int, done: FinishedRequest) -> None: ...
-    def on_step(self, engine: int, stats: SchedulerStats) -> None: ...
-
-
 _ABORTED = object()
-
-
-class _Timing:
-    __slots__ = ("arrival", "first", "last", "engine", "scheduled", "n", "max_tokens")
-
-    def __init__(self, n: int = 1, max_tokens: int | None = None):
-        self.arrival = time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.scheduled: float | None = None  # its first sequence's first scheduling (the engine's clock)
-        self.engine = 0
-        self.n, self.max_tokens = n, max_tokens
 
 
 class AsyncEngine:
@@ -95,7 +54,7 @@ class AsyncEngine:
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._timing: dict[str, _Timing] = {}
+        self._request_metrics = RequestMetrics(metrics)  # each running request's timing
         self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
         self._admission = AdmissionPolicy()  # the windows' shared view: is anybody else being served?
         self.max_model_len = 0
@@ -325,7 +284,7 @@ class AsyncEngine:
         s = self.config.scheduler
         return AdmissionWindow(s.request_window(), s.contended_window(), self._admission, group_id=uuid.uuid4().hex)
 
-    def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
+    def _send_child(self, r, window: AdmissionWindow, timing: RequestTiming) -> None:
         """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
         self._child_window[r.request_id] = window
         try:
@@ -337,7 +296,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.on_routed(timing.engine)
 
-    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: "_Timing", queue) -> None:
+    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: RequestTiming, queue) -> None:
         """The slow path: each core request goes in when its window has a free slot."""
         try:
             for r in core_reqs:
@@ -363,7 +322,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
-        timing = self._timing[request_id] = _Timing(len(core_reqs), params.max_tokens)
+        timing = self._request_metrics.start(request_id, len(core_reqs), params.max_tokens)
         self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
                                           core_reqs, stream=stream)
         if not self.log_request_lines:
@@ -416,7 +375,7 @@ class AsyncEngine:
             if sender is not None:
                 sender.cancel()
             guard.close()
-            self._timing.pop(request_id, None)
+            self._request_metrics.end(request_id)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id, "its caller went away (client disconnected)")
             else:
@@ -445,7 +404,7 @@ class AsyncEngine:
     # ---- from the core client
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
         if self.metrics is not None:
-            self._observe_engine(outs)
+            self._request_metrics.observe_engine(outs, self.output_processor.child_to_parent)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
@@ -454,50 +413,14 @@ class AsyncEngine:
         now = time.monotonic()
         if self.metrics is not None:
             for rid, new in self.output_processor.progress:
-                self._observe_tokens(rid, new, now)
+                self._request_metrics.observe_tokens(rid, new, now)
         for ro in results:
             q = self._queues.get(ro.request_id)
             if q is None:
                 continue
             if ro.finished:
-                self._observe_finished(ro, now)
+                self._request_metrics.observe_finished(ro, now)
             q.put_nowait(ro)
-
-    def _observe_engine(self, outs: EngineCoreOutputs) -> None:
-        """The step's token counts, and when the requests that got their first token were first scheduled."""
-        if outs.stats is not None and outs.stats.step_tokens:
-            self.metrics.on_step(outs.engine_index, outs.stats)
-        for o in outs.outputs:
-            if o.scheduled_at:
-                t = self._timing.get(self.output_processor.child_to_parent.get(o.request_id))
-                if t is not None and (t.scheduled is None or o.scheduled_at < t.scheduled):
-                    t.scheduled = o.scheduled_at
-
-    def _observe_tokens(self, request_id: str, new: int, now: float) -> None:
-        t = self._timing.get(request_id)
-        if t is None:
-            return
-        if new:
-            if t.first is None:
-                t.first = now
-                self.metrics.on_first_token(t.engine, now - t.arrival)
-                if new > 1:
-                    self.metrics.on_tokens(t.engine, 0.0, new - 1)
-            else:
-                self.metrics.on_tokens(t.engine, (now - t.last) / new, new)
-            t.last = now
-
-    def _observe_finished(self, ro: RequestOutput, now: float) -> None:
-        t = self._timing.get(ro.request_id)
-        if t is not None and self.metrics is not None:
-            reason = ro.outputs[0].finish_reason if ro.outputs else None
-            lens = [len(c.token_ids) for c in ro.outputs]
-            sched, first = t.scheduled, t.first
-            self.metrics.on_finished(t.engine, FinishedRequest(
-                now - t.arrival, sched - t.arrival if sched else None,
-                first - sched if sched and first else None, now - first if first else None,
-                now - sched if sched else None, len(ro.prompt_token_ids), sum(lens), max(lens, default=0), t.n,
-                t.max_tokens, reason))
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
         if child_ids is None or self.client.all_dead:
