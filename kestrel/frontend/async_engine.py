@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -24,8 +22,8 @@ from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
 from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
-                                     check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
+from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, check_fits_kv_cache,
+                                       display_prompt, make_mm_processor)
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
@@ -33,6 +31,7 @@ from kestrel.frontend.pooling import pooling_sampling
 from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
+from kestrel.frontend.renderer import Renderer
 from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink, RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -62,14 +61,10 @@ class AsyncEngine:
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
         self.pooling: dict | None = None  # a pooling model's facts (task, labels, Matryoshka sizes); None: generative
         self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
-        if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
-            raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+        self.renderer = Renderer(config, isinstance(self.client, InprocClient), metrics)  # render threads, processes
         if config.scheduler.max_seqs_per_request < 0:
             raise ConfigError(f"--max-seqs-per-request must be 0 (auto) or positive, got "
                               f"{config.scheduler.max_seqs_per_request}")
-        self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
-                                               thread_name_prefix="kestrel-render")
-        self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
         self.sleep_level: int | None = None  # the fleet's state: the level of the last /sleep, None while awake
         self._fleet_lock = asyncio.Lock()  # sleep, wake-up and a restarted engine's restore, one at a time
 
@@ -85,16 +80,16 @@ class AsyncEngine:
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
         self.client.on_engine_restarted = self._restore_engine
-        self.render_procs = await asyncio.to_thread(self._render_processes)
+        procs = self.renderer.procs = await asyncio.to_thread(self.renderer.make_processes)
         try:  # the render processes start beside the engine cores
             _, self.tokenizer, mm, _ = await asyncio.gather(
                 self.client.start(),
                 asyncio.to_thread(tokenizer_or_none, m, Path(path)),  # dummy weights without one: token ids only
                 asyncio.to_thread(make_mm_processor, self.config),
-                self.render_procs.start() if self.render_procs is not None else asyncio.sleep(0))
+                procs.start() if procs is not None else asyncio.sleep(0))
         except BaseException:
-            if self.render_procs is not None:
-                await self.render_procs.shutdown()
+            if procs is not None:
+                await procs.shutdown()
             raise
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
@@ -107,69 +102,19 @@ class AsyncEngine:
                                               pooling=self.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
-            await self._start_image_rendering(mm, info["device"])
+            await self.renderer.start_images(mm, info["device"])
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
 
-    def _render_processes(self):
-        """The render processes an image model's server loads and processes images on (not started yet); None for
-        a text model, with --image-render-processes 0, or beside an in-process engine core (tests, offline)."""
-        from kestrel.frontend.render_proc import RenderProcesses
-
-        num = self.config.multimodal.image_render_processes
-        if num == 0 or isinstance(self.client, InprocClient):
-            return None
-        try:
-            if mm_model_class(self.config) is None:
-                return None
-        except Exception:  # noqa: BLE001 - an unreadable checkpoint: the engine core's start-up reports it
-            return None
-        return RenderProcesses(self.config, num if num is not None else default_image_render_workers())
-
-    async def _start_image_rendering(self, mm, device: str) -> None:
-        """Image models: pixels sent in the engine's model dtype, more render threads by default, torch ops in this
-        process on one thread each (the render threads are the parallelism; N threads each spreading over every
-        core slowed image requests down), and every render thread warmed up with one small image before the
-        server takes requests."""
-        import torch
-
-        from kestrel.loader import resolve_dtype
-
-        mm.pixel_dtype = resolve_dtype(self.config.model.dtype, torch.device(device))
-
-        workers = self.config.model.renderer_num_workers
-        if workers is None:
-            workers = default_image_render_workers()
-            self._render_pool.shutdown(wait=False)
-            self._render_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
-        if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
-            torch.set_num_threads(1)
-        if self.render_procs is not None:  # the render threads only render chat templates
-            return
-        barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
-
-        def warm_up() -> None:
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:
-                pass
-            mm.warm_up()
-
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(self._render_pool, warm_up)
-                                   for _ in range(workers)))
-        except Exception as e:  # noqa: BLE001 - the requests will report it; the server still starts
-            logger.warning("warming up the image processor failed: %s: %s", type(e).__name__, e)
-            return
-        logger.info("%d render thread(s) ready for images in %.1f s", workers, time.perf_counter() - t0)
-
     async def shutdown(self) -> None:
         await self.client.shutdown()
-        if self.render_procs is not None:
-            await self.render_procs.shutdown()
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
+        await self.renderer.shutdown()
+
+    @property
+    def render_procs(self):
+        """An image model's render processes (RenderProcesses), when the server uses them; else None."""
+        return self.renderer.procs
 
     @property
     def is_dead(self) -> bool:
@@ -187,35 +132,16 @@ class AsyncEngine:
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
         """Run a tokenizer, chat-template or image-processor call on a render thread, off the event loop."""
-        stamps = [time.perf_counter()]
-
-        def job():
-            stamps.append(time.perf_counter())
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                stamps.append(time.perf_counter())
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._render_pool, job)
-        finally:
-            if self.metrics is not None and len(stamps) == 3:
-                for stage, a, b in (("render_wait", 0, 1), ("render", 1, 2)):
-                    self.metrics.on_frontend(stage, stamps[b] - stamps[a])
-                self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
+        return await self.renderer.run(fn, *args, **kwargs)
 
     async def render_chat_images(self, messages: list[dict], add_generation_prompt: bool,
                                  chat_template: str | None, template_kwargs: dict, tools: list[dict] | None,
                                  continue_final_message: bool = False) -> ProcessedPrompt:
-        """Chat messages with image_url parts -> token ids and image features, rendered by a render process (the
-        template, the images and the image processor)."""
-        dtype = self.input_processor.mm.pixel_dtype
-        res, seconds = await self.render_procs.render(
-            messages, add_generation_prompt, chat_template or self.input_processor.chat_template, template_kwargs,
-            tools, str(dtype).removeprefix("torch.") if dtype is not None else None, continue_final_message)
-        if self.metrics is not None:
-            self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
-            self.metrics.on_frontend("render", res.seconds)
-        return ProcessedPrompt(res.token_ids, res.extras, res.prompt)
+        """Chat messages with image_url parts -> token ids and image features, rendered by a render process."""
+        ip = self.input_processor
+        return await self.renderer.render_chat_images(ip.mm.pixel_dtype, ip.chat_template, messages,
+                                                      add_generation_prompt, chat_template, template_kwargs, tools,
+                                                      continue_final_message)
 
     # ---- requests
     def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
