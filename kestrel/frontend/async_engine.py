@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
 from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
@@ -30,7 +30,8 @@ from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.pooling import pooling_sampling
 from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
-from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
+from kestrel.frontend.fleet_control import FleetControl
+from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
 from kestrel.frontend.renderer import Renderer
 from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink, RequestTiming
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 _ABORTED = object()
 
 
-class AsyncEngine:
+class AsyncEngine(FleetControl):
     def __init__(self, config: EngineConfig, client: EngineCoreClient | str = "mp",
                  metrics: RequestMetricsSink | None = None, log_requests: bool = False,
                  log_request_lines: bool = True):
@@ -60,13 +61,11 @@ class AsyncEngine:
         self.num_kv_blocks = 0
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
         self.pooling: dict | None = None  # a pooling model's facts (task, labels, Matryoshka sizes); None: generative
-        self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
+        super().__init__()  # the fleet's state: LoRA adapters, sleep level
         self.renderer = Renderer(config, isinstance(self.client, InprocClient), metrics)  # render threads, processes
         if config.scheduler.max_seqs_per_request < 0:
             raise ConfigError(f"--max-seqs-per-request must be 0 (auto) or positive, got "
                               f"{config.scheduler.max_seqs_per_request}")
-        self.sleep_level: int | None = None  # the fleet's state: the level of the last /sleep, None while awake
-        self._fleet_lock = asyncio.Lock()  # sleep, wake-up and a restarted engine's restore, one at a time
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -115,16 +114,6 @@ class AsyncEngine:
     def render_procs(self):
         """An image model's render processes (RenderProcesses), when the server uses them; else None."""
         return self.renderer.procs
-
-    @property
-    def is_dead(self) -> bool:
-        """No engine core can serve now (all dead or restarting)."""
-        return self.client.is_dead
-
-    def unavailable(self) -> EngineDead:
-        """The error for a request that finds no engine core able to serve."""
-        down = sorted(self.client.out_of_service().items())
-        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in down) or "no engine core can serve")
 
     @property
     def stats(self) -> list:
@@ -358,59 +347,3 @@ class AsyncEngine:
             q = self._queues.get(rid)
             if q is not None:
                 q.put_nowait(exc)
-
-    # ---- fan-outs to the live engine cores (they wait for every engine; see ipc/utility.py). A dead or
-    # restarting engine is left out: it has no state to change, and it comes back fresh.
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        return await self.client.utility.call(engine, method, *args)
-
-    def _live(self) -> list[int]:
-        if self.client.is_dead:
-            raise self.unavailable()
-        return self.client.live_engines
-
-    # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/frontend/lora_registry.py)
-    async def call_utility_all(self, method: str, *args):
-        """`method` on every live engine core; the FanoutResult, which never raises by itself."""
-        return await self.client.utility.call_all(method, *args, engines=self._live())
-
-    async def call_utility_all_or_undo(self, method: str, args: tuple, undo_method: str, undo_args: tuple):
-        return await self.client.utility.call_all_or_undo(method, args, undo_method, undo_args, engines=self._live())
-
-    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
-        return await self.loras.load(name, path)
-
-    async def unload_lora_adapter(self, name: str) -> LoRARequest:
-        return await self.loras.unload(name)
-
-    async def list_loras(self) -> list[list]:
-        """Every live engine's [[lora id, name], ...]; raises if the engines disagree."""
-        return (await self.client.utility.call_all("list_loras", engines=self._live())).consensus()
-
-    async def reset_prefix_cache(self) -> bool:
-        return (await self.client.utility.call_all("reset_prefix_cache", engines=self._live())).all_true()
-
-    async def sleep(self, level: int = 1) -> bool:
-        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation). Once all
-        sleep, the fleet is asleep: new requests get EngineSleeping (503), a restarted engine sleeps too."""
-        async with self._fleet_lock:
-            res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
-            self.sleep_level = level
-        return res.all_true()
-
-    async def wake_up(self) -> bool:
-        async with self._fleet_lock:
-            res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
-            self.sleep_level = None
-        return res.all_true()
-
-    async def _restore_engine(self, engine: int, serve) -> None:
-        """A restarted engine core gets the server's state back before it serves: the fleet's sleep (an engine
-        restarted while the others sleep comes back asleep), then the LoRA adapters (which call serve())."""
-        async with self._fleet_lock:
-            if self.sleep_level is not None:
-                await self.client.utility.call(engine, "sleep", self.sleep_level)
-            await self.loras.restore(engine, serve)
-
-    async def is_sleeping(self) -> bool:
-        return (await self.client.utility.call_all("is_sleeping", engines=self._live())).consensus()
