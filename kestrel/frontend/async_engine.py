@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
-from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
+from kestrel.frontend.admission import AdmissionWindow
 from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
@@ -30,10 +30,11 @@ from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.pooling import pooling_sampling
 from kestrel.ipc.utility import WaiterGuard
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
+from kestrel.frontend.child_sender import ChildSender
 from kestrel.frontend.fleet_control import FleetControl
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
 from kestrel.frontend.renderer import Renderer
-from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink, RequestTiming
+from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class AsyncEngine(FleetControl):
         self.output_processor: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._request_metrics = RequestMetrics(metrics)  # each running request's timing
-        self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
-        self._admission = AdmissionPolicy()  # the windows' shared view: is anybody else being served?
+        self._children = ChildSender(self.client, metrics)  # core requests in through their admission windows
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
@@ -197,36 +197,7 @@ class AsyncEngine(FleetControl):
         """A new window for one API request: --max-seqs-per-request sequences in the engine at once, a quarter of
         that while other requests are being served (kestrel/frontend/admission.py)."""
         s = self.config.scheduler
-        return AdmissionWindow(s.request_window(), s.contended_window(), self._admission, group_id=uuid.uuid4().hex)
-
-    def _send_child(self, r, window: AdmissionWindow, timing: RequestTiming) -> None:
-        """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
-        self._child_window[r.request_id] = window
-        try:
-            timing.engine = self.client.add_request(r)
-        except BaseException:
-            self._child_window.pop(r.request_id, None)
-            window.give(1)
-            raise
-        if self.metrics is not None:
-            self.metrics.on_routed(timing.engine)
-
-    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: RequestTiming, queue) -> None:
-        """The slow path: each core request goes in when its window has a free slot."""
-        try:
-            for r in core_reqs:
-                await window.take()
-                self._send_child(r, window, timing)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - the stream raises it
-            queue.put_nowait(e)
-
-    def _leave_window(self, request_ids) -> None:
-        for rid in request_ids:
-            w = self._child_window.pop(rid, None)
-            if w is not None:
-                w.give(1)
+        return self._children.new_window(s.request_window(), s.contended_window())
 
     async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline,
                       window: AdmissionWindow, stream: bool) -> AsyncIterator[RequestOutput]:
@@ -250,15 +221,7 @@ class AsyncEngine(FleetControl):
         finished = False
         sender = None
         try:
-            if window.try_take(len(core_reqs)):  # the usual case: every sequence goes in now
-                for k, r in enumerate(core_reqs):
-                    try:
-                        self._send_child(r, window, timing)
-                    except BaseException:
-                        window.give(len(core_reqs) - k - 1)
-                        raise
-            else:
-                sender = asyncio.create_task(self._send_children(core_reqs, window, timing, queue))
+            sender = self._children.send(core_reqs, window, timing, queue)
             loop = asyncio.get_running_loop()
             loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
@@ -295,7 +258,7 @@ class AsyncEngine(FleetControl):
                 self.abort(request_id, "its caller went away (client disconnected)")
             else:
                 self.output_processor.abort(request_id)
-            self._leave_window(r.request_id for r in core_reqs)
+            self._children.leave(r.request_id for r in core_reqs)
 
     def abort(self, request_id: str, why: str = "") -> None:
         child_ids = self.output_processor.abort(request_id)
@@ -323,8 +286,8 @@ class AsyncEngine(FleetControl):
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
-            self._leave_window(to_stop)
-        self._leave_window(o.request_id for o in outs.outputs if o.finished)
+            self._children.leave(to_stop)
+        self._children.leave(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
         if self.metrics is not None:
             for rid, new in self.output_processor.progress:
