@@ -23,7 +23,7 @@ from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, check_fits_kv_cache,
-                                       display_prompt, make_mm_processor)
+                                       make_mm_processor)
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
@@ -209,8 +209,7 @@ class AsyncEngine(FleetControl):
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
         timing = self._request_metrics.start(request_id, len(core_reqs), params.max_tokens)
-        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
-                                          core_reqs, stream=stream)
+        self.output_processor.add_request(request_id, prompt, ids, params, core_reqs, stream=stream)
         if not self.log_request_lines:
             pass
         elif self.log_requests:

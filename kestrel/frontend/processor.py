@@ -310,8 +310,9 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
         self.progress: list[tuple[str, int]] = []  # set by process(): (request id, tokens gained) this step
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt, prompt_ids: list[int], params: SamplingParams,
                     core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
+        """`prompt`: as the caller gave it (its text, if it has one, is what the outputs show)."""
         children = {}
         for i, r in enumerate(core_requests):
             p = r.sampling_params
@@ -320,7 +321,7 @@ class OutputProcessor:
             out = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None, cumulative_logprob=None)
             children[r.request_id] = _Child(i, p, detok, out)
             self.child_to_parent[r.request_id] = request_id
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_ids, children, stream,
+        self.requests[request_id] = _RequestState(request_id, display_prompt(prompt), prompt_ids, children, stream,
                                                   [None] if params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:

@@ -6,7 +6,7 @@ import itertools
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_fits_kv_cache, display_prompt,
+from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_fits_kv_cache,
                                        make_mm_processor)
 from kestrel.core.pooling import PoolingParams, pooling_facts
 from kestrel.core.sampling_params import SamplingParams
@@ -65,8 +65,7 @@ class LLMEngine:
                                                       lora_id=lora_request.lora_id if lora_request else 0,
                                                       pooling=pooling, group_id=group_id)
         check_fits_kv_cache(len(ids), self.core.scheduler.max_prompt_tokens)
-        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
-                                          core_reqs, stream)
+        self.output_processor.add_request(request_id, prompt, ids, params, core_reqs, stream)
         for r in core_reqs:
             self.core.add_request(r)
         return request_id
