@@ -22,8 +22,7 @@ from kestrel.frontend.admission import AdmissionWindow
 from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
 from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, check_fits_kv_cache,
-                                       make_mm_processor)
+from kestrel.frontend.processor import InputProcessor, OutputProcessor, ProcessedPrompt, make_mm_processor
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
@@ -95,10 +94,9 @@ class AsyncEngine(FleetControl):
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.max_prompt_tokens = min(i["max_prompt_tokens"] for i in self.client.engine_info)
         self.pooling = info.get("pooling")
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              self.config.model.max_logprobs, mm=mm,
-                                              max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
-                                              pooling=self.pooling)
+        self.input_processor = InputProcessor.for_engine(self.config, self.tokenizer, self.max_model_len,
+                                                         info["vocab_size"], self.max_prompt_tokens, mm=mm,
+                                                         pooling=self.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
             await self.renderer.start_images(mm, info["device"])
@@ -175,7 +173,6 @@ class AsyncEngine(FleetControl):
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0,
                                                       pooling=pooling, group_id=window.group_id)
-        check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window, stream)
 
