@@ -277,17 +277,14 @@ class AsyncEngine(FleetControl):
 
     # ---- from the core client
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        if self.metrics is not None:
-            self._request_metrics.observe_engine(outs, self.output_processor.child_to_parent)
+        self._request_metrics.observe_engine(outs, self.output_processor.child_to_parent)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
             self._children.leave(to_stop)
         self._children.leave(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
-        if self.metrics is not None:
-            for rid, new in self.output_processor.progress:
-                self._request_metrics.observe_tokens(rid, new, now)
+        self._request_metrics.observe_progress(self.output_processor.progress, now)
         for ro in results:
             q = self._queues.get(ro.request_id)
             if q is None:

@@ -70,6 +70,8 @@ class RequestMetrics:
 
     def observe_engine(self, outs: EngineCoreOutputs, child_to_parent: dict[str, str]) -> None:
         """The step's token counts, and when the requests that got their first token were first scheduled."""
+        if self.sink is None:
+            return
         if outs.stats is not None and outs.stats.step_tokens:
             self.sink.on_step(outs.engine_index, outs.stats)
         for o in outs.outputs:
@@ -78,7 +80,13 @@ class RequestMetrics:
                 if t is not None and (t.scheduled is None or o.scheduled_at < t.scheduled):
                     t.scheduled = o.scheduled_at
 
-    def observe_tokens(self, request_id: str, new: int, now: float) -> None:
+    def observe_progress(self, progress: list[tuple[str, int]], now: float) -> None:
+        """`progress`: (request id, tokens gained) of each request this step moved (OutputProcessor.progress)."""
+        if self.sink is not None:
+            for request_id, new in progress:
+                self._observe_tokens(request_id, new, now)
+
+    def _observe_tokens(self, request_id: str, new: int, now: float) -> None:
         t = self.timing.get(request_id)
         if t is None:
             return
