@@ -7,7 +7,11 @@ render processes, render_chat_images and kestrel/frontend/render_proc.py), so a 
 stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
 request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
 finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
-engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead."""
+engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead.
+
+Its parts, one module each: child_sender.py (core requests in through their admission windows),
+request_metrics.py (TTFT, inter-token latency, finished requests), renderer.py (render threads and processes)
+and fleet_control.py (the base class: calls on every engine core, LoRA adapters, sleep and wake-up)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,22 +22,22 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
-from kestrel.frontend.admission import AdmissionWindow
-from kestrel.frontend.beam_search import BeamSearchParams, search_async
-from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
-from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import InputProcessor, OutputProcessor, ProcessedPrompt, make_mm_processor
-from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.frontend.pooling import pooling_sampling
-from kestrel.ipc.utility import WaiterGuard
+from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
+from kestrel.frontend.admission import AdmissionWindow
+from kestrel.frontend.beam_search import BeamSearchParams, search_async
 from kestrel.frontend.child_sender import ChildSender
 from kestrel.frontend.fleet_control import FleetControl
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
+from kestrel.frontend.outputs import RequestOutput
+from kestrel.frontend.pooling import pooling_sampling
+from kestrel.frontend.processor import InputProcessor, OutputProcessor, ProcessedPrompt, make_mm_processor
 from kestrel.frontend.renderer import Renderer
 from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink
+from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
+from kestrel.ipc.utility import WaiterGuard
 
 logger = logging.getLogger(__name__)
 
