@@ -7,82 +7,45 @@ render processes, render_chat_images and kestrel/frontend/render_proc.py), so a 
 stalls other clients. Leaving the iterator early (client disconnect = cancellation, or a break) aborts the
 request in the engine, which frees its KV blocks; so does a request's timeout, after which its stream ends with
 finish_reason "abort" and stop_reason "timeout". A stop string found here is sent to the core as an abort so the
-engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead."""
+engine stops generating. When an engine core dies, every request waiting on it fails with EngineDead.
+
+Its parts, one module each: child_sender.py (core requests in through their admission windows),
+request_metrics.py (TTFT, inter-token latency, finished requests), renderer.py (render threads and processes)
+and fleet_control.py (the base class: calls on every engine core, LoRA adapters, sleep and wake-up)."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
-from kestrel.frontend.admission import AdmissionPolicy, AdmissionWindow
-from kestrel.frontend.beam_search import BeamSearchParams, search_async
-from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
-from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import (InputProcessor, OutputProcessor, ProcessedPrompt, default_image_render_workers,
-                                     check_fits_kv_cache, display_prompt, make_mm_processor, mm_model_class)
-from kestrel.engine.messages import EngineCoreOutputs, SchedulerStats
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.frontend.pooling import pooling_sampling
-from kestrel.ipc.utility import WaiterGuard
+from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
-from kestrel.frontend.lora_registry import LoRARegistry, LoRARequest, parse_lora_modules
+from kestrel.frontend.admission import AdmissionWindow
+from kestrel.frontend.beam_search import BeamSearchParams, search_async
+from kestrel.frontend.child_sender import ChildSender
+from kestrel.frontend.fleet_control import FleetControl
+from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
+from kestrel.frontend.outputs import RequestOutput
+from kestrel.frontend.pooling import pooling_sampling
+from kestrel.frontend.processor import InputProcessor, OutputProcessor, ProcessedPrompt, make_mm_processor
+from kestrel.frontend.renderer import Renderer
+from kestrel.frontend.request_metrics import RequestMetrics, RequestMetricsSink
+from kestrel.ipc.core_client import EngineCoreClient, InprocClient, make_client
+from kestrel.ipc.utility import WaiterGuard
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class FinishedRequest:
-    """A finished request's sizes and phases (seconds; None where the request never got that far): queued from
-    its arrival to its first scheduling, prefill from then to its first token, decode from its first token to
-    its end, inference from its first scheduling to its end."""
-    e2e: float
-    queued: float | None
-    prefill: float | None
-    decode: float | None
-    inference: float | None
-    prompt_tokens: int
-    generation_tokens: int  # all its sequences
-    max_generation_tokens: int  # its longest sequence
-    n: int
-    max_tokens: int | None  # the request's max_tokens parameter (None: not given)
-    finish_reason: str | None
-
-
-class RequestMetricsSink(Protocol):
-    """Request latency hooks; ``engine`` is the index of the engine core that served the request."""
-
-    def on_routed(self, engine: int) -> None: ...
-    def on_frontend(self, stage: str, seconds: float) -> None: ...
-    def on_first_token(self, engine: int, ttft_s: float) -> None: ...
-    def on_tokens(self, engine: int, itl_s: float, count: int) -> None: ...
-    def on_finished(self, engine: int, done: FinishedRequest) -> None: ...
-    def on_step(self, engine: int, stats: SchedulerStats) -> None: ...
 
 
 _ABORTED = object()
 
 
-class _Timing:
-    __slots__ = ("arrival", "first", "last", "engine", "scheduled", "n", "max_tokens")
-
-    def __init__(self, n: int = 1, max_tokens: int | None = None):
-        self.arrival = time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.scheduled: float | None = None  # its first sequence's first scheduling (the engine's clock)
-        self.engine = 0
-        self.n, self.max_tokens = n, max_tokens
-
-
-class AsyncEngine:
+class AsyncEngine(FleetControl):
     def __init__(self, config: EngineConfig, client: EngineCoreClient | str = "mp",
                  metrics: RequestMetricsSink | None = None, log_requests: bool = False,
                  log_request_lines: bool = True):
@@ -95,24 +58,17 @@ class AsyncEngine:
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._timing: dict[str, _Timing] = {}
-        self._child_window: dict[str, AdmissionWindow] = {}  # core request in the engine -> its request's window
-        self._admission = AdmissionPolicy()  # the windows' shared view: is anybody else being served?
+        self._request_metrics = RequestMetrics(metrics)  # each running request's timing
+        self._children = ChildSender(self.client, metrics)  # core requests in through their admission windows
         self.max_model_len = 0
         self.num_kv_blocks = 0
         self.max_prompt_tokens = 0  # the engines' admission limit (engine facts)
         self.pooling: dict | None = None  # a pooling model's facts (task, labels, Matryoshka sizes); None: generative
-        self.loras = LoRARegistry(self)  # adapters by name, loaded on every engine core or on none
-        if config.model.renderer_num_workers is not None and config.model.renderer_num_workers < 1:
-            raise ConfigError(f"--renderer-num-workers must be at least 1, got {config.model.renderer_num_workers}")
+        super().__init__()  # the fleet's state: LoRA adapters, sleep level
+        self.renderer = Renderer(config, isinstance(self.client, InprocClient), metrics)  # render threads, processes
         if config.scheduler.max_seqs_per_request < 0:
             raise ConfigError(f"--max-seqs-per-request must be 0 (auto) or positive, got "
                               f"{config.scheduler.max_seqs_per_request}")
-        self._render_pool = ThreadPoolExecutor(config.model.renderer_num_workers or 1,
-                                               thread_name_prefix="kestrel-render")
-        self.render_procs = None  # an image model's render processes (RenderProcesses), when the server uses them
-        self.sleep_level: int | None = None  # the fleet's state: the level of the last /sleep, None while awake
-        self._fleet_lock = asyncio.Lock()  # sleep, wake-up and a restarted engine's restore, one at a time
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
@@ -126,101 +82,40 @@ class AsyncEngine:
         self.client.on_outputs = self._on_outputs
         self.client.on_engine_dead = self._on_engine_dead
         self.client.on_engine_restarted = self._restore_engine
-        self.render_procs = await asyncio.to_thread(self._render_processes)
+        procs = self.renderer.procs = await asyncio.to_thread(self.renderer.make_processes)
         try:  # the render processes start beside the engine cores
             _, self.tokenizer, mm, _ = await asyncio.gather(
                 self.client.start(),
                 asyncio.to_thread(tokenizer_or_none, m, Path(path)),  # dummy weights without one: token ids only
                 asyncio.to_thread(make_mm_processor, self.config),
-                self.render_procs.start() if self.render_procs is not None else asyncio.sleep(0))
+                procs.start() if procs is not None else asyncio.sleep(0))
         except BaseException:
-            if self.render_procs is not None:
-                await self.render_procs.shutdown()
+            if procs is not None:
+                await procs.shutdown()
             raise
         info = self.client.engine_info[0]
         self.max_model_len = info["max_model_len"]
         self.num_kv_blocks = min(i["num_kv_blocks"] for i in self.client.engine_info)
         self.max_prompt_tokens = min(i["max_prompt_tokens"] for i in self.client.engine_info)
         self.pooling = info.get("pooling")
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
-                                              self.config.model.max_logprobs, mm=mm,
-                                              max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
-                                              pooling=self.pooling)
+        self.input_processor = InputProcessor.for_engine(self.config, self.tokenizer, self.max_model_len,
+                                                         info["vocab_size"], self.max_prompt_tokens, mm=mm,
+                                                         pooling=self.pooling)
         self.output_processor = OutputProcessor(self.tokenizer)
         if mm is not None:
-            await self._start_image_rendering(mm, info["device"])
+            await self.renderer.start_images(mm, info["device"])
         for name, lora_path in lora_modules:
             await self.loras.load(name, lora_path)
         return self
 
-    def _render_processes(self):
-        """The render processes an image model's server loads and processes images on (not started yet); None for
-        a text model, with --image-render-processes 0, or beside an in-process engine core (tests, offline)."""
-        from kestrel.frontend.render_proc import RenderProcesses
-
-        num = self.config.multimodal.image_render_processes
-        if num == 0 or isinstance(self.client, InprocClient):
-            return None
-        try:
-            if mm_model_class(self.config) is None:
-                return None
-        except Exception:  # noqa: BLE001 - an unreadable checkpoint: the engine core's start-up reports it
-            return None
-        return RenderProcesses(self.config, num if num is not None else default_image_render_workers())
-
-    async def _start_image_rendering(self, mm, device: str) -> None:
-        """Image models: pixels sent in the engine's model dtype, more render threads by default, torch ops in this
-        process on one thread each (the render threads are the parallelism; N threads each spreading over every
-        core slowed image requests down), and every render thread warmed up with one small image before the
-        server takes requests."""
-        import torch
-
-        from kestrel.loader import resolve_dtype
-
-        mm.pixel_dtype = resolve_dtype(self.config.model.dtype, torch.device(device))
-
-        workers = self.config.model.renderer_num_workers
-        if workers is None:
-            workers = default_image_render_workers()
-            self._render_pool.shutdown(wait=False)
-            self._render_pool = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-render")
-        if workers > 1 and not isinstance(self.client, InprocClient):  # an in-process engine core needs its threads
-            torch.set_num_threads(1)
-        if self.render_procs is not None:  # the render threads only render chat templates
-            return
-        barrier = threading.Barrier(workers, timeout=60)  # one warm-up on each thread, not several on one
-
-        def warm_up() -> None:
-            try:
-                barrier.wait()
-            except threading.BrokenBarrierError:
-                pass
-            mm.warm_up()
-
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(asyncio.get_running_loop().run_in_executor(self._render_pool, warm_up)
-                                   for _ in range(workers)))
-        except Exception as e:  # noqa: BLE001 - the requests will report it; the server still starts
-            logger.warning("warming up the image processor failed: %s: %s", type(e).__name__, e)
-            return
-        logger.info("%d render thread(s) ready for images in %.1f s", workers, time.perf_counter() - t0)
-
     async def shutdown(self) -> None:
         await self.client.shutdown()
-        if self.render_procs is not None:
-            await self.render_procs.shutdown()
-        self._render_pool.shutdown(wait=False, cancel_futures=True)
+        await self.renderer.shutdown()
 
     @property
-    def is_dead(self) -> bool:
-        """No engine core can serve now (all dead or restarting)."""
-        return self.client.is_dead
-
-    def unavailable(self) -> EngineDead:
-        """The error for a request that finds no engine core able to serve."""
-        down = sorted(self.client.out_of_service().items())
-        return EngineDead("; ".join(f"{e} ({self.client.engine_state(i)})" for i, e in down) or "no engine core can serve")
+    def render_procs(self):
+        """An image model's render processes (RenderProcesses), when the server uses them; else None."""
+        return self.renderer.procs
 
     @property
     def stats(self) -> list:
@@ -228,35 +123,16 @@ class AsyncEngine:
 
     async def run_tokenizer(self, fn: Callable, *args, **kwargs):
         """Run a tokenizer, chat-template or image-processor call on a render thread, off the event loop."""
-        stamps = [time.perf_counter()]
-
-        def job():
-            stamps.append(time.perf_counter())
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                stamps.append(time.perf_counter())
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._render_pool, job)
-        finally:
-            if self.metrics is not None and len(stamps) == 3:
-                for stage, a, b in (("render_wait", 0, 1), ("render", 1, 2)):
-                    self.metrics.on_frontend(stage, stamps[b] - stamps[a])
-                self.metrics.on_frontend("resume", time.perf_counter() - stamps[2])
+        return await self.renderer.run(fn, *args, **kwargs)
 
     async def render_chat_images(self, messages: list[dict], add_generation_prompt: bool,
                                  chat_template: str | None, template_kwargs: dict, tools: list[dict] | None,
                                  continue_final_message: bool = False) -> ProcessedPrompt:
-        """Chat messages with image_url parts -> token ids and image features, rendered by a render process (the
-        template, the images and the image processor)."""
-        dtype = self.input_processor.mm.pixel_dtype
-        res, seconds = await self.render_procs.render(
-            messages, add_generation_prompt, chat_template or self.input_processor.chat_template, template_kwargs,
-            tools, str(dtype).removeprefix("torch.") if dtype is not None else None, continue_final_message)
-        if self.metrics is not None:
-            self.metrics.on_frontend("render_wait", max(0.0, seconds - res.seconds))
-            self.metrics.on_frontend("render", res.seconds)
-        return ProcessedPrompt(res.token_ids, res.extras, res.prompt)
+        """Chat messages with image_url parts -> token ids and image features, rendered by a render process."""
+        ip = self.input_processor
+        return await self.renderer.render_chat_images(ip.mm.pixel_dtype, ip.chat_template, messages,
+                                                      add_generation_prompt, chat_template, template_kwargs, tools,
+                                                      continue_final_message)
 
     # ---- requests
     def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
@@ -301,7 +177,6 @@ class AsyncEngine:
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0,
                                                       pooling=pooling, group_id=window.group_id)
-        check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window, stream)
 
@@ -323,36 +198,7 @@ class AsyncEngine:
         """A new window for one API request: --max-seqs-per-request sequences in the engine at once, a quarter of
         that while other requests are being served (kestrel/frontend/admission.py)."""
         s = self.config.scheduler
-        return AdmissionWindow(s.request_window(), s.contended_window(), self._admission, group_id=uuid.uuid4().hex)
-
-    def _send_child(self, r, window: AdmissionWindow, timing: "_Timing") -> None:
-        """Send one core request holding a slot of `window` (given back when it finishes or leaves)."""
-        self._child_window[r.request_id] = window
-        try:
-            timing.engine = self.client.add_request(r)
-        except BaseException:
-            self._child_window.pop(r.request_id, None)
-            window.give(1)
-            raise
-        if self.metrics is not None:
-            self.metrics.on_routed(timing.engine)
-
-    async def _send_children(self, core_reqs, window: AdmissionWindow, timing: "_Timing", queue) -> None:
-        """The slow path: each core request goes in when its window has a free slot."""
-        try:
-            for r in core_reqs:
-                await window.take()
-                self._send_child(r, window, timing)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - the stream raises it
-            queue.put_nowait(e)
-
-    def _leave_window(self, request_ids) -> None:
-        for rid in request_ids:
-            w = self._child_window.pop(rid, None)
-            if w is not None:
-                w.give(1)
+        return self._children.new_window(s.request_window(), s.contended_window())
 
     async def _stream(self, request_id, prompt, ids, params, core_reqs, deadline,
                       window: AdmissionWindow, stream: bool) -> AsyncIterator[RequestOutput]:
@@ -363,9 +209,8 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         guard = WaiterGuard(self._queues, on_discard=None)  # owns the stream registration on every exit path
         guard.register(request_id, queue)
-        timing = self._timing[request_id] = _Timing(len(core_reqs), params.max_tokens)
-        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
-                                          core_reqs, stream=stream)
+        timing = self._request_metrics.start(request_id, len(core_reqs), params.max_tokens)
+        self.output_processor.add_request(request_id, prompt, ids, params, core_reqs, stream=stream)
         if not self.log_request_lines:
             pass
         elif self.log_requests:
@@ -376,15 +221,7 @@ class AsyncEngine:
         finished = False
         sender = None
         try:
-            if window.try_take(len(core_reqs)):  # the usual case: every sequence goes in now
-                for k, r in enumerate(core_reqs):
-                    try:
-                        self._send_child(r, window, timing)
-                    except BaseException:
-                        window.give(len(core_reqs) - k - 1)
-                        raise
-            else:
-                sender = asyncio.create_task(self._send_children(core_reqs, window, timing, queue))
+            sender = self._children.send(core_reqs, window, timing, queue)
             loop = asyncio.get_running_loop()
             loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
             while True:
@@ -416,12 +253,12 @@ class AsyncEngine:
             if sender is not None:
                 sender.cancel()
             guard.close()
-            self._timing.pop(request_id, None)
+            self._request_metrics.end(request_id)
             if not finished:  # cancelled (client disconnect) or abandoned: free the engine's blocks
                 self.abort(request_id, "its caller went away (client disconnected)")
             else:
                 self.output_processor.abort(request_id)
-            self._leave_window(r.request_id for r in core_reqs)
+            self._children.leave(r.request_id for r in core_reqs)
 
     def abort(self, request_id: str, why: str = "") -> None:
         child_ids = self.output_processor.abort(request_id)
@@ -444,60 +281,21 @@ class AsyncEngine:
 
     # ---- from the core client
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        if self.metrics is not None:
-            self._observe_engine(outs)
+        self._request_metrics.observe_engine(outs, self.output_processor.child_to_parent)
         results, to_stop = self.output_processor.process(outs.outputs)
         if to_stop:  # stop strings: the engine must stop generating these
             self.client.abort_requests(to_stop)
-            self._leave_window(to_stop)
-        self._leave_window(o.request_id for o in outs.outputs if o.finished)
+            self._children.leave(to_stop)
+        self._children.leave(o.request_id for o in outs.outputs if o.finished)
         now = time.monotonic()
-        if self.metrics is not None:
-            for rid, new in self.output_processor.progress:
-                self._observe_tokens(rid, new, now)
+        self._request_metrics.observe_progress(self.output_processor.progress, now)
         for ro in results:
             q = self._queues.get(ro.request_id)
             if q is None:
                 continue
             if ro.finished:
-                self._observe_finished(ro, now)
+                self._request_metrics.observe_finished(ro, now)
             q.put_nowait(ro)
-
-    def _observe_engine(self, outs: EngineCoreOutputs) -> None:
-        """The step's token counts, and when the requests that got their first token were first scheduled."""
-        if outs.stats is not None and outs.stats.step_tokens:
-            self.metrics.on_step(outs.engine_index, outs.stats)
-        for o in outs.outputs:
-            if o.scheduled_at:
-                t = self._timing.get(self.output_processor.child_to_parent.get(o.request_id))
-                if t is not None and (t.scheduled is None or o.scheduled_at < t.scheduled):
-                    t.scheduled = o.scheduled_at
-
-    def _observe_tokens(self, request_id: str, new: int, now: float) -> None:
-        t = self._timing.get(request_id)
-        if t is None:
-            return
-        if new:
-            if t.first is None:
-                t.first = now
-                self.metrics.on_first_token(t.engine, now - t.arrival)
-                if new > 1:
-                    self.metrics.on_tokens(t.engine, 0.0, new - 1)
-            else:
-                self.metrics.on_tokens(t.engine, (now - t.last) / new, new)
-            t.last = now
-
-    def _observe_finished(self, ro: RequestOutput, now: float) -> None:
-        t = self._timing.get(ro.request_id)
-        if t is not None and self.metrics is not None:
-            reason = ro.outputs[0].finish_reason if ro.outputs else None
-            lens = [len(c.token_ids) for c in ro.outputs]
-            sched, first = t.scheduled, t.first
-            self.metrics.on_finished(t.engine, FinishedRequest(
-                now - t.arrival, sched - t.arrival if sched else None,
-                first - sched if sched and first else None, now - first if first else None,
-                now - sched if sched else None, len(ro.prompt_token_ids), sum(lens), max(lens, default=0), t.n,
-                t.max_tokens, reason))
 
     def _on_engine_dead(self, exc: EngineDead, child_ids: list[str] | None) -> None:
         if child_ids is None or self.client.all_dead:
@@ -509,59 +307,3 @@ class AsyncEngine:
             q = self._queues.get(rid)
             if q is not None:
                 q.put_nowait(exc)
-
-    # ---- fan-outs to the live engine cores (they wait for every engine; see ipc/utility.py). A dead or
-    # restarting engine is left out: it has no state to change, and it comes back fresh.
-    async def call_utility(self, method: str, *args, engine: int = 0) -> Any:
-        return await self.client.utility.call(engine, method, *args)
-
-    def _live(self) -> list[int]:
-        if self.client.is_dead:
-            raise self.unavailable()
-        return self.client.live_engines
-
-    # ---- LoRA adapters: fan-outs applied on every live engine or undone (kestrel/frontend/lora_registry.py)
-    async def call_utility_all(self, method: str, *args):
-        """`method` on every live engine core; the FanoutResult, which never raises by itself."""
-        return await self.client.utility.call_all(method, *args, engines=self._live())
-
-    async def call_utility_all_or_undo(self, method: str, args: tuple, undo_method: str, undo_args: tuple):
-        return await self.client.utility.call_all_or_undo(method, args, undo_method, undo_args, engines=self._live())
-
-    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
-        return await self.loras.load(name, path)
-
-    async def unload_lora_adapter(self, name: str) -> LoRARequest:
-        return await self.loras.unload(name)
-
-    async def list_loras(self) -> list[list]:
-        """Every live engine's [[lora id, name], ...]; raises if the engines disagree."""
-        return (await self.client.utility.call_all("list_loras", engines=self._live())).consensus()
-
-    async def reset_prefix_cache(self) -> bool:
-        return (await self.client.utility.call_all("reset_prefix_cache", engines=self._live())).all_true()
-
-    async def sleep(self, level: int = 1) -> bool:
-        """Mutating: if some engine fails, the ones that went to sleep are woken again (compensation). Once all
-        sleep, the fleet is asleep: new requests get EngineSleeping (503), a restarted engine sleeps too."""
-        async with self._fleet_lock:
-            res = await self.client.utility.call_all_or_undo("sleep", (level,), "wake_up", (), engines=self._live())
-            self.sleep_level = level
-        return res.all_true()
-
-    async def wake_up(self) -> bool:
-        async with self._fleet_lock:
-            res = await self.client.utility.call_all_or_undo("wake_up", (), "sleep", (1,), engines=self._live())
-            self.sleep_level = None
-        return res.all_true()
-
-    async def _restore_engine(self, engine: int, serve) -> None:
-        """A restarted engine core gets the server's state back before it serves: the fleet's sleep (an engine
-        restarted while the others sleep comes back asleep), then the LoRA adapters (which call serve())."""
-        async with self._fleet_lock:
-            if self.sleep_level is not None:
-                await self.client.utility.call(engine, "sleep", self.sleep_level)
-            await self.loras.restore(engine, serve)
-
-    async def is_sleeping(self) -> bool:
-        return (await self.client.utility.call_all("is_sleeping", engines=self._live())).consensus()

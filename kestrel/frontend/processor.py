@@ -114,9 +114,12 @@ class InputProcessor:
     fit."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
-                 mm=None, max_num_batched_tokens: int | None = None, pooling: dict | None = None):
-        """`pooling`: a pooling engine's facts (kestrel/core/pooling.py pooling_facts; None: a generative one)."""
+                 mm=None, max_num_batched_tokens: int | None = None, pooling: dict | None = None,
+                 max_prompt_tokens: int | None = None):
+        """`pooling`: a pooling engine's facts (kestrel/core/pooling.py pooling_facts; None: a generative one).
+        `max_prompt_tokens`: the longest prompt the engine's KV cache admits (None: not checked here)."""
         self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
         self.pooling = pooling
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -125,6 +128,14 @@ class InputProcessor:
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
         self.mm = mm
+
+    @classmethod
+    def for_engine(cls, config, tokenizer, max_model_len: int, vocab_size: int, max_prompt_tokens: int, mm=None,
+                   pooling: dict | None = None) -> "InputProcessor":
+        """The input processor of an engine (the sync or the async one) with these facts, under its config."""
+        return cls(tokenizer, max_model_len, vocab_size, config.model.max_logprobs, mm=mm,
+                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens, pooling=pooling,
+                   max_prompt_tokens=max_prompt_tokens)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -267,6 +278,8 @@ class InputProcessor:
                 extras = msgspec.structs.replace(extras, bidirectional_len=len(ids))
                 if self.max_num_batched_tokens:  # the engine's rule, checked here to answer 400 before sending
                     extras.check_step_budget(self.max_num_batched_tokens)
+        if self.max_prompt_tokens is not None:
+            check_fits_kv_cache(len(ids), self.max_prompt_tokens)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):
@@ -310,8 +323,9 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
         self.progress: list[tuple[str, int]] = []  # set by process(): (request id, tokens gained) this step
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt, prompt_ids: list[int], params: SamplingParams,
                     core_requests: list[EngineCoreRequest], stream: bool = False) -> None:
+        """`prompt`: as the caller gave it (its text, if it has one, is what the outputs show)."""
         children = {}
         for i, r in enumerate(core_requests):
             p = r.sampling_params
@@ -320,7 +334,7 @@ class OutputProcessor:
             out = CompletionOutput(i, logprobs=[] if p.logprobs is not None else None, cumulative_logprob=None)
             children[r.request_id] = _Child(i, p, detok, out)
             self.child_to_parent[r.request_id] = request_id
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_ids, children, stream,
+        self.requests[request_id] = _RequestState(request_id, display_prompt(prompt), prompt_ids, children, stream,
                                                   [None] if params.prompt_logprobs is not None else None)
 
     def child_ids(self, request_id: str) -> list[str]:

@@ -6,8 +6,7 @@ import itertools
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
 from kestrel.frontend.outputs import RequestOutput
-from kestrel.frontend.processor import (InputProcessor, OutputProcessor, check_fits_kv_cache, display_prompt,
-                                       make_mm_processor)
+from kestrel.frontend.processor import InputProcessor, OutputProcessor, make_mm_processor
 from kestrel.core.pooling import PoolingParams, pooling_facts
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.frontend.lora_registry import LoRARequest, parse_lora_modules
@@ -21,11 +20,10 @@ class LLMEngine:
         self.core = EngineCore(config, progress=progress)
         self.tokenizer = self.core.tokenizer
         hf = self.core.model_config.text
-        self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len, hf.vocab_size,
-                                              config.model.max_logprobs,
-                                              mm=make_mm_processor(config, self.core.model_config.hf),
-                                              max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                              pooling=pooling_facts(self.core.model_config, config.model))
+        self.input_processor = InputProcessor.for_engine(
+            config, self.tokenizer, self.core.max_model_len, hf.vocab_size, self.core.scheduler.max_prompt_tokens,
+            mm=make_mm_processor(config, self.core.model_config.hf),
+            pooling=pooling_facts(self.core.model_config, config.model))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)
@@ -64,9 +62,7 @@ class LLMEngine:
         ids, core_reqs = self.input_processor.process(request_id, prompt, params, priority,
                                                       lora_id=lora_request.lora_id if lora_request else 0,
                                                       pooling=pooling, group_id=group_id)
-        check_fits_kv_cache(len(ids), self.core.scheduler.max_prompt_tokens)
-        self.output_processor.add_request(request_id, display_prompt(prompt), ids, params,
-                                          core_reqs, stream)
+        self.output_processor.add_request(request_id, prompt, ids, params, core_reqs, stream)
         for r in core_reqs:
             self.core.add_request(r)
         return request_id
