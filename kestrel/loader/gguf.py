@@ -100,7 +100,7 @@ def cache_folder(path: Path, cache_dir: str) -> Path:
     return Path(cache_dir).expanduser() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _weights_folder(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
+def weights_folder(path: Path, cache_dir: str, dtype: torch.dtype) -> Path:
     return cache_folder(path, cache_dir) / str(dtype).removeprefix("torch.")
 
 
@@ -119,7 +119,7 @@ def load_gguf(path: Path, dtype: torch.dtype, cache_dir: str | None, progress: b
 
     from kestrel.loader.safetensors import iter_safetensors
 
-    folder = _weights_folder(path, cache_dir, dtype) if cache_dir else None
+    folder = weights_folder(path, cache_dir, dtype) if cache_dir else None
     if folder is not None and (folder / "config.json").exists():
         logger.info("GGUF: reading the dequantised copy in %s", folder)
         return AutoConfig.from_pretrained(folder), iter_safetensors(folder, progress)

@@ -1,0 +1,73 @@
+"""The replay-proposer measurement of benchmarks/spec_decode.py: a run without speculation that records each
+prompt's greedy output, then one engine per k whose replay proposer proposes those tokens, each kept with
+probability alpha (kestrel/spec_decode/replay.py)."""
+from __future__ import annotations
+
+from benchmarks.common import nano_workload, write_shape
+from benchmarks.spec_timing import kestrel_spec_counts, mean_accepted_len, row_of, timed_generate
+
+
+def engine_kwargs(args, device: str, batches: list[int], ks: list[int]) -> tuple[str, dict]:
+    """(model folder, LLM keywords) every engine of a run shares: a random-weight shape (or --model), room for
+    the largest batch with k + 1 tokens a request."""
+    if args.model:
+        model, load = args.model, {}
+    else:
+        model, load = str(write_shape(args.shape)), dict(load_format="dummy", dtype="bfloat16")
+    return model, dict(device=device, max_num_seqs=max(batches), enable_prefix_caching=False, progress=False,
+                       max_model_len=args.prompt_len + args.output_len + 16,
+                       max_num_batched_tokens=max(2048, max(batches) * (1 + max(ks))), **load)
+
+
+def plain_rows(model, common, args, device, batches) -> tuple[list[dict], list[list[int]], list]:
+    """No speculation: (rows, the prompts, [[prompt ids, greedy output ids], ...] for the replay proposer)."""
+    from kestrel import LLM
+
+    rows, references = [], {}
+    plain = LLM(model, **common)
+    vocab = min(10000, int(plain.engine.core.model_config.vocab_size))
+    prompts = nano_workload(max(batches), seed=3, in_range=(args.prompt_len, args.prompt_len), vocab_cap=vocab)[0]
+    for b in batches:
+        timed_generate(plain, prompts[:b], args.output_len, device, 1)  # warm-up
+        ttft, total, outs = timed_generate(plain, prompts[:b], args.output_len, device, args.reps)
+        references.update({tuple(p): o for p, o in zip(prompts[:b], outs)})
+        rows.append(row_of("no speculation", b, 0, "", args.output_len, ttft, total))
+    plain.engine.core.shutdown()
+    del plain
+    return rows, prompts, [[list(p), o] for p, o in references.items()]
+
+
+def replay_rows(model, common, args, device, prompts, refs, batches, alphas, ks) -> list[dict]:
+    """A row per (k, batch, alpha); an engine per k: its verify CUDA graphs are captured for exactly k drafts a
+    request, and the one engine serves every alpha."""
+    from kestrel import LLM
+
+    rows = []
+    for k in ks:
+        spec_cfg = {"method": "replay", "num_speculative_tokens": k, "disable_by_batch_size": None,
+                    "replay_references": refs}
+        llm = LLM(model, speculative_config=spec_cfg, **common)
+        for b in batches:
+            timed_generate(llm, prompts[:b], args.output_len, device, 1)  # warm-up
+            for alpha in alphas:
+                llm.engine.core.speculation.proposer.alpha = alpha
+                before = kestrel_spec_counts(llm)
+                ttft, total, _ = timed_generate(llm, prompts[:b], args.output_len, device, args.reps)
+                after = kestrel_spec_counts(llm)
+                mean_len = mean_accepted_len(after[0] - before[0], after[1] - before[1])
+                rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len))
+        llm.engine.core.shutdown()
+        del llm
+    return rows
+
+
+def best_k(rows) -> list[dict]:
+    """Per (batch, alpha): the fastest k, beside the same batch without speculation."""
+    base = {r["batch"]: r["ms_per_token"] for r in rows if r["k"] == 0}
+    best = {}
+    for r in rows:
+        key = (r["batch"], r["alpha"])
+        if r["k"] and (key not in best or r["ms_per_token"] < best[key]["ms_per_token"]):
+            best[key] = r
+    return [dict(batch=b, alpha=a, best_k=r["k"], ms_per_token=r["ms_per_token"], no_spec_ms_per_token=base[b],
+                 speedup=f"{base[b] / r['ms_per_token']:.2f}x") for (b, a), r in sorted(best.items())]
