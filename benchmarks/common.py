@@ -259,7 +259,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def print_table(title: str, rows: list[dict]) -> None:
+def print_table(title: str, rows: list[dict], digits: int = 1) -> None:
+    """A markdown table; floats with `digits` decimals."""
     if not rows:
         return
     cols = list(rows[0])
@@ -267,5 +268,5 @@ def print_table(title: str, rows: list[dict]) -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{v:,.1f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        print("| " + " | ".join(f"{v:,.{digits}f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
     sys.stdout.flush()

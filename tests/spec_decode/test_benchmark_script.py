@@ -4,9 +4,10 @@ from benchmarks import spec_decode
 
 
 def test_benchmark_rows_and_acceptance(tiny_llama):
-    rows, best = spec_decode.main(["--model", str(tiny_llama), "--device", "cpu", "--batches", "1,3", "--alphas",
+    result = spec_decode.main(["--model", str(tiny_llama), "--device", "cpu", "--batches", "1,3", "--alphas",
                                    "0.5,1.0", "--ks", "2,3", "--output-len", "17", "--prompt-len", "8", "--reps",
                                    "1"])
+    rows, best = result["rows"], result["best"]
     assert len(rows) == 2 + 2 * 2 * 2
     full = [r for r in rows if r["alpha"] == 1.0]
     # alpha 1: every draft right; the 16 tokens after the first come k + 1 a step, drafts capped by max_tokens
