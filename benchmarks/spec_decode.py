@@ -90,6 +90,7 @@ def main(argv=None):
         result = eagle3_cost(args, device, batches, alphas, ks)
         print_table(f"EAGLE-3 drafter cost, {name}, random draft (draft vocab {args.draft_vocab}), prompt "
                     f"{args.prompt_len}, {where}", result["rows"], digits=3)
+        print_table("Replay drafts: best k per batch and alpha", result["best"], digits=3)
         print_table("Projected EAGLE-3 ms/token: replay ms/token at alpha + drafter ms/step / mean accepted length",
                     result["projections"], digits=3)
         print("A random draft is (all but) never accepted (the EAGLE-3 rows' mean_accepted_len): those rows measure "

@@ -12,7 +12,9 @@ and with a trained draft of the acceptance that replay alpha stands for,
 
     projected EAGLE-3 ms/token(alpha) = replay ms/token(alpha) + drafter ms/step / mean accepted length(alpha)
 
-(each step drafts once and emits `mean accepted length` tokens).
+(each step drafts once and emits `mean accepted length` tokens). The drafter's work a step does not depend on how
+many drafts were accepted (kestrel/worker/window_drafter.py recomputes a fixed window), so its cost measured at
+acceptance 0 holds at any alpha.
 
     python -m benchmarks.spec_decode --eagle3-cost --shape llama-8b --batches 1,8 --ks 2,4 --alphas 0.8"""
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import SHAPES
-from benchmarks.spec_replay import engine_kwargs, plain_rows, replay_rows
+from benchmarks.spec_replay import best_k, engine_kwargs, plain_rows, replay_rows
 from benchmarks.spec_timing import kestrel_spec_counts, mean_accepted_len, row_of, timed_generate
 
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -84,4 +86,5 @@ def eagle3_cost(args, device, batches, alphas, ks) -> dict:
     rows, prompts, refs = plain_rows(model, common, args, device, batches)
     replay = replay_rows(model, common, args, device, prompts, refs, batches, sorted({0.0, *alphas}), ks)
     eagle = eagle3_rows(model, common, args, device, prompts, draft, batches, ks)
-    return dict(rows=rows + replay + eagle, projections=projections(replay, eagle))
+    best = best_k(rows + [r for r in replay if r["alpha"] != 0.0])  # the replay run's own summary (as specd's)
+    return dict(rows=rows + replay + eagle, best=best, projections=projections(replay, eagle))

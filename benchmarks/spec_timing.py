@@ -5,6 +5,7 @@ ms/token is per request: (generation time - time to first token) / (output token
 running together; tok/s is the batch's output tokens over its generation time."""
 from __future__ import annotations
 
+import json
 import time
 
 
@@ -49,7 +50,10 @@ def kestrel_spec_counts(llm) -> tuple[int, int]:
 
 
 def row_of(label, batch, k, alpha, n_out, ttft, total, mean_accepted=None):
+    """A table row, also printed at once as a JSON line: a run stopped by its time limit still logs its rows."""
     gen = max(total - ttft, 1e-9)
-    return dict(config=label, batch=batch, k=k, alpha=alpha, ms_per_token=gen / (n_out - 1) * 1e3,
-                tok_per_s=batch * (n_out - 1) / gen, mean_accepted_len="" if mean_accepted is None
-                else f"{mean_accepted:.2f}")
+    row = dict(config=label, batch=batch, k=k, alpha=alpha, ms_per_token=gen / (n_out - 1) * 1e3,
+               tok_per_s=batch * (n_out - 1) / gen, mean_accepted_len="" if mean_accepted is None
+               else f"{mean_accepted:.2f}")
+    print("row", json.dumps(row), flush=True)
+    return row

@@ -364,6 +364,14 @@ STAGES = (
           env={**NCCL, "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}),
 )
 KIMI = ("--shape", "kimi-linear-48b", "--max-model-len", "4096")
+# issue 31's figures, both in one call (600 s): the n-gram side by side first (vLLM's half is stopped after
+# --vllm-timeout, keeping the engines it finished, so kestrel's half always runs), then the replay and EAGLE-3 rows
+SPEC_PEER = bench("spec_decode", "--ngram-peer", "--vllm-pythonpath", "{vsite}", "--vllm-timeout", "220",
+                  "--batches", "1,8", "--ks", "5", "--json", "{out}/spec_ngram_peer.json", timeout=330,
+                  log="spec_ngram_peer.txt", show=tail(24, "Warning|^row "), title="n-gram, kestrel vs vLLM 0.26")
+SPEC_EAGLE = bench("spec_decode", "--eagle3-cost", "--shape", "llama-8b", "--batches", "1,8,64", "--ks", "3,4",
+                   "--alphas", "0.6,0.8,0.9", "--json", "{out}/spec_eagle3_8b.json", timeout=330,
+                   log="spec_eagle3_8b.txt", show=tail(40, "Warning|^row "), title="replay + EAGLE-3 cost, llama-8b")
 STAGES += (
     Stage("flood", "wave", "victims' p99 latency under a 12,800-sequence request, vs the idle server",
           (bench("flood", "--json", "{out}/flood.json", timeout=560, log="flood.txt", show=tail(24)),)),
@@ -374,13 +382,11 @@ STAGES += (
           (bench("spec_decode", "--ngram-smollm2", "--json", "{out}/spec_ngram.json", timeout=300,
                  log="spec_ngram.txt", show=tail(20, NO_WARNINGS)),)),
     Stage("specpeer", "wave", "n-gram drafts, vLLM 0.26 then kestrel on the same SmolLM2 weights and copy-heavy prompts",
-          (bench("spec_decode", "--ngram-peer", "--vllm-pythonpath", "{vsite}", "--batches", "1,8", "--ks", "3,5",
-                 "--json", "{out}/spec_ngram_peer.json", timeout=560, log="spec_ngram_peer.txt",
-                 show=tail(30, NO_WARNINGS)),)),
-    Stage("speceagle", "wave", "EAGLE-3 drafter cost on llama-8b: a random draft vs replay drafts, batch 1 and 8",
-          (bench("spec_decode", "--eagle3-cost", "--shape", "llama-8b", "--batches", "1,8", "--ks", "2,4",
-                 "--alphas", "0.6,0.8,0.9", "--json", "{out}/spec_eagle3_8b.json", timeout=560,
-                 log="spec_eagle3_8b.txt", show=tail(36, NO_WARNINGS)),)),
+          (SPEC_PEER,)),
+    Stage("speceagle", "wave", "llama-8b: replay drafts by batch/alpha/k and a random EAGLE-3 draft's cost per step",
+          (SPEC_EAGLE,)),
+    Stage("specall", "wave", "specpeer, then speceagle: every speculative-decoding figure of issue 31 in one call",
+          (SPEC_PEER, SPEC_EAGLE)),
     Stage("dsak", "wave", "DSA decode attention vs dense MLA by kernel timing, batch 1/64, 8k/32k contexts",
           (bench("dsa_decode", timeout=300, log="dsa_decode.txt", show=tail(30)),)),
     Stage("dsae2e", "wave", "dsak, then the whole engine on the DSA shape and its dense twin at 32k contexts",

@@ -69,6 +69,7 @@ def test_eagle3_cost_rows_and_projection(monkeypatch):
         assert by[("replay drafts", b, 0.0)]["mean_accepted_len"] == "1.00"  # alpha 0: nothing accepted
         assert float(by[("replay drafts", b, 1.0)]["mean_accepted_len"]) > 2.5  # alpha 1: (almost) all of k = 2
         assert float(by[("EAGLE-3 random draft", b, "")]["mean_accepted_len"]) < 1.5
+    assert [(b["batch"], b["alpha"], b["best_k"]) for b in result["best"]] == [(1, 1.0, 2), (2, 1.0, 2)]
     assert len(result["projections"]) == 2
     for p in result["projections"]:
         b, replay = p["batch"], by[("replay drafts", p["batch"], 1.0)]
