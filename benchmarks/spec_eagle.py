@@ -19,6 +19,7 @@ acceptance 0 holds at any alpha.
     python -m benchmarks.spec_decode --eagle3-cost --shape llama-8b --batches 1,8 --ks 2,4 --alphas 0.8"""
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -82,9 +83,12 @@ def eagle3_cost(args, device, batches, alphas, ks) -> dict:
     if args.model:
         raise SystemExit("--eagle3-cost writes its draft at a --shape; --model is not supported with it")
     model, common = engine_kwargs(args, device, batches, ks)
-    draft = str(write_shape_draft(args.shape, args.draft_vocab))
+    draft = write_shape_draft(args.shape, args.draft_vocab)
     rows, prompts, refs = plain_rows(model, common, args, device, batches)
     replay = replay_rows(model, common, args, device, prompts, refs, batches, sorted({0.0, *alphas}), ks)
-    eagle = eagle3_rows(model, common, args, device, prompts, draft, batches, ks)
+    try:
+        eagle = eagle3_rows(model, common, args, device, prompts, str(draft), batches, ks)
+    finally:
+        shutil.rmtree(draft, ignore_errors=True)  # ~0.85 GB for llama-8b
     best = best_k(rows + [r for r in replay if r["alpha"] != 0.0])  # the replay run's own summary (as specd's)
     return dict(rows=rows + replay + eagle, best=best, projections=projections(replay, eagle))

@@ -12,7 +12,7 @@ from benchmarks.spec_ngram import run_vllm_half
 TINY_SHAPE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, num_hidden_layers=7,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=384,
                   tie_word_embeddings=False, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  bos_token_id=1, eos_token_id=2)
+                  rope_scaling=common.SHAPES["llama-8b"]["rope_scaling"], bos_token_id=1, eos_token_id=2)
 
 
 def test_ngram_peer_kestrel_half(tiny_llama, capsys):
