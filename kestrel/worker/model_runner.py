@@ -16,7 +16,7 @@ from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.layer import ForwardContext
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
-from kestrel.core.device import to_device
+from kestrel.core.device import pick_device, to_device
 from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
 from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
@@ -36,12 +36,6 @@ from kestrel.worker.warm_up import capture_graphs, precompile_kernels
 from kestrel.worker.window_drafter import build_drafter
 
 logger = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class ModelRunner:
