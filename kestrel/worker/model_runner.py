@@ -12,12 +12,10 @@ import torch
 
 from kestrel.attention import kv_quant
 from kestrel.attention.backend import CommonAttentionMetadata
-from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.layer import ForwardContext
-from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.core.device import pick_device, to_device
-from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
+from kestrel.core.kv_spec import cdiv
 from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
 from kestrel.errors import ConfigError
@@ -28,6 +26,7 @@ from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
+from kestrel.worker.attention_binding import bind_attention
 from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
@@ -61,7 +60,9 @@ class ModelRunner:
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
         self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
                                    self.model_config.pooling_method)
-        self._bind_attention()
+        # the attention layers grouped by cache spec, a backend and a metadata builder per group
+        self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
+                                                                            self.dtype, self.device)
         self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
@@ -84,33 +85,6 @@ class ModelRunner:
         self._copy_done = None
         self._num_fills = 0
         self.buffers = None
-
-    def _bind_attention(self) -> None:
-        """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
-        features require) and give each layer its impl."""
-        ctx = self.loaded.context
-        specs = kv_quant.specs_with_cache_dtype(ctx.kv_cache_specs, self.config.cache.kv_cache_dtype)
-        specs = specs_with_index_key_dtype(specs, self.config.cache.indexer_key_dtype)
-        cache, max_seqs = self.config.cache, self.config.scheduler.max_num_seqs
-        snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
-                     ) if cache.enable_prefix_caching else 0
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(specs, self.block_size, max_seqs, snapshots)
-        self.backends, self.builders = [], []
-        requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
-        for g in self.kv_cache_groups:
-            what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
-            backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what, requires=requires, dtype=self.dtype)
-            self.backends.append(backend)
-            self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
-            for name in g.layer_names:
-                layer = ctx.attention_layers[name]
-                layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
-                                              sliding_window=layer.sliding_window,
-                                              logits_soft_cap=layer.logits_soft_cap)
-                if kv_quant.is_fp8(g.spec.dtype):
-                    layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
-                layer.group_id = g.group_id
 
     @property
     def backend(self):
