@@ -18,12 +18,11 @@ from kestrel.core.device import pick_device, to_device
 from kestrel.core.kv_spec import cdiv
 from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
-from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
 from kestrel.spec_decode.verify import logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
-from kestrel.worker import kv_allocation
+from kestrel.worker import kv_allocation, memory_profile
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.attention_binding import bind_attention
@@ -97,31 +96,9 @@ class ModelRunner:
         """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
         return kv_allocation.bytes_per_block(self.kv_cache_groups)
 
-    @property
-    def kv_state_bytes(self) -> int:
-        """Per-request state slots beside the pool (kinds with state_parts), allocated whatever the pool size."""
-        return kv_allocation.state_bytes(self.kv_cache_groups)
-
     def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks:
-            return cache.num_kv_blocks
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            peak = self._profile_peak_bytes()
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.kv_state_bytes
-            blocks = int(budget // self.bytes_per_block)
-            needed = cdiv(self.max_model_len, self.block_size)
-            if blocks < needed:
-                raise ConfigError(
-                    f"KV cache too small: {max(blocks, 0)} blocks of {self.block_size} tokens fit in "
-                    f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {total / 2**30:.0f} GiB "
-                    f"({(total - free) / 2**30:.1f} GiB already in use, {peak / 2**30:.1f} GiB activations), "
-                    f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
-                    f"--max-model-len, or set --num-kv-blocks")
-            return blocks
-        return max(1, (cache.kv_cache_memory - self.kv_state_bytes) // self.bytes_per_block)
+        """The blocks the KV cache gets (kestrel/worker/memory_profile.py)."""
+        return memory_profile.determine_num_blocks(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
@@ -159,54 +136,6 @@ class ModelRunner:
         return InputBuffers(max_tokens or self.max_step_tokens, max(max_reqs, sc.max_num_seqs),
                             cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
                             len(self.kv_cache_groups))
-
-    def dummy_prefill_batch(self, n: int):
-        """A prefill batch of `n` tokens in sequences no longer than the context, with real block tables over a
-        freshly allocated cache (memory profiling). Returns (input_ids, positions, forward context)."""
-        seq = min(n, self.max_model_len)
-        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
-        per_seq = cdiv(seq, self.block_size)
-        self.allocate_kv_cache(per_seq * len(lens))
-        if self.buffers is None or self.buffers.max_tokens < n or self.buffers.max_reqs < len(lens):
-            self.buffers = self._new_buffers(max(n, self.config.scheduler.max_num_seqs), len(lens))
-        buf = self.buffers
-        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        buf.qsl_np[:len(lens) + 1] = qsl
-        buf.sl_np[:len(lens)] = lens
-        buf.ids_np[:n] = 0
-        buf.pos_np[:n] = np.concatenate([np.arange(length) for length in lens])
-        buf.staged_slots(n)[:] = -1
-        buf.staged_block_tables(len(lens), per_seq)[:] = np.arange(per_seq * len(lens)).reshape(len(lens), per_seq)
-        buf.copy_to_device(n, len(lens), per_seq)
-        ctx = self.metadata(n, len(lens), 0, seq, seq, per_seq, qsl.tolist(), lens)
-        return buf.input_ids[:n], buf.positions[:n], ctx
-
-    def _profile_peak_bytes(self) -> int:
-        """Activation memory of one forward at the full token budget (GPU only)."""
-        n = self.config.scheduler.max_num_batched_tokens
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        ids, positions, ctx = self.dummy_prefill_batch(n)
-        kv_bytes = torch.cuda.memory_allocated() - before
-        image = self._encode_dummy_image()  # kept alive through the forward, as the encoder cache keeps it
-        self._profile_forward(ids, positions, ctx)
-        torch.cuda.synchronize()
-        del image
-        peak = torch.cuda.max_memory_allocated() - before - kv_bytes
-        self.free_kv_cache()
-        self.buffers = None
-        torch.cuda.empty_cache()
-        return int(peak * 1.1)
-
-    def _encode_dummy_image(self) -> list:
-        """Every add-on's start-up warm-up (the image add-on encodes the model's largest image), so that the
-        memory profile counts its activations (the caller keeps the returned list alive through its forward)."""
-        return [a.warm_up() for a in self.addons]
-
-    @torch.inference_mode()
-    def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
-        hidden = self.model(ids, positions, ctx)
-        self.model.compute_logits(hidden[-min(ids.shape[0], self.max_sample_rows):])
 
     # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from kestrel.core.kv_spec import cdiv
 from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
 
 
 def graph_sizes(runner) -> list[int]:
@@ -46,8 +47,8 @@ def precompile_kernels(runner) -> None:
         return
 
     def dry_run():
-        ids, positions, ctx = runner.dummy_prefill_batch(runner.config.scheduler.max_num_batched_tokens)
-        runner._profile_forward(ids, positions, ctx)
+        ids, positions, ctx = dummy_prefill_batch(runner, runner.config.scheduler.max_num_batched_tokens)
+        profile_forward(runner, ids, positions, ctx)
         runner.buffers = runner._new_buffers()
         warm_up_kernels(runner)
         graphs = DecodeGraphs(runner, graph_sizes(runner))
