@@ -10,7 +10,6 @@ import logging
 import numpy as np
 import torch
 
-from kestrel.attention import kv_quant
 from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
 from kestrel.config import EngineConfig
@@ -26,11 +25,9 @@ from kestrel.worker import kv_allocation, memory_profile
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.attention_binding import bind_attention
-from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
-from kestrel.worker.verify_graphs import capture_verify_graphs
-from kestrel.worker.warm_up import capture_graphs, precompile_kernels
+from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
 from kestrel.worker.window_drafter import build_drafter
 
 logger = logging.getLogger(__name__)
@@ -139,16 +136,8 @@ class ModelRunner:
 
     # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
-        """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
-        self.buffers = self._new_buffers()
-        self.graphs = capture_graphs(self)
-        self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
-        if self.drafter is not None:
-            self.drafter.graphs = capture_draft_graphs(self.drafter, self.graphs)
-        if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
-            for g in self.kv_cache_groups:
-                for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():
-                    self.loaded.context.attention_layers[name].calibrate_kv_scales = True
+        """Persistent buffers, the kernel warm-up, then (where on) the CUDA graphs."""
+        set_up_after_kv(self)
 
     def precompile_kernels(self) -> None:
         """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
