@@ -224,35 +224,10 @@ class ModelRunner:
         if self._num_fills:
             k, buf = self._num_fills, self.buffers
             buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
+        logits, hidden = self._forward(chunks, states, ctx, inf.out)
+        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples and c.request_id not in inf.out.pooled]
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        hidden = inputs_embeds = None
-        for embeds in self._hooks["inputs_embeds"]:
-            out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
-            inputs_embeds = out if out is not None else inputs_embeds
-        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
-        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  and graph_ok else None)
-        vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
-        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
-        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
-        if padded is not None:
-            logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
-        elif verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
-            logits = vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, qsl), torch.int64,
-                                                                        self.device)]
-        else:
-            hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
-                                ctx, inputs_embeds=inputs_embeds)
-            for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
-                inf.out.pooled.update(pool(chunks, states, hidden, qsl))
-            for rid in inf.out.pooled:
-                inf.out.sampled[rid] = POOLED_TOKEN
-            if inf.out.pooled:
-                samplers = [(c, st) for c, st in samplers if c.request_id not in inf.out.pooled]
-            sample_idx = logits_positions(chunks, qsl, skip=inf.out.pooled)
-            logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
-                      if samplers else None)
         if self.drafter is not None:  # its capture's buffer was filled by the forward or the graph replay
             inf.target_hidden = (self.drafter.capture.rows(meta.num_tokens), list(qsl), chunks)
         if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
@@ -269,6 +244,47 @@ class ModelRunner:
         if sample and inf.sample_pending:
             self.sample(inf)
         return inf
+
+    def _forward(self, chunks: list[ScheduledChunk], states: list[RequestState], ctx: ForwardContext,
+                 out: RunnerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward: a CUDA graph's replay where one serves the step, else the model run eagerly, whose
+        rows that end in a pooler go to `out.pooled`. Returns (the logits at the sampling rows, None where no row
+        samples; the final hidden states of an eager forward, else None)."""
+        meta = ctx.attn_metadata[0]
+        qsl = meta.query_start_loc_cpu
+        inputs_embeds = None
+        for embeds in self._hooks["inputs_embeds"]:
+            embedded = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
+            inputs_embeds = embedded if embedded is not None else inputs_embeds
+        if all(ok() for ok in self._hooks["step_graph_ok"]):
+            logits = self._replay_graph(chunks, meta)
+            if logits is not None:
+                return logits, None
+        hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
+                            ctx, inputs_embeds=inputs_embeds)
+        for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
+            out.pooled.update(pool(chunks, states, hidden, qsl))
+        for rid in out.pooled:
+            out.sampled[rid] = POOLED_TOKEN
+        sample_idx = logits_positions(chunks, qsl, skip=out.pooled)  # empty where no row samples
+        logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
+                  if sample_idx else None)
+        return logits, hidden
+
+    def _replay_graph(self, chunks: list[ScheduledChunk], meta) -> torch.Tensor | None:
+        """The logits of a step that a CUDA graph serves (every row a decode: a decode graph; every row verifying
+        k drafts: a verify graph), else None."""
+        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
+                  else None)
+        if padded is not None:
+            return self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
+        vg = self.verify_graphs.select(chunks) if self.verify_graphs else None
+        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
+        if verify_padded is None:
+            return None
+        # every row verifies k drafts: its logits at all tokens, then the rows
+        return vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, meta.query_start_loc_cpu),
+                                                                 torch.int64, self.device)]
 
     def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
