@@ -1,7 +1,14 @@
-"""Small host-to-device helpers shared by the runner, the sampler and the add-ons."""
+"""The device a run uses, and small host-to-device helpers shared by the runner, the sampler and the add-ons."""
 from __future__ import annotations
 
 import torch
+
+
+def pick_device(name: str) -> torch.device:
+    """--device: "auto" is CUDA where there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:

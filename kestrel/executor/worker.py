@@ -26,7 +26,7 @@ POLL_MS = 1000  # how often an idle worker checks that its engine is still alive
 def worker_device(config, local_index: int):
     import torch
 
-    from kestrel.worker.model_runner import pick_device
+    from kestrel.core.device import pick_device
 
     device = pick_device(config.model.device)
     if device.type == "cuda":

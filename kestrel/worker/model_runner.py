@@ -10,38 +10,27 @@ import logging
 import numpy as np
 import torch
 
-from kestrel.attention import kv_quant
 from kestrel.attention.backend import CommonAttentionMetadata
-from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.layer import ForwardContext
-from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
-from kestrel.core.device import to_device
-from kestrel.core.kv_spec import KVCacheGroup, cdiv, group_layers
+from kestrel.core.device import pick_device, to_device
+from kestrel.core.kv_spec import cdiv
 from kestrel.core.pooling import pooling_task
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
-from kestrel.errors import ConfigError
 from kestrel.loader import LoadedModel, load_model
 from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
 from kestrel.spec_decode.verify import logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
-from kestrel.worker import kv_allocation
+from kestrel.worker import kv_allocation, memory_profile
 from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
-from kestrel.worker.draft_graphs import capture_draft_graphs
+from kestrel.worker.attention_binding import bind_attention
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
-from kestrel.worker.verify_graphs import capture_verify_graphs
-from kestrel.worker.warm_up import capture_graphs, precompile_kernels
+from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
 from kestrel.worker.window_drafter import build_drafter
 
 logger = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class ModelRunner:
@@ -67,7 +56,9 @@ class ModelRunner:
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
         self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
                                    self.model_config.pooling_method)
-        self._bind_attention()
+        # the attention layers grouped by cache spec, a backend and a metadata builder per group
+        self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
+                                                                            self.dtype, self.device)
         self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
@@ -91,33 +82,6 @@ class ModelRunner:
         self._num_fills = 0
         self.buffers = None
 
-    def _bind_attention(self) -> None:
-        """Group the attention layers by cache spec, pick a backend per group (one that has what the add-ons'
-        features require) and give each layer its impl."""
-        ctx = self.loaded.context
-        specs = kv_quant.specs_with_cache_dtype(ctx.kv_cache_specs, self.config.cache.kv_cache_dtype)
-        specs = specs_with_index_key_dtype(specs, self.config.cache.indexer_key_dtype)
-        cache, max_seqs = self.config.cache, self.config.scheduler.max_num_seqs
-        snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
-                     ) if cache.enable_prefix_caching else 0
-        self.kv_cache_groups: list[KVCacheGroup] = group_layers(specs, self.block_size, max_seqs, snapshots)
-        self.backends, self.builders = [], []
-        requires = tuple(sorted({flag for a in self.addons for flag in a.backend_requires}))
-        for g in self.kv_cache_groups:
-            what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
-            backend = select_attention_backend(g.spec, self.block_size, self.config.kernel.attention_backend,
-                                               what=what, requires=requires, dtype=self.dtype)
-            self.backends.append(backend)
-            self.builders.append(backend.builder_cls(g.spec, g.spec.block_size, self.device))
-            for name in g.layer_names:
-                layer = ctx.attention_layers[name]
-                layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
-                                              sliding_window=layer.sliding_window,
-                                              logits_soft_cap=layer.logits_soft_cap)
-                if kv_quant.is_fp8(g.spec.dtype):
-                    layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
-                layer.group_id = g.group_id
-
     @property
     def backend(self):
         """The first group's backend (the only one for single-kind models)."""
@@ -129,31 +93,9 @@ class ModelRunner:
         """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
         return kv_allocation.bytes_per_block(self.kv_cache_groups)
 
-    @property
-    def kv_state_bytes(self) -> int:
-        """Per-request state slots beside the pool (kinds with state_parts), allocated whatever the pool size."""
-        return kv_allocation.state_bytes(self.kv_cache_groups)
-
     def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks:
-            return cache.num_kv_blocks
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            peak = self._profile_peak_bytes()
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak - self.kv_state_bytes
-            blocks = int(budget // self.bytes_per_block)
-            needed = cdiv(self.max_model_len, self.block_size)
-            if blocks < needed:
-                raise ConfigError(
-                    f"KV cache too small: {max(blocks, 0)} blocks of {self.block_size} tokens fit in "
-                    f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {total / 2**30:.0f} GiB "
-                    f"({(total - free) / 2**30:.1f} GiB already in use, {peak / 2**30:.1f} GiB activations), "
-                    f"one {self.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
-                    f"--max-model-len, or set --num-kv-blocks")
-            return blocks
-        return max(1, (cache.kv_cache_memory - self.kv_state_bytes) // self.bytes_per_block)
+        """The blocks the KV cache gets (kestrel/worker/memory_profile.py)."""
+        return memory_profile.determine_num_blocks(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
@@ -192,66 +134,10 @@ class ModelRunner:
                             cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
                             len(self.kv_cache_groups))
 
-    def dummy_prefill_batch(self, n: int):
-        """A prefill batch of `n` tokens in sequences no longer than the context, with real block tables over a
-        freshly allocated cache (memory profiling). Returns (input_ids, positions, forward context)."""
-        seq = min(n, self.max_model_len)
-        lens = [seq] * (n // seq) + ([n % seq] if n % seq else [])
-        per_seq = cdiv(seq, self.block_size)
-        self.allocate_kv_cache(per_seq * len(lens))
-        if self.buffers is None or self.buffers.max_tokens < n or self.buffers.max_reqs < len(lens):
-            self.buffers = self._new_buffers(max(n, self.config.scheduler.max_num_seqs), len(lens))
-        buf = self.buffers
-        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        buf.qsl_np[:len(lens) + 1] = qsl
-        buf.sl_np[:len(lens)] = lens
-        buf.ids_np[:n] = 0
-        buf.pos_np[:n] = np.concatenate([np.arange(length) for length in lens])
-        buf.staged_slots(n)[:] = -1
-        buf.staged_block_tables(len(lens), per_seq)[:] = np.arange(per_seq * len(lens)).reshape(len(lens), per_seq)
-        buf.copy_to_device(n, len(lens), per_seq)
-        ctx = self.metadata(n, len(lens), 0, seq, seq, per_seq, qsl.tolist(), lens)
-        return buf.input_ids[:n], buf.positions[:n], ctx
-
-    def _profile_peak_bytes(self) -> int:
-        """Activation memory of one forward at the full token budget (GPU only)."""
-        n = self.config.scheduler.max_num_batched_tokens
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        ids, positions, ctx = self.dummy_prefill_batch(n)
-        kv_bytes = torch.cuda.memory_allocated() - before
-        image = self._encode_dummy_image()  # kept alive through the forward, as the encoder cache keeps it
-        self._profile_forward(ids, positions, ctx)
-        torch.cuda.synchronize()
-        del image
-        peak = torch.cuda.max_memory_allocated() - before - kv_bytes
-        self.free_kv_cache()
-        self.buffers = None
-        torch.cuda.empty_cache()
-        return int(peak * 1.1)
-
-    def _encode_dummy_image(self) -> list:
-        """Every add-on's start-up warm-up (the image add-on encodes the model's largest image), so that the
-        memory profile counts its activations (the caller keeps the returned list alive through its forward)."""
-        return [a.warm_up() for a in self.addons]
-
-    @torch.inference_mode()
-    def _profile_forward(self, ids, positions, ctx: ForwardContext) -> None:
-        hidden = self.model(ids, positions, ctx)
-        self.model.compute_logits(hidden[-min(ids.shape[0], self.max_sample_rows):])
-
     # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
-        """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs."""
-        self.buffers = self._new_buffers()
-        self.graphs = capture_graphs(self)
-        self.verify_graphs = capture_verify_graphs(self, self.spec, self.graphs)
-        if self.drafter is not None:
-            self.drafter.graphs = capture_draft_graphs(self.drafter, self.graphs)
-        if self.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
-            for g in self.kv_cache_groups:
-                for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():
-                    self.loaded.context.attention_layers[name].calibrate_kv_scales = True
+        """Persistent buffers, the kernel warm-up, then (where on) the CUDA graphs."""
+        set_up_after_kv(self)
 
     def precompile_kernels(self) -> None:
         """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
@@ -338,35 +224,10 @@ class ModelRunner:
         if self._num_fills:
             k, buf = self._num_fills, self.buffers
             buf.input_ids.index_copy_(0, buf.fill_dst[:k], prev.tokens[buf.fill_src[:k]].to(torch.int64))
+        logits, hidden = self._forward(chunks, states, ctx, inf.out)
+        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples and c.request_id not in inf.out.pooled]
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        hidden = inputs_embeds = None
-        for embeds in self._hooks["inputs_embeds"]:
-            out = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
-            inputs_embeds = out if out is not None else inputs_embeds
-        graph_ok = all(ok() for ok in self._hooks["step_graph_ok"])
-        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  and graph_ok else None)
-        vg = self.verify_graphs.select(chunks) if self.verify_graphs and padded is None and graph_ok else None
-        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
-        samplers = [(c, st) for c, st in zip(chunks, states) if c.samples]
-        if padded is not None:
-            logits = self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
-        elif verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
-            logits = vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, qsl), torch.int64,
-                                                                        self.device)]
-        else:
-            hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
-                                ctx, inputs_embeds=inputs_embeds)
-            for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
-                inf.out.pooled.update(pool(chunks, states, hidden, qsl))
-            for rid in inf.out.pooled:
-                inf.out.sampled[rid] = POOLED_TOKEN
-            if inf.out.pooled:
-                samplers = [(c, st) for c, st in samplers if c.request_id not in inf.out.pooled]
-            sample_idx = logits_positions(chunks, qsl, skip=inf.out.pooled)
-            logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
-                      if samplers else None)
         if self.drafter is not None:  # its capture's buffer was filled by the forward or the graph replay
             inf.target_hidden = (self.drafter.capture.rows(meta.num_tokens), list(qsl), chunks)
         if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
@@ -383,6 +244,47 @@ class ModelRunner:
         if sample and inf.sample_pending:
             self.sample(inf)
         return inf
+
+    def _forward(self, chunks: list[ScheduledChunk], states: list[RequestState], ctx: ForwardContext,
+                 out: RunnerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward: a CUDA graph's replay where one serves the step, else the model run eagerly, whose
+        rows that end in a pooler go to `out.pooled`. Returns (the logits at the sampling rows, None where no row
+        samples; the final hidden states of an eager forward, else None)."""
+        meta = ctx.attn_metadata[0]
+        qsl = meta.query_start_loc_cpu
+        inputs_embeds = None
+        for embeds in self._hooks["inputs_embeds"]:
+            embedded = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
+            inputs_embeds = embedded if embedded is not None else inputs_embeds
+        if all(ok() for ok in self._hooks["step_graph_ok"]):
+            logits = self._replay_graph(chunks, meta)
+            if logits is not None:
+                return logits, None
+        hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
+                            ctx, inputs_embeds=inputs_embeds)
+        for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
+            out.pooled.update(pool(chunks, states, hidden, qsl))
+        for rid in out.pooled:
+            out.sampled[rid] = POOLED_TOKEN
+        sample_idx = logits_positions(chunks, qsl, skip=out.pooled)  # empty where no row samples
+        logits = (self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, self.device)])
+                  if sample_idx else None)
+        return logits, hidden
+
+    def _replay_graph(self, chunks: list[ScheduledChunk], meta) -> torch.Tensor | None:
+        """The logits of a step that a CUDA graph serves (every row a decode: a decode graph; every row verifying
+        k drafts: a verify graph), else None."""
+        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
+                  else None)
+        if padded is not None:
+            return self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
+        vg = self.verify_graphs.select(chunks) if self.verify_graphs else None
+        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
+        if verify_padded is None:
+            return None
+        # every row verifies k drafts: its logits at all tokens, then the rows
+        return vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, meta.query_start_loc_cpu),
+                                                                 torch.int64, self.device)]
 
     def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their

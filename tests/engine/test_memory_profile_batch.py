@@ -4,13 +4,14 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.engine.core import EngineCore
+from kestrel.worker.memory_profile import dummy_prefill_batch
 
 
 def test_dummy_prefill_batch_is_valid(tiny_llama):
     core = EngineCore(EngineConfig.create(model=str(tiny_llama), num_kv_blocks=8, max_num_batched_tokens=1200),
                       progress=False)
     runner = core.executor.runner
-    ids, positions, ctx = runner.dummy_prefill_batch(1200)  # context is 512: three sequences
+    ids, positions, ctx = dummy_prefill_batch(runner, 1200)  # context is 512: three sequences
     (meta,) = ctx.attn_metadata
     assert meta.seq_lens_cpu == [512, 512, 176] and int(positions.max()) == 511
     assert meta.block_tables.shape == (3, 32)
@@ -26,7 +27,7 @@ def test_dummy_prefill_batch_may_hold_more_sequences_than_max_num_seqs(tiny_llam
     core = EngineCore(EngineConfig.create(model=str(tiny_llama), num_kv_blocks=8, max_num_seqs=1, max_model_len=128,
                                           max_num_batched_tokens=1000), progress=False)
     runner = core.executor.runner
-    ids, positions, ctx = runner.dummy_prefill_batch(1000)
+    ids, positions, ctx = dummy_prefill_batch(runner, 1000)
     (meta,) = ctx.attn_metadata
     assert meta.seq_lens_cpu == [128] * 7 + [104] and meta.block_tables.shape[0] == 8
     with torch.inference_mode():

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from kestrel.worker.memory_profile import dummy_prefill_batch
 from tests.agreement import MIXED_PROMPTS
 
 PROMPTS = MIXED_PROMPTS
@@ -52,7 +53,7 @@ def test_embedding_contract(tiny_models):
         ids = torch.tensor([3, 9, 27, 81])
 
         def run(**kw):
-            _, positions, ctx = runner.dummy_prefill_batch(4)  # a fresh cache and one 4-token sequence
+            _, positions, ctx = dummy_prefill_batch(runner, 4)  # a fresh cache and one 4-token sequence
             with torch.inference_mode():
                 return model(ids, positions, ctx, **kw)
 

@@ -8,6 +8,7 @@ import pytest
 from kestrel import LLM, SamplingParams
 from kestrel.attention.backends.torch_kda import TorchKDAImpl
 from kestrel.core.kv_spec import KDAStateSpec, MLASpec
+from kestrel.worker.memory_profile import dummy_prefill_batch
 from tests.agreement import hf_greedy
 from tests.tiny import make_checkpoint
 
@@ -111,12 +112,12 @@ def test_embedding_contract_and_profile_batch(kimi):
     model, ids = runner.model, torch.tensor([3, 9, 27, 81])
 
     def run(**kw):
-        _, positions, ctx = runner.dummy_prefill_batch(4)  # a fresh cache and one 4-token sequence
+        _, positions, ctx = dummy_prefill_batch(runner, 4)  # a fresh cache and one 4-token sequence
         with torch.inference_mode():
             return model(ids, positions, ctx, **kw)
 
     torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
-    ids600, positions, ctx = runner.dummy_prefill_batch(600)  # 256 + 256 + 88 tokens; tables start at blocks 0, 16, 32
+    ids600, positions, ctx = dummy_prefill_batch(runner, 600)  # 256 + 256 + 88 tokens; tables start at blocks 0, 16, 32
     kda_meta = next(m for m in ctx.attn_metadata if getattr(m, "state_slots", None) is not None)
     assert kda_meta.state_slots.tolist() == [0, 0, 0]
     with torch.inference_mode():

@@ -11,6 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.platform.testing import requires_triton_interpreter
 from kestrel.worker.addons.images import ImageEncoderCache
+from kestrel.worker.memory_profile import dummy_prefill_batch
 from tests.mm_tiny import make_image, sample_images
 
 NUM_TOKENS = 24
@@ -155,7 +156,7 @@ def test_embedding_contract(tiny_mm_models, kind):
     ids = torch.tensor([3, 9, 27, 81])
 
     def run(**kw):
-        _, positions, ctx = runner.dummy_prefill_batch(4)
+        _, positions, ctx = dummy_prefill_batch(runner, 4)
         with torch.inference_mode():
             return model(ids, positions, ctx, **kw)
     torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)

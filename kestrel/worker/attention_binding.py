@@ -1,0 +1,41 @@
+"""Binds the model's attention layers to backends: the layers grouped by cache spec (the configured KV-cache and
+indexer-key dtypes applied), one backend per group that has what the add-ons' features require, each layer given
+its backend's impl (and its FP8 scales) and its group id."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention import kv_quant
+from kestrel.attention.indexer_keys import specs_with_index_key_dtype
+from kestrel.attention.selector import select_attention_backend
+from kestrel.config import EngineConfig
+from kestrel.core.kv_spec import KVCacheGroup, group_layers
+
+
+def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dtype,
+                   device: torch.device) -> tuple[list[KVCacheGroup], list, list]:
+    """`context`: the loaded model's (attention_layers, kv_cache_specs). Returns the KV-cache groups, their
+    backends and their metadata builders, in group order."""
+    specs = kv_quant.specs_with_cache_dtype(context.kv_cache_specs, config.cache.kv_cache_dtype)
+    specs = specs_with_index_key_dtype(specs, config.cache.indexer_key_dtype)
+    cache, max_seqs, block_size = config.cache, config.scheduler.max_num_seqs, config.cache.block_size
+    snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
+                 ) if cache.enable_prefix_caching else 0
+    groups = group_layers(specs, block_size, max_seqs, snapshots)
+    backends, builders = [], []
+    requires = tuple(sorted({flag for a in addons for flag in a.backend_requires}))
+    for g in groups:
+        what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
+        backend = select_attention_backend(g.spec, block_size, config.kernel.attention_backend,
+                                           what=what, requires=requires, dtype=dtype)
+        backends.append(backend)
+        builders.append(backend.builder_cls(g.spec, g.spec.block_size, device))
+        for name in g.layer_names:
+            layer = context.attention_layers[name]
+            layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
+                                          sliding_window=layer.sliding_window,
+                                          logits_soft_cap=layer.logits_soft_cap)
+            if kv_quant.is_fp8(g.spec.dtype):
+                layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
+            layer.group_id = g.group_id
+    return groups, backends, builders
