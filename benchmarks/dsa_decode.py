@@ -12,8 +12,8 @@ ceiling over dense ("w/ radix": the speedup with the radix top-k in the total).
     python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
-tokens per second of each (the 256-request short-context workload: python -m benchmarks.throughput --shape
-deepseek-v2-lite-dsa, and --shape deepseek-v2-lite-dsa-dense)."""
+tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
+python -m benchmarks.throughput --shape deepseek-v2-lite-dsa, and --shape deepseek-v2-lite-dsa-dense)."""
 from __future__ import annotations
 
 import argparse
@@ -165,11 +165,12 @@ def e2e(key_dtypes: list[str], prompt_len: int = 32768, n: int = 8, out_len: int
             t0 = time.perf_counter()
             llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             seconds.append(time.perf_counter() - t0)
-        backend = llm.engine.core.executor.runner.backend.name
+        runner = llm.engine.core.executor.runner
         decode = seconds[1] - seconds[0]
-        print(f"{shape} ({backend}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill {seconds[0]:.2f} s; "
-              f"{out_len - 1} decode steps "
-              f"{decode:.2f} s, {n * (out_len - 1) / decode:.1f} out tok/s")
+        replays = runner.graphs.replays if runner.graphs is not None else 0
+        print(f"{shape} ({runner.backend.name}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill "
+              f"{seconds[0]:.2f} s; {out_len - 1} decode steps {decode:.2f} s, {n * (out_len - 1) / decode:.1f} "
+              f"out tok/s ({replays} decode-graph replays)")
         del llm
         torch.cuda.empty_cache()
 

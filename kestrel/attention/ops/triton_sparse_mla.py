@@ -10,7 +10,9 @@
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
   bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
-  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k.
+  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k. static_width (CUDA-graph
+  decode): the width is the graph's longest context, only each row's visible scores are computed, and the radix
+  select reads each row's length from the token positions on the device.
 - `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
   BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
   separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
