@@ -37,6 +37,9 @@ def dsa(tmp_path_factory, tiny_tokenizer):
 
 
 def _llm(path, **kw):
+    """The engine on the Triton backend, decode graphs captured (batch sizes up to 8: PROMPTS pad to 8) unless
+    enforce_eager."""
+    kw.setdefault("cuda_graph_sizes", [1, 2, 4, 8])
     llm = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=512, **kw)
     runner = llm.engine.core.executor.runner
     assert runner.backend.name == "triton_sparse_mla"
