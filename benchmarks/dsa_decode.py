@@ -7,13 +7,15 @@ queries with their scales in the head weights; the rotation and quantization of 
 are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
 Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py; the DSA
 total uses torch.topk, select_topk's default) and the sparse attention; the DSA total; its speedup and byte
-ceiling over dense ("w/ radix": the speedup with the radix top-k in the total).
+ceiling over dense ("w/ radix": the speedup with the radix top-k in the total; "graph": the speedup of the
+CUDA-graph decode path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix
+top-k reading each row's length on the device).
 
     python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
-tokens per second of each (the 256-request short-context workload: python -m benchmarks.throughput --shape
-deepseek-v2-lite-dsa, and --shape deepseek-v2-lite-dsa-dense)."""
+tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
+python -m benchmarks.throughput --shape deepseek-v2-lite-dsa, and --shape deepseek-v2-lite-dsa-dense)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +33,7 @@ from kestrel.attention.ops.triton_topk import radix_topk
 HEADS, L, R, PAGE = 16, 512, 64, 16
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 SCALE = 192 ** -0.5
+GRAPH_WIDTH = 131072  # a decode graph's score rows are max_model_len wide
 
 
 def case(batch: int, ctx: int):
@@ -82,6 +85,9 @@ def check_errors(key_dtype: str) -> None:
     radix = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, TOPK, topk_impl="radix")
     same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), radix.cpu())) / got.numel()
     print(f"{key_dtype} keys: radix top-k vs torch.topk on the same scores: {same:.4f} of the selection in common")
+    graph = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], GRAPH_WIDTH, TOPK, static_width=True)
+    same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), graph.cpu())) / got.numel()
+    print(f"{key_dtype} keys: the CUDA-graph path's selection vs the eager one: {same:.4f} in common")
     scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
@@ -111,7 +117,7 @@ KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer k
 
 def kernels(iters: int, key_dtypes: list[str]) -> None:
     print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix':>8} "
-          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'byte ceiling':>12}")
+          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'graph':>8} {'byte ceiling':>12}")
     for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
         c = case(batch, ctx)
         dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
@@ -131,11 +137,15 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
             whole_radix = timed(lambda: sparse_mla_attention(
                 c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
                 select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK, topk_impl="radix"), SCALE), iters)
+            whole_graph = timed(lambda: sparse_mla_attention(
+                c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], GRAPH_WIDTH, TOPK, static_width=True),
+                SCALE), iters)
             latent_bytes = 2 * (L + R)
             ceiling = ctx * latent_bytes / (ctx * KEY_BYTES[key_dtype] + TOPK * latent_bytes)
             print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix:>8.1f} "
                   f"{sparse:>8.1f} {whole:>9.1f} {dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x "
-                  f"{ceiling:>11.2f}x")
+                  f"{dense / whole_graph:>7.2f}x {ceiling:>11.2f}x")
             del iq, iw, keys, s, idx
         del c
         torch.cuda.empty_cache()
@@ -165,11 +175,12 @@ def e2e(key_dtypes: list[str], prompt_len: int = 32768, n: int = 8, out_len: int
             t0 = time.perf_counter()
             llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
             seconds.append(time.perf_counter() - t0)
-        backend = llm.engine.core.executor.runner.backend.name
+        runner = llm.engine.core.executor.runner
         decode = seconds[1] - seconds[0]
-        print(f"{shape} ({backend}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill {seconds[0]:.2f} s; "
-              f"{out_len - 1} decode steps "
-              f"{decode:.2f} s, {n * (out_len - 1) / decode:.1f} out tok/s")
+        replays = runner.graphs.replays if runner.graphs is not None else 0
+        print(f"{shape} ({runner.backend.name}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill "
+              f"{seconds[0]:.2f} s; {out_len - 1} decode steps {decode:.2f} s, {n * (out_len - 1) / decode:.1f} "
+              f"out tok/s ({replays} decode-graph replays)")
         del llm
         torch.cuda.empty_cache()
 

@@ -69,6 +69,24 @@ class AttentionMetadataBuilder:
         """Metadata a captured decode graph keeps reading: it must point into the persistent buffers only."""
         return self.build(common, block_table, slot_mapping)
 
+    def graph_variants(self) -> tuple[str, ...]:
+        """The forms a captured decode step of this group can take; one graph is captured per form (the first is
+        what build_for_capture builds). One form unless a builder decides between kernel paths per step."""
+        return ("",)
+
+    def captured_variant(self, metadata: AttentionMetadata, variant: str) -> AttentionMetadata:
+        """build_for_capture's metadata in another of graph_variants' forms (sharing its buffers)."""
+        return metadata
+
+    def step_variant(self) -> str:
+        """The form of the step this builder last built (build), which a graph replay of that step must match."""
+        return ""
+
+    def update_captured(self, metadata: AttentionMetadata) -> None:
+        """Device work at the start of a captured decode forward, recorded into the graph so that every replay
+        redoes it: device fields of the captured metadata derived from the persistent buffers (seq_lens). None
+        here: paged kernels read the buffers directly."""
+
     def prepare_replay(self, metadata: AttentionMetadata, num_reqs: int, padded: int) -> None:
         """Before replaying a graph captured for `padded` rows with `num_reqs` real ones: padded rows read no
         context and write nothing (seq_len 0, slot -1), which the kernels treat as empty."""

@@ -21,7 +21,7 @@ it again) and the lengths. Indexer keys are written on every route. Nothing else
 model's indexer and the impl read `num_scored_tokens` from the metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -47,8 +47,12 @@ class SparseMLAMetadata(MLAMetadata):
     # step's latest full indexer layer and read by it and the shared layers after it
     topk_indices: torch.Tensor | None = None
     # the absorbed tokens' request (row of block_tables) and position in it, int32 [num_absorbed_tokens]
+    # (None on the DENSE route, which reads neither)
     token_req: torch.Tensor | None = None
     token_pos: torch.Tensor | None = None
+    # a captured decode graph's metadata: the selection reads the scores at the static width max_seq_len (the
+    # graph's longest context) and each token's visible length from token_pos on the device, never a host list
+    static_width: bool = False
 
     @property
     def num_scored_tokens(self) -> int:
@@ -56,9 +60,14 @@ class SparseMLAMetadata(MLAMetadata):
         return 0 if self.route == DENSE else self.num_absorbed_tokens
 
 
+def _sparse_fields(meta: MLAMetadata, **extra) -> SparseMLAMetadata:
+    return SparseMLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, **extra)
+
+
 def _as_sparse(meta: MLAMetadata, route: str, index_topk: int) -> SparseMLAMetadata:
-    sparse = SparseMLAMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, route=route,
-                               index_topk=index_topk)
+    sparse = _sparse_fields(meta, route=route, index_topk=index_topk)
+    if route == DENSE:
+        return sparse
     nr, n = sparse.num_absorbed_reqs, sparse.num_absorbed_tokens
     qsl = sparse.query_start_loc[:nr + 1].long()
     steps = torch.arange(n, device=qsl.device)
@@ -69,10 +78,21 @@ def _as_sparse(meta: MLAMetadata, route: str, index_topk: int) -> SparseMLAMetad
 
 
 class SparseMLAMetadataBuilder(MLAMetadataBuilder):
+    """The route per step (see the module docstring). CUDA graphs: a pure decode step takes the SPARSE or the
+    DENSE route (DENSE_PREFILL needs a prefill), so one graph is captured per route where the dense routes are
+    declared (else SPARSE only), and a replay runs the graph of the route build() decided for its step (the same
+    rule as eager steps: DENSE while every context is <= index_topk)."""
     spec: SparseMLASpec
 
+    def __init__(self, spec, block_size, device):
+        super().__init__(spec, block_size, device)
+        self.last_route = SPARSE
+
+    def dense_declared(self) -> bool:
+        return bool(self.dense_prefill and self.spec.layer_dense_prefill)
+
     def route(self, c: CommonAttentionMetadata) -> str:
-        if not (self.dense_prefill and self.spec.layer_dense_prefill and c.seq_lens_cpu):
+        if not (self.dense_declared() and c.seq_lens_cpu):
             return SPARSE
         topk, seq_lens = self.spec.index_topk, c.seq_lens_cpu[:c.num_reqs]
         if max(seq_lens, default=0) <= topk:
@@ -82,12 +102,33 @@ class SparseMLAMetadataBuilder(MLAMetadataBuilder):
 
     def build(self, common, block_table, slot_mapping) -> SparseMLAMetadata:
         c, route = common, self.route(common)
+        self.last_route = route
         meta = self.build_split(c, block_table, slot_mapping, c.num_reqs if route == SPARSE else c.num_decodes)
         return _as_sparse(meta, route, self.spec.index_topk)
 
     def build_for_capture(self, common, block_table, slot_mapping) -> SparseMLAMetadata:
-        return _as_sparse(super().build_for_capture(common, block_table, slot_mapping), SPARSE,
-                          self.spec.index_topk)
+        """A pure decode batch on the SPARSE route: token b is request b's one query, at position seq_lens[b] - 1
+        (update_captured writes it inside the graph); padded rows (seq_len 0) sit at -1 and select nothing."""
+        meta = _sparse_fields(super().build_for_capture(common, block_table, slot_mapping), route=SPARSE,
+                              index_topk=self.spec.index_topk, static_width=True)
+        n = meta.num_tokens
+        meta.token_req = torch.arange(n, dtype=torch.int32, device=meta.seq_lens.device)
+        meta.token_pos = torch.empty(n, dtype=torch.int32, device=meta.seq_lens.device)
+        self.update_captured(meta)
+        return meta
+
+    def graph_variants(self) -> tuple[str, ...]:
+        return (SPARSE, DENSE) if self.dense_declared() else (SPARSE,)
+
+    def captured_variant(self, metadata: SparseMLAMetadata, variant: str) -> SparseMLAMetadata:
+        return replace(metadata, route=variant)
+
+    def step_variant(self) -> str:
+        return self.last_route
+
+    def update_captured(self, metadata: SparseMLAMetadata) -> None:
+        if metadata.token_pos is not None and metadata.route != DENSE:
+            torch.sub(metadata.seq_lens, 1, out=metadata.token_pos)
 
 
 class SparseMLAImpl(MLAImpl):

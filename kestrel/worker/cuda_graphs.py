@@ -1,9 +1,14 @@
 """CUDA graphs for decode: one graph per captured batch size, replayed from the persistent input buffers.
 A decode batch is padded up to the next captured size; each group's metadata builder prepares the padded rows
-before a replay (for paged attention: seq_len 0 and slot -1, which the kernels treat as empty)."""
+before a replay (for paged attention: seq_len 0 and slot -1, which the kernels treat as empty).
+
+A builder whose decode steps take one of several forms (AttentionMetadataBuilder.graph_variants; DSA: the sparse
+or the dense route) gets one set of graphs per form (DecodeGraphForms); a step replays the set of the form its
+builders decided when they built its metadata, so capture and replay never disagree on the route."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 
@@ -17,9 +22,20 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+def decode_graphs(runner, sizes: list[int]):
+    """The runner's decode graphs (not yet captured): one DecodeGraphs, or one per combination of its builders'
+    forms."""
+    forms = list(itertools.product(*(b.graph_variants() for b in runner.builders)))
+    return DecodeGraphs(runner, sizes) if len(forms) == 1 else DecodeGraphForms(runner, sizes, forms)
+
+
 class DecodeGraphs:
-    def __init__(self, runner, sizes: list[int]):
+    def __init__(self, runner, sizes: list[int], form: tuple[str, ...] | None = None):
+        """form: one of graph_variants per builder (None: what build_for_capture builds)."""
         self.runner, self.model, self.buf = runner, runner.model, runner.buffers
+        self.form = form
+        if form is not None:
+            self.kind = "/".join(v for v in form if v) + " "
         self.sizes = sorted(sizes)
         self.max_seq_len = runner.max_model_len
         self.width = self.buf.max_blocks
@@ -32,13 +48,21 @@ class DecodeGraphs:
 
     def _context(self, b: int):
         if b not in self.contexts:
-            self.contexts[b] = self.runner.metadata(b, b, b, 1, self.max_seq_len, self.width, capture=True)
+            ctx = self.runner.metadata(b, b, b, 1, self.max_seq_len, self.width, capture=True)
+            if self.form is not None:
+                ctx.attn_metadata = [builder.captured_variant(meta, v) for builder, meta, v in
+                                     zip(self.runner.builders, ctx.attn_metadata, self.form)]
+            self.contexts[b] = ctx
         return self.contexts[b]
 
     @torch.inference_mode()
     def run(self, b: int) -> torch.Tensor:
-        """One eager decode forward of the padded batch `b` from the buffers; returns its logits."""
-        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b], self._context(b))
+        """One eager decode forward of the padded batch `b` from the buffers (what a capture records); returns
+        its logits."""
+        ctx = self._context(b)
+        for builder, meta in zip(self.runner.builders, ctx.attn_metadata):
+            builder.update_captured(meta)
+        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b], ctx)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -75,13 +99,56 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, b: int, padded: int) -> torch.Tensor:
+        """The logits of the step's b decode rows. Without a captured graph (CPU tests) the padded batch runs
+        eagerly from the same buffers and captured metadata, so the padding and the capture path are tested
+        there."""
         buf = self.buf
         if padded > b:
             buf.input_ids[b:padded].zero_()
             buf.positions[b:padded].zero_()
             buf.query_start_loc[b + 1:padded + 1].copy_(self.arange[b + 1:padded + 1])
-            for builder, meta in zip(self.runner.builders, self.contexts[padded].attn_metadata):
+            for builder, meta in zip(self.runner.builders, self._context(padded).attn_metadata):
                 builder.prepare_replay(meta, b, padded)
-        self.graphs[padded].replay()
         self.replays += 1
+        if padded not in self.graphs:
+            return self.run(padded)[:b]
+        self.graphs[padded].replay()
         return self.logits[padded][:b]
+
+
+class DecodeGraphForms:
+    """DecodeGraphs per combination of the builders' forms, in one memory pool, with DecodeGraphs' interface: a
+    step replays the graphs of the forms its builders decided (step_variant) when they built its metadata."""
+
+    def __init__(self, runner, sizes: list[int], forms: list[tuple[str, ...]]):
+        self.builders = runner.builders
+        self.by_form = {form: DecodeGraphs(runner, sizes, form) for form in forms}
+        self.sizes = sorted(sizes)
+
+    @property
+    def pool(self):
+        return list(self.by_form.values())[-1].pool
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.by_form.values())
+
+    def capture(self) -> float:
+        seconds, pool = 0.0, None
+        for graphs in self.by_form.values():
+            graphs.pool = pool
+            seconds += graphs.capture()
+            pool = graphs.pool
+        return seconds
+
+    def run(self, b: int) -> None:
+        """Every form's eager forward (the precompile's dry run)."""
+        for graphs in self.by_form.values():
+            graphs.run(b)
+
+    def padded_size(self, b: int) -> int | None:
+        return next(iter(self.by_form.values())).padded_size(b)
+
+    def replay(self, b: int, padded: int) -> torch.Tensor:
+        form = tuple(builder.step_variant() for builder in self.builders)
+        return self.by_form[form].replay(b, padded)

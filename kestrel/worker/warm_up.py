@@ -9,7 +9,7 @@ import torch
 
 from kestrel.attention import kv_quant
 from kestrel.core.kv_spec import cdiv
-from kestrel.worker.cuda_graphs import DecodeGraphs, default_graph_sizes
+from kestrel.worker.cuda_graphs import DecodeGraphForms, DecodeGraphs, decode_graphs, default_graph_sizes
 from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
 from kestrel.worker.verify_graphs import capture_verify_graphs
@@ -39,14 +39,14 @@ def graph_sizes(runner) -> list[int]:
     return [s for s in (comp.cuda_graph_sizes or default_graph_sizes(sc.max_num_seqs)) if s <= sc.max_num_seqs]
 
 
-def capture_graphs(runner) -> DecodeGraphs | None:
+def capture_graphs(runner) -> DecodeGraphs | DecodeGraphForms | None:
     """Warm the kernels up (CUDA), then capture the decode graphs where they are on."""
     if runner.device.type == "cuda":
         warm_up_kernels(runner)
     sizes = graph_sizes(runner)
     if not sizes:
         return None
-    graphs = DecodeGraphs(runner, sizes)
+    graphs = decode_graphs(runner, sizes)
     runner.graph_capture_seconds = graphs.capture()
     return graphs
 
@@ -68,7 +68,7 @@ def precompile_kernels(runner) -> None:
         profile_forward(runner, ids, positions, ctx)
         runner.buffers = runner._new_buffers()
         warm_up_kernels(runner)
-        graphs = DecodeGraphs(runner, graph_sizes(runner))
+        graphs = decode_graphs(runner, graph_sizes(runner))
         for b in graphs.sizes:
             graphs.run(b)
 

@@ -19,12 +19,14 @@ def test_write_index_keys_compiles():
     compile_ok(fn, _sig(fn, {"X": "*bf16", "C": "*bf16", "SLOT": "*i64"}), dict(D=128, D_PAD=128, PAGE=16))
 
 
+@pytest.mark.parametrize("visible_only", [False, True])  # True: the CUDA-graph path
 @pytest.mark.parametrize("heads", [32, 64])
-def test_indexer_scores_compiles(heads):
+def test_indexer_scores_compiles(heads, visible_only):
     fn = ops._indexer_scores_kernel
     ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "KS": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32",
             "S": "*fp32"}
-    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=False))
+    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=False,
+                                        VISIBLE_ONLY=visible_only))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -47,11 +49,14 @@ def test_indexer_scores_fp8_keys_compiles(heads):
     fn = ops._indexer_scores_kernel
     ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "K": "*fp8e4nv", "KS": "*fp32", "BT": "*i32", "REQ": "*i32",
             "QPOS": "*i32", "S": "*fp32"}
-    compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True))
+    for visible_only in (False, True):
+        compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True,
+                                            VISIBLE_ONLY=visible_only))
 
 
-def test_radix_topk_compiles():
+@pytest.mark.parametrize("has_last", [False, True])  # True: per-row lengths on the device (CUDA graphs)
+def test_radix_topk_compiles(has_last):
     from kestrel.attention.ops import triton_topk
 
     fn = triton_topk._radix_topk_kernel
-    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32"}), dict(BLOCK=1024))
+    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32", "LAST": "*i32"}), dict(BLOCK=1024, HAS_LAST=has_last))

@@ -1,7 +1,15 @@
 """Triton sparse MLA (DSA) for CUDA: the indexer-key write, indexer scores over the paged key cache with a chunked
 top-k, and absorbed MLA over each token's index list (attention/ops/triton_sparse_mla.py), for decodes and sparse
-prefills alike; short prefills on the dense route go through triton_mla's dense prefill. No CUDA graphs yet (the
-top-k width follows the step's longest context). Importing fails without Triton, and the selector then skips it."""
+prefills alike; short prefills on the dense route go through triton_mla's dense prefill.
+
+CUDA graphs for decode (SparseMLAMetadataBuilder captures one graph per route a decode step can take: SPARSE, and
+DENSE where the dense routes are declared). The DENSE graph is triton_mla's decode plus the indexer-key write. The
+SPARSE graph has static shapes and reads nothing on the host: the scores are as wide as the graph's longest context
+(max_model_len) but each token's visible part alone is computed, and the radix select (triton_topk.py) reads each
+row's length from the token positions on the device (padded rows, at -1, select nothing and attend to nothing).
+Its cost: one program per row reading the row's scores five times (about 10-40 us a layer for one 32k row,
+estimated, not yet timed on the H200), where eager steps use torch.topk over the step's longest context.
+Importing fails without Triton, and the selector then skips it."""
 from __future__ import annotations
 
 import torch
@@ -20,7 +28,7 @@ class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
 
     def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:
         return select_topk(index_q, index_w, index_cache, meta.block_tables, meta.token_req, meta.token_pos,
-                           meta.max_seq_len, meta.index_topk)
+                           meta.max_seq_len, meta.index_topk, static_width=meta.static_width)
 
     def attend_sparse(self, q_lat, q_pe, cache, meta: SparseMLAMetadata, topk) -> torch.Tensor:
         return sparse_mla_attention(q_lat, q_pe, cache, meta.block_tables, meta.token_req, topk, self.scale)
@@ -31,7 +39,7 @@ class TritonSparseMLABackend(TritonMLABackend):
     cache_specs = (SparseMLASpec,)
     supports_sparse_mla = True
     supports_dense_mha_prefill = True
-    supports_cuda_graphs = False
+    supports_cuda_graphs = True
     impl_cls = TritonSparseMLAImpl
     builder_cls = SparseMLAMetadataBuilder
 

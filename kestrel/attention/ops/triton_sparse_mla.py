@@ -10,7 +10,9 @@
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
   bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
-  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k.
+  triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k. static_width (CUDA-graph
+  decode): the width is the graph's longest context, only each row's visible scores are computed, and the radix
+  select reads each row's length from the token positions on the device.
 - `sparse_mla_attention`: absorbed MLA of each token over its index list: one program per (token, block of
   BLOCK_H heads, split of the list), reading the selected latents tile by tile (online softmax, the rope dot kept
   separate as in the dense decode kernel, triton_mla.py, whose reduce kernel merges the splits). Entries -1 are
@@ -29,6 +31,7 @@ from kestrel.attention.ops.triton_topk import radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
+STRIDED_PROGRAMS = 4096  # visible_only scores: about this many programs in all, each striding over its row
 
 
 @triton.jit
@@ -65,42 +68,50 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
                            stride_btb, stride_st,
                            D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr):
+                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, VISIBLE_ONLY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     q_pos = tl.load(QPOS + t)
-    visible = offs_n <= q_pos
-    in_row = offs_n < width
+    # the whole row (-inf past q_pos), or only its visible part, each program striding over the tiles
+    end = width
+    if VISIBLE_ONLY:
+        end = tl.minimum(width, q_pos + 1)
     heads = tl.arange(0, H_PAD)
     mask_h = heads < num_heads
     offs_d = tl.arange(0, D)
-    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if n0 <= q_pos:
-        req = tl.load(REQ + t).to(tl.int64)
-        blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
-        k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
-                    mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
-        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
-                    other=0.0)  # [H_PAD, D]
-        w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
-        if KEY_FP8 and not UPCAST:
-            q, k = q.to(tl.bfloat16), k.to(tl.bfloat16)
-        logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
-        weighted = tl.sum(logits * w[:, None], axis=0)
-        if KEY_FP8:
-            offs_blk = (offs_n % PAGE).to(tl.int64)
-            weighted = weighted * tl.load(KS + blk * stride_ksb + offs_blk * stride_kst, mask=visible, other=0.0)
-        score = tl.where(visible, weighted, float("-inf"))
-    tl.store(S + t * stride_st + offs_n, score, mask=in_row)
+    for n0 in range(tl.program_id(1) * BLOCK_N, end, tl.num_programs(1) * BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        visible = offs_n <= q_pos
+        in_row = offs_n < width
+        score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        if n0 <= q_pos:
+            req = tl.load(REQ + t).to(tl.int64)
+            blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
+            k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
+                        mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
+            q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
+                        other=0.0)  # [H_PAD, D]
+            w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
+            if KEY_FP8 and not UPCAST:
+                q, k = q.to(tl.bfloat16), k.to(tl.bfloat16)
+            logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
+            weighted = tl.sum(logits * w[:, None], axis=0)
+            if KEY_FP8:
+                offs_blk = (offs_n % PAGE).to(tl.int64)
+                weighted = weighted * tl.load(KS + blk * stride_ksb + offs_blk * stride_kst, mask=visible,
+                                              other=0.0)
+            score = tl.where(visible, weighted, float("-inf"))
+        tl.store(S + t * stride_st + offs_n, score, mask=in_row)
 
 
 def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
-                   block_n: int = 64) -> torch.Tensor:
+                   block_n: int = 64, visible_only: bool = False) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
     -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
-    [blocks, page, 1] float32), index_q float8 with its scales folded into index_w (indexer_keys.py)."""
+    [blocks, page, 1] float32), index_q float8 with its scales folded into index_w (indexer_keys.py).
+    visible_only: only positions 0..q_pos are written (the rest of each row is left as it was), by a grid sized
+    from T alone, each program striding over its row's tiles: the CUDA-graph path, whose width is the graph's
+    longest context and whose reader (radix_topk with last=q_pos) reads no further."""
     cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
@@ -113,20 +124,26 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
         return out
     fp8 = scales is not None
     ks = scales if fp8 else cache  # unread without FP8
-    _indexer_scores_kernel[(t, triton.cdiv(width, block_n))](
+    tiles = triton.cdiv(width, block_n)
+    programs = min(tiles, max(1, STRIDED_PROGRAMS // t)) if visible_only else tiles
+    _indexer_scores_kernel[(t, programs)](
         index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, width, h,
         index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
         ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
         D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
-        UPCAST=_upcast(index_q.dtype) or (fp8 and interpreter_mode()), KEY_FP8=fp8)
+        UPCAST=_upcast(index_q.dtype) or (fp8 and interpreter_mode()), KEY_FP8=fp8, VISIBLE_ONLY=visible_only)
     return out
 
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
-                budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch") -> torch.Tensor:
+                budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch",
+                static_width: bool = False) -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
     exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
-    topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort)."""
+    topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort).
+    static_width (CUDA graphs): `width` is the graph's longest context, not the step's, and nothing is read on the
+    host: the radix select reads each row's length from q_pos on the device, and only visible scores are
+    computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width."""
     if topk_impl not in ("torch", "radix"):
         raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
@@ -138,12 +155,14 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
-                                q_pos[r0:r1], width)
-        if topk_impl == "radix":
+                                q_pos[r0:r1], width, visible_only=static_width)
+        if static_width:
+            radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1])
+        elif topk_impl == "radix":
             radix_topk(scores, k, out[r0:r1])
-            continue
-        best = scores.topk(k, dim=-1)
-        out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
+        else:
+            best = scores.topk(k, dim=-1)
+            out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
     return out
 
 

@@ -7,7 +7,9 @@ bits flipped). Four passes of a 256-bin histogram over the row pick the k-th lar
 the top byte down, counting only the keys that share the bytes picked so far. A last pass writes the positions
 whose key is above that threshold, then the first (by position) of those equal to it until k are written. So
 the row is read five times and nothing is sorted; no [rows, width] index buffer exists besides the output.
-Not split across programs yet: a single long row (batch 1 at 32k) runs on one program."""
+Not split across programs yet: a single long row (batch 1 at 32k) runs on one program. With `last` (per-row
+lengths on the device: the CUDA-graph decode path, whose score rows are as wide as the graph's longest context)
+each row reads only its own candidates, and a row of at most k of them is written without a pass."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +24,18 @@ def _sortable(x):
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-@triton.jit(do_not_specialize=["width", "k"])
-def _radix_topk_kernel(S, OUT, width, k, stride_s, stride_o, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["row_width", "k"])
+def _radix_topk_kernel(S, OUT, LAST, row_width, k, stride_s, stride_o, BLOCK: tl.constexpr, HAS_LAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    width = row_width
+    if HAS_LAST:  # this row's candidates end at its own last position (a padded row: -1, none)
+        width = tl.minimum(row_width, tl.maximum(tl.load(LAST + row), -1) + 1)
+    if width <= k:  # every candidate is selected: positions 0..width-1, then -1
+        for n0 in range(0, k, BLOCK):
+            offs = n0 + tl.arange(0, BLOCK)
+            x = tl.load(S + row * stride_s + offs, mask=offs < width, other=float("-inf"))
+            tl.store(OUT + row * stride_o + offs, tl.where(x == float("-inf"), -1, offs), mask=offs < k)
+        return
     bins = tl.arange(0, 256)
     hi = 0  # the threshold key's bytes picked so far: (threshold >> shift), arithmetic
     remaining = k  # how many of the keys sharing `hi` still belong to the top k
@@ -71,9 +82,12 @@ def _radix_topk_kernel(S, OUT, width, k, stride_s, stride_o, BLOCK: tl.constexpr
         n_eq += tl.sum(eq.to(tl.int32), 0)
 
 
-def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, block: int = 1024,
+               last: torch.Tensor | None = None) -> torch.Tensor:
     """scores [R, width] float32 -> [R, k] int32 (k <= width): each row's k largest positions as a set, -1 for
-    the selected -inf entries. `out` may be wider than k (only its first k columns are written)."""
+    the selected -inf entries. `out` may be wider than k (only its first k columns are written). `last` [R] int32
+    (on the device): row r's candidates are positions 0..last[r] only (nothing after is read; a row with at most
+    k of them selects them all, then -1), so the cost follows each row's own length, not the width."""
     r, width = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("radix_topk needs contiguous float32 rows")
@@ -83,6 +97,9 @@ def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, bl
         out = torch.empty(r, k, dtype=torch.int32, device=scores.device)
     if out.dtype != torch.int32 or out.stride(-1) != 1 or out.shape[0] != r or out.shape[1] < k:
         raise ValueError("radix_topk writes int32 rows of at least k entries")
+    if last is not None and (last.dtype != torch.int32 or last.shape != (r,)):
+        raise ValueError(f"last must be int32 [{r}]")
     if r:
-        _radix_topk_kernel[(r,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block)
+        _radix_topk_kernel[(r,)](scores, out, out if last is None else last, width, k, scores.stride(0),
+                                 out.stride(0), BLOCK=block, HAS_LAST=last is not None)
     return out
