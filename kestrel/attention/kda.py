@@ -25,6 +25,7 @@ from torch import nn
 
 from kestrel.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
                                        CommonAttentionMetadata)
+from kestrel.core.device import to_device
 from kestrel.core.kv_spec import KDAStateSpec
 from kestrel.kernels import kda_ref
 from kestrel.platform import Platform, current_platform
@@ -56,8 +57,9 @@ class KDAPrefills:
     def build(cls, qsl: list[int], num_decodes: int, has_initial_state: list[bool], conv_width: int, device):
         cu = [x - qsl[num_decodes] for x in qsl[num_decodes:]]
         cu_cpu = torch.tensor(cu, dtype=torch.long)
-        fresh = torch.tensor([not x for x in has_initial_state[num_decodes:]])
-        return cls(cu_cpu, cu_cpu.to(device), fresh.to(device), kda_ref.VarlenConvLayout.build(cu, conv_width, device))
+        fresh = to_device([not x for x in has_initial_state[num_decodes:]], torch.bool, device)
+        return cls(cu_cpu, to_device(cu_cpu, torch.long, device), fresh,
+                   kda_ref.VarlenConvLayout.build(cu, conv_width, device))
 
 
 @dataclass
@@ -76,7 +78,7 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
         slots = block_table[:, 0]
         # the memory profile's dummy tables number blocks, not slots: ids beyond the requests' slots (the snapshot
         # slots too, which only copies touch) read the null slot
-        slots = torch.where(slots < self.spec.num_state_slots - self.spec.num_snapshot_slots, slots, 0)
+        slots = torch.where(slots < self.spec.num_slots, slots, 0)
         qsl, sl = c.query_start_loc_cpu, c.seq_lens_cpu
         has_init = [sl[b] > qsl[b + 1] - qsl[b] for b in range(c.num_reqs)] if qsl is not None else None
         prefills = (KDAPrefills.build(qsl[:c.num_reqs + 1], c.num_decodes, has_init, self.spec.conv_width, self.device)

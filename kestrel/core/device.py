@@ -11,10 +11,10 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list on the device without a host sync: through pinned memory on CUDA (a plain
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list (or CPU tensor) on the device without a host sync: through pinned memory on CUDA (a plain
     torch.tensor(..., device=cuda) copies from pageable memory, which waits for the work in flight)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+        return torch.as_tensor(values, dtype=dtype, device=device)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kestrel.core.device import to_device
+
 
 def forget_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
     """f [T, H * D] (f_b(f_a(x))) -> g [T, H, D] float32: -exp(A_log[h]) * softplus(f + dt_bias)."""
@@ -55,7 +57,7 @@ class VarlenConvLayout:
         first = cu[:-1] + torch.arange(n) * k1  # request b's oldest previous input
         previous = (first[:, None] + torch.arange(k1)).flatten()
         last = ((first + lens)[:, None] + torch.arange(k1)).flatten()
-        return cls(tokens.to(device), previous.to(device), last.to(device), cu_seqlens[-1] + n * k1)
+        return cls(*(to_device(t, torch.long, device) for t in (tokens, previous, last)), cu_seqlens[-1] + n * k1)
 
 
 def causal_conv_varlen(x: torch.Tensor, layout: VarlenConvLayout, conv_states: torch.Tensor, weight: torch.Tensor):
