@@ -27,7 +27,8 @@ from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, pl
 class ResponsesRequest(_Base):
     # not implemented: refused unless unused
     _unsupported_here: ClassVar[dict[str, tuple]] = {"background": (None, False), "reasoning": (None,),
-                                                     "conversation": (None,)}
+                                                     "conversation": (None,), "top_logprobs": (None, 0),
+                                                     "text": (None, {"format": {"type": "text"}})}
     model: str | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
@@ -35,6 +36,10 @@ class ResponsesRequest(_Base):
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     tools: list | None = None  # function tools: {"type": "function", "name", "description", "parameters"}
     tool_choice: str | dict | None = None  # auto (with tools; needs --enable-auto-tool-choice) | none | required | named
     parallel_tool_calls: StrictBool = True
@@ -57,9 +62,11 @@ def conversation(state: ServerState, req: ResponsesRequest) -> list[dict]:
 def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body = {"messages": system + messages, "max_tokens": req.max_output_tokens, "priority": req.priority,
-            "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice),
-            "parallel_tool_calls": req.parallel_tool_calls}
-    body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p)) if v is not None})
+            "tools": chat_tools(req.tools), "parallel_tool_calls": req.parallel_tool_calls,
+            # "auto" without tools is vLLM's default: nothing to choose from, so no tool plan
+            "tool_choice": chat_tool_choice(None if not req.tools and req.tool_choice == "auto" else req.tool_choice)}
+    sampling = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "logit_bias")
+    body.update({k: getattr(req, k) for k in sampling if getattr(req, k) is not None})
     return ChatCompletionRequest.model_validate(body)
 
 
@@ -101,7 +108,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     rid, public_id = request_ids("resp", req.request_id, raw)
     prompt = await render_prompt(state, chat_req, plan.tools)
     gen = state.engine.generate(prompt, params, rid, req.priority, timeout=state.timeout(chat_req),
-                                lora_request=lora)
+                                lora_request=lora, stream=req.stream)
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages),

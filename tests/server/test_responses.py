@@ -65,11 +65,29 @@ def test_streamed_events(client):
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_tokens"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
 ])
 def test_refusals(server, body, param):
     status, res = http("POST", server.url + "/v1/responses", body)
     assert status == 400, res
     assert res["error"]["param"] == param and res["error"]["type"] == "invalid_request_error"
+
+
+def test_sampling_fields_reach_the_sampler(server, client):
+    """top_k / penalties / logit_bias are used, as on the chat route: a bias of +100 on one token makes it every
+    output token; "auto" tool choice without tools (vLLM's default) is no tool plan."""
+    chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          temperature=0, logprobs=True)
+    forced = chat.choices[0].logprobs.content[0].token
+    status, tokenized = http("POST", server.url + "/tokenize", {"model": "llama", "prompt": forced,
+                                                                 "add_special_tokens": False})
+    assert status == 200
+    tok = tokenized["tokens"][0]
+    res = client.responses.create(model="llama", input="Tell me a story", max_output_tokens=4, temperature=0,
+                                  extra_body={"top_k": 5, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                                              "logit_bias": {str(tok): 100}}, tool_choice="auto")
+    assert res.usage.output_tokens == 4 and res.output_text == forced * 4
 
 
 def test_previous_response_id_continues_the_conversation(client):
