@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import SHAPES
 from benchmarks.spec_replay import best_k, engine_kwargs, plain_rows, replay_rows
-from benchmarks.spec_timing import kestrel_spec_counts, mean_accepted_len, row_of, timed_generate
+from benchmarks.spec_timing import row_of, timed_generate, timed_with_acceptance
 
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "bos_token_id",
@@ -52,11 +52,8 @@ def eagle3_rows(model, common, args, device, prompts, draft: str, batches, ks) -
         llm = LLM(model, speculative_config=spec, **common)
         for b in batches:
             timed_generate(llm, prompts[:b], args.output_len, device, 1)  # warm-up
-            before = kestrel_spec_counts(llm)
-            ttft, total, _ = timed_generate(llm, prompts[:b], args.output_len, device, args.reps)
-            after = kestrel_spec_counts(llm)
-            rows.append(row_of("EAGLE-3 random draft", b, k, "", args.output_len, ttft, total,
-                               mean_accepted_len(after[0] - before[0], after[1] - before[1])))
+            ttft, total, _, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device, args.reps)
+            rows.append(row_of("EAGLE-3 random draft", b, k, "", args.output_len, ttft, total, mean_len))
         llm.engine.core.shutdown()
         del llm
     return rows

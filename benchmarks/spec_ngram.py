@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.procs import stop
-from benchmarks.spec_timing import kestrel_spec_counts, mean_accepted_len, row_of, timed_generate
+from benchmarks.spec_timing import kestrel_spec_counts, row_of, timed_generate, timed_with_acceptance
 
 COPY_TEXT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nclass Point:\n    def "
              "__init__(self, x, y):\n        self.x = x\n        self.y = y\n")
@@ -55,11 +55,8 @@ def ngram_smollm2(args, device) -> list[dict]:
         for b in [int(x) for x in args.batches.split(",")]:
             batch = (prompts * b)[:b]
             timed_generate(llm, batch, args.output_len, device, 1)  # warm-up
-            before = kestrel_spec_counts(llm)
-            ttft, total, _ = timed_generate(llm, batch, args.output_len, device, args.reps)
-            after = kestrel_spec_counts(llm)
-            rows.append(row_of("ngram" if k else "no speculation", b, k, "", args.output_len, ttft, total,
-                               mean_accepted_len(after[0] - before[0], after[1] - before[1])))
+            ttft, total, _, mean_len = timed_with_acceptance(llm, batch, args.output_len, device, args.reps)
+            rows.append(row_of("ngram" if k else "no speculation", b, k, "", args.output_len, ttft, total, mean_len))
         llm.engine.core.shutdown()
         del llm
     return rows
@@ -99,12 +96,9 @@ def measure(llm, job: dict, k: int, counts, device: str, params_cls=None, **para
     for b in job["batches"]:
         batch = [{"prompt_token_ids": p} for p in (job["prompts"] * b)[:b]]
         timed_generate(llm, batch, job["output_len"], device, 1, params_cls, **param_kw)  # warm-up
-        before = counts()
-        ttft, total, outs[b] = timed_generate(llm, batch, job["output_len"], device, job["reps"], params_cls,
-                                              **param_kw)
-        after = counts()
-        rows.append(row_of("ngram" if k else "no speculation", b, k, "", job["output_len"], ttft, total,
-                           mean_accepted_len(after[0] - before[0], after[1] - before[1])))
+        ttft, total, outs[b], mean_len = timed_with_acceptance(llm, batch, job["output_len"], device, job["reps"],
+                                                               counts, params_cls, **param_kw)
+        rows.append(row_of("ngram" if k else "no speculation", b, k, "", job["output_len"], ttft, total, mean_len))
     return rows, outs
 
 

@@ -4,7 +4,7 @@ probability alpha (kestrel/spec_decode/replay.py)."""
 from __future__ import annotations
 
 from benchmarks.common import nano_workload, write_shape
-from benchmarks.spec_timing import kestrel_spec_counts, mean_accepted_len, row_of, timed_generate
+from benchmarks.spec_timing import row_of, timed_generate, timed_with_acceptance
 
 
 def engine_kwargs(args, device: str, batches: list[int], ks: list[int]) -> tuple[str, dict]:
@@ -51,10 +51,7 @@ def replay_rows(model, common, args, device, prompts, refs, batches, alphas, ks)
             timed_generate(llm, prompts[:b], args.output_len, device, 1)  # warm-up
             for alpha in alphas:
                 llm.engine.core.speculation.proposer.alpha = alpha
-                before = kestrel_spec_counts(llm)
-                ttft, total, _ = timed_generate(llm, prompts[:b], args.output_len, device, args.reps)
-                after = kestrel_spec_counts(llm)
-                mean_len = mean_accepted_len(after[0] - before[0], after[1] - before[1])
+                ttft, total, _, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device, args.reps)
                 rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len))
         llm.engine.core.shutdown()
         del llm

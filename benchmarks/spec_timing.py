@@ -49,6 +49,16 @@ def kestrel_spec_counts(llm) -> tuple[int, int]:
     return (sp.num_drafts, sp.num_accepted_tokens) if sp else (0, 0)
 
 
+def timed_with_acceptance(llm, prompts, n_out, device, reps, counts=None, params_cls=None, **param_kw):
+    """timed_generate's (ttft, total, outputs), and the mean accepted length of the drafts made meanwhile
+    (`counts()`: the engine's cumulative (verify steps with drafts, accepted tokens); kestrel's by default)."""
+    counts = counts or (lambda: kestrel_spec_counts(llm))
+    before = counts()
+    ttft, total, outs = timed_generate(llm, prompts, n_out, device, reps, params_cls, **param_kw)
+    after = counts()
+    return ttft, total, outs, mean_accepted_len(after[0] - before[0], after[1] - before[1])
+
+
 def row_of(label, batch, k, alpha, n_out, ttft, total, mean_accepted=None):
     """A table row, also printed at once as a JSON line: a run stopped by its time limit still logs its rows."""
     gen = max(total - ttft, 1e-9)
