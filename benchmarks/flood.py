@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from urllib.parse import urlparse
 
 from benchmarks.common import SHAPES, print_table
-from kestrel.bench.serve import start_server
+from kestrel.bench.serve import metrics_totals, start_server
 from kestrel.bench.serve_metrics import percentile
 
 C = "/v1/completions"
@@ -53,14 +53,9 @@ def victim(url: str, count: int, max_tokens: int) -> tuple[list[float], list[int
     return latencies, bad
 
 
-def metric(url: str, *names: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(tuple(n + "{" for n in names)))
-
-
-def in_engine(url: str) -> float:
-    return metric(url, "vllm:num_requests_running", "vllm:num_requests_waiting")
+def in_engine(url: str, totals: dict[str, float] | None = None) -> float:
+    totals = totals or metrics_totals(url, {})
+    return totals.get("vllm:num_requests_running", 0.0) + totals.get("vllm:num_requests_waiting", 0.0)
 
 
 def summary(name: str, xs: list[float]) -> dict:
@@ -88,12 +83,13 @@ def run_case(folder, window: int, share: int, args) -> dict:
         while in_engine(url) < 1 and time.monotonic() - t_flood < 30:
             time.sleep(0.05)
         busy_at_start = in_engine(url)
-        tokens0, t0 = metric(url, "vllm:iteration_tokens_total_sum"), time.monotonic()
+        tokens0, t0 = metrics_totals(url, {}).get("vllm:iteration_tokens_total_sum", 0.0), time.monotonic()
         loaded, loaded_bad = victim(url, args.victims, args.victim_tokens)
-        tok_s = (metric(url, "vllm:iteration_tokens_total_sum") - tokens0) / (time.monotonic() - t0)
-        paused_steps = metric(url, "kestrel_fair_share_paused_steps_total")
-        preemptions = metric(url, "vllm:num_preemptions_total")
-        busy_at_end = in_engine(url)
+        after = metrics_totals(url, {})  # one scrape: the server is loaded
+        tok_s = (after.get("vllm:iteration_tokens_total_sum", 0.0) - tokens0) / (time.monotonic() - t0)
+        paused_steps = after.get("kestrel_fair_share_paused_steps_total", 0.0)
+        preemptions = after.get("vllm:num_preemptions_total", 0.0)
+        busy_at_end = in_engine(url, after)
         flood_done = conn.sock is None  # the response came back already: the flood was too small
         conn.sock.close() if conn.sock else None
         t_drop = time.monotonic()
