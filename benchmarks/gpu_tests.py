@@ -3,7 +3,7 @@ test file that does something on CUDA when it is there (a `gpu` marker, or a dev
 torch.cuda.is_available(): the Triton kernel tests, which run under the interpreter on the CPU). Without a
 GPU those tests skip, so the summary is only meaningful on the GPU machine.
 
-    python -m benchmarks.gpu_tests [FILE...] [--budget 575] [--log gputests.log]
+    python -m benchmarks.gpu_tests [FILE...] [--budget 575] [--log gputests.log] [--workers 4]
 
 When the budget runs out first, the summary names the files not reached: pass them in the next call."""
 from __future__ import annotations
@@ -22,6 +22,9 @@ from benchmarks.procs import run_capped
 
 USES_CUDA = re.compile(r"pytest\.mark\.gpu\b|torch\.cuda\.is_available\(\)")
 RESULT = re.compile(r"^(?P<file>[^\s:]+\.py)::(?P<test>\S.*?) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# pytest-xdist's -v line: "[gw1] [ 12%] PASSED tests/gpu/test_x.py::test_y"
+XDIST_RESULT = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) "
+                          r"(?P<file>[^\s:]+\.py)::(?P<test>\S+)")
 COLLECT_ERROR = re.compile(r"^ERROR (?P<file>[^\s:]+\.py)(?: - .*)?$")
 
 
@@ -41,7 +44,7 @@ def summarize(lines: list[str], files: list[str]) -> tuple[dict[str, Counter], l
     counts = {f: Counter() for f in files}
     failed = []
     for line in lines:
-        if m := RESULT.match(line):
+        if m := RESULT.match(line) or XDIST_RESULT.match(line):
             file, outcome, node = m["file"], m["outcome"], f"{m['file']}::{m['test']}"
         elif m := COLLECT_ERROR.match(line):  # the file did not import: none of its tests ran
             file, outcome, node = m["file"], "ERROR", line
@@ -59,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("files", nargs="*", help="test files (default: every GPU test file)")
     ap.add_argument("--budget", type=float, default=575, help="seconds for the pytest run")
     ap.add_argument("--log", type=Path, default=None, help="the whole pytest output")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="pytest-xdist processes sharing the GPU, one file each at a time (tests size their KV cache "
+                         "by blocks, so several fit); 0 runs in one process")
     args = ap.parse_args(argv)
     files = args.files or gpu_test_files()
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors", *files]
+    if args.workers:
+        cmd += ["-n", str(args.workers), "--dist", "loadfile"]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         log = args.log or Path(tmp) / "gputests.log"

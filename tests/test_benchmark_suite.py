@@ -233,3 +233,15 @@ def test_gpu_tests_summary_counts_each_file_and_names_the_failures(tmp_path):
     assert len(failed) == 2 and failed[0].endswith("test_mixed.py::test_bad") and "test_broken.py" in failed[1]
     assert "GPU tests: 3 passed, 1 failed, 1 errors, 1 skipped" in run.stdout
     assert (tmp_path / "log.txt").read_text().count("PASSED") == 3
+
+
+def test_gpu_tests_summary_reads_xdist_lines():
+    from benchmarks.gpu_tests import summarize
+
+    lines = ["[gw0] [ 25%] PASSED tests/gpu/test_a.py::test_one",
+             "[gw1] [ 50%] FAILED tests/gpu/test_b.py::test_two[bf16]",
+             "[gw0] [100%] SKIPPED tests/gpu/test_a.py::test_three"]
+    counts, failed = summarize(lines, ["tests/gpu/test_a.py", "tests/gpu/test_b.py"])
+    assert counts["tests/gpu/test_a.py"] == {"PASSED": 1, "SKIPPED": 1}
+    assert counts["tests/gpu/test_b.py"] == {"FAILED": 1}
+    assert failed == ["tests/gpu/test_b.py::test_two[bf16]"]
