@@ -21,7 +21,9 @@ PROMPTS = MIXED_PROMPTS + [[100 + (13 * i) % 211 for i in range(48)]]
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory, tiny_tokenizer):
     """(kind, index_topk) -> a checkpoint: latent 64 + rope 16 and a 16-head x 32 indexer (the kernels' powers of
-    two)."""
+    two); routers sharpened (tests/agreement.decisive_routers), else a router near-tie that bf16 flips moves one
+    position's logprob by an expert's share (0.41 against a 0.30 tolerance on the H200, both routes alike)."""
+    from tests.agreement import decisive_routers
     from tests.tiny import make_checkpoint
 
     root, built = tmp_path_factory.mktemp("gpu_dsa"), {}
@@ -32,6 +34,7 @@ def dsa(tmp_path_factory, tiny_tokenizer):
                                                 hidden_size=256, intermediate_size=512, kv_lora_rank=64,
                                                 qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                                                 q_lora_rank=64, index_topk=topk, logit_scale=4.0)
+            decisive_routers(built[kind, topk])
         return built[kind, topk]
     return get
 

@@ -50,7 +50,7 @@ def test_graphs_with_the_draft_loaded_equal_eager(tmp_path, tiny_tokenizer):
     draft = eagle3_draft(tmp_path, target, "speculators", own_embed=True)
     runner = check_drafter_graphs_equal_eager(target, {**eagle3(draft, 3), "disable_by_batch_size": 4},
                                               MIXED_PROMPTS * 3)
-    assert runner.graphs.replays > 5 and runner.verify_graphs is not None and runner.verify_graphs.replays > 5
+    assert runner.graphs.replays > 5 and runner.verify_graphs is not None and runner.verify_graphs.replays >= 3
     assert runner.drafter.graphs is not None and runner.drafter.graphs.graphs and runner.drafter.graphs.replays > 5
     # the draft graphs alone, at the buckets' own sizes: the drafts of the same chain run eagerly
     drafter, g = runner.drafter, torch.Generator().manual_seed(0)
