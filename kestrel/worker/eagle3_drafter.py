@@ -10,15 +10,22 @@ layers (eagle_aux_hidden_state_layer_ids; by default 2, L // 2 and L - 3 of L), 
     g_t = r + mlp(post_attention_layernorm(r));   draft id = argmax lm_head(norm(g_t))
 
 over a draft vocabulary (draft_vocab_size) mapped back to target ids by the `d2t` offsets (target = draft + d2t[draft]).
-The next draft feeds g_t back in place of h_t. The token embedding is the draft's own embed_tokens, or the
-target's when the checkpoint has none. The window recompute and chaining are kestrel/worker/window_drafter.py's.
+The next draft feeds g_t back in place of h_t (at position t+1, with the draft just made as its token: vLLM's
+chaining). The token embedding is the draft's own embed_tokens, or the target's when the checkpoint has none.
+
+The draft layer attends over the request's whole context through a KV cache of its own, one more layer of the
+target's full-attention KV group (kestrel/worker/draft_kv.py says why and how it stays valid). After each step the
+drafter runs its layer over every position the target just computed (writing their draft K/V; for a request that
+samples, its last row gives the first draft), then k - 1 forwards of one token per drafting request, each writing
+its position's K/V: a draft step processes only new positions, never a window again.
 
 Checkpoint layouts read: the EAGLE authors' / SGLang one (config architectures LlamaForCausalLMEagle3, weights
 `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, as safetensors or pytorch_model.bin) and Red Hat speculators'
 (config `speculators_model_type: eagle3` with the layer's Llama config under transformer_layer_config, weights
 `layers.0.*`; norm_before_residual defaults to true there, as vLLM reads it). Refused at start-up: drafts of more than
 one layer, norm_before_fc, a target hidden size or vocabulary other than the draft's, quantized drafts, targets
-whose decoder layers do not take (positions, hidden, residual, ...).
+whose decoder layers do not take (positions, hidden, residual, ...), a draft attention whose KV heads or head size
+differ from the target's.
 """
 from __future__ import annotations
 
@@ -26,11 +33,16 @@ import inspect
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
+from kestrel.attention.layer import Attention
+from kestrel.core.device import to_device
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import LayerInput, WindowDrafter
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.worker.draft_kv import DraftKV, check_joins_a_group
+from kestrel.worker.hidden_capture import HiddenCapture, LayerInput
 
 _ALT = "use method 'ngram' or start without speculative_config"
 
@@ -75,8 +87,21 @@ def read_draft_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Eagle3Projections(nn.Module):
+    """The attention's projections, q/k/v taking the 2H input (the attention itself is the drafter's kestrel
+    Attention layer, over its KV cache)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=bias)
+
+
 class _Eagle3Layer(nn.Module):
-    """The decoder layer: transformers' Llama attention and MLP, q/k/v widened to the 2H input."""
+    """The decoder layer: q/k/v widened to the 2H input, transformers' Llama norms and MLP."""
 
     def __init__(self, cfg, ll, norm_before_residual: bool):
         super().__init__()
@@ -85,18 +110,17 @@ class _Eagle3Layer(nn.Module):
         self.input_layernorm = ll.LlamaRMSNorm(h, eps=eps)
         self.hidden_norm = ll.LlamaRMSNorm(h, eps=eps)
         self.post_attention_layernorm = ll.LlamaRMSNorm(h, eps=eps)
-        self.self_attn = ll.LlamaAttention(cfg, 0)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(self.self_attn, name, nn.Linear(2 * h, getattr(self.self_attn, name).out_features,
-                                                    bias=cfg.attention_bias))
+        self.self_attn = _Eagle3Projections(cfg)
         self.mlp = ll.LlamaMLP(cfg)
 
-    def forward(self, embeds, hidden, positions, mask, rotary) -> torch.Tensor:
-        """[B, T, H] embeddings of tokens t+1 and hidden states at positions t [B, T] -> the layer output g."""
+    def forward(self, embeds, hidden, positions, ctx, attn: Attention) -> torch.Tensor:
+        """[T, H] embeddings of tokens t+1 and hidden states at positions t [T] (a flattened batch, `ctx` its
+        metadata) -> the layer output g [T, H]; writes the tokens' K/V into the draft's cache."""
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        attn, _ = self.self_attn(x, position_embeddings=rotary(x, positions), attention_mask=mask)
-        residual = (normed if self.norm_before_residual else hidden) + attn
+        p = self.self_attn
+        out = p.o_proj(attn(torch.cat([p.q_proj(x), p.k_proj(x), p.v_proj(x)], dim=-1), positions, ctx))
+        residual = (normed if self.norm_before_residual else hidden) + out
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -124,9 +148,13 @@ def _check_target(target, num_layers: int, aux: list[int]) -> None:
                           f"distinct layers of the target's {num_layers}; set them in the draft's config.json")
 
 
-class Eagle3Drafter(WindowDrafter):
-    def __init__(self, target, hf_config, draft_path: str, k: int, device, dtype, max_tokens: int = 8192,
-                 window: int = 64, max_batch: int | None = None):
+class Eagle3Drafter:
+    """`context`: the target's ModelContext, where the draft's attention layer registers (before binding).
+    `max_tokens`: the most tokens of one target forward (the capture's rows). Above `max_batch` sampling requests
+    a step drafts nothing (the draft K/V are still written)."""
+
+    def __init__(self, target, hf_config, context, draft_path: str, k: int, device, dtype, max_tokens: int = 8192,
+                 max_batch: int | None = None):
         from transformers import LlamaConfig
         from transformers.models.llama import modeling_llama as ll
 
@@ -181,24 +209,105 @@ class Eagle3Drafter(WindowDrafter):
         if to_target.shape != (draft_vocab,) or int(to_target.min()) < 0 or int(to_target.max()) >= target_vocab:
             raise ConfigError(f"speculative_config method 'eagle3': the draft {folder}'s d2t maps outside the "
                               f"target's {target_vocab} tokens")
-        super().__init__(target, [LayerInput(i) for i in sorted(aux)], target_hidden, k, device, dtype, max_tokens,
-                         window, max_batch)
+        self.k, self.device, self.dtype, self.max_batch = k, device, dtype, max_batch
+        self.capture = HiddenCapture(target, [LayerInput(i) for i in sorted(aux)], target_hidden, max_tokens, device,
+                                     dtype)
         self.target, self.aux_layers, self.draft_to_target = target, sorted(aux), to_target.to(device)
         self.net.to(device=device, dtype=dtype).eval()
-        self.rotary = ll.LlamaRotaryEmbedding(cfg).to(device)
+        self.max_positions = context.max_positions
+        rotary = RotaryEmbedding(cfg, cfg.head_dim, self.max_positions, dtype).to(device)
+        self.attn = Attention(context, "eagle3_draft.layers.0.self_attn.attn", cfg.num_attention_heads, cfg.head_dim,
+                              cfg.num_key_value_heads, rotary).to(device)
+        check_joins_a_group(context, self.attn, "speculative_config method 'eagle3'")
+        self.kv: DraftKV | None = None  # once bound (bind)
 
-    def window_hidden(self, captured):
-        return self.net.fc(captured.to(self.dtype))
+    def bind(self, builders, block_rows) -> None:
+        """The attention layer is bound to its group (self.attn.group_id): draft forwards build that group's
+        metadata over the runner's block table rows."""
+        self.kv = DraftKV(self.attn, builders[self.attn.group_id], block_rows, self.device)
+
+    def forget(self, rid: str) -> None:
+        """Nothing per request: its draft K/V live in its blocks."""
 
     def embed(self, ids):
         return self.net.embed_tokens(ids) if self.net.embed_tokens is not None else self.target.embed_input_ids(ids)
-
-    def draft_layer(self, j, embeds, hidden, pos, mask):
-        return self.net.layers[0](embeds.to(self.dtype), hidden, pos, mask, self.rotary)
 
     def draft_logits(self, last: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary from layer outputs."""
         return self.net.lm_head(self.net.norm(last))
 
-    def draft_token_ids(self, j, last):
+    def draft_token_ids(self, last: torch.Tensor) -> torch.Tensor:
+        """The greedy target token ids [B] from layer outputs [B, H] (on the device)."""
         return self.draft_to_target[self.draft_logits(last).argmax(-1)]
+
+    def forward(self, table_rows: list[int], starts: list[int], ids: torch.Tensor, hidden: torch.Tensor,
+                counts: list[int]) -> torch.Tensor:
+        """The layer over counts[b] new positions from starts[b] of each request (flattened: token ids of the
+        next positions [T], hidden states [T, H]); writes their K/V. Returns its output [T, H]."""
+        ctx, positions = self.kv.context(table_rows, starts, counts)
+        return self.net.layers[0](self.embed(ids).to(self.dtype), hidden, positions, ctx, self.attn)
+
+    @torch.inference_mode()
+    def after_step(self, inf, out, requests) -> None:
+        """Write the draft K/V of every position the step computed (a request's accepted ones: its verified drafts,
+        not the rejected), then draft for the requests that sampled (out.next_drafts)."""
+        if inf.target_hidden is None:  # an empty step
+            return
+        hidden, qsl, chunks = inf.target_hidden
+        inf.target_hidden = None
+        # above disable_by_batch_size the engine asks for no drafts: write the K/V, skip the drafting
+        drafting = self.max_batch is None or len(inf.rows) <= self.max_batch
+        rows = []  # (first captured row, request id, table row, start, the tokens after its positions, drafts?)
+        for b, c in enumerate(chunks):
+            rid, st = c.request_id, requests.get(c.request_id)
+            if st is None:
+                continue
+            m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
+            start = c.num_computed_tokens
+            nxt = st.tokens_slice(start + 1, start + m + 1)
+            # a placeholder (a pipelined step's token not known yet) ends what can be written: a position left
+            # unwritten costs later drafts acceptance, never correctness
+            known = next((i for i, t in enumerate(nxt) if t < 0), len(nxt))
+            if known:
+                wants = known == m and c.samples and rid in out.sampled and drafting
+                rows.append((qsl[b], rid, st.table_row, start, nxt[:known], wants))
+        if not rows:
+            return
+        rows.sort(key=lambda r: len(r[4]) != 1)  # decode rows first, as the backends expect
+        counts = [len(r[4]) for r in rows]
+        captured = to_device([i for r, n in zip(rows, counts) for i in range(r[0], r[0] + n)], torch.int64,
+                             self.device)
+        g = self.forward([r[2] for r in rows], [r[3] for r in rows],
+                         to_device([t for r in rows for t in r[4]], torch.int64, self.device),
+                         self.net.fc(hidden[captured].to(self.dtype)), counts)
+        ends = np.cumsum(counts) - 1
+        want = [i for i, r in enumerate(rows) if r[5]]
+        if want:
+            drafts = self.chain([rows[i][2] for i in want], [rows[i][3] + counts[i] for i in want],
+                                g[to_device(ends[want], torch.int64, self.device)])
+            for i, d in zip(want, drafts):
+                out.next_drafts[rows[i][1]] = (rows[i][3] + counts[i] + 1, d)
+
+    def chain(self, table_rows: list[int], positions: list[int], last: torch.Tensor) -> list[list[int]]:
+        """k greedy drafts per request, from the layer's output `last` [B, H] at the position before
+        `positions`[b] (its first draft's), each further draft a forward of one token at the next position. A
+        request's chain stops short where its next position is not in a block it holds (or past the context)."""
+        tok = self.draft_token_ids(last)
+        live, steps = list(range(len(positions))), [(list(range(len(positions))), tok)]
+        for j in range(self.k - 1):
+            keep = [i for i, n in enumerate(live) if positions[n] + j < self.max_positions
+                    and self.kv.owns(table_rows[n], positions[n] + j)]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                sel = to_device(keep, torch.int64, self.device)
+                live, last, tok = [live[i] for i in keep], last[sel], tok[sel]
+            last = self.forward([table_rows[n] for n in live], [positions[n] + j for n in live], tok, last,
+                                [1] * len(live))
+            tok = self.draft_token_ids(last)
+            steps.append((live, tok))
+        drafts = [[] for _ in positions]
+        flat = iter(torch.cat([t for _, t in steps]).tolist())  # the one host sync of a draft step
+        for n in (n for ids, _ in steps for n in ids):
+            drafts[n].append(next(flat))
+        return drafts

@@ -10,9 +10,10 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
+from kestrel.worker.draft_kv import DraftKV
 from kestrel.worker.eagle3_drafter import Eagle3Drafter
 from tests.spec_decode.eagle3_tiny import TARGET_LAYERS, eagle3_draft, eagle3_target
-from tests.spec_decode.mixed import record_drafts_from_position_0, tokens, workload as mixed_workload
+from tests.spec_decode.mixed import tokens, workload as mixed_workload
 
 
 @pytest.fixture(scope="module")
@@ -97,26 +98,59 @@ def reference_drafts(target_model, target_w, draft_dir, seq: list[int], k: int, 
     return drafts
 
 
+def record_drafts(monkeypatch) -> list:
+    """Make the drafter record (the request's tokens, the drafts made after them) of every draft step, and check
+    that no draft forward writes a position outside the blocks its request holds."""
+    seen = []
+    after_step, context = Eagle3Drafter.after_step, DraftKV.context
+
+    def recording(self, inf, out, requests):
+        after_step(self, inf, out, requests)
+        seen.extend((requests[rid].tokens_slice(0, n), d) for rid, (n, d) in out.next_drafts.items())
+
+    def checked(self, table_rows, starts, counts):
+        for row, start, n in zip(table_rows, starts, counts):
+            assert (start + n - 1) // self.block_size < self.block_rows.lens[row, self.layer.group_id]
+        return context(self, table_rows, starts, counts)
+
+    monkeypatch.setattr(Eagle3Drafter, "after_step", recording)
+    monkeypatch.setattr(DraftKV, "context", checked)
+    return seen
+
+
 @pytest.mark.parametrize("layout, aux", [("midlayer", [2, 3, 4]), ("speculators", [1, 3, 6])])
-def test_drafts_equal_plain_pytorch_eagle3(target, drafts, monkeypatch, layout, aux):
-    """Every draft chain the runner makes from a window that starts at position 0 (no truncation) equals the
-    reference's: the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining, d2t."""
+def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts, monkeypatch, layout, aux):
+    """Every draft chain equals the reference's, which attends over the whole sequence: prompts of up to 150 tokens
+    (a window of the last 64 positions would draft otherwise), computed in chunks of 24 tokens with requests
+    preempted and recomputed, then a prompt that shares 100 tokens with an earlier one, its first 96 a prefix-cache
+    hit (blocks whose draft K/V the earlier request wrote; the shared prefix does not end on a block boundary: see
+    kestrel/worker/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining,
+    d2t, and that draft writes stay in the request's blocks (k - 1 lookahead slots)."""
+    import random
+
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    seen = record_drafts_from_position_0(monkeypatch, Eagle3Drafter)
+    seen = record_drafts(monkeypatch)
+    rng = random.Random(7)
     prompts, _ = workload()
-    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts[layout], 3))
+    long = [[rng.randrange(3, 380) for _ in range(n)] for n in (120, 150)]
+    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts[layout], 3), max_num_batched_tokens=24,
+              num_kv_blocks=12)
     assert llm.engine.core.executor.runner.drafter.aux_layers == aux
-    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(seen) >= 8
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts[:4] + long, params)
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    hits = core.kv.prefix_hits
+    llm.generate([long[1][:100] + [5, 6, 7, 8]], params)
+    assert core.kv.prefix_hits >= hits + 96
+    assert sum(len(ids) > 64 + 4 for ids, _ in seen) >= 8 and len(seen) >= 20
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     target_w = load_file(target / "model.safetensors")
-    prompt_of = {tuple(p[1:]): p[0] for p in prompts[:4]}
     for ids, got in seen:
-        first = next(f for tail, f in prompt_of.items() if tuple(ids[:len(tail)]) == tail)
-        assert got == reference_drafts(model, target_w, drafts[layout], [first, *ids], 3, aux)
+        assert got == reference_drafts(model, target_w, drafts[layout], ids, 3, aux)
 
 
 _REFS = {}
@@ -218,19 +252,3 @@ def test_qwen3_target_same_outputs(tmp_path):
     llm = LLM(str(qwen3), progress=False, speculative_config=eagle3(draft, 2), max_num_batched_tokens=24)
     assert tokens(llm, prompts, params) == ref
     assert llm.engine.core.speculation.num_drafts > 0
-
-
-def test_batched_drafting_equals_one_window_at_a_time(target, drafts):
-    """The drafter pads windows of different lengths (a full one among them, which drops its first entry as it
-    chains) into one batch: each request's drafts equal those of drafting its window alone."""
-    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["speculators"], 3))
-    drafter = llm.engine.core.executor.runner.drafter
-    g = torch.Generator().manual_seed(0)
-    for n, rid in [(64, "full"), (10, "short"), (63, "almost"), (1, "one")]:
-        start = 5 * n
-        drafter.windows[rid] = (torch.arange(start, start + n), torch.randn(n, 64, generator=g),
-                                torch.randint(3, 380, (n,), generator=g))
-    together = drafter.propose(["full", "short", "almost", "one", "unknown"])
-    assert set(together) == {"full", "short", "almost", "one"}
-    for rid, got in together.items():
-        assert got == drafter.propose([rid])[rid]

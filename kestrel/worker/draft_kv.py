@@ -1,0 +1,85 @@
+"""The KV cache of a runner draft layer (EAGLE-3: kestrel/worker/eagle3_drafter.py), and the attention metadata of
+one draft forward over it.
+
+The seam (vLLM's idea): the draft's attention layer is a kestrel Attention registered in the target's ModelContext
+before the layers are bound (kestrel/worker/attention_binding.py), with the target's full-attention spec, so it is
+one more layer of that KV group: position p of request r lives in the same slot for the draft layer as for the
+target's layers. The pool sizes it (it is one more cache slot in bytes_per_block, so the memory profile counts it),
+and prefix caching, preemption and freeing move its entries with the target's: nothing in the scheduler, the KV
+managers or the allocation knows it is a draft. A draft whose attention has another shape (KV heads, head size)
+than the target's is refused at start-up: it would form a group of its own, which cuts every other group to one
+layer (core/kv_spec.py group_layers).
+
+What keeps it valid:
+- The drafter runs its layer over every position the target computes (prefill chunks, decodes, verified
+  positions), so a block holds the draft's K/V wherever it holds the target's: a prefix-cache hit (blocks an
+  earlier request wrote), a chunked prefill and a recompute after preemption need nothing more. One inexactness
+  remains, by design: the draft's input at position p is token p+1, so the K/V at a hit's last position came from
+  the writer's next token. Where two prompts part exactly at a block boundary that one position is stale (a
+  shared block cannot hold two requests' values); drafts over it are slightly worse, never wrong.
+- Chained drafts write positions past the verified ones; the next step recomputes them from the target's hidden
+  states before any later query reads them (positions repeat after a rejection). The scheduler allocates
+  `k - 1` slots of lookahead for them (SpeculativeConfig.num_lookahead_slots); a draft never writes a slot of a
+  block its request does not hold (`owns`): a chain stops there instead.
+
+One draft forward is a flattened batch like a target step's (decode rows first, a request's new tokens at
+positions seq_len - q_len .. seq_len - 1), its metadata built by the group's own builder from the runner's block
+table rows. Drafting runs eagerly: its batch shape and metadata change with every step's accepted counts (a
+CUDA-graph form would need the decode graphs' persistent-buffer protocol for the draft's chain).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kestrel.attention.backend import CommonAttentionMetadata
+from kestrel.attention.layer import Attention, ForwardContext
+from kestrel.core.device import to_device
+from kestrel.errors import ConfigError
+
+
+def check_joins_a_group(context, layer: Attention, what: str) -> None:
+    """Refuse a draft attention layer whose cache spec no target layer has: it would not share a KV group."""
+    target_specs = {s for name, s in context.kv_cache_specs.items() if name != layer.layer_name}
+    if layer.kv_cache_spec not in target_specs:
+        have = sorted({(getattr(s, "num_kv_heads", None), getattr(s, "head_dim", None)) for s in target_specs},
+                      key=str)
+        raise ConfigError(f"{what}: the draft's attention ({layer.num_kv_heads} KV heads of size {layer.head_dim}) "
+                          f"must match a full-attention layer of the target (KV heads, head size: {have}) so that "
+                          f"its KV cache is one more layer of the target's; use method 'ngram' or start without "
+                          f"speculative_config")
+
+
+class DraftKV:
+    """Builds the ForwardContext of a draft forward for the draft `layer` (bound: its group_id set), from the
+    group's metadata `builder` and the runner's BlockTableRows."""
+
+    def __init__(self, layer: Attention, builder, block_rows, device):
+        self.layer, self.builder, self.block_rows, self.device = layer, builder, block_rows, device
+        self.block_size = builder.block_size
+
+    def owns(self, table_row: int, position: int) -> bool:
+        """Whether the request at `table_row` holds the block of `position` (in the draft's group)."""
+        return position // self.block_size < self.block_rows.lens[table_row, self.layer.group_id]
+
+    def context(self, table_rows: list[int], starts: list[int], counts: list[int]) -> tuple[ForwardContext,
+                                                                                             torch.Tensor]:
+        """A forward of counts[b] new tokens at positions starts[b].. for each request (rows with one token
+        first; every position in a block its request holds). Returns (the forward context, positions [T])."""
+        bs, gid = self.block_size, self.layer.group_id
+        starts_np, counts_np = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        qsl = np.concatenate([[0], np.cumsum(counts_np)])
+        seq_lens = starts_np + counts_np
+        req_of_token = np.repeat(np.arange(len(counts)), counts_np)
+        positions = np.arange(qsl[-1]) - qsl[req_of_token] + starts_np[req_of_token]
+        width = int(-(-seq_lens.max() // bs))
+        tables = self.block_rows.ids[np.asarray(table_rows), gid, :width]
+        slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        num_decodes = int(np.argmax(counts_np != 1)) if (counts_np != 1).any() else len(counts)
+        common = CommonAttentionMetadata(int(qsl[-1]), len(counts), num_decodes, int(counts_np.max()),
+                                         int(seq_lens.max()), to_device(qsl, torch.int32, self.device),
+                                         to_device(seq_lens, torch.int32, self.device), qsl.tolist(),
+                                         seq_lens.tolist())
+        meta = self.builder.build(common, to_device(tables, torch.int32, self.device),
+                                  to_device(slots, torch.int64, self.device))
+        return ForwardContext([None] * gid + [meta]), to_device(positions, torch.int64, self.device)
