@@ -22,10 +22,10 @@ What keeps it valid:
   `k - 1` slots of lookahead for them (SpeculativeConfig.num_lookahead_slots); a draft never writes a slot of a
   block its request does not hold (`owns`): a chain stops there instead.
 
-One draft forward is a flattened batch like a target step's (decode rows first, a request's new tokens at
-positions seq_len - q_len .. seq_len - 1), its metadata built by the group's own builder from the runner's block
-table rows. Drafting runs eagerly: its batch shape and metadata change with every step's accepted counts (a
-CUDA-graph form would need the decode graphs' persistent-buffer protocol for the draft's chain).
+A draft step's first forward (every position the target computed) is a flattened batch like a target step's
+(decode rows first, a request's new tokens at positions seq_len - q_len .. seq_len - 1), its metadata built here by
+the group's own builder from the runner's block table rows; it runs eagerly (its shape follows the step's
+accepted counts). The chained one-token forwards after it run from static buffers (kestrel/worker/draft_chain.py).
 """
 from __future__ import annotations
 

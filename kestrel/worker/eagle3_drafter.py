@@ -17,7 +17,8 @@ The draft layer attends over the request's whole context through a KV cache of i
 target's full-attention KV group (kestrel/worker/draft_kv.py says why and how it stays valid). After each step the
 drafter runs its layer over every position the target just computed (writing their draft K/V; for a request that
 samples, its last row gives the first draft), then k - 1 forwards of one token per drafting request, each writing
-its position's K/V: a draft step processes only new positions, never a window again.
+its position's K/V (kestrel/worker/draft_chain.py: CUDA graphs per batch bucket): a draft step processes only new
+positions, never a window again.
 
 Checkpoint layouts read: the EAGLE authors' / SGLang one (config architectures LlamaForCausalLMEagle3, weights
 `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, as safetensors or pytorch_model.bin) and Red Hat speculators'
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +43,11 @@ from kestrel.attention.layer import Attention
 from kestrel.core.device import to_device
 from kestrel.errors import ConfigError
 from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.worker.draft_chain import DraftChain
 from kestrel.worker.draft_kv import DraftKV, check_joins_a_group
 from kestrel.worker.hidden_capture import HiddenCapture, LayerInput
+
+logger = logging.getLogger(__name__)
 
 _ALT = "use method 'ngram' or start without speculative_config"
 
@@ -220,11 +225,28 @@ class Eagle3Drafter:
                               cfg.num_key_value_heads, rotary).to(device)
         check_joins_a_group(context, self.attn, "speculative_config method 'eagle3'")
         self.kv: DraftKV | None = None  # once bound (bind)
+        self.chained: DraftChain | None = None
 
     def bind(self, builders, block_rows) -> None:
         """The attention layer is bound to its group (self.attn.group_id): draft forwards build that group's
         metadata over the runner's block table rows."""
         self.kv = DraftKV(self.attn, builders[self.attn.group_id], block_rows, self.device)
+        if self.k > 1:
+            rows, max_blocks = block_rows.ids.shape[0], block_rows.ids.shape[2]
+            self.chained = DraftChain(self, min(rows, self.max_batch or rows), max_blocks,
+                                      self.net.fc.out_features)
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """CUDA graphs of the chained drafts at these batch sizes (the decode graphs'). A failed capture logs and
+        leaves them eager (drafts cost acceptance only)."""
+        if self.chained is None:
+            return
+        try:
+            self.chained.capture(sizes)
+        except Exception as e:  # noqa: BLE001  (an optimisation: eager drafting stays correct)
+            logger.warning("draft CUDA graphs not captured (%s: %s); drafting runs eagerly", type(e).__name__, e)
+            torch.cuda.synchronize()
+            self.chained.graphs, self.chained.sizes = {}, []
 
     def forget(self, rid: str) -> None:
         """Nothing per request: its draft K/V live in its blocks."""
@@ -240,11 +262,9 @@ class Eagle3Drafter:
         """The greedy target token ids [B] from layer outputs [B, H] (on the device)."""
         return self.draft_to_target[self.draft_logits(last).argmax(-1)]
 
-    def forward(self, table_rows: list[int], starts: list[int], ids: torch.Tensor, hidden: torch.Tensor,
-                counts: list[int]) -> torch.Tensor:
-        """The layer over counts[b] new positions from starts[b] of each request (flattened: token ids of the
-        next positions [T], hidden states [T, H]); writes their K/V. Returns its output [T, H]."""
-        ctx, positions = self.kv.context(table_rows, starts, counts)
+    def layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The draft layer over a flattened batch (token ids of the next positions [T], hidden states [T, H], their
+        positions [T], `ctx` its metadata); writes their K/V. Returns its output [T, H]."""
         return self.net.layers[0](self.embed(ids).to(self.dtype), hidden, positions, ctx, self.attn)
 
     @torch.inference_mode()
@@ -277,37 +297,18 @@ class Eagle3Drafter:
         counts = [len(r[4]) for r in rows]
         captured = to_device([i for r, n in zip(rows, counts) for i in range(r[0], r[0] + n)], torch.int64,
                              self.device)
-        g = self.forward([r[2] for r in rows], [r[3] for r in rows],
-                         to_device([t for r in rows for t in r[4]], torch.int64, self.device),
-                         self.net.fc(hidden[captured].to(self.dtype)), counts)
-        ends = np.cumsum(counts) - 1
+        ctx, positions = self.kv.context([r[2] for r in rows], [r[3] for r in rows], counts)
+        g = self.layer(to_device([t for r in rows for t in r[4]], torch.int64, self.device),
+                       self.net.fc(hidden[captured].to(self.dtype)), positions, ctx)
         want = [i for i, r in enumerate(rows) if r[5]]
-        if want:
-            drafts = self.chain([rows[i][2] for i in want], [rows[i][3] + counts[i] for i in want],
-                                g[to_device(ends[want], torch.int64, self.device)])
-            for i, d in zip(want, drafts):
-                out.next_drafts[rows[i][1]] = (rows[i][3] + counts[i] + 1, d)
-
-    def chain(self, table_rows: list[int], positions: list[int], last: torch.Tensor) -> list[list[int]]:
-        """k greedy drafts per request, from the layer's output `last` [B, H] at the position before
-        `positions`[b] (its first draft's), each further draft a forward of one token at the next position. A
-        request's chain stops short where its next position is not in a block it holds (or past the context)."""
-        tok = self.draft_token_ids(last)
-        live, steps = list(range(len(positions))), [(list(range(len(positions))), tok)]
-        for j in range(self.k - 1):
-            keep = [i for i, n in enumerate(live) if positions[n] + j < self.max_positions
-                    and self.kv.owns(table_rows[n], positions[n] + j)]
-            if not keep:
-                break
-            if len(keep) < len(live):
-                sel = to_device(keep, torch.int64, self.device)
-                live, last, tok = [live[i] for i in keep], last[sel], tok[sel]
-            last = self.forward([table_rows[n] for n in live], [positions[n] + j for n in live], tok, last,
-                                [1] * len(live))
-            tok = self.draft_token_ids(last)
-            steps.append((live, tok))
-        drafts = [[] for _ in positions]
-        flat = iter(torch.cat([t for _, t in steps]).tolist())  # the one host sync of a draft step
-        for n in (n for ids, _ in steps for n in ids):
-            drafts[n].append(next(flat))
-        return drafts
+        if not want:
+            return
+        table_rows, first = [rows[i][2] for i in want], [rows[i][3] + counts[i] for i in want]
+        last = g[to_device((np.cumsum(counts) - 1)[want], torch.int64, self.device)]
+        token = self.draft_token_ids(last)  # the first draft, at the position before `first`
+        drafts = token[:, None]
+        if self.chained is not None:  # the others: one token per request at each next position
+            drafts = torch.cat([drafts, self.chained.run(table_rows, first, last, token)], dim=1)
+        for i, row, pos, d in zip(want, table_rows, first, drafts.tolist()):  # the one host sync of a draft step
+            n = 1 + (self.chained.num_valid(row, pos) if self.chained is not None else 0)
+            out.next_drafts[rows[i][1]] = (pos + 1, d[:n])

@@ -1,5 +1,5 @@
 """Start-up work of the model runner after the KV cache exists: the persistent input buffers, the kernel warm-up
-(the variants mixed steps use), the add-ons' warm-up (an image model's encoder), the decode and verify CUDA
+(the variants mixed steps use), the add-ons' warm-up (an image model's encoder), the decode, verify and draft CUDA
 graphs, FP8 scale calibration armed for the first real batch; and the parallel Triton precompile that runs the same
 forwards once, before, with launches turned into compilations."""
 from __future__ import annotations
@@ -19,6 +19,8 @@ def set_up_after_kv(runner) -> None:
     runner.buffers = runner._new_buffers()
     runner.graphs = capture_graphs(runner)
     runner.verify_graphs = capture_verify_graphs(runner, runner.spec, runner.graphs)
+    if runner.drafter is not None and runner.graphs is not None:
+        runner.drafter.capture_graphs(runner.graphs.sizes)
     if runner.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
         for g in runner.kv_cache_groups:
             for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():

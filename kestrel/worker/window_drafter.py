@@ -36,6 +36,9 @@ class WindowDrafter:
     def bind(self, builders, block_rows) -> None:
         """Nothing to bind: the window keeps no KV cache (the runner calls this on every drafter)."""
 
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """None: the chain runs eagerly (see the module docstring)."""
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

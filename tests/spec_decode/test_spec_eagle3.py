@@ -10,6 +10,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
+from kestrel.worker.draft_chain import DraftChain
 from kestrel.worker.draft_kv import DraftKV
 from kestrel.worker.eagle3_drafter import Eagle3Drafter
 from tests.spec_decode.eagle3_tiny import TARGET_LAYERS, eagle3_draft, eagle3_target
@@ -100,9 +101,9 @@ def reference_drafts(target_model, target_w, draft_dir, seq: list[int], k: int, 
 
 def record_drafts(monkeypatch) -> list:
     """Make the drafter record (the request's tokens, the drafts made after them) of every draft step, and check
-    that no draft forward writes a position outside the blocks its request holds."""
+    that no draft forward writes a slot outside the blocks its request holds (padding rows write none)."""
     seen = []
-    after_step, context = Eagle3Drafter.after_step, DraftKV.context
+    after_step, context, chain = Eagle3Drafter.after_step, DraftKV.context, DraftChain.run
 
     def recording(self, inf, out, requests):
         after_step(self, inf, out, requests)
@@ -113,8 +114,20 @@ def record_drafts(monkeypatch) -> list:
             assert (start + n - 1) // self.block_size < self.block_rows.lens[row, self.layer.group_id]
         return context(self, table_rows, starts, counts)
 
+    def chain_checked(self, table_rows, first_pos, hidden, token):
+        drafts = chain(self, table_rows, first_pos, hidden, token)
+        rows, gid, bs = self.drafter.kv.block_rows, self.drafter.attn.group_id, self.drafter.kv.block_size
+        b = len(table_rows)
+        padded = min((size for size in self.sizes if size >= b), default=b)
+        for slots in self.slots:
+            for i, slot in enumerate(slots[:padded].tolist()):
+                held = rows.ids[table_rows[i], gid, :rows.lens[table_rows[i], gid]] if i < b else []
+                assert slot == -1 or slot // bs in held
+        return drafts
+
     monkeypatch.setattr(Eagle3Drafter, "after_step", recording)
     monkeypatch.setattr(DraftKV, "context", checked)
+    monkeypatch.setattr(DraftChain, "run", chain_checked)
     return seen
 
 
@@ -125,7 +138,8 @@ def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts,
     preempted and recomputed, then a prompt that shares 100 tokens with an earlier one, its first 96 a prefix-cache
     hit (blocks whose draft K/V the earlier request wrote; the shared prefix does not end on a block boundary: see
     kestrel/worker/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining,
-    d2t, and that draft writes stay in the request's blocks (k - 1 lookahead slots)."""
+    d2t, that draft writes stay in the request's blocks (k - 1 lookahead slots) and that the chain's batches, padded
+    to buckets, give the drafts of unpadded ones."""
     import random
 
     from safetensors.torch import load_file
@@ -137,7 +151,9 @@ def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts,
     long = [[rng.randrange(3, 380) for _ in range(n)] for n in (120, 150)]
     llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts[layout], 3), max_num_batched_tokens=24,
               num_kv_blocks=12)
-    assert llm.engine.core.executor.runner.drafter.aux_layers == aux
+    drafter = llm.engine.core.executor.runner.drafter
+    assert drafter.aux_layers == aux
+    drafter.chained.sizes = [2, 4, 8]  # batch buckets, as where graphs are captured: padded batches run eagerly
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate(prompts[:4] + long, params)
     core = llm.engine.core
@@ -189,6 +205,26 @@ def test_copying_draft_gets_every_greedy_draft_accepted(tmp_path, layout, k):
     assert sp.accepted_per_pos[k - 1] > 0
 
 
+def test_chains_stop_at_the_end_of_the_context(tmp_path, monkeypatch):
+    """Requests that run up to max_model_len: a chain whose next position is past the context (or outside the
+    request's blocks) stops there (an empty row in the padded batch: it writes and reads nothing), its drafts
+    cut short; the outputs stay the target's and every draft of the copying draft is accepted."""
+    bigram = eagle3_target(tmp_path, bigram=True)
+    draft = eagle3_draft(tmp_path, bigram, "midlayer", copy=True)
+    prompts = [list(range(3 + i, 33 + 2 * i)) for i in range(4)]  # 30..36 tokens
+    params = [SamplingParams(temperature=0, max_tokens=40 - len(p) - 1, ignore_eos=True) for p in prompts]
+    ref = tokens(LLM(str(bigram), progress=False, max_model_len=40), prompts, params)
+    cut = []
+    num_valid = DraftChain.num_valid
+    monkeypatch.setattr(DraftChain, "num_valid",
+                        lambda self, row, pos: cut.append(num_valid(self, row, pos)) or cut[-1])
+    llm = LLM(str(bigram), progress=False, max_model_len=40, speculative_config=eagle3(draft, 4))
+    assert tokens(llm, prompts, params) == ref
+    assert min(cut) < 3 and max(cut) == 3
+    sp = llm.engine.core.speculation
+    assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens == sp.num_draft_tokens
+
+
 def test_config_needs_a_model(target):
     with pytest.raises(ConfigError, match=r"method 'eagle3' needs \"model\""):
         LLM(str(target), progress=False, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
@@ -225,6 +261,11 @@ def test_unsupported_drafts_are_refused(tmp_path, target, drafts):
         (dict(drop=("d2t",)), r"has a 256-token vocabulary and no d2t map to the target's 384 tokens"),
         (dict(drop=("midlayer.hidden_norm.weight",)), r"missing \['layers.0.hidden_norm.weight'\]"),
         (dict(rename=lambda w: {**w, "d2t": w["d2t"] + 200}), r"d2t maps outside the target's 384 tokens"),
+        (dict(config=lambda c: {**c, "num_key_value_heads": 2},
+              rename=lambda w: {n: t[:32] if n.endswith(("k_proj.weight", "v_proj.weight")) else t
+                                for n, t in w.items()}),
+         r"the draft's attention \(2 KV heads of size 16\) must match a full-attention layer of the target \(KV "
+         r"heads, head size: \[\(4, 16\)\]\)"),
     ]
     for i, (edit, match) in enumerate(cases):
         bad = _rewrite(src, tmp_path / f"bad{i}", **edit)
