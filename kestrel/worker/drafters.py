@@ -1,9 +1,10 @@
 """The runner's draft models (speculative_config methods "mtp" and "eagle3"), fed the target's hidden states
 (kestrel/worker/hidden_capture.py). After each step the runner calls the drafter's after_step, which records what
-the step computed and drafts for the requests that sampled (RunnerOutput.next_drafts). EAGLE-3
+the step computed and drafts for the requests that sampled (RunnerOutput.next_drafts); bind (after the KV
+groups exist) and capture_graphs (after the decode graphs) are its other hooks. EAGLE-3
 (kestrel/worker/eagle3_drafter.py) keeps a KV cache of its own, one more layer of the target's full-attention KV
-group; MTP (kestrel/worker/mtp_drafter.py) recomputes a window of the last positions (kestrel/worker/window_drafter.py).
-"""
+group; MTP (kestrel/worker/mtp_drafter.py) recomputes a window of the last positions
+(kestrel/worker/window_drafter.py)."""
 from __future__ import annotations
 
 

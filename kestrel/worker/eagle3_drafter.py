@@ -45,7 +45,7 @@ from kestrel.errors import ConfigError
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.worker.draft_chain import DraftChain
 from kestrel.worker.draft_kv import DraftKV, check_joins_a_group
-from kestrel.worker.hidden_capture import HiddenCapture, LayerInput
+from kestrel.worker.hidden_capture import HiddenCapture, LayerInput, kept_positions
 
 logger = logging.getLogger(__name__)
 
@@ -268,29 +268,26 @@ class Eagle3Drafter:
         return self.net.layers[0](self.embed(ids).to(self.dtype), hidden, positions, ctx, self.attn)
 
     @torch.inference_mode()
+    def profile_forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> None:
+        """A draft step's first forward over every token of the target forward that just ran on (ids, positions,
+        ctx) and filled the capture: what the memory profile measures (and the precompile compiles)."""
+        g = self.layer(ids, self.net.fc(self.capture.rows(ids.shape[0]).to(self.dtype)), positions, ctx)
+        self.draft_token_ids(g[-1:])
+
+    @torch.inference_mode()
     def after_step(self, inf, out, requests) -> None:
         """Write the draft K/V of every position the step computed (a request's accepted ones: its verified drafts,
         not the rejected), then draft for the requests that sampled (out.next_drafts)."""
-        if inf.target_hidden is None:  # an empty step
-            return
-        hidden, qsl, chunks = inf.target_hidden
-        inf.target_hidden = None
-        # above disable_by_batch_size the engine asks for no drafts: write the K/V, skip the drafting
-        drafting = self.max_batch is None or len(inf.rows) <= self.max_batch
+        hidden, kept = kept_positions(inf, out, requests, self.max_batch)
         rows = []  # (first captured row, request id, table row, start, the tokens after its positions, drafts?)
-        for b, c in enumerate(chunks):
-            rid, st = c.request_id, requests.get(c.request_id)
-            if st is None:
-                continue
-            m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
-            start = c.num_computed_tokens
-            nxt = st.tokens_slice(start + 1, start + m + 1)
+        for k in kept:
             # a placeholder (a pipelined step's token not known yet) ends what can be written: a position left
-            # unwritten costs later drafts acceptance, never correctness
-            known = next((i for i, t in enumerate(nxt) if t < 0), len(nxt))
+            # unwritten costs later drafts acceptance, never correctness (above disable_by_batch_size, where
+            # steps pipeline, no request drafts)
+            known = next((i for i, t in enumerate(k.next_ids) if t < 0), len(k.next_ids))
             if known:
-                wants = known == m and c.samples and rid in out.sampled and drafting
-                rows.append((qsl[b], rid, st.table_row, start, nxt[:known], wants))
+                rows.append((k.first_row, k.request_id, k.state.table_row, k.start, k.next_ids[:known],
+                             k.drafts and known == len(k.next_ids)))
         if not rows:
             return
         rows.sort(key=lambda r: len(r[4]) != 1)  # decode rows first, as the backends expect

@@ -4,6 +4,8 @@ buffer on the device (HiddenCapture), so eager steps and CUDA graph replays (dec
 with the hooks in place) fill it alike; after the forward the runner takes the step's rows."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -56,3 +58,37 @@ class HiddenCapture:
         """The last forward's first `num_tokens` rows, copied (queued behind the forward): the next step's forward
         may overwrite the buffer before the drafter reads them (pipelined steps)."""
         return self.buffer[:num_tokens].clone()
+
+
+@dataclass
+class KeptPositions:
+    """What one chunk of a collected step computed and kept: positions start .. start + len(next_ids) - 1 (its
+    known tokens and accepted drafts, not the rejected ones), captured at rows first_row.., and the token after
+    each (negative: a placeholder, a pipelined step's token not known yet). `drafts`: the request sampled and the
+    step drafts."""
+    request_id: str
+    state: object  # the runner's RequestState
+    start: int
+    first_row: int
+    next_ids: list[int]
+    drafts: bool
+
+
+def kept_positions(inf, out, requests, max_batch: int | None) -> tuple[torch.Tensor | None, list[KeptPositions]]:
+    """The captured rows of a collected step (None for an empty step) and, per chunk of a live request, the
+    positions it kept. Above `max_batch` sampling rows (disable_by_batch_size) the engine asks for no drafts."""
+    if inf.target_hidden is None:
+        return None, []
+    hidden, qsl, chunks = inf.target_hidden
+    inf.target_hidden = None
+    drafting = max_batch is None or len(inf.rows) <= max_batch
+    kept = []
+    for b, c in enumerate(chunks):
+        rid, st = c.request_id, requests.get(c.request_id)
+        if st is None:
+            continue
+        m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
+        start = c.num_computed_tokens
+        kept.append(KeptPositions(rid, st, start, qsl[b], st.tokens_slice(start + 1, start + m + 1),
+                                  c.samples and rid in out.sampled and drafting))
+    return hidden, kept

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.worker.hidden_capture import HiddenCapture
+from kestrel.worker.hidden_capture import HiddenCapture, kept_positions
 
 
 class WindowDrafter:
@@ -38,6 +38,9 @@ class WindowDrafter:
 
     def capture_graphs(self, sizes: list[int]) -> None:
         """None: the chain runs eagerly (see the module docstring)."""
+
+    def profile_forward(self, ids, positions, ctx) -> None:
+        """Nothing to profile: a draft step's forwards are B x window tokens, small beside the target's."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -121,26 +124,16 @@ def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
 def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
     """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
     (out.next_drafts)."""
-    if inf.target_hidden is None:  # an empty step
-        return
-    hidden, qsl, chunks = inf.target_hidden
-    inf.target_hidden = None
-    # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
-    drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
+    hidden, kept = kept_positions(inf, out, requests, drafter.max_batch)
     wanted = []
-    for b, c in enumerate(chunks):
-        rid, st = c.request_id, requests.get(c.request_id)
-        if st is None:
+    for k in kept:
+        m = len(k.next_ids)
+        if any(t < 0 for t in k.next_ids):  # a placeholder: a pipelined step's token not known yet
+            drafter.forget(k.request_id)
             continue
-        m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
-        start = c.num_computed_tokens
-        nxt = st.tokens_slice(start + 1, start + m + 1)
-        if len(nxt) < m or any(t < 0 for t in nxt):  # a placeholder: a pipelined step's token not known yet
-            drafter.forget(rid)
-            continue
-        drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
-        if c.samples and rid in out.sampled and drafting:
-            wanted.append((rid, start + m + 1))
+        drafter.extend(k.request_id, k.start, hidden[k.first_row:k.first_row + m], k.next_ids)
+        if k.drafts:
+            wanted.append((k.request_id, k.start + m + 1))
     drafts = drafter.propose([rid for rid, _ in wanted])
     for rid, count in wanted:
         out.next_drafts[rid] = (count, drafts.get(rid, []))

@@ -225,6 +225,27 @@ def test_chains_stop_at_the_end_of_the_context(tmp_path, monkeypatch):
     assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens == sp.num_draft_tokens
 
 
+def test_memory_profile_forward_runs_the_draft_over_the_token_budget(target, drafts, monkeypatch):
+    """The profiled forward (GPU start-up; its dummy batch on the CPU here) runs the draft step's first forward
+    over every token of the budget after the target's (a prefill step's draft forward covers all its tokens), and
+    the draft layer is one more layer of the target's KV group (one more cache slot per block)."""
+    from kestrel.worker import kv_allocation
+    from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
+
+    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["midlayer"], 3),
+              max_num_batched_tokens=200)
+    runner = llm.engine.core.executor.runner
+    (group,) = runner.kv_cache_groups
+    assert group.layer_names[-1] == runner.drafter.attn.layer_name and len(group.layer_names) == TARGET_LAYERS + 1
+    assert kv_allocation.bytes_per_block(runner.kv_cache_groups) == (TARGET_LAYERS + 1) * group.spec.page_bytes
+    seen = []
+    layer = Eagle3Drafter.layer
+    monkeypatch.setattr(Eagle3Drafter, "layer", lambda self, ids, *a: seen.append(len(ids)) or layer(self, ids, *a))
+    ids, positions, ctx = dummy_prefill_batch(runner, 200)
+    profile_forward(runner, ids, positions, ctx)
+    assert seen == [200]
+
+
 def test_config_needs_a_model(target):
     with pytest.raises(ConfigError, match=r"method 'eagle3' needs \"model\""):
         LLM(str(target), progress=False, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
