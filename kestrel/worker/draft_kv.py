@@ -42,12 +42,12 @@ def check_joins_a_group(context, layer: Attention, what: str) -> None:
     """Refuse a draft attention layer whose cache spec no target layer has: it would not share a KV group."""
     target_specs = {s for name, s in context.kv_cache_specs.items() if name != layer.layer_name}
     if layer.kv_cache_spec not in target_specs:
-        have = sorted({(getattr(s, "num_kv_heads", None), getattr(s, "head_dim", None)) for s in target_specs},
-                      key=str)
+        full = sorted({(s.num_kv_heads, s.head_dim) for s in target_specs if type(s) is type(layer.kv_cache_spec)})
+        have = (f"(KV heads, head size: {full})" if full else
+                f"(it has none: {', '.join(sorted({type(s).__name__ for s in target_specs}))})")
         raise ConfigError(f"{what}: the draft's attention ({layer.num_kv_heads} KV heads of size {layer.head_dim}) "
-                          f"must match a full-attention layer of the target (KV heads, head size: {have}) so that "
-                          f"its KV cache is one more layer of the target's; use method 'ngram' or start without "
-                          f"speculative_config")
+                          f"must match a full-attention layer of the target {have} so that its KV cache is one "
+                          f"more layer of the target's; use method 'ngram' or start without speculative_config")
 
 
 class DraftKV:

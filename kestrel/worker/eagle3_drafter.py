@@ -279,33 +279,35 @@ class Eagle3Drafter:
         """Write the draft K/V of every position the step computed (a request's accepted ones: its verified drafts,
         not the rejected), then draft for the requests that sampled (out.next_drafts)."""
         hidden, kept = kept_positions(inf, out, requests, self.max_batch)
-        rows = []  # (first captured row, request id, table row, start, the tokens after its positions, drafts?)
+        rows = []
         for k in kept:
             # a placeholder (a pipelined step's token not known yet) ends what can be written: a position left
             # unwritten costs later drafts acceptance, never correctness (above disable_by_batch_size, where
             # steps pipeline, no request drafts)
             known = next((i for i, t in enumerate(k.next_ids) if t < 0), len(k.next_ids))
             if known:
-                rows.append((k.first_row, k.request_id, k.state.table_row, k.start, k.next_ids[:known],
-                             k.drafts and known == len(k.next_ids)))
+                k.drafts = k.drafts and known == len(k.next_ids)
+                k.next_ids = k.next_ids[:known]
+                rows.append(k)
         if not rows:
             return
-        rows.sort(key=lambda r: len(r[4]) != 1)  # decode rows first, as the backends expect
-        counts = [len(r[4]) for r in rows]
-        captured = to_device([i for r, n in zip(rows, counts) for i in range(r[0], r[0] + n)], torch.int64,
-                             self.device)
-        ctx, positions = self.kv.context([r[2] for r in rows], [r[3] for r in rows], counts)
-        g = self.layer(to_device([t for r in rows for t in r[4]], torch.int64, self.device),
+        rows.sort(key=lambda k: len(k.next_ids) != 1)  # decode rows first, as the backends expect
+        counts = [len(k.next_ids) for k in rows]
+        captured = to_device([i for k in rows for i in range(k.first_row, k.first_row + len(k.next_ids))],
+                             torch.int64, self.device)
+        ctx, positions = self.kv.context([k.state.table_row for k in rows], [k.start for k in rows], counts)
+        g = self.layer(to_device([t for k in rows for t in k.next_ids], torch.int64, self.device),
                        self.net.fc(hidden[captured].to(self.dtype)), positions, ctx)
-        want = [i for i, r in enumerate(rows) if r[5]]
+        want = [i for i, k in enumerate(rows) if k.drafts]
         if not want:
             return
-        table_rows, first = [rows[i][2] for i in want], [rows[i][3] + counts[i] for i in want]
+        table_rows = [rows[i].state.table_row for i in want]
+        first = [rows[i].start + counts[i] for i in want]  # the position after the last kept one
         last = g[to_device((np.cumsum(counts) - 1)[want], torch.int64, self.device)]
-        token = self.draft_token_ids(last)  # the first draft, at the position before `first`
+        token = self.draft_token_ids(last)  # the first draft, predicted at the last kept position
         drafts = token[:, None]
         if self.chained is not None:  # the others: one token per request at each next position
             drafts = torch.cat([drafts, self.chained.run(table_rows, first, last, token)], dim=1)
         for i, row, pos, d in zip(want, table_rows, first, drafts.tolist()):  # the one host sync of a draft step
             n = 1 + (self.chained.num_valid(row, pos) if self.chained is not None else 0)
-            out.next_drafts[rows[i][1]] = (pos + 1, d[:n])
+            out.next_drafts[rows[i].request_id] = (pos + 1, d[:n])

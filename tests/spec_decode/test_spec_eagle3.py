@@ -296,6 +296,22 @@ def test_unsupported_drafts_are_refused(tmp_path, target, drafts):
         LLM(str(target), progress=False, speculative_config=eagle3(tmp_path / "nowhere", 2))
 
 
+def test_a_draft_attention_needs_a_target_full_attention_layer_of_its_shape():
+    from kestrel.attention.layer import Attention
+    from kestrel.core.kv_spec import MLASpec
+    from kestrel.models.context import ModelContext
+    from kestrel.worker.draft_kv import check_joins_a_group
+
+    ctx = ModelContext(config=None, dtype=torch.float32)
+    ctx.register_attention("model.layers.0.attn", object(), MLASpec(torch.float32))
+    draft = Attention(ctx, "draft.attn", 4, 16, 2, rotary=None)
+    with pytest.raises(ConfigError, match=r"2 KV heads of size 16\) must match a full-attention layer of the target "
+                                          r"\(it has none: MLASpec\)"):
+        check_joins_a_group(ctx, draft, "eagle3")
+    ctx.register_attention("model.layers.1.attn", object(), draft.kv_cache_spec)
+    check_joins_a_group(ctx, draft, "eagle3")  # a target layer of the same spec: it joins that group
+
+
 def test_default_aux_layers_of_a_shallow_target_are_refused(tmp_path, tiny_llama, drafts):
     """A 2-layer target has no layers 2, 1, -1: the draft must name its aux layers."""
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids \[2, 1, -1\] must be distinct layers"):
