@@ -2,13 +2,14 @@
 one draft forward over it.
 
 The seam (vLLM's idea): the draft's attention layer is a kestrel Attention registered in the target's ModelContext
-before the layers are bound (kestrel/worker/attention_binding.py), with the target's full-attention spec, so it is
-one more layer of that KV group: position p of request r lives in the same slot for the draft layer as for the
-target's layers. The pool sizes it (it is one more cache slot in bytes_per_block, so the memory profile counts it),
-and prefix caching, preemption and freeing move its entries with the target's: nothing in the scheduler, the KV
-managers or the allocation knows it is a draft. A draft whose attention has another shape (KV heads, head size)
-than the target's is refused at start-up: it would form a group of its own, which cuts every other group to one
-layer (core/kv_spec.py group_layers).
+(as one of its draft_layers) before the layers are bound (kestrel/worker/attention_binding.py), which puts it on
+the target's full-attention KV group as one more layer (core/kv_spec.py attach_riders): the group's block table
+and slots, so position p of request r lives in the same slot for the draft layer as for the target's layers, and
+a page of its own (its KV heads and head size may differ from the target's). The pool sizes it (one more cache
+slot in bytes_per_block, so the memory profile counts it), and prefix caching, preemption and freeing move its
+entries with the target's: nothing in the scheduler or the KV managers knows it is there. (Grouping the draft
+layer by its spec instead would give it a block table of its own, and where its spec differs, cut every other
+group to one layer: core/kv_spec.py group_layers.)
 
 What keeps it valid:
 - The drafter runs its layer over every position the target computes (prefill chunks, decodes, verified
@@ -35,19 +36,6 @@ import torch
 from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import Attention, ForwardContext
 from kestrel.core.device import to_device
-from kestrel.errors import ConfigError
-
-
-def check_joins_a_group(context, layer: Attention, what: str) -> None:
-    """Refuse a draft attention layer whose cache spec no target layer has: it would not share a KV group."""
-    target_specs = {s for name, s in context.kv_cache_specs.items() if name != layer.layer_name}
-    if layer.kv_cache_spec not in target_specs:
-        full = sorted({(s.num_kv_heads, s.head_dim) for s in target_specs if type(s) is type(layer.kv_cache_spec)})
-        have = (f"(KV heads, head size: {full})" if full else
-                f"(it has none: {', '.join(sorted({type(s).__name__ for s in target_specs}))})")
-        raise ConfigError(f"{what}: the draft's attention ({layer.num_kv_heads} KV heads of size {layer.head_dim}) "
-                          f"must match a full-attention layer of the target {have} so that its KV cache is one "
-                          f"more layer of the target's; use method 'ngram' or start without speculative_config")
 
 
 class DraftKV:

@@ -25,8 +25,7 @@ Checkpoint layouts read: the EAGLE authors' / SGLang one (config architectures L
 (config `speculators_model_type: eagle3` with the layer's Llama config under transformer_layer_config, weights
 `layers.0.*`; norm_before_residual defaults to true there, as vLLM reads it). Refused at start-up: drafts of more than
 one layer, norm_before_fc, a target hidden size or vocabulary other than the draft's, quantized drafts, targets
-whose decoder layers do not take (positions, hidden, residual, ...), a draft attention whose KV heads or head size
-differ from the target's.
+whose decoder layers do not take (positions, hidden, residual, ...), targets without full-attention layers.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ from kestrel.core.device import to_device
 from kestrel.errors import ConfigError
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.worker.draft_chain import DraftChain
-from kestrel.worker.draft_kv import DraftKV, check_joins_a_group
+from kestrel.worker.draft_kv import DraftKV
 from kestrel.worker.hidden_capture import HiddenCapture, LayerInput, kept_positions
 
 logger = logging.getLogger(__name__)
@@ -223,7 +222,7 @@ class Eagle3Drafter:
         rotary = RotaryEmbedding(cfg, cfg.head_dim, self.max_positions, dtype).to(device)
         self.attn = Attention(context, "eagle3_draft.layers.0.self_attn.attn", cfg.num_attention_heads, cfg.head_dim,
                               cfg.num_key_value_heads, rotary).to(device)
-        check_joins_a_group(context, self.attn, "speculative_config method 'eagle3'")
+        context.draft_layers.append(self.attn.layer_name)  # its KV cache rides on the target's (draft_kv.py)
         self.kv: DraftKV | None = None  # once bound (bind)
         self.chained: DraftChain | None = None
 

@@ -2,7 +2,6 @@
 target."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from kestrel.bench.eagle3_draft import LLAMA_LAYER, write_eagle3_draft
 from tests.tiny import make_checkpoint
 
-LAYER = dict(LLAMA_LAYER, intermediate_size=96, num_attention_heads=4, rms_norm_eps=1e-6,
+LAYER = dict(LLAMA_LAYER, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
              max_position_embeddings=512, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
 TARGET_LAYERS = 7  # the default aux layers 2, 3, 4 are distinct
 
@@ -41,11 +40,6 @@ def eagle3_draft(root: Path, target: Path, layout: str = "midlayer", seed: int =
 
     tw = load_file(target / "model.safetensors")
     vocab, h = tw["model.embed_tokens.weight"].shape
-    # the target's KV heads and head size: the draft's KV cache is one more layer of the target's
-    tc = json.loads((target / "config.json").read_text())
-    attn = dict(num_key_value_heads=tc["num_key_value_heads"],
-                head_dim=tc.get("head_dim") or h // tc["num_attention_heads"])
     out = root / f"eagle3_{layout}_{seed}{'_copy' if copy else ''}{'_embed' if own_embed else ''}"
-    return write_eagle3_draft(out, dict(LAYER, vocab_size=vocab, hidden_size=h, attention_bias=copy, **attn),
-                              draft_vocab, layout, seed, aux, own_embed, norm_before_residual,
-                              copy_of=tw if copy else None)
+    return write_eagle3_draft(out, dict(LAYER, vocab_size=vocab, hidden_size=h, attention_bias=copy), draft_vocab,
+                              layout, seed, aux, own_embed, norm_before_residual, copy_of=tw if copy else None)

@@ -228,16 +228,17 @@ def test_chains_stop_at_the_end_of_the_context(tmp_path, monkeypatch):
 def test_memory_profile_forward_runs_the_draft_over_the_token_budget(target, drafts, monkeypatch):
     """The profiled forward (GPU start-up; its dummy batch on the CPU here) runs the draft step's first forward
     over every token of the budget after the target's (a prefill step's draft forward covers all its tokens), and
-    the draft layer is one more layer of the target's KV group (one more cache slot per block)."""
+    the draft layer is one more layer of the target's KV group (one more cache slot per block, as wide as its
+    page)."""
     from kestrel.worker import kv_allocation
     from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
 
     llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["midlayer"], 3),
               max_num_batched_tokens=200)
     runner = llm.engine.core.executor.runner
-    (group,) = runner.kv_cache_groups
+    (group,) = runner.kv_cache_groups  # the draft's K/V heads are 2, the target's 4
     assert group.layer_names[-1] == runner.drafter.attn.layer_name and len(group.layer_names) == TARGET_LAYERS + 1
-    assert kv_allocation.bytes_per_block(runner.kv_cache_groups) == (TARGET_LAYERS + 1) * group.spec.page_bytes
+    assert kv_allocation.bytes_per_block(runner.kv_cache_groups) == (TARGET_LAYERS + 0.5) * group.spec.page_bytes
     seen = []
     layer = Eagle3Drafter.layer
     monkeypatch.setattr(Eagle3Drafter, "layer", lambda self, ids, *a: seen.append(len(ids)) or layer(self, ids, *a))
@@ -282,11 +283,6 @@ def test_unsupported_drafts_are_refused(tmp_path, target, drafts):
         (dict(drop=("d2t",)), r"has a 256-token vocabulary and no d2t map to the target's 384 tokens"),
         (dict(drop=("midlayer.hidden_norm.weight",)), r"missing \['layers.0.hidden_norm.weight'\]"),
         (dict(rename=lambda w: {**w, "d2t": w["d2t"] + 200}), r"d2t maps outside the target's 384 tokens"),
-        (dict(config=lambda c: {**c, "num_key_value_heads": 2},
-              rename=lambda w: {n: t[:32] if n.endswith(("k_proj.weight", "v_proj.weight")) else t
-                                for n, t in w.items()}),
-         r"the draft's attention \(2 KV heads of size 16\) must match a full-attention layer of the target \(KV "
-         r"heads, head size: \[\(4, 16\)\]\)"),
     ]
     for i, (edit, match) in enumerate(cases):
         bad = _rewrite(src, tmp_path / f"bad{i}", **edit)
@@ -296,20 +292,24 @@ def test_unsupported_drafts_are_refused(tmp_path, target, drafts):
         LLM(str(target), progress=False, speculative_config=eagle3(tmp_path / "nowhere", 2))
 
 
-def test_a_draft_attention_needs_a_target_full_attention_layer_of_its_shape():
-    from kestrel.attention.layer import Attention
-    from kestrel.core.kv_spec import MLASpec
-    from kestrel.models.context import ModelContext
-    from kestrel.worker.draft_kv import check_joins_a_group
+def test_a_draft_layer_rides_on_the_first_full_attention_group():
+    """The draft's attention joins the model's full-attention group as one more layer with a page of its own (other
+    KV heads here), never cutting the model's groups; a model without full attention has nothing to ride on."""
+    from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec, attach_riders, group_layers
+    from kestrel.worker.kv_allocation import slot_row_bytes
 
-    ctx = ModelContext(config=None, dtype=torch.float32)
-    ctx.register_attention("model.layers.0.attn", object(), MLASpec(torch.float32))
-    draft = Attention(ctx, "draft.attn", 4, 16, 2, rotary=None)
-    with pytest.raises(ConfigError, match=r"2 KV heads of size 16\) must match a full-attention layer of the target "
-                                          r"\(it has none: MLASpec\)"):
-        check_joins_a_group(ctx, draft, "eagle3")
-    ctx.register_attention("model.layers.1.attn", object(), draft.kv_cache_spec)
-    check_joins_a_group(ctx, draft, "eagle3")  # a target layer of the same spec: it joins that group
+    full, sliding = FullAttentionSpec(torch.float32, num_kv_heads=4, head_dim=16), \
+        SlidingWindowSpec(torch.float32, num_kv_heads=4, head_dim=16, sliding_window=8)
+    draft = FullAttentionSpec(torch.float32, num_kv_heads=2, head_dim=16, block_size=32)
+    groups = group_layers({"f0": full, "s0": sliding, "f1": full, "s1": sliding, "s2": sliding}, block_size=16)
+    assert [g.layer_names for g in groups] == [["f0", "f1"], ["s0", "s1"], ["s2"]]
+    host = attach_riders(groups, {"draft": draft})
+    assert host is groups[0] and host.layer_names == ["f0", "f1", "draft"]
+    assert host.spec_of("draft") == FullAttentionSpec(torch.float32, num_kv_heads=2, head_dim=16, block_size=16)
+    assert host.spec_of("f1") == host.spec
+    page = full.page_bytes  # 16 tokens x 4 heads x 16 x 2 (K and V) x 4 bytes
+    assert slot_row_bytes(groups) == [page, page, page // 2]
+    assert attach_riders(group_layers({"s0": sliding}, block_size=16), {"draft": draft}) is None
 
 
 def test_default_aux_layers_of_a_shallow_target_are_refused(tmp_path, tiny_llama, drafts):
