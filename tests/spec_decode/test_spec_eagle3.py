@@ -169,6 +169,26 @@ def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts,
         assert got == reference_drafts(model, target_w, drafts[layout], ids, 3, aux)
 
 
+def test_drafts_after_pipelined_steps_equal_plain_pytorch_eagle3(target, drafts, monkeypatch):
+    """Above disable_by_batch_size the engine pipelines its steps (no drafts; each step's tokens arrive after the
+    next one is launched): the drafter still writes every computed position's draft K/V, so the drafts made once
+    the batch has shrunk below it, over those positions, equal the reference's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    seen = record_drafts(monkeypatch)
+    prompts, _ = workload()
+    llm = LLM(str(target), progress=False, async_scheduling="on",
+              speculative_config=eagle3(drafts["midlayer"], 3, disable_by_batch_size=2))
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm.generate(prompts, params)
+    assert llm.engine.core.speculation.num_drafts > 0 and len(seen) >= 10
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    target_w = load_file(target / "model.safetensors")
+    for ids, got in seen:
+        assert got == reference_drafts(model, target_w, drafts["midlayer"], ids, 3, [2, 3, 4])
+
+
 _REFS = {}
 
 
