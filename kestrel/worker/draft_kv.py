@@ -17,7 +17,9 @@ What keeps it valid:
   earlier request wrote), a chunked prefill and a recompute after preemption need nothing more. One inexactness
   remains, by design: the draft's input at position p is token p+1, so the K/V at a hit's last position came from
   the writer's next token. Where two prompts part exactly at a block boundary that one position is stale (a
-  shared block cannot hold two requests' values); drafts over it are slightly worse, never wrong.
+  shared block cannot hold two requests' values); drafts over it are slightly worse, never wrong. Likewise a
+  request preempted while steps pipeline (above disable_by_batch_size) leaves its last step's positions
+  unwritten: the runner forgets it before that step is collected, and its blocks are no longer its own to write.
 - Chained drafts write positions past the verified ones; the next step recomputes them from the target's hidden
   states before any later query reads them (positions repeat after a rejection). The scheduler allocates
   `k - 1` slots of lookahead for them (SpeculativeConfig.num_lookahead_slots); a draft never writes a slot of a
