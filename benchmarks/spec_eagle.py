@@ -12,9 +12,10 @@ and with a trained draft of the acceptance that replay alpha stands for,
 
     projected EAGLE-3 ms/token(alpha) = replay ms/token(alpha) + drafter ms/step / mean accepted length(alpha)
 
-(each step drafts once and emits `mean accepted length` tokens). The drafter's work a step does not depend on how
-many drafts were accepted (kestrel/worker/window_drafter.py recomputes a fixed window), so its cost measured at
-acceptance 0 holds at any alpha.
+(each step drafts once and emits `mean accepted length` tokens). The drafter's work a step hardly depends on how
+many drafts were accepted (its first forward covers the 1 + accepted new positions of each request, then k - 1
+one-token forwards: kestrel/worker/eagle3_drafter.py), so its cost measured at acceptance 0 is a close lower
+bound at any alpha.
 
     python -m benchmarks.spec_decode --eagle3-cost --shape llama-8b --batches 1,8 --ks 2,4 --alphas 0.8"""
 from __future__ import annotations

@@ -185,10 +185,16 @@ class KDAStateSpec(KVCacheSpec):
 class KVCacheGroup:
     """Layers (by name) sharing one spec, one block table and one manager. Layer i of every group shares cache
     slot i (kestrel/worker/kv_allocation.py): one block id is then a page in every group, and all groups draw on
-    one pool."""
+    one pool. `layer_specs`: layers that ride on the group's block table with a page of their own (a draft model's
+    attention: attach_riders); the runner's alone (the engine's managers read `spec`)."""
     group_id: int
     spec: KVCacheSpec
     layer_names: list[str]
+    layer_specs: dict[str, KVCacheSpec] = field(default_factory=dict)
+
+    def spec_of(self, name: str) -> KVCacheSpec:
+        """The spec of one of the group's layers (its page)."""
+        return self.layer_specs.get(name, self.spec)
 
 
 def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
@@ -218,3 +224,18 @@ def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
         for i in range(0, len(names), step):
             groups.append(KVCacheGroup(len(groups), spec, names[i:i + step]))
     return groups
+
+
+def attach_riders(groups: list[KVCacheGroup], riders: dict[str, KVCacheSpec]) -> KVCacheGroup | None:
+    """Put each rider (a draft model's full-attention layer: name -> its spec) on the first group of the model's
+    full-attention layers, as one more layer of it: the group's block table and slots (position p of a request
+    in the same slot as for the model's layers), its own page (its spec may have other heads; the block size
+    becomes the group's). Grouping ignores riders, so a draft never cuts the model's groups. Returns that group
+    (None: no rider, or no full-attention group to ride on)."""
+    host = next((g for g in groups if type(g.spec) is FullAttentionSpec), None)
+    if not riders or host is None:
+        return None
+    for name, spec in riders.items():
+        host.layer_names.append(name)
+        host.layer_specs[name] = replace(spec, block_size=host.spec.block_size)
+    return host

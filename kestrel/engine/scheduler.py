@@ -18,6 +18,7 @@ from kestrel.engine.fair_share import FairShare
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
 from kestrel.engine.waiting_queue import WaitingQueue
+from kestrel.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Scheduler:
         self.max_loras = max_loras  # most distinct LoRA adapters among running requests (0: no LoRA)
         self.kv = kv
         self.max_model_len = max_model_len
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        self.lookahead = spec.num_lookahead_slots if spec is not None else 0  # slots past a step's tokens
         # the one admission rule: the engine announces this number, the frontend compares prompts against it
         self.max_prompt_tokens = kv.max_prompt_tokens(config.max_num_batched_tokens, max_model_len)
         if not config.enable_chunked_prefill:  # a prompt is then computed in one step
@@ -164,8 +167,9 @@ class Scheduler:
             num_new = self._chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             draft = drafts.get(req.request_id, ())[:budget - num_new] if drafts else []
             num_new += len(draft)
+            lookahead = self._lookahead(req.num_computed_tokens + num_new)
             while True:
-                if self.kv.allocate_slots(req, num_new):
+                if self.kv.allocate_slots(req, num_new, lookahead=lookahead):
                     out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, draft_token_ids=draft))
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
@@ -204,7 +208,7 @@ class Scheduler:
                     break
                 num_new = budget
             num_new = self._chunk(num_hit, num_new)
-            if not self.kv.allocate_slots(req, num_new, computed):
+            if not self.kv.allocate_slots(req, num_new, computed, self._lookahead(num_hit + num_new)):
                 if not paused:
                     break
                 self._preempt_paused(paused, running_per_group, out)
@@ -223,6 +227,11 @@ class Scheduler:
             budget -= num_new
         out.step = self._step_input(out)
         return out
+
+    def _lookahead(self, end: int) -> int:
+        """Slots to hold past a step that ends at `end` tokens (speculative_config's num_lookahead_slots), not
+        past max_model_len."""
+        return max(0, min(self.lookahead, self.max_model_len - end))
 
     def _chunk(self, start: int, num_new: int) -> int:
         """Tokens of a chunk after `start`: cut at a block boundary where the cache keeps state snapshots only

@@ -23,6 +23,9 @@ class ModelContext:
     parallel: ParallelInfo = field(default_factory=ParallelInfo)  # tensor-parallel rank and group
     kv_cache_specs: dict[str, KVCacheSpec] = field(default_factory=dict)  # attention layer prefix -> its spec
     attention_layers: dict[str, Any] = field(default_factory=dict)  # attention layer prefix -> the layer
+    # of them, a draft model's (speculative decoding), which ride on the model's full-attention KV group
+    # (core/kv_spec.py attach_riders)
+    draft_layers: list[str] = field(default_factory=list)
     _shared: dict[str, Any] = field(default_factory=dict)
 
     @property

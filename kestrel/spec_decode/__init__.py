@@ -5,7 +5,7 @@ sampler keeps exactly the tokens plain decoding would have produced (kestrel/spe
   ...}) and the start-up refusals of combinations not supported yet.
 - ngram.py: prompt lookup (no weights), vectorised over the batch.
 - runner_drafts.py: drafts the model runner made (mtp: kestrel/worker/mtp_drafter.py, eagle3:
-  kestrel/worker/eagle3_drafter.py; shared: kestrel/worker/window_drafter.py), for the next step.
+  kestrel/worker/eagle3_drafter.py; built by kestrel/worker/drafters.py), for the next step.
 - replay.py: a benchmark-only proposer that replays a reference continuation, right with probability alpha.
 - verify.py: where a verify step's logits rows lie, and the accept rule.
 The engine side (who gets drafts, counters) is kestrel/engine/speculation.py; the scheduler counts drafts in the

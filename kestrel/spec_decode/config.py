@@ -57,6 +57,12 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config alpha must be in [0, 1], not {cfg.alpha}")
         return cfg
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a request needs past a step's tokens: an EAGLE-3 draft chain writes its layer's K/V at up to
+        k - 1 positions after them (kestrel/worker/draft_kv.py)."""
+        return self.num_speculative_tokens - 1 if self.method == "eagle3" else 0
+
 
 def engine_refusals(config) -> list[str]:
     """Features of the engine config that speculative decoding does not support yet (EngineConfig)."""

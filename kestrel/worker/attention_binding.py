@@ -1,6 +1,7 @@
 """Binds the model's attention layers to backends: the layers grouped by cache spec (the configured KV-cache and
-indexer-key dtypes applied), one backend per group that has what the add-ons' features require, each layer given
-its backend's impl (and its FP8 scales) and its group id."""
+indexer-key dtypes applied), a draft model's attention layers riding on the full-attention group
+(core/kv_spec.py attach_riders), one backend per group that has what the add-ons' features require, each layer
+given its backend's impl (and its FP8 scales) and its group id."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,9 @@ from kestrel.attention import kv_quant
 from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
-from kestrel.core.kv_spec import KVCacheGroup, group_layers
+from kestrel.core.kv_spec import KVCacheGroup, attach_riders, group_layers
+from kestrel.errors import ConfigError
+from kestrel.platform import current_platform
 
 
 def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dtype,
@@ -21,7 +24,14 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
     cache, max_seqs, block_size = config.cache, config.scheduler.max_num_seqs, config.cache.block_size
     snapshots = (max_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
                  ) if cache.enable_prefix_caching else 0
-    groups = group_layers(specs, block_size, max_seqs, snapshots)
+    riders = {name: specs[name] for name in context.draft_layers}
+    groups = group_layers({name: s for name, s in specs.items() if name not in riders}, block_size, max_seqs,
+                          snapshots)
+    if riders and attach_riders(groups, riders) is None:
+        kinds = ", ".join(sorted({type(g.spec).__name__ for g in groups}))
+        raise ConfigError(f"speculative_config: the draft's attention keeps its KV cache beside the target's "
+                          f"full-attention layers, and the target has none (its caches: {kinds}); use method "
+                          f"'ngram' or start without speculative_config")
     backends, builders = [], []
     requires = tuple(sorted({flag for a in addons for flag in a.backend_requires}))
     for g in groups:
@@ -32,6 +42,11 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
         builders.append(backend.builder_cls(g.spec, g.spec.block_size, device))
         for name in g.layer_names:
             layer = context.attention_layers[name]
+            if name in g.layer_specs:  # a rider: its head size must suit the group's backend too
+                ok, why = backend.validate(current_platform(), dtype, layer.head_dim, block_size)
+                if not ok:
+                    raise ConfigError(f"speculative_config: the draft's attention cannot run on the target's "
+                                      f"attention backend {backend.name}: {why}")
             layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                           sliding_window=layer.sliding_window,
                                           logits_soft_cap=layer.logits_soft_cap)

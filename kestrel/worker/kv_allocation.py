@@ -18,7 +18,8 @@ from kestrel.core.kv_spec import KVCacheGroup
 def slot_row_bytes(groups: list[KVCacheGroup]) -> list[int]:
     """Bytes of one block in each cache slot: the widest page among the layers sharing it."""
     num_slots = max(len(g.layer_names) for g in groups)
-    return [max(g.spec.page_bytes for g in groups if i < len(g.layer_names)) for i in range(num_slots)]
+    return [max(g.spec_of(g.layer_names[i]).page_bytes for g in groups if i < len(g.layer_names))
+            for i in range(num_slots)]
 
 
 def bytes_per_block(groups: list[KVCacheGroup]) -> int:
@@ -45,7 +46,7 @@ def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
                 state = torch.zeros((g.spec.num_state_slots, g.spec.state_bytes), dtype=torch.uint8, device=device)
                 tensors.append(state)
                 layers[name].state_rows = state
-            layers[name].kv_cache = g.spec.layer_view(slots[i], state)
+            layers[name].kv_cache = g.spec_of(name).layer_view(slots[i], state)
     return tensors
 
 

@@ -59,7 +59,8 @@ def dummy_prefill_batch(runner, n: int):
 
 
 def profile_peak_bytes(runner) -> int:
-    """Activation memory of one forward at the full token budget (GPU only)."""
+    """Activation memory of one forward at the full token budget, a draft model's after it included (GPU
+    only)."""
     n = runner.config.scheduler.max_num_batched_tokens
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -82,3 +83,5 @@ def profile_peak_bytes(runner) -> int:
 def profile_forward(runner, ids, positions, ctx: ForwardContext) -> None:
     hidden = runner.model(ids, positions, ctx)
     runner.model.compute_logits(hidden[-min(ids.shape[0], runner.max_sample_rows):])
+    if runner.drafter is not None:  # a draft step's first forward covers every token the step computed
+        runner.drafter.profile_forward(ids, positions, ctx)

@@ -28,7 +28,7 @@ from kestrel.worker.attention_binding import bind_attention
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
-from kestrel.worker.window_drafter import build_drafter
+from kestrel.worker.drafters import build_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +56,24 @@ class ModelRunner:
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
         self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
                                    self.model_config.pooling_method)
+        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+        # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states; built
+        # before the binding, so that an EAGLE-3 draft's attention layer joins the target's KV group
+        self.drafter = build_drafter(spec, self.model, self.hf_config, self.loaded.context, self.loaded.path,
+                                     self.device, self.dtype, self.max_step_tokens)
         # the attention layers grouped by cache spec, a backend and a metadata builder per group
         self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
                                                                             self.dtype, self.device)
-        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
-        # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states
-        self.drafter = build_drafter(spec, self.model, self.hf_config, self.loaded.path, self.device, self.dtype,
-                                     self.max_step_tokens)
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
+        if self.drafter is not None:
+            self.drafter.bind(self.builders, self.block_rows)
         # a verify step (speculative decoding) samples 1 + k rows per request
         k = spec.num_speculative_tokens if spec is not None else 0
         self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)

@@ -11,7 +11,7 @@ With k drafts beyond the number of MTP layers the last layer is reused autoregre
 the next position, with the draft just made as its token), as vLLM does.
 
 The runner keeps no cache for the MTP layer: it recomputes the block over a window of each request's last accepted
-positions (kestrel/worker/window_drafter.py, shared with EAGLE-3), in plain PyTorch (transformers' DeepseekV3 decoder
+positions (kestrel/worker/window_drafter.py), in plain PyTorch (transformers' DeepseekV3 decoder
 layer, eager attention), from the target's pre-norm hidden states. Drafts are greedy. A cache group for the MTP
 layer's attention (and running the block with the engine's kernels) is the next step.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
-from kestrel.worker.window_drafter import FinalNormInput, WindowDrafter
+from kestrel.worker.hidden_capture import FinalNormInput
+from kestrel.worker.window_drafter import WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -31,8 +32,6 @@ def num_mtp_layers(hf_config) -> int:
 
 
 class MtpDrafter(WindowDrafter):
-    graphable = False  # transformers' eager MoE experts (DeepSeek's MTP layers) pick the experts hit on the host
-
     def __init__(self, target, hf_config, model_path: str, k: int, device, dtype, max_tokens: int = 8192,
                  window: int = 64, max_batch: int | None = None):
         from safetensors import safe_open

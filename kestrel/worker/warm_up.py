@@ -10,7 +10,6 @@ import torch
 from kestrel.attention import kv_quant
 from kestrel.core.kv_spec import cdiv
 from kestrel.worker.cuda_graphs import DecodeGraphForms, DecodeGraphs, decode_graphs, default_graph_sizes
-from kestrel.worker.draft_graphs import capture_draft_graphs
 from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
 from kestrel.worker.verify_graphs import capture_verify_graphs
 
@@ -20,8 +19,8 @@ def set_up_after_kv(runner) -> None:
     runner.buffers = runner._new_buffers()
     runner.graphs = capture_graphs(runner)
     runner.verify_graphs = capture_verify_graphs(runner, runner.spec, runner.graphs)
-    if runner.drafter is not None:
-        runner.drafter.graphs = capture_draft_graphs(runner.drafter, runner.graphs)
+    if runner.drafter is not None and runner.graphs is not None:
+        runner.drafter.capture_graphs(runner.graphs.sizes)
     if runner.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
         for g in runner.kv_cache_groups:
             for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():

@@ -1,33 +1,30 @@
-"""What the runner's draft models (speculative_config method "mtp": kestrel/worker/mtp_drafter.py, "eagle3":
-kestrel/worker/eagle3_drafter.py) share: the capture of the target's hidden states during its forward, a window of
-each request's last accepted positions, and greedy chained drafting over that window.
+"""The MTP drafter's window recompute (kestrel/worker/mtp_drafter.py): a window of each request's last accepted
+positions and greedy chained drafting over it. (EAGLE-3 keeps a KV cache of its own instead:
+kestrel/worker/eagle3_drafter.py. MTP stays here until its layer, MLA attention with MoE experts, runs on the
+engine's kernels and cache.)
 
-A subclass declares which hidden states it reads (taps: FinalNormInput, LayerInput). Their hooks copy them into one
-static buffer on the device (HiddenCapture), so eager steps and CUDA graph replays (decode and verify graphs are
-captured with the hooks in place) fill it alike; after the forward the runner takes the step's rows.
-
-A draft model at position t reads a hidden state derived from the target's forward at t (`window_hidden` of what the
-capture gave) and the embedding of token t+1, and predicts token t+2. For each request the drafter keeps the last
-`window` accepted positions (positions, hidden states, the token after each) and every step recomputes its draft
-layer over that window in plain PyTorch with a causal mask: no cache of its own. Attention beyond the window is
-dropped, so drafts are approximate where the draft layer would look further back: that costs acceptance, never
-correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's output back as the
-hidden state of the next position, with the draft just made as its token (vLLM's chaining for MTP and EAGLE-3).
+A draft model at position t reads the target's hidden state at t (captured during its forward:
+kestrel/worker/hidden_capture.py) and the embedding of token t+1, and predicts token t+2. For each request the
+drafter keeps the last `window` accepted positions (positions, hidden states, the token after each) and every step
+recomputes its draft layer over that window in plain PyTorch with a causal mask: no cache of its own. Attention
+beyond the window is dropped, so drafts are approximate where the draft layer would look further back: that costs
+acceptance, never correctness (the verifier keeps exactly the target's tokens). The j-th draft feeds the layer's
+output back as the hidden state of the next position, with the draft just made as its token (vLLM's chaining).
 The windows of all requests that draft in a step are left-padded to `window` positions in one batch [B, window]:
-k forwards a step, not k per request, of one shape per batch size, which kestrel/worker/draft_graphs.py captures
-as CUDA graphs per batch bucket where the drafter is `graphable`.
+k forwards a step, not k per request. The chain runs eagerly: DeepSeek's MoE experts, run by transformers' eager
+code, pick the experts hit on the host (a sync no CUDA graph can hold).
 """
 from __future__ import annotations
 
 import torch
 
+from kestrel.worker.hidden_capture import HiddenCapture, kept_positions
+
 
 class WindowDrafter:
     """Subclasses pass the target, the hidden states they read (`taps`, each `width` wide) and implement embed,
-    draft_layer and draft_token_ids; window_hidden maps captured rows to the draft's hidden input. `max_tokens`: the
-    most tokens of one target forward (the runner's max(max_num_batched_tokens, max_num_seqs))."""
-
-    graphable = True  # its chain can be captured in a CUDA graph (no host sync inside its layers)
+    draft_layer and draft_token_ids. `max_tokens`: the most tokens of one target forward (the runner's
+    max(max_num_batched_tokens, max_num_seqs))."""
 
     def __init__(self, target, taps: list, width: int, k: int, device, dtype, max_tokens: int, window: int = 64,
                  max_batch: int | None = None):
@@ -35,10 +32,15 @@ class WindowDrafter:
         self.capture = HiddenCapture(target, taps, width, max_tokens, device, dtype)
         # request id -> (positions [W], hidden states [W, H], the token after each position [W])
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.graphs = None  # DraftGraphs where captured (kestrel/worker/draft_graphs.py)
 
-    def window_hidden(self, captured: torch.Tensor) -> torch.Tensor:
-        return captured.to(self.dtype)
+    def bind(self, builders, block_rows) -> None:
+        """Nothing to bind: the window keeps no KV cache (the runner calls this on every drafter)."""
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """None: the chain runs eagerly (see the module docstring)."""
+
+    def profile_forward(self, ids, positions, ctx) -> None:
+        """Nothing to profile: a draft step's forwards are B x window tokens, small beside the target's."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -69,7 +71,7 @@ class WindowDrafter:
         joined = old is not None and int(old[0][-1]) == start - 1
         skip = max(0, m - w)  # a long prefill chunk: only its last `window` positions can stay
         pos = torch.arange(start + skip, start + m, device=self.device)
-        h, ids = self.window_hidden(captured[skip:m]), torch.tensor(next_ids[skip:], device=self.device)
+        h, ids = captured[skip:m].to(self.dtype), torch.tensor(next_ids[skip:], device=self.device)
         if joined:
             pos, h, ids = torch.cat([old[0], pos]), torch.cat([old[1], h]), torch.cat([old[2], ids])
         self.windows[rid] = (pos[-w:], h[-w:], ids[-w:])
@@ -77,8 +79,7 @@ class WindowDrafter:
     @torch.inference_mode()
     def propose(self, rids: list[str]) -> dict[str, list[int]]:
         """k greedy drafts after each request's last token (its last window entry's next token), the windows
-        left-padded to `window` positions in one batch [B, window], so a draft step is k forwards for all of them,
-        of one shape per batch size (a CUDA graph per batch bucket where captured: kestrel/worker/draft_graphs.py)."""
+        left-padded to `window` positions in one batch [B, window], so a draft step is k forwards for all of them."""
         rids = [r for r in rids if r in self.windows]
         if not rids:
             return {}
@@ -91,12 +92,11 @@ class WindowDrafter:
         for i, (p, hid, nxt) in enumerate(rows):
             n = len(p)
             pos[i, w - n:], h[i, w - n:], ids[i, w - n:], valid[i, w - n:] = p, hid, nxt, True
-        run = self.graphs.run if self.graphs is not None else self.chain
-        return dict(zip(rids, run(pos, ids, h, valid).tolist()))
+        return dict(zip(rids, self.chain(pos, ids, h, valid).tolist()))
 
     def chain(self, pos: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The k chained drafts [B, k] from left-padded windows (positions, next tokens, hidden states, valid
-        [B, W]); device work only, of fixed shapes: what a draft CUDA graph holds."""
+        [B, W])."""
         toks = []
         for j in range(self.k):
             out = self.draft_layer(j, self.embed(ids), h, pos, padded_causal_mask(valid, self.dtype))
@@ -111,20 +111,6 @@ class WindowDrafter:
         return torch.stack(toks, dim=1)
 
 
-def build_drafter(spec, target, hf_config, target_path: str, device, dtype, max_tokens: int) -> WindowDrafter | None:
-    """The runner's draft model for a speculative_config (methods mtp, eagle3); None where the engine drafts."""
-    kw = dict(max_tokens=max_tokens, max_batch=spec.disable_by_batch_size) if spec is not None else {}
-    if spec is not None and spec.method == "mtp":
-        from kestrel.worker.mtp_drafter import MtpDrafter
-
-        return MtpDrafter(target, hf_config, target_path, spec.num_speculative_tokens, device, dtype, **kw)
-    if spec is not None and spec.method == "eagle3":
-        from kestrel.worker.eagle3_drafter import Eagle3Drafter
-
-        return Eagle3Drafter(target, hf_config, spec.model, spec.num_speculative_tokens, device, dtype, **kw)
-    return None
-
-
 def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     """[B, 1, W, W] additive mask for left-padded windows (`valid` [B, W]): a query sees the valid keys at or
     before it; a padding query sees itself only (no row is all -inf)."""
@@ -135,80 +121,19 @@ def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     return mask[:, None]
 
 
-class FinalNormInput:
-    """The input of the target's final norm (hidden + residual: the norm's second output where it fuses the add),
-    as MTP reads it. A forward hook on model.norm."""
-
-    def attach(self, model, write) -> None:
-        model.norm.register_forward_hook(lambda module, args, output: write(
-            output[1] if isinstance(output, tuple) else args[0]))
-
-
-class LayerInput:
-    """The residual stream entering one of the target's decoder layers (called as layer(positions, hidden,
-    residual, ...): hidden + residual; the embeddings for layer 0), as EAGLE-3 reads it. A forward pre-hook."""
-
-    def __init__(self, layer: int):
-        self.layer = layer
-
-    def attach(self, model, write) -> None:
-        model.layers[self.layer].register_forward_pre_hook(
-            lambda module, args: write(args[1]) if args[2] is None else write(args[1], args[2]))
-
-
-class HiddenCapture:
-    """The target hidden states a drafter reads (`taps`, each `width` wide, side by side in tap order), one row per
-    token of the last forward, in a buffer [max_tokens, len(taps) * width] allocated once. The taps' hooks copy
-    into it on the device: the copies are kernels of the forward, so a CUDA graph captured with the hooks in place
-    refills the buffer on every replay, and an eager step runs the very same hooks."""
-
-    def __init__(self, model, taps: list, width: int, max_tokens: int, device, dtype):
-        self.buffer = torch.zeros(max_tokens, len(taps) * width, dtype=dtype, device=device)
-        for i, tap in enumerate(taps):
-            tap.attach(model, self._writer(self.buffer[:, i * width:(i + 1) * width]))
-
-    @staticmethod
-    def _writer(columns: torch.Tensor):
-        def write(hidden: torch.Tensor, residual: torch.Tensor | None = None) -> None:
-            n = hidden.shape[0]
-            if n > columns.shape[0]:
-                raise RuntimeError(f"a target forward of {n} tokens; the drafter's capture holds "
-                                   f"{columns.shape[0]} (max_num_batched_tokens)")
-            if residual is None:
-                columns[:n].copy_(hidden)
-            else:  # the sum in the inputs' type, rounded once into the buffer's
-                torch.add(hidden, residual, out=columns[:n])
-        return write
-
-    def rows(self, num_tokens: int) -> torch.Tensor:
-        """The last forward's first `num_tokens` rows, copied (queued behind the forward): the next step's forward
-        may overwrite the buffer before the drafter reads them (pipelined steps)."""
-        return self.buffer[:num_tokens].clone()
-
-
 def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
     """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
     (out.next_drafts)."""
-    if inf.target_hidden is None:  # an empty step
-        return
-    hidden, qsl, chunks = inf.target_hidden
-    inf.target_hidden = None
-    # above disable_by_batch_size the engine asks for no drafts: keep the windows, skip the drafting
-    drafting = drafter.max_batch is None or len(inf.rows) <= drafter.max_batch
+    hidden, kept = kept_positions(inf, out, requests, drafter.max_batch)
     wanted = []
-    for b, c in enumerate(chunks):
-        rid, st = c.request_id, requests.get(c.request_id)
-        if st is None:
+    for k in kept:
+        m = len(k.next_ids)
+        if any(t < 0 for t in k.next_ids):  # a placeholder: a pipelined step's token not known yet
+            drafter.forget(k.request_id)
             continue
-        m = c.num_new_tokens - len(c.draft_token_ids) + len(out.more_sampled.get(rid, ()))
-        start = c.num_computed_tokens
-        nxt = st.tokens_slice(start + 1, start + m + 1)
-        if len(nxt) < m or any(t < 0 for t in nxt):  # a placeholder: a pipelined step's token not known yet
-            drafter.forget(rid)
-            continue
-        drafter.extend(rid, start, hidden[qsl[b]:qsl[b] + m], list(nxt))
-        if c.samples and rid in out.sampled and drafting:
-            wanted.append((rid, start + m + 1))
+        drafter.extend(k.request_id, k.start, hidden[k.first_row:k.first_row + m], k.next_ids)
+        if k.drafts:
+            wanted.append((k.request_id, k.start + m + 1))
     drafts = drafter.propose([rid for rid, _ in wanted])
     for rid, count in wanted:
         out.next_drafts[rid] = (count, drafts.get(rid, []))

@@ -90,3 +90,22 @@ def test_random_allocations_never_leak(ops):
         kv.free(r)
     assert kv.num_free_blocks == 24
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_lookahead_slots_are_held_past_the_step_in_both_allocation_paths():
+    """An EAGLE-3 chain writes its draft K/V up to k - 1 positions past a step's tokens: allocate_slots holds blocks
+    for them (the decode fast path, and the per-group path that a prefix hit takes), refuses when the pool is
+    short, and holds no block for them without lookahead."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", range(6))
+    assert kv.allocate_slots(a, 6, lookahead=2) and len(kv.block_ids(a)[0]) == 2  # 8 slots
+    assert kv.allocate_slots(a, 6, lookahead=3) and len(kv.block_ids(a)[0]) == 3  # 9 slots: one more block
+    a.num_computed_tokens = 6
+    kv.cache_full_blocks(a)
+    b = req("b", list(range(4)) + [9, 9])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4 and kv.allocate_slots(b, 2, hits, lookahead=3) and len(kv.block_ids(b)[0]) == 3
+    c = req("c", range(20, 30))
+    assert kv.num_free_blocks == 3 and not kv.allocate_slots(c, 10, lookahead=3)  # 4 blocks wanted
+    assert kv.block_ids(c)[0] == [] and kv.num_free_blocks == 3
+    assert kv.allocate_slots(c, 10) and len(kv.block_ids(c)[0]) == 3

@@ -88,26 +88,24 @@ def test_verify_graphs_equal_eager(model, plain):
     assert vg.replays > 5
 
 
-def drafts_by_window(llm) -> dict:
-    """Record the runner drafter's proposals: (window start, the window's tokens) -> the drafts made from it."""
+def drafts_by_sequence(llm) -> dict:
+    """Record the runner drafter's proposals: the request's tokens -> the drafts made after them."""
     drafter = llm.engine.core.executor.runner.drafter
-    propose, seen = drafter.propose, {}
+    after_step, seen = drafter.after_step, {}
 
-    def recording(rids):
-        drafts = propose(rids)
-        for rid, d in drafts.items():
-            pos, _, ids = drafter.windows[rid]
-            seen[(int(pos[0]), tuple(ids.tolist()))] = d
-        return drafts
+    def recording(inf, out, requests):
+        after_step(inf, out, requests)
+        for rid, (n, d) in out.next_drafts.items():
+            seen[tuple(requests[rid].tokens_slice(0, n))] = d
 
-    drafter.propose = recording
+    drafter.after_step = recording
     return seen
 
 
 def check_drafter_graphs_equal_eager(path, spec: dict, prompts: list[list[int]]) -> tuple:
     """A runner drafter (MTP, EAGLE-3) with CUDA graphs on, against the same engine with enforce_eager: graphs are
     captured with the drafter loaded and replayed; the greedy tokens, teacher-forced through the eager engine, are
-    its argmax at all positions but 2 of each request; the drafts made from the same windows agree (they read the
+    its argmax at all positions but 2 of each request; the drafts made after the same tokens agree (they read the
     hidden states that graph replays wrote into the capture buffer: stale or missing rows would change them; a
     bf16 near-tie between the graph's and the eager kernels may flip one). Requests end at different lengths, so
     the batch shrinks through `disable_by_batch_size`: decode steps without drafts above it, verify steps below.
@@ -119,7 +117,7 @@ def check_drafter_graphs_equal_eager(path, spec: dict, prompts: list[list[int]])
     eager = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec,
                 enforce_eager=True)
     assert eager.engine.core.executor.runner.graphs is None
-    with_graphs, without = drafts_by_window(graphs), drafts_by_window(eager)
+    with_graphs, without = drafts_by_sequence(graphs), drafts_by_sequence(eager)
     outs = graphs.generate(prompts, params)
     eager.generate(prompts, params)
     for p, o in zip(prompts, outs):
@@ -145,4 +143,3 @@ def test_mtp_drafter_with_decode_graphs_equals_eager(tmp_path, tiny_tokenizer):
     spec = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 4}
     runner = check_drafter_graphs_equal_eager(path, spec, MIXED_PROMPTS * 2)
     assert runner.graphs.replays > 10
-    assert runner.drafter.graphs is None  # its layer's eager MoE syncs on the host: drafting stays eager

@@ -1,15 +1,13 @@
-"""The draft models' capture of the target's hidden states (kestrel/worker/window_drafter.py HiddenCapture): the
+"""The draft models' capture of the target's hidden states (kestrel/worker/hidden_capture.py HiddenCapture): the
 hooks copy into one static buffer (what lets CUDA graphs replay with a drafter loaded); on the CPU the same path
 runs eagerly. After every step of a mixed workload (prefill chunks, decodes, verify steps) the rows the runner
 hands the drafter equal what plain forward hooks (the capture before the static buffer) see in that forward:
-MTP's final-norm input, EAGLE-3's residual stream entering its aux layers side by side. The draft graphs' padded
-batches (kestrel/worker/draft_graphs.py, run eagerly on the CPU) give the drafts of the unpadded batch."""
+MTP's final-norm input, EAGLE-3's residual stream entering its aux layers side by side."""
 import pytest
 import torch
 
 from kestrel import LLM
-from kestrel.worker.draft_graphs import DraftGraphs
-from kestrel.worker.window_drafter import FinalNormInput, HiddenCapture, LayerInput
+from kestrel.worker.hidden_capture import FinalNormInput, HiddenCapture, LayerInput
 from tests.spec_decode.eagle3_tiny import eagle3_draft, eagle3_target
 from tests.spec_decode.mixed import workload
 from tests.spec_decode.mtp_tiny import mtp_checkpoint
@@ -126,26 +124,3 @@ def test_buffer_rows_are_a_copy_and_oversized_forwards_are_refused():
     assert torch.equal(first, torch.cat([x, layer1_in, norm_in], dim=-1))
     with pytest.raises(RuntimeError, match="a target forward of 7 tokens; the drafter's capture holds 6"):
         model(torch.randn(7, 4))
-
-
-def test_draft_graph_buckets_pad_without_changing_drafts(eagle3_llm):
-    """Windows of different lengths (a full one among them) staged into the buckets' static buffers and padded with
-    empty windows (stale rows from a larger batch before): the drafts of drafting them unpadded; a batch above the
-    largest bucket drafts unpadded."""
-    drafter = eagle3_llm.engine.core.executor.runner.drafter
-    g = torch.Generator().manual_seed(0)
-    lengths = [64, 10, 63, 1, 30, 5, 2, 40, 7]
-    for i, n in enumerate(lengths):
-        drafter.windows[f"r{i}"] = (torch.arange(5 * n, 6 * n), torch.randn(n, 64, generator=g),
-                                    torch.randint(3, 380, (n,), generator=g))
-    batches = [[f"r{i}" for i in range(n)] for n in (4, 3, 1, 9, 6)]
-    drafter.graphs = None
-    want = [drafter.propose(rids) for rids in batches]
-    drafter.graphs = DraftGraphs(drafter, [1, 2, 4, 8], 64)
-    try:
-        got = [drafter.propose(rids) for rids in batches]
-        assert drafter.graphs.replays == 4  # 9 windows: above the largest bucket
-    finally:
-        drafter.graphs = None
-    assert got == want
-    assert all(len(d) == 3 for drafts in got for d in drafts.values())

@@ -10,9 +10,11 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
+from kestrel.worker.draft_chain import DraftChain
+from kestrel.worker.draft_kv import DraftKV
 from kestrel.worker.eagle3_drafter import Eagle3Drafter
 from tests.spec_decode.eagle3_tiny import TARGET_LAYERS, eagle3_draft, eagle3_target
-from tests.spec_decode.mixed import record_drafts_from_position_0, tokens, workload as mixed_workload
+from tests.spec_decode.mixed import tokens, workload as mixed_workload
 
 
 @pytest.fixture(scope="module")
@@ -97,26 +99,94 @@ def reference_drafts(target_model, target_w, draft_dir, seq: list[int], k: int, 
     return drafts
 
 
+def record_drafts(monkeypatch) -> list:
+    """Make the drafter record (the request's tokens, the drafts made after them) of every draft step, and check
+    that no draft forward writes a slot outside the blocks its request holds (padding rows write none)."""
+    seen = []
+    after_step, context, chain = Eagle3Drafter.after_step, DraftKV.context, DraftChain.run
+
+    def recording(self, inf, out, requests):
+        after_step(self, inf, out, requests)
+        seen.extend((requests[rid].tokens_slice(0, n), d) for rid, (n, d) in out.next_drafts.items())
+
+    def checked(self, table_rows, starts, counts):
+        for row, start, n in zip(table_rows, starts, counts):
+            assert (start + n - 1) // self.block_size < self.block_rows.lens[row, self.layer.group_id]
+        return context(self, table_rows, starts, counts)
+
+    def chain_checked(self, table_rows, first_pos, hidden, token):
+        drafts = chain(self, table_rows, first_pos, hidden, token)
+        rows, gid, bs = self.drafter.kv.block_rows, self.drafter.attn.group_id, self.drafter.kv.block_size
+        b = len(table_rows)
+        padded = min((size for size in self.sizes if size >= b), default=b)
+        for slots in self.slots:
+            for i, slot in enumerate(slots[:padded].tolist()):
+                held = rows.ids[table_rows[i], gid, :rows.lens[table_rows[i], gid]] if i < b else []
+                assert slot == -1 or slot // bs in held
+        return drafts
+
+    monkeypatch.setattr(Eagle3Drafter, "after_step", recording)
+    monkeypatch.setattr(DraftKV, "context", checked)
+    monkeypatch.setattr(DraftChain, "run", chain_checked)
+    return seen
+
+
 @pytest.mark.parametrize("layout, aux", [("midlayer", [2, 3, 4]), ("speculators", [1, 3, 6])])
-def test_drafts_equal_plain_pytorch_eagle3(target, drafts, monkeypatch, layout, aux):
-    """Every draft chain the runner makes from a window that starts at position 0 (no truncation) equals the
-    reference's: the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining, d2t."""
+def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts, monkeypatch, layout, aux):
+    """Every draft chain equals the reference's, which attends over the whole sequence: prompts of up to 150 tokens
+    (a window of the last 64 positions would draft otherwise), computed in chunks of 24 tokens with requests
+    preempted and recomputed, then a prompt that shares 100 tokens with an earlier one, its first 96 a prefix-cache
+    hit (blocks whose draft K/V the earlier request wrote; the shared prefix does not end on a block boundary: see
+    kestrel/worker/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining,
+    d2t, that draft writes stay in the request's blocks (k - 1 lookahead slots) and that the chain's batches, padded
+    to buckets, give the drafts of unpadded ones."""
+    import random
+
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    seen = record_drafts_from_position_0(monkeypatch, Eagle3Drafter)
+    seen = record_drafts(monkeypatch)
+    rng = random.Random(7)
     prompts, _ = workload()
-    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts[layout], 3))
-    assert llm.engine.core.executor.runner.drafter.aux_layers == aux
-    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(seen) >= 8
+    long = [[rng.randrange(3, 380) for _ in range(n)] for n in (120, 150)]
+    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts[layout], 3), max_num_batched_tokens=24,
+              num_kv_blocks=12)
+    drafter = llm.engine.core.executor.runner.drafter
+    assert drafter.aux_layers == aux
+    drafter.chained.sizes = [2, 4, 8]  # batch buckets, as where graphs are captured: padded batches run eagerly
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts[:4] + long, params)
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    hits = core.kv.prefix_hits
+    llm.generate([long[1][:100] + [5, 6, 7, 8]], params)
+    assert core.kv.prefix_hits >= hits + 96
+    assert sum(len(ids) > 64 + 4 for ids, _ in seen) >= 8 and len(seen) >= 20
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     target_w = load_file(target / "model.safetensors")
-    prompt_of = {tuple(p[1:]): p[0] for p in prompts[:4]}
     for ids, got in seen:
-        first = next(f for tail, f in prompt_of.items() if tuple(ids[:len(tail)]) == tail)
-        assert got == reference_drafts(model, target_w, drafts[layout], [first, *ids], 3, aux)
+        assert got == reference_drafts(model, target_w, drafts[layout], ids, 3, aux)
+
+
+def test_drafts_after_pipelined_steps_equal_plain_pytorch_eagle3(target, drafts, monkeypatch):
+    """Above disable_by_batch_size the engine pipelines its steps (no drafts; each step's tokens arrive after the
+    next one is launched): the drafter still writes every computed position's draft K/V, so the drafts made once
+    the batch has shrunk below it, over those positions, equal the reference's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    seen = record_drafts(monkeypatch)
+    prompts, _ = workload()
+    llm = LLM(str(target), progress=False, async_scheduling="on",
+              speculative_config=eagle3(drafts["midlayer"], 3, disable_by_batch_size=2))
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm.generate(prompts, params)
+    assert llm.engine.core.speculation.num_drafts > 0 and len(seen) >= 10
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    target_w = load_file(target / "model.safetensors")
+    for ids, got in seen:
+        assert got == reference_drafts(model, target_w, drafts["midlayer"], ids, 3, [2, 3, 4])
 
 
 _REFS = {}
@@ -153,6 +223,48 @@ def test_copying_draft_gets_every_greedy_draft_accepted(tmp_path, layout, k):
     sp = llm.engine.core.speculation
     assert sp.num_draft_tokens > len(prompts) * k and sp.num_accepted_tokens == sp.num_draft_tokens
     assert sp.accepted_per_pos[k - 1] > 0
+
+
+def test_chains_stop_at_the_end_of_the_context(tmp_path, monkeypatch):
+    """Requests that run up to max_model_len: a chain whose next position is past the context (or outside the
+    request's blocks) stops there (an empty row in the padded batch: it writes and reads nothing), its drafts
+    cut short; the outputs stay the target's and every draft of the copying draft is accepted."""
+    bigram = eagle3_target(tmp_path, bigram=True)
+    draft = eagle3_draft(tmp_path, bigram, "midlayer", copy=True)
+    prompts = [list(range(3 + i, 33 + 2 * i)) for i in range(4)]  # 30..36 tokens
+    params = [SamplingParams(temperature=0, max_tokens=40 - len(p) - 1, ignore_eos=True) for p in prompts]
+    ref = tokens(LLM(str(bigram), progress=False, max_model_len=40), prompts, params)
+    cut = []
+    num_valid = DraftChain.num_valid
+    monkeypatch.setattr(DraftChain, "num_valid",
+                        lambda self, row, pos: cut.append(num_valid(self, row, pos)) or cut[-1])
+    llm = LLM(str(bigram), progress=False, max_model_len=40, speculative_config=eagle3(draft, 4))
+    assert tokens(llm, prompts, params) == ref
+    assert min(cut) < 3 and max(cut) == 3
+    sp = llm.engine.core.speculation
+    assert sp.num_draft_tokens > 0 and sp.num_accepted_tokens == sp.num_draft_tokens
+
+
+def test_memory_profile_forward_runs_the_draft_over_the_token_budget(target, drafts, monkeypatch):
+    """The profiled forward (GPU start-up; its dummy batch on the CPU here) runs the draft step's first forward
+    over every token of the budget after the target's (a prefill step's draft forward covers all its tokens), and
+    the draft layer is one more layer of the target's KV group (one more cache slot per block, as wide as its
+    page)."""
+    from kestrel.worker import kv_allocation
+    from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
+
+    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["midlayer"], 3),
+              max_num_batched_tokens=200)
+    runner = llm.engine.core.executor.runner
+    (group,) = runner.kv_cache_groups  # the draft's K/V heads are 2, the target's 4
+    assert group.layer_names[-1] == runner.drafter.attn.layer_name and len(group.layer_names) == TARGET_LAYERS + 1
+    assert kv_allocation.bytes_per_block(runner.kv_cache_groups) == (TARGET_LAYERS + 0.5) * group.spec.page_bytes
+    seen = []
+    layer = Eagle3Drafter.layer
+    monkeypatch.setattr(Eagle3Drafter, "layer", lambda self, ids, *a: seen.append(len(ids)) or layer(self, ids, *a))
+    ids, positions, ctx = dummy_prefill_batch(runner, 200)
+    profile_forward(runner, ids, positions, ctx)
+    assert seen == [200]
 
 
 def test_config_needs_a_model(target):
@@ -200,6 +312,26 @@ def test_unsupported_drafts_are_refused(tmp_path, target, drafts):
         LLM(str(target), progress=False, speculative_config=eagle3(tmp_path / "nowhere", 2))
 
 
+def test_a_draft_layer_rides_on_the_first_full_attention_group():
+    """The draft's attention joins the model's full-attention group as one more layer with a page of its own (other
+    KV heads here), never cutting the model's groups; a model without full attention has nothing to ride on."""
+    from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec, attach_riders, group_layers
+    from kestrel.worker.kv_allocation import slot_row_bytes
+
+    full, sliding = FullAttentionSpec(torch.float32, num_kv_heads=4, head_dim=16), \
+        SlidingWindowSpec(torch.float32, num_kv_heads=4, head_dim=16, sliding_window=8)
+    draft = FullAttentionSpec(torch.float32, num_kv_heads=2, head_dim=16, block_size=32)
+    groups = group_layers({"f0": full, "s0": sliding, "f1": full, "s1": sliding, "s2": sliding}, block_size=16)
+    assert [g.layer_names for g in groups] == [["f0", "f1"], ["s0", "s1"], ["s2"]]
+    host = attach_riders(groups, {"draft": draft})
+    assert host is groups[0] and host.layer_names == ["f0", "f1", "draft"]
+    assert host.spec_of("draft") == FullAttentionSpec(torch.float32, num_kv_heads=2, head_dim=16, block_size=16)
+    assert host.spec_of("f1") == host.spec
+    page = full.page_bytes  # 16 tokens x 4 heads x 16 x 2 (K and V) x 4 bytes
+    assert slot_row_bytes(groups) == [page, page, page // 2]
+    assert attach_riders(group_layers({"s0": sliding}, block_size=16), {"draft": draft}) is None
+
+
 def test_default_aux_layers_of_a_shallow_target_are_refused(tmp_path, tiny_llama, drafts):
     """A 2-layer target has no layers 2, 1, -1: the draft must name its aux layers."""
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids \[2, 1, -1\] must be distinct layers"):
@@ -218,19 +350,3 @@ def test_qwen3_target_same_outputs(tmp_path):
     llm = LLM(str(qwen3), progress=False, speculative_config=eagle3(draft, 2), max_num_batched_tokens=24)
     assert tokens(llm, prompts, params) == ref
     assert llm.engine.core.speculation.num_drafts > 0
-
-
-def test_batched_drafting_equals_one_window_at_a_time(target, drafts):
-    """The drafter pads windows of different lengths (a full one among them, which drops its first entry as it
-    chains) into one batch: each request's drafts equal those of drafting its window alone."""
-    llm = LLM(str(target), progress=False, speculative_config=eagle3(drafts["speculators"], 3))
-    drafter = llm.engine.core.executor.runner.drafter
-    g = torch.Generator().manual_seed(0)
-    for n, rid in [(64, "full"), (10, "short"), (63, "almost"), (1, "one")]:
-        start = 5 * n
-        drafter.windows[rid] = (torch.arange(start, start + n), torch.randn(n, 64, generator=g),
-                                torch.randint(3, 380, (n,), generator=g))
-    together = drafter.propose(["full", "short", "almost", "one", "unknown"])
-    assert set(together) == {"full", "short", "almost", "one"}
-    for rid, got in together.items():
-        assert got == drafter.propose([rid])[rid]

@@ -148,16 +148,18 @@ class KVCacheManager:
         self.prefix_hits += n * self.block_size
         return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens after the request's computed ones (plus cache hits), after
-        freeing what no query reads any more. Returns False, changing nothing, when the pool is short.
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None,
+                       lookahead: int = 0) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (plus cache hits), and
+        `lookahead` slots after them (an EAGLE-3 draft chain writes there), after freeing what no query reads any
+        more. Returns False, changing nothing, when the pool is short.
 
         Every uniform-table group holds the same number of entries per request, so without hits (every step but
         a request's first) they all need the same number of new blocks: computed once, not per group, and most
         decode steps free nothing and allocate nothing. Hits, or a group of another kind, take
         _allocate_per_group (the plain form)."""
         if self._others or self._planners or (computed and any(computed)):
-            return self._allocate_per_group(req, num_new_tokens, computed)
+            return self._allocate_per_group(req, num_new_tokens, computed, lookahead)
         rid, bs = req.request_id, self.block_size
         num_computed = req.num_computed_tokens
         due = None  # release keys with something to free this step
@@ -170,7 +172,7 @@ class KVCacheManager:
                 if m.release_key in due:
                     m.remove_skipped(rid, num_computed)
         held = self._held_ids.get(rid)
-        need = (num_computed + num_new_tokens + bs - 1) // bs - (len(held) if held else 0)
+        need = (num_computed + num_new_tokens + lookahead + bs - 1) // bs - (len(held) if held else 0)
         if need <= 0:
             return True  # fits in the blocks it holds (most decode steps)
         if need * len(self._uniform) > self.pool.num_free:
@@ -180,8 +182,8 @@ class KVCacheManager:
         self.grown.add(rid)
         return True
 
-    def _allocate_per_group(self, req: Request, num_new_tokens: int,
-                            computed: list[list[KVBlock]] | None = None) -> bool:
+    def _allocate_per_group(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None,
+                            lookahead: int = 0) -> bool:
         """allocate_slots, asking each group on its own."""
         rid = req.request_id
         hits = computed if computed and any(computed) else [[] for _ in self.managers]
@@ -189,7 +191,7 @@ class KVCacheManager:
         for m in self.managers:
             m.remove_skipped(rid, req.num_computed_tokens + num_hit_tokens)
         total = req.num_computed_tokens + num_hit_tokens + num_new_tokens
-        need = [m.num_new_blocks(rid, total, h) for m, h in zip(self.managers, hits)]
+        need = [m.num_new_blocks(rid, total + lookahead, h) for m, h in zip(self.managers, hits)]
         if not any(need) and not any(hits) and all(rid in m.req_block_ids for m in self._others):
             self._plan(req, total - num_new_tokens, total)
             return True  # fits in what it holds (most decode steps)
