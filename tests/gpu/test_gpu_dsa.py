@@ -21,9 +21,7 @@ PROMPTS = MIXED_PROMPTS + [[100 + (13 * i) % 211 for i in range(48)]]
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory, tiny_tokenizer):
     """(kind, index_topk) -> a checkpoint: latent 64 + rope 16 and a 16-head x 32 indexer (the kernels' powers of
-    two); routers sharpened (tests/agreement.decisive_routers), else a router near-tie that bf16 flips moves one
-    position's logprob by an expert's share (0.41 against a 0.30 tolerance on the H200, both routes alike)."""
-    from tests.agreement import decisive_routers
+    two)."""
     from tests.tiny import make_checkpoint
 
     root, built = tmp_path_factory.mktemp("gpu_dsa"), {}
@@ -34,7 +32,6 @@ def dsa(tmp_path_factory, tiny_tokenizer):
                                                 hidden_size=256, intermediate_size=512, kv_lora_rank=64,
                                                 qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                                                 q_lora_rank=64, index_topk=topk, logit_scale=4.0)
-            decisive_routers(built[kind, topk])
         return built[kind, topk]
     return get
 
@@ -105,8 +102,12 @@ def test_decode_graphs_follow_the_route(dsa, key_dtype):
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("layer_dense", [False, True])  # False: every step sparse; True: the dense routes
 def test_every_token_selected_matches_transformers(dsa, monkeypatch, kind, layer_dense):
+    """spare=1 (as the Kimi Linear test): the tiny DSA models route with sigmoid scores, and at one position of
+    the 13-token prompt a near-tie of the router that bf16 flips moves the logprob by an expert's share (H200: 0.41
+    against the 0.30 tolerance, the same on every route; CPU bf16: 3.3). Sharpening the routers does not help:
+    saturated sigmoid scores tie more (0.62 on the H200, and transformers' own bf16 run errs 0.69 there)."""
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
-    assert_teacher_forced(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS, n=32, device="cuda")
+    assert_teacher_forced(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS, n=32, spare=1, device="cuda")
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
@@ -161,7 +162,7 @@ def test_fp8_keys_every_token_selected_matches_transformers(dsa, monkeypatch, ki
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", False)
     llm = _llm(dsa(kind, 2048), indexer_key_dtype="fp8")
     assert llm.engine.core.executor.runner.kv_cache_groups[0].spec.index_dtype == torch.float8_e4m3fn
-    assert_teacher_forced(llm, dsa(kind, 2048), PROMPTS, n=32, device="cuda")
+    assert_teacher_forced(llm, dsa(kind, 2048), PROMPTS, n=32, spare=1, device="cuda")
 
 
 def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
