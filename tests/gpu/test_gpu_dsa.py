@@ -12,7 +12,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.attention.sparse_mla import DENSE, SPARSE, SparseMLAAttention
-from tests.agreement import MIXED_PROMPTS, assert_teacher_forced, teacher_forced_errors
+from tests.agreement import MIXED_PROMPTS, teacher_forced_errors
 
 pytestmark = pytest.mark.gpu
 PROMPTS = MIXED_PROMPTS + [[100 + (13 * i) % 211 for i in range(48)]]
@@ -102,12 +102,15 @@ def test_decode_graphs_follow_the_route(dsa, key_dtype):
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("layer_dense", [False, True])  # False: every step sparse; True: the dense routes
 def test_every_token_selected_matches_transformers(dsa, monkeypatch, kind, layer_dense):
-    """spare=1 (as the Kimi Linear test): the tiny DSA models route with sigmoid scores, and at one position of
-    the 13-token prompt a near-tie of the router that bf16 flips moves the logprob by an expert's share (H200: 0.41
-    against the 0.30 tolerance, the same on every route; CPU bf16: 3.3). Sharpening the routers does not help:
-    saturated sigmoid scores tie more (0.62 on the H200, and transformers' own bf16 run errs 0.69 there)."""
+    """Every token selected, so the selection cannot tie; the model still can: the tiny DSA models route with
+    sigmoid scores, and transformers' own bf16 run agrees with its float32 run only 29 of 32 times on the 7-token
+    prompt (both kinds; CPU), while a router near-tie that bf16 flips moves one position's logprob by an expert's
+    share (H200: 0.41 against the 0.30 tolerance, the same on both routes). So the bar is that run, per prompt
+    (assert_no_worse_than_transformers_bf16). In float32 both routes equal transformers to 1e-5 (CPU, the Triton
+    kernels under the interpreter). Checked on the CPU in bf16 (torch backend): both kinds and routes pass, and an
+    MLA softmax scale 1.3x off fails (21 of 32 tokens on the first prompt against transformers bf16's 32)."""
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
-    assert_teacher_forced(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS, n=32, spare=1, device="cuda")
+    assert_no_worse_than_transformers_bf16(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
@@ -119,6 +122,22 @@ def test_small_topk_no_worse_than_transformers_bf16(dsa, kind, chunk):
     # calibrated on the CPU (tiny V3.2, all MLPs dense, bf16 vs float32, these prompts): transformers bf16 103/128,
     # ours 96, ours with the indexer's rotary layout swapped (a real bug) 43
     assert ours >= 0.8 * theirs, (ours, theirs)
+
+
+def assert_no_worse_than_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda") -> None:
+    """Per prompt, teacher-forced against transformers in float32: our agreeing tokens are at least n - 2 or at
+    least transformers' own bf16 run's less one, and we have at most one position more than that run whose chosen
+    token's logprob is off by the bf16 tolerance or more."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    hf_bf16 = _Transformers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), device)
+    for p in prompts:
+        agree, errors, tol, _ = teacher_forced_errors(llm, hf, p, n, device)
+        their_agree, their_errors, _, _ = teacher_forced_errors(hf_bf16, hf, p, n, device)
+        assert agree >= min(n - 2, their_agree - 1), (len(p), agree, their_agree)
+        off, their_off = sum(e >= tol for e in errors), sum(e >= tol for e in their_errors)
+        assert off <= their_off + 1, (len(p), sorted(errors)[-3:], sorted(their_errors)[-3:], tol)
 
 
 def _agreement_beside_transformers_bf16(llm, path) -> tuple[int, int]:
@@ -162,7 +181,7 @@ def test_fp8_keys_every_token_selected_matches_transformers(dsa, monkeypatch, ki
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", False)
     llm = _llm(dsa(kind, 2048), indexer_key_dtype="fp8")
     assert llm.engine.core.executor.runner.kv_cache_groups[0].spec.index_dtype == torch.float8_e4m3fn
-    assert_teacher_forced(llm, dsa(kind, 2048), PROMPTS, n=32, spare=1, device="cuda")
+    assert_no_worse_than_transformers_bf16(llm, dsa(kind, 2048), PROMPTS)
 
 
 def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):
