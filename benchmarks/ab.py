@@ -8,8 +8,12 @@ new, new/base.
     python -m benchmarks.ab --base .old [--shapes qwen3-0.6b,deepseek-v2-lite] [--budget 575] [--json ab.json]
     python -m benchmarks.ab --base .old --benches throughput --abba   # base, new, new, base: order cancels out
     python -m benchmarks.suite ab --base .old                                   # the same as a suite stage
+    python -m benchmarks.ab --base .old --scripts new   # both trees' engines under this tree's benchmarks/
 
-A tree whose benchmarks/ is not a package yet (an older commit) runs them as scripts."""
+A tree whose benchmarks/ is not a package yet (an older commit) runs them as scripts. By default each tree runs
+its own benchmarks/: where the scripts changed in between (how latency.py samples TTFT, say), the ratio mixes the
+change of method with the change of engine. --scripts new runs the base's kestrel/ under this tree's benchmarks/
+(a folder of two links), so only the engine differs; it needs a base whose API the new scripts still call."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +57,15 @@ class Tree:
         roots = {self.root.resolve(), other.root.resolve()}
         rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in roots]
         return {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.root), *rest]), "KESTREL_COMMIT": self.commit}
+
+
+def base_under_new_scripts(base: Path, new: Path, scratch: Path) -> Path:
+    """A folder whose kestrel/ is the base's and benchmarks/ this tree's: the base tree for --scripts new."""
+    mixed = scratch / "base-engine-new-scripts"
+    mixed.mkdir()
+    (mixed / "kestrel").symlink_to(base / "kestrel", target_is_directory=True)
+    (mixed / "benchmarks").symlink_to(new / "benchmarks", target_is_directory=True)
+    return mixed
 
 
 def tree_commit(root: Path, fallback: str) -> str:
@@ -123,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abba", action="store_true",
                     help="run each pair four times, base new new base, and compare the means (order drift cancels)")
     ap.add_argument("--budget", type=float, default=575, help="seconds for all runs; later runs are skipped")
+    ap.add_argument("--scripts", choices=("own", "new"), default="own",
+                    help="own: each tree runs its own benchmarks/; new: the base's engine under --new's benchmarks/")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -137,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     new = Tree("new", args.new.resolve(), tree_commit(args.new, "new"))
     results, missing = {}, 0
     with tempfile.TemporaryDirectory(prefix="kestrel-ab-") as scratch:
+        if args.scripts == "new":
+            base = Tree("base", base_under_new_scripts(base.root, new.root, Path(scratch)), base.commit)
         pairs = [(shape, bench) for shape in shapes for bench in args.benches.split(",")]
         for i, (shape, bench) in enumerate(pairs):
             order = ((base, new), (new, base))[:: 1 if i % 2 == 0 else -1]
@@ -150,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 missing += result is None
                 results.setdefault((shape, bench), {}).setdefault(tree.label, []).append(result or {})
     rows = comparison_rows(results)
-    runs = "means of base new new base" if args.abba else "one run each"
+    runs = ("means of base new new base" if args.abba else "one run each") + (
+        "; both under this tree's benchmarks/" if args.scripts == "new" else "")
     print_table(f"A/B: base {base.commit} vs new {new.commit} (new/base, {runs}; Kestrel alone, bf16 random "
                 f"weights)", rows)
     worse = regressions(rows)

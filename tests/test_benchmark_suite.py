@@ -151,6 +151,11 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--shape"); ap.add_argument("--json")
 args, _ = ap.parse_known_args()
 tree = pathlib.Path(__file__).resolve().parents[1].name
+try:  # a fake tree's own kestrel/ says which tree it is
+    import kestrel
+    tree += f"+kestrel:{kestrel.TREE}" if "TREE" in vars(kestrel) else ""
+except ImportError:
+    pass
 with open(os.environ["AB_ORDER"], "a") as f:
     f.write(f"{tree} {pathlib.Path(__file__).stem} {args.shape} {os.environ['KESTREL_COMMIT']}\\n")
 json.dump(RESULT, open(args.json, "w"))
@@ -204,6 +209,23 @@ def test_ab_abba_runs_base_new_new_base_and_compares_means(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--base", str(base), "--benches", "speed"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--benches: unknown speed" in bad.stderr
+
+
+def test_ab_scripts_new_runs_the_base_engine_under_the_new_benchmarks(tmp_path):
+    base = fake_tree(tmp_path / "old", package=True, tput=100.0, ms=2.0, ttft=10.0)
+    new = fake_tree(tmp_path / "cur", package=True, tput=100.0, ms=2.0, ttft=9.0)
+    for tree in (base, new):
+        (tree / "kestrel").mkdir()
+        (tree / "kestrel" / "__init__.py").write_text(f"TREE = {tree.name!r}\n")
+    order = tmp_path / "order.txt"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.ab", "--base", str(base), "--new", str(new), "--shapes",
+                          "qwen3-0.6b", "--benches", "latency", "--scripts", "new"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "AB_ORDER": str(order), "PYTHONPATH": ""})
+    assert run.returncode == 0, run.stdout + run.stderr
+    # base first: the new tree's script (its folder) with the base's kestrel; then the new tree's own
+    assert [ln.split()[0] for ln in order.read_text().splitlines()] == ["cur+kestrel:old", "cur+kestrel:cur"]
+    assert "both under this tree's benchmarks/" in run.stdout
 
 
 # ---- benchmarks/gpu_tests.py
