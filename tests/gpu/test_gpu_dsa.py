@@ -124,17 +124,23 @@ def test_small_topk_no_worse_than_transformers_bf16(dsa, kind, chunk):
     assert ours >= 0.8 * theirs, (ours, theirs)
 
 
-def assert_no_worse_than_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda") -> None:
-    """Per prompt, teacher-forced against transformers in float32: our agreeing tokens are at least n - 2 or at
-    least transformers' own bf16 run's less one, and we have at most one position more than that run whose chosen
-    token's logprob is off by the bf16 tolerance or more."""
+def _beside_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda"):
+    """Per prompt, teacher-forced against transformers in float32 (teacher_forced_errors' tuple): ours, and
+    transformers' own bf16 run's."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     hf_bf16 = _Transformers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), device)
     for p in prompts:
-        agree, errors, tol, _ = teacher_forced_errors(llm, hf, p, n, device)
-        their_agree, their_errors, _, _ = teacher_forced_errors(hf_bf16, hf, p, n, device)
+        yield p, teacher_forced_errors(llm, hf, p, n, device), teacher_forced_errors(hf_bf16, hf, p, n, device)
+
+
+def assert_no_worse_than_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda") -> None:
+    """Per prompt: our agreeing tokens are at least n - 2 or at least transformers' own bf16 run's less one, and
+    we have at most one position more than that run whose chosen token's logprob is off by the bf16 tolerance or
+    more."""
+    for p, (agree, errors, tol, _), (their_agree, their_errors, _, _) in _beside_transformers_bf16(
+            llm, path, prompts, n, device):
         assert agree >= min(n - 2, their_agree - 1), (len(p), agree, their_agree)
         off, their_off = sum(e >= tol for e in errors), sum(e >= tol for e in their_errors)
         assert off <= their_off + 1, (len(p), sorted(errors)[-3:], sorted(their_errors)[-3:], tol)
@@ -143,15 +149,8 @@ def assert_no_worse_than_transformers_bf16(llm, path, prompts, n: int = 32, devi
 def _agreement_beside_transformers_bf16(llm, path) -> tuple[int, int]:
     """Teacher-forced tokens agreeing with transformers in float32 over PROMPTS x 32: ours, and transformers' own
     bf16 run's."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours = theirs = 0
-    for p in PROMPTS:
-        ours += teacher_forced_errors(llm, hf, p, 32, "cuda")[0]
-        theirs += teacher_forced_errors(_Transformers(hf_bf16), hf, p, 32, "cuda")[0]
-    return ours, theirs
+    runs = list(_beside_transformers_bf16(llm, path, PROMPTS))
+    return sum(ours[0] for _, ours, _ in runs), sum(theirs[0] for _, _, theirs in runs)
 
 
 class _Transformers:
