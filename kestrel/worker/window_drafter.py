@@ -57,7 +57,21 @@ class WindowDrafter:
         raise NotImplementedError
 
     def after_step(self, inf, out, requests) -> None:
-        after_step(self, inf, out, requests)
+        """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
+        (out.next_drafts)."""
+        hidden, kept = kept_positions(inf, out, requests, self.max_batch)
+        wanted = []
+        for k in kept:
+            m = len(k.next_ids)
+            if any(t < 0 for t in k.next_ids):  # a placeholder: a pipelined step's token not known yet
+                self.forget(k.request_id)
+                continue
+            self.extend(k.request_id, k.start, hidden[k.first_row:k.first_row + m], k.next_ids)
+            if k.drafts:
+                wanted.append((k.request_id, k.start + m + 1))
+        drafts = self.propose([rid for rid, _ in wanted])
+        for rid, count in wanted:
+            out.next_drafts[rid] = (count, drafts.get(rid, []))
 
     def forget(self, rid: str) -> None:
         self.windows.pop(rid, None)
@@ -119,21 +133,3 @@ def padded_causal_mask(valid: torch.Tensor, dtype) -> torch.Tensor:
     see = causal[None] & (valid[:, None, :] | torch.eye(w, dtype=torch.bool, device=valid.device)[None])
     mask = torch.zeros(see.shape, dtype=dtype, device=valid.device).masked_fill_(~see, float("-inf"))
     return mask[:, None]
-
-
-def after_step(drafter: WindowDrafter, inf, out, requests) -> None:
-    """Append each chunk's accepted positions to its request's window, then draft for the requests that sampled
-    (out.next_drafts)."""
-    hidden, kept = kept_positions(inf, out, requests, drafter.max_batch)
-    wanted = []
-    for k in kept:
-        m = len(k.next_ids)
-        if any(t < 0 for t in k.next_ids):  # a placeholder: a pipelined step's token not known yet
-            drafter.forget(k.request_id)
-            continue
-        drafter.extend(k.request_id, k.start, hidden[k.first_row:k.first_row + m], k.next_ids)
-        if k.drafts:
-            wanted.append((k.request_id, k.start + m + 1))
-    drafts = drafter.propose([rid for rid, _ in wanted])
-    for rid, count in wanted:
-        out.next_drafts[rid] = (count, drafts.get(rid, []))
