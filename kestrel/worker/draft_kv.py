@@ -38,6 +38,7 @@ import torch
 from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import Attention, ForwardContext
 from kestrel.core.device import to_device
+from kestrel.worker.input_batch import token_slots
 
 
 class DraftKV:
@@ -64,7 +65,7 @@ class DraftKV:
         positions = np.arange(qsl[-1]) - qsl[req_of_token] + starts_np[req_of_token]
         width = int(-(-seq_lens.max() // bs))
         tables = self.block_rows.ids[np.asarray(table_rows), gid, :width]
-        slots = tables[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = token_slots(tables, qsl, positions, bs)
         num_decodes = int(np.argmax(counts_np != 1)) if (counts_np != 1).any() else len(counts)
         common = CommonAttentionMetadata(int(qsl[-1]), len(counts), num_decodes, int(counts_np.max()),
                                          int(seq_lens.max()), to_device(qsl, torch.int32, self.device),

@@ -144,13 +144,8 @@ class InputBuffers:
         return tables
 
     def stage_slots(self, tables: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray) -> None:
-        """Every group's slot of every token: its request's block (from the staged `tables`) at its position."""
-        bs = self.block_size
-        req_of_token = np.repeat(np.arange(len(query_start_loc) - 1), np.diff(query_start_loc))
-        slots = self.staged_slots(len(positions))
-        slots[:] = tables[:, req_of_token, positions // bs]
-        slots *= bs
-        slots += positions % bs
+        """Every group's slot of every token, from the staged `tables` (token_slots)."""
+        token_slots(tables, query_start_loc, positions, self.block_size, out=self.staged_slots(len(positions)))
 
     def copy_to_device(self, num_tokens: int, num_reqs: int, width: int) -> None:
         nb = self.device.type == "cuda"
@@ -171,4 +166,17 @@ class InputBuffers:
         self.fill_src[:k].copy_(self.fill_src_h[:k], non_blocking=nb)
 
 
-__all__ = ["PLACEHOLDER", "BlockTableRows", "InputBuffers", "RequestState"]
+def token_slots(tables: np.ndarray, query_start_loc: np.ndarray, positions: np.ndarray, block_size: int,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """The cache slot of every token: its request's block (`tables` [..., requests, blocks]; any leading dims,
+    e.g. groups) at its position. Into `out` (int64, [..., tokens]) where given."""
+    req_of_token = np.repeat(np.arange(len(query_start_loc) - 1), np.diff(query_start_loc))
+    if out is None:
+        out = np.empty(tables.shape[:-2] + (len(positions),), dtype=np.int64)
+    out[...] = tables[..., req_of_token, positions // block_size]
+    out *= block_size
+    out += positions % block_size
+    return out
+
+
+__all__ = ["PLACEHOLDER", "BlockTableRows", "InputBuffers", "RequestState", "token_slots"]
