@@ -8,7 +8,7 @@ staged for an eager step) and a pad request of the Q - n tokens after it, at pos
 Q - n and slots -1 (it reads some block and writes nothing, like VerifyGraphs' dummy requests; empty where
 n == Q). Logits are computed at one row, the real request's last token (an index tensor filled before the
 replay). Steps with decode rows, drafts, prompt logprobs or a bidirectional prefix run eagerly, as do steps an
-add-on keeps off the graphs (step_graph_ok: merged image rows).
+add-on keeps off the graphs (step_graph_ok: merged image rows) and the step that calibrates --calculate-kv-scales.
 
 Backends: the plain paged metadata (AttentionMetadataBuilder: the varlen prefill kernel sizes its grid from
 the token and request counts and finds each query's sequence on the device), and MLA without the DSA
@@ -60,16 +60,19 @@ class PrefillGraphs(DecodeGraphs):
         self.pool = pool
         if not all(type(b) is AttentionMetadataBuilder for b in runner.builders):  # absorbed MLA
             self.max_seq_len = min(self.max_seq_len, max(self.sizes, default=0))
+        # --calculate-kv-scales: the first batch that writes K/V sets the scales, in the eager forward
+        self.calibrating = ([x for x in runner.loaded.context.attention_layers.values()
+                             if hasattr(x, "calibrate_kv_scales")] if runner.config.cache.calculate_kv_scales else [])
         dev = self.buf.device
         self.last = torch.zeros(1, dtype=torch.int64, device=dev)  # the real request's last token
         self.pad_positions = torch.arange(max(self.sizes, default=0), dtype=torch.int64, device=dev)
 
     def fits(self, chunks, states, meta) -> bool:
         """Is this step one prefill chunk alone, without drafts, prompt logprobs or a bidirectional prefix, whose
-        context the graphs cover?"""
+        context the graphs cover, and no KV scale left to calibrate?"""
         return (len(chunks) == 1 and meta.num_decodes == 0 and not chunks[0].draft_token_ids
                 and states[0].sampling_params.prompt_logprobs is None and meta.bidirectional_lens_cpu is None
-                and meta.max_seq_len <= self.max_seq_len)
+                and meta.max_seq_len <= self.max_seq_len and not any(x.calibrate_kv_scales for x in self.calibrating))
 
     def _context(self, q: int):
         if q not in self.contexts:

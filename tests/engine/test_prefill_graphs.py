@@ -117,3 +117,17 @@ def test_prefill_graph_sizes_follow_the_config(tiny_models):
     runner.config.compilation.cuda_graph_prefill_max_tokens = 0
     assert prefill_graph_sizes(runner) == []
     assert EngineConfig().compilation.cuda_graph_prefill_max_tokens == 512
+
+
+def test_the_step_that_calibrates_kv_scales_runs_eagerly(tiny_models):
+    """--calculate-kv-scales sets an FP8 cache's scales in the first eager forward that writes K/V (a graph replay
+    would skip it): that prefill runs eagerly, the next ones replay."""
+    path = str(tiny_models["qwen3"])
+    opts = dict(progress=False, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    eager, graphs = LLM(path, **opts), LLM(path, **opts)
+    served = install(graphs)
+    layers = list(graphs.engine.core.executor.runner.loaded.context.attention_layers.values())
+    for p in ([prompt(20, 12)], [prompt(21, 9)]):
+        assert same(tokens(graphs, p), tokens(eager, p))
+    assert all(x.k_scale.item() != 1.0 and not x.calibrate_kv_scales for x in layers)
+    assert served == [(9, 16, 9)]
