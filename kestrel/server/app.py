@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import uvicorn
 
 import kestrel
 from kestrel.config import EngineConfig, ServerConfig
@@ -496,8 +498,19 @@ def load_tls(uv_config, keyfile: str | None, certfile: str | None) -> None:
         raise ConfigError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: {e}") from None
 
 
+class InterruptibleServer(uvicorn.Server):
+    """uvicorn's server, remembering a Ctrl-C. After its graceful shutdown uvicorn raises the signal again for
+    asyncio.run to turn into KeyboardInterrupt (main() answers it with exit status 130). That can be lost: a
+    process that started with SIGINT ignored (a shell's background job) keeps ignoring the re-raised one, and a CI
+    run once saw exit status 0 after Ctrl-C. So run_server raises it where asyncio.run did not."""
+    interrupted = False
+
+    def handle_exit(self, sig, frame) -> None:
+        self.interrupted |= sig == signal.SIGINT
+        super().handle_exit(sig, frame)
+
+
 def run_server(args) -> int:
-    import uvicorn
     from uvicorn._compat import asyncio_run
 
     from kestrel.config import from_cli_args, section_from_cli_args
@@ -509,7 +522,7 @@ def run_server(args) -> int:
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5, root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
                                ssl_certfile=args.ssl_certfile)
-    server = uvicorn.Server(uv_config)
+    server = InterruptibleServer(uv_config)
     check_port_free(args.host, args.port)  # before minutes of model loading, not after
     load_tls(uv_config, args.ssl_keyfile, args.ssl_certfile)
 
@@ -520,4 +533,7 @@ def run_server(args) -> int:
         await server.serve()
 
     asyncio_run(serve(), loop_factory=uv_config.get_loop_factory())
+    if server.interrupted:  # where asyncio.run did not already raise it
+        raise KeyboardInterrupt
     return 0 if server.started else 1
+

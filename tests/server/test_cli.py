@@ -81,15 +81,19 @@ def test_missing_model_path_is_one_clear_line(tmp_path, capsys):
                                                    f"exist (give a checkpoint folder or a .gguf file)")
 
 
-def test_ctrl_c_stops_the_server_without_tracebacks(server_model, tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_ctrl_c_stops_the_server_without_tracebacks(server_model, tmp_path, sigint):
     """Ctrl-C reaches the whole process group (server and engine core); the engine leaves the shutdown to the
-    server, which ends cleanly."""
+    server, which ends cleanly. Also from a process that started with SIGINT ignored (a shell's background job:
+    uvicorn still shuts down on Ctrl-C, and the exit status is still 130)."""
     port = free_port()
+    handler = signal.SIG_DFL if sigint == "default" else signal.SIG_IGN
     log = open(tmp_path / "serve.log", "w")
     p = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", str(server_model), "--port", str(port),
                           "--num-kv-blocks", "32", "--max-model-len", "128", "--cpu-threads", "1"],
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
     try:
         deadline = time.monotonic() + 120
         while True:
