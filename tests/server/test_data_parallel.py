@@ -54,7 +54,7 @@ def test_dp_fanout_endpoints(dp_server):
     assert http("GET", u + "/is_sleeping") == (200, {"is_sleeping": True})
     assert http("POST", u + "/wake_up") == (200, {"ok": True})
     assert http("GET", u + "/is_sleeping") == (200, {"is_sleeping": False})
-    s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    s, r = http("POST", u + "/v1/completions", {"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
     assert s == 200 and r["usage"]["completion_tokens"] == 2
 
 
@@ -124,5 +124,6 @@ def test_dp_engine_restarted_while_the_fleet_sleeps_comes_back_asleep(dp_server)
     assert http("POST", u + "/wake_up") == (200, {"ok": True})
     assert http("GET", u + "/is_sleeping") == (200, {"is_sleeping": False})
     for p in PROMPTS:  # both engines serve (least-loaded routing alternates)
-        s, r = http("POST", u + "/v1/completions", {"prompt": p, "max_tokens": 2}, timeout=20)
+        # ignore_eos: a sampled end-of-text would end a request at one token (a CI run saw it)
+        s, r = http("POST", u + "/v1/completions", {"prompt": p, "max_tokens": 2, "ignore_eos": True}, timeout=20)
         assert s == 200 and r["usage"]["completion_tokens"] == 2
