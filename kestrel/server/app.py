@@ -536,4 +536,3 @@ def run_server(args) -> int:
     if server.interrupted:  # where asyncio.run did not already raise it
         raise KeyboardInterrupt
     return 0 if server.started else 1
-
