@@ -18,7 +18,8 @@ TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_tr
 	tests/kernels/test_moe_triton_interp.py tests/kernels/test_lora_kernels_interp.py \
 	tests/structured_output/test_bitmask_triton.py tests/kernels/test_kda_decode.py \
 	tests/attention/test_triton_sparse_mla.py tests/attention/test_triton_indexer_fp8.py \
-	tests/attention/test_triton_topk.py tests/attention/test_triton_sparse_mla_graphs.py
+	tests/attention/test_triton_topk.py tests/attention/test_triton_sparse_mla_graphs.py \
+	tests/attention/test_triton_prefill_graphs.py
 INTERP_RUN = HF_HUB_OFFLINE=1 PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider --disable-warnings
 
 test: setup

@@ -238,6 +238,9 @@ class KernelConfig:
 class CompilationConfig:
     enforce_eager: bool = _f(False, "disable CUDA graphs")
     cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,32,48,64,96,...,256, up to --max-num-seqs)")
+    cuda_graph_prefill_max_tokens: int = _f(512, "largest prefill step of one request alone that replays a CUDA "
+                                                 "graph (token buckets 16, 32, 64, ... up to it and "
+                                                 "--max-num-batched-tokens); 0: prefill steps run eagerly")
     pdl: bool = _f(True, "programmatic dependent launch for the Triton kernels of small decode batches (sm_90+)")
     precompile: bool = _f(True, "compile the start-up Triton kernel variants in parallel before the first forward (CUDA)")
 

@@ -40,6 +40,10 @@ class MLAMetadata(AttentionMetadata):
     dense_query_start_loc: torch.Tensor | None = None
     dense_max_query_len: int = 0
     dense_max_seq_len: int = 0
+    # a captured prefill (kestrel/worker/prefill_graphs.py), all absorbed: each token as a one-query row over its
+    # own prefix, for kernels that take one query per row; written inside the graph (update_captured)
+    token_block_tables: torch.Tensor | None = None  # [num_tokens, max_seq_len / block_size] int32
+    token_seq_lens: torch.Tensor | None = None  # [num_tokens] int32: its position + 1
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder):
@@ -67,11 +71,27 @@ class MLAMetadataBuilder(AttentionMetadataBuilder):
         return meta
 
     def build_for_capture(self, common, block_table, slot_mapping) -> MLAMetadata:
-        """Captured graphs are pure decode: every request absorbed (no host lists needed)."""
+        """Captured graphs are all absorbed (no host lists needed): decodes, and prefills (max_query_len > 1)
+        whose tokens also get their rows (token_block_tables, token_seq_lens) within max_seq_len."""
         c = common
-        return MLAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
+        meta = MLAMetadata(c.num_tokens, c.num_reqs, c.num_decodes, c.max_query_len, c.max_seq_len,
                            c.query_start_loc, c.seq_lens, block_table, slot_mapping, c.query_start_loc_cpu,
                            c.seq_lens_cpu, num_absorbed_reqs=c.num_reqs, num_absorbed_tokens=c.num_tokens)
+        if c.max_query_len > 1:
+            meta.token_block_tables = block_table.new_zeros(c.num_tokens, cdiv(c.max_seq_len, self.block_size))
+            meta.token_seq_lens = c.seq_lens.new_zeros(c.num_tokens)
+        return meta
+
+    def update_captured(self, metadata: MLAMetadata) -> None:
+        """A captured prefill's token rows from the buffers: token t of request b (query_start_loc[b] <= t <
+        query_start_loc[b + 1]) sees seq_lens[b] - (query_start_loc[b + 1] - t) + 1 positions of b's blocks."""
+        m = metadata
+        if m.token_seq_lens is None:
+            return
+        t = torch.arange(m.num_tokens, dtype=m.query_start_loc.dtype, device=m.query_start_loc.device)
+        req = torch.searchsorted(m.query_start_loc[1:], t, right=True)
+        torch.add(m.seq_lens[req] - m.query_start_loc[1:][req], t + 1, out=m.token_seq_lens)
+        m.token_block_tables.copy_(m.block_tables[req, :m.token_block_tables.shape[1]])
 
     def _dense_contexts(self, meta: MLAMetadata, block_table: torch.Tensor, seq_lens: list[int]) -> None:
         bs, dev = self.block_size, block_table.device

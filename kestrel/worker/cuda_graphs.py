@@ -68,8 +68,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         t0 = time.perf_counter()
-        self._prepare_capture()
         for b in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
+            self._prepare_capture(b)
             for _ in range(2):
                 self.run(b)  # warm-up (Triton autotune / JIT) outside the capture
             torch.cuda.synchronize()
@@ -81,14 +81,14 @@ class DecodeGraphs:
             self.graphs[b] = g
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        logger.info("Captured %d %sCUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs), self.kind,
+        logger.info("Captured %d %sCUDA graphs (%s %s..%s) in %.1f s", len(self.graphs), self.kind, self.unit,
                     self.sizes[0], self.sizes[-1], dt)
         return dt
 
-    kind = ""  # in the log line
+    kind, unit = "", "batch sizes"  # in the log line
 
-    def _prepare_capture(self) -> None:
-        """The buffers the capture runs from: every row an empty decode (seq_len 0, slot -1)."""
+    def _prepare_capture(self, b: int) -> None:
+        """The buffers the capture of size `b` runs from: every row an empty decode (seq_len 0, slot -1)."""
         buf = self.buf
         buf.seq_lens.zero_()
         buf.slot_mapping.fill_(-1)

@@ -80,6 +80,7 @@ class ModelRunner:
         self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
         self.graphs = None
         self.verify_graphs = None  # speculative decoding's verify steps (kestrel/worker/verify_graphs.py)
+        self.prefill_graphs = None  # one request's small prefill step (kestrel/worker/prefill_graphs.py)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
@@ -260,7 +261,7 @@ class ModelRunner:
             embedded = embeds(chunks, states, self.buffers.input_ids[:meta.num_tokens])
             inputs_embeds = embedded if embedded is not None else inputs_embeds
         if all(ok() for ok in self._hooks["step_graph_ok"]):
-            logits = self._replay_graph(chunks, meta)
+            logits = self._replay_graph(chunks, states, meta)
             if logits is not None:
                 return logits, None
         hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
@@ -274,20 +275,21 @@ class ModelRunner:
                   if sample_idx else None)
         return logits, hidden
 
-    def _replay_graph(self, chunks: list[ScheduledChunk], meta) -> torch.Tensor | None:
+    def _replay_graph(self, chunks: list[ScheduledChunk], states: list[RequestState], meta) -> torch.Tensor | None:
         """The logits of a step that a CUDA graph serves (every row a decode: a decode graph; every row verifying
-        k drafts: a verify graph), else None."""
+        k drafts: a verify graph; one prefill chunk alone: a prefill graph, logits at its last token), else None."""
         padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
                   else None)
         if padded is not None:
             return self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
         vg = self.verify_graphs.select(chunks) if self.verify_graphs else None
         verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
-        if verify_padded is None:
-            return None
-        # every row verifies k drafts: its logits at all tokens, then the rows
-        return vg.replay(meta.num_reqs, verify_padded)[to_device(logits_positions(chunks, meta.query_start_loc_cpu),
-                                                                 torch.int64, self.device)]
+        if verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
+            return vg.replay(meta.num_reqs, verify_padded)[
+                to_device(logits_positions(chunks, meta.query_start_loc_cpu), torch.int64, self.device)]
+        pg = self.prefill_graphs
+        bucket = pg.padded_size(meta.num_tokens) if pg is not None and pg.fits(chunks, states, meta) else None
+        return pg.replay(meta.num_tokens, bucket) if bucket is not None else None
 
     def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their

@@ -53,8 +53,8 @@ class VerifyGraphs(DecodeGraphs):
         buf.seq_lens[b:padded].fill_(q)
         buf.slot_mapping[:, b * q:padded * q].fill_(-1)
 
-    def _prepare_capture(self) -> None:
-        self._pad(0, self.sizes[-1])
+    def _prepare_capture(self, b: int) -> None:
+        self._pad(0, b)
 
     @torch.inference_mode()
     def run(self, b: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Start-up work of the model runner after the KV cache exists: the persistent input buffers, the kernel warm-up
-(the variants mixed steps use), the add-ons' warm-up (an image model's encoder), the decode, verify and draft CUDA
-graphs, FP8 scale calibration armed for the first real batch; and the parallel Triton precompile that runs the same
-forwards once, before, with launches turned into compilations."""
+(the variants mixed steps use), the add-ons' warm-up (an image model's encoder), the decode, verify, prefill and
+draft CUDA graphs, FP8 scale calibration armed for the first real batch; and the parallel Triton precompile that
+runs the same forwards once, before, with launches turned into compilations."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,7 @@ from kestrel.attention import kv_quant
 from kestrel.core.kv_spec import cdiv
 from kestrel.worker.cuda_graphs import DecodeGraphForms, DecodeGraphs, decode_graphs, default_graph_sizes
 from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
+from kestrel.worker.prefill_graphs import PrefillGraphs, capture_prefill_graphs, prefill_graph_sizes
 from kestrel.worker.verify_graphs import capture_verify_graphs
 
 
@@ -19,6 +20,7 @@ def set_up_after_kv(runner) -> None:
     runner.buffers = runner._new_buffers()
     runner.graphs = capture_graphs(runner)
     runner.verify_graphs = capture_verify_graphs(runner, runner.spec, runner.graphs)
+    runner.prefill_graphs = capture_prefill_graphs(runner, runner.graphs)
     if runner.drafter is not None and runner.graphs is not None:
         runner.drafter.capture_graphs(runner.graphs.sizes)
     if runner.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
@@ -70,6 +72,10 @@ def precompile_kernels(runner) -> None:
         graphs = decode_graphs(runner, graph_sizes(runner))
         for b in graphs.sizes:
             graphs.run(b)
+        prefill = PrefillGraphs(runner, prefill_graph_sizes(runner) if graphs.sizes else [])
+        for q in prefill.sizes:
+            prefill._prepare_capture(q)
+            prefill.run(q)
 
     try:
         precompile(dry_run)

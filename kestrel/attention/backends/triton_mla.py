@@ -31,6 +31,9 @@ class TritonMLAImpl(MLAImpl):
         write_latent(kv_c, k_pe, cache, slot_mapping)  # block and row strides are kernel arguments
 
     def attend_latent(self, q_lat, q_pe, cache, meta: MLAMetadata) -> torch.Tensor:
+        if meta.token_seq_lens is not None:  # a captured prefill: every token a row of the decode kernel
+            return mla_decode_attention(q_lat, q_pe, cache, meta.token_block_tables, meta.token_seq_lens,
+                                        self.scale, max_seq_len=meta.max_seq_len)
         # with dense prefill declared, the absorbed part is the decodes: one query token per request
         nr = meta.num_absorbed_reqs
         return mla_decode_attention(q_lat, q_pe, cache, meta.block_tables[:nr],
