@@ -56,9 +56,9 @@ class LoadedModel:
 
 
 def load_hf_config(path: Path, trust_remote_code: bool = False):
-    from transformers import AutoConfig
+    from kestrel.loader import light_auto
 
-    return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return light_auto.config_from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False,

@@ -41,7 +41,7 @@ def _field(reader, key, default=None):
 
 def gguf_config(reader):
     """A transformers config built from the GGUF metadata."""
-    from transformers import AutoConfig
+    from kestrel.loader import light_auto
 
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHS:
@@ -50,7 +50,7 @@ def gguf_config(reader):
     names = {t.name for t in reader.tensors}
     vocab = g("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     heads = g("attention.head_count")
-    cfg = AutoConfig.for_model(
+    cfg = light_auto.config_for_model(
         arch if arch != "llama" else "llama",
         vocab_size=vocab, hidden_size=g("embedding_length"), intermediate_size=g("feed_forward_length"),
         num_hidden_layers=g("block_count"), num_attention_heads=heads,
@@ -115,14 +115,13 @@ def _publish(tmp: Path, final: Path) -> None:
 def load_gguf(path: Path, dtype: torch.dtype, cache_dir: str | None, progress: bool = True):
     """(hf_config, weights iterator) from the cached copy when there is one, else from the GGUF (writing the copy
     as the weights stream past, one shard at a time)."""
-    from transformers import AutoConfig
-
+    from kestrel.loader import light_auto
     from kestrel.loader.safetensors import iter_safetensors
 
     folder = weights_folder(path, cache_dir, dtype) if cache_dir else None
     if folder is not None and (folder / "config.json").exists():
         logger.info("GGUF: reading the dequantised copy in %s", folder)
-        return AutoConfig.from_pretrained(folder), iter_safetensors(folder, progress)
+        return light_auto.config_from_pretrained(folder), iter_safetensors(folder, progress)
     reader = open_gguf(path)
     cfg = gguf_config(reader)
     weights = iter_gguf(reader, cfg, dtype, progress)
