@@ -72,9 +72,9 @@ class AsyncEngine(FleetControl):
 
     # ---- life cycle
     async def start(self) -> "AsyncEngine":
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (lazy imports are not thread-safe)
+        from kestrel.loader import default_model_path, light_auto, tokenizer_or_none
 
-        from kestrel.loader import default_model_path, tokenizer_or_none
+        light_auto.import_auto_classes()  # here, before the threads below
 
         m = self.config.model
         lora_modules = parse_lora_modules(self.config.lora)  # a bad flag fails before any engine starts

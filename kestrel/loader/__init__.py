@@ -63,14 +63,14 @@ def load_hf_config(path: Path, trust_remote_code: bool = False):
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None, trust_remote_code: bool = False,
                    gguf_cache_dir: str | None = None):
-    from transformers import AutoTokenizer
+    from kestrel.loader import light_auto
 
     p = Path(tokenizer_path or model_path)
     if p.suffix == ".gguf":
         from kestrel.loader.gguf import load_gguf_tokenizer
 
         return load_gguf_tokenizer(p, gguf_cache_dir)
-    return AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    return light_auto.tokenizer_from_pretrained(p, trust_remote_code=trust_remote_code)
 
 
 @torch.no_grad()

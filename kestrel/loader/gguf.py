@@ -166,12 +166,12 @@ def _write_through(weights, cfg, folder: Path) -> Iterator[tuple[str, torch.Tens
 
 def load_gguf_tokenizer(path: Path, cache_dir: str | None):
     """The GGUF's tokenizer, converted once and kept beside the dequantised weights."""
-    from transformers import AutoTokenizer
+    from kestrel.loader import light_auto
 
     folder = cache_folder(path, cache_dir) / "tokenizer" if cache_dir else None
     if folder is not None and folder.is_dir():
-        return AutoTokenizer.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return light_auto.tokenizer_from_pretrained(folder)
+    tokenizer = light_auto.tokenizer_from_pretrained(path.parent, gguf_file=path.name)
     if folder is not None:
         tmp = folder.parent / f".tokenizer.tmp-{os.getpid()}"
         try:
