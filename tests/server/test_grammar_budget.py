@@ -56,7 +56,10 @@ def test_health_answers_while_hostile_schemas_parse(budget_server):
         time.sleep(0.02)
     for t in clients:
         t.join(60)
-    assert len(latencies) > 20 and max(latencies) < 0.1, sorted(latencies)[-5:]
+    # A parse on the event loop, or one holding the GIL, stalls health for ~2 s; a loaded 2-core CI machine alone
+    # has been seen at 0.18 s for one answer, so the bar is on the median and a wide maximum.
+    latencies.sort()
+    assert len(latencies) > 20 and latencies[len(latencies) // 2] < 0.1 and latencies[-1] < 0.5, latencies[-5:]
     assert len(results) == 4
     for s, r in results:
         assert s == 400 and r["error"]["param"] == "structured_outputs", r
