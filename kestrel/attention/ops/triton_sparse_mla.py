@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
-                                                    split_decode_setup)
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for, _split_bounds, _upcast,
+                                                    choose_num_splits, split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
                                               _store_latent_out)
 from kestrel.attention.ops.triton_topk import radix_topk
@@ -202,17 +202,38 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads
 
 
 def default_sparse_config(num_tokens: int) -> dict:
-    # a first guess, untuned: the dense decode's small-batch tile, splits of at least 256 selected tokens
-    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if num_tokens <= 16 else 4,
+    # the dense decode's small-batch tile; MIN_SPLIT None: splits as short as one BLOCK_N tile (sparse_num_splits)
+    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": None, "num_warps": 8 if num_tokens <= 16 else 4,
             "num_stages": 2}
+
+
+def _resolved_config(num_tokens: int, _config: dict | None) -> dict:
+    cfg = {**default_sparse_config(num_tokens), **(_config or {})}
+    if cfg["MIN_SPLIT"] is None:
+        cfg["MIN_SPLIT"] = cfg["BLOCK_N"]
+    return cfg
+
+
+def sparse_num_splits(num_tokens: int, num_heads: int, topk: int, num_sms: int = 132,
+                      _config: dict | None = None) -> int:
+    """Splits of each token's k selected positions, from the shapes only (so a CUDA graph may capture them):
+    triton_mla's rule for the dense decode (choose_num_splits over (token, head block) programs, a program of 16
+    heads x 512 latent dims weighing two), none shorter than MIN_SPLIT tokens, by default one BLOCK_N tile.
+    So a small batch fills the chip: 1 token x 16 heads x k 2048 -> 32 splits of 64 (32 programs; with the first
+    guess, MIN_SPLIT 256, it was 8 programs on a 132-SM H200: 27.5 us for 2.4 MB); 64 tokens -> 4 splits (256
+    programs, as before); from 132 tokens on (264 programs, twice the SMs) none. The reduce kernel then merges up
+    to 32 float32 partials [16, 512] a token (1 MB at batch 1, in L2)."""
+    cfg = _resolved_config(num_tokens, _config)
+    head_blocks = triton.cdiv(num_heads, cfg["BLOCK_H"])
+    return choose_num_splits(num_tokens, 2 * head_blocks, topk, num_sms, min_split=cfg["MIN_SPLIT"])
 
 
 def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indices, scale, out=None,
                          num_splits=None, _config=None) -> torch.Tensor:
     """q_lat [T, H, L], q_pe [T, H, R] over each token's selected positions (topk_indices [T, k], request-local,
     -1: none) of the latent cache [blocks, page, L + R] -> [T, H, L] (before W_UV). L, R powers of two, R >= 16.
-    Few tokens split the k selected positions across programs (num_splits: a power of two, default from the
-    shapes) and merge the partials by their log-sum-exps."""
+    Few tokens split the k selected positions across programs (num_splits: a power of two, default
+    sparse_num_splits from the shapes) and merge the partials by their log-sum-exps."""
     t, h, L = q_lat.shape
     R = q_pe.shape[-1]
     if cache.shape[-1] != L + R or L & (L - 1) or R & (R - 1) or R < 16:
@@ -224,8 +245,10 @@ def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indic
     k = topk_indices.shape[1]
     if t == 0:
         return out
-    cfg = {**default_sparse_config(t), **(_config or {})}
+    cfg = _resolved_config(t, _config)
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
+    if num_splits is None:
+        num_splits = sparse_num_splits(t, h, k, _sms_for(q_lat), cfg)
     num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
                                                                  shortest_split=cfg["MIN_SPLIT"])
     _sparse_mla_kernel[(t, head_blocks, num_splits)](
