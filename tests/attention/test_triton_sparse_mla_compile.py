@@ -60,3 +60,17 @@ def test_radix_topk_compiles(has_last):
 
     fn = triton_topk._radix_topk_kernel
     compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32", "LAST": "*i32"}), dict(BLOCK=1024, HAS_LAST=has_last))
+
+
+@pytest.mark.parametrize("has_last", [False, True])
+@pytest.mark.parametrize("block", [256, 1024])
+def test_split_radix_topk_compiles(has_last, block):
+    """The split select's four histogram passes (atomics into the row's histogram) and its compaction."""
+    from kestrel.attention.ops import triton_topk
+
+    fn = triton_topk._radix_pass_kernel
+    ptrs = {"S": "*fp32", "LAST": "*i32", "HIST": "*i32", "SUF": "*i32", "ABOVE": "*i32"}
+    for p in range(4):
+        compile_ok(fn, _sig(fn, ptrs), dict(PASS=p, BLOCK=block, HAS_LAST=has_last))
+    fn = triton_topk._radix_compact_kernel
+    compile_ok(fn, _sig(fn, {**ptrs, "OUT": "*i32"}), dict(BLOCK=block, P_PAD=256, HAS_LAST=has_last))
