@@ -5,13 +5,20 @@ decode over the whole context, at batch 1 and 64 and contexts 8k and 32k. Bytes 
 indexer key 256 (bf16) or 132 (--indexer-key-dtype fp8: Hadamard-rotated float8 e4m3 + a float32 scale, fp8
 queries with their scales in the head weights; the rotation and quantization of the step's own query and key
 are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
-Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py; the DSA
-total uses torch.topk, select_topk's default) and the sparse attention; the DSA total; its speedup and byte
-ceiling over dense ("w/ radix": the speedup with the radix top-k in the total; "graph": the speedup of the
-CUDA-graph decode path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix
-top-k reading each row's length on the device).
+Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py) as one program a
+row ("radix 1p", the kernel before the split one) and as radix_plan chooses ("radix", with its plan "P": programs
+a row x BLOCK, "1p" where it keeps one program), the sparse attention with the first-guess split rule ("sp old":
+splits of at least 256 selected tokens) and with today's (sparse_num_splits; "splits": old/new counts); the DSA
+total (torch.topk, select_topk's default, and today's sparse attention); its speedup and byte ceiling over dense
+("w/ radix": the speedup with the planned radix top-k in the total; "graph": the speedup of the CUDA-graph decode
+path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix top-k reading
+each row's length on the device). Every case also checks that the planned radix top-k writes the one-program
+kernel's very output (a line starting "MISMATCH" where not).
 
-    python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
+    python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both] [--sweep]
+--sweep: after the table, the sparse attention at every split count (and two tiles) and the radix top-k at every
+programs-per-row count (and three BLOCKs), per batch and context, the best of each marked with *: what to set
+sparse_num_splits and radix_plan to, if the table's choices are not the best.
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
 tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
@@ -27,17 +34,21 @@ from benchmarks.mla_decode import time_us
 from kestrel.attention.backends.torch_sparse_mla import request_of_tokens, select_topk_ref, sparse_mla_attention_ref
 from kestrel.attention.indexer_keys import dequantize_index_keys, quantize_index_keys, quantize_index_queries
 from kestrel.attention.ops.triton_mla import mla_decode_attention
-from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk, sparse_mla_attention
-from kestrel.attention.ops.triton_topk import radix_topk
+from kestrel.attention.ops.triton_attention import _sms_for
+from kestrel.attention.ops.triton_sparse_mla import (indexer_scores, select_topk, sparse_mla_attention,
+                                                     sparse_num_splits)
+from kestrel.attention.ops.triton_topk import radix_plan, radix_topk
 
 HEADS, L, R, PAGE = 16, 512, 64, 16
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 SCALE = 192 ** -0.5
 GRAPH_WIDTH = 131072  # a decode graph's score rows are max_model_len wide
+SHAPES = [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]  # (batch, context)
+DEVICE = "cuda"
 
 
 def case(batch: int, ctx: int):
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = DEVICE, torch.bfloat16
     nblk = -(-ctx // PAGE)
     bt = torch.randperm(batch * nblk, device=dev).view(batch, nblk).int()
     return dict(
@@ -88,6 +99,11 @@ def check_errors(key_dtype: str) -> None:
     graph = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], GRAPH_WIDTH, TOPK, static_width=True)
     same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), graph.cpu())) / got.numel()
     print(f"{key_dtype} keys: the CUDA-graph path's selection vs the eager one: {same:.4f} in common")
+    scores_wide = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
+    one = radix_topk(scores_wide, TOPK, programs_per_row=1)
+    split = radix_topk(scores_wide, TOPK, programs_per_row=16)
+    print(f"{key_dtype} keys: radix top-k split over 16 programs a row vs one program: "
+          f"{'identical' if torch.equal(one, split) else 'MISMATCH'}")
     scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
@@ -115,20 +131,34 @@ def check_errors(key_dtype: str) -> None:
 KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer key in the page
 
 
+OLD_SPARSE = {"MIN_SPLIT": 256}  # the first guess: splits of at least 256 selected tokens
+
+
 def kernels(iters: int, key_dtypes: list[str]) -> None:
-    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix':>8} "
-          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'graph':>8} {'byte ceiling':>12}")
-    for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
+    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix 1p':>9} "
+          f"{'radix':>8} {'P':>8} {'sp old':>8} {'sparse':>8} {'splits':>7} {'DSA us':>9} {'speedup':>8} "
+          f"{'w/ radix':>9} {'graph':>8} {'byte ceiling':>12}")
+    for batch, ctx in SHAPES:
         c = case(batch, ctx)
+        sms = _sms_for(c["q_lat"])
         dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
                                                    max_seq_len=ctx), iters)
+        programs, block = radix_plan(batch, ctx, sms)
+        plan = "1p" if programs == 1 else f"{programs}x{block}"
+        old_splits, new_splits = (sparse_num_splits(batch, HEADS, TOPK, sms, cfg) for cfg in (OLD_SPARSE, None))
+        splits = f"{old_splits}/{new_splits}"
         for key_dtype in key_dtypes:
             iq, iw, keys = index_inputs(c, key_dtype)
             scores = timed(lambda: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx), iters)
             s = indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx)
             topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
+            radix_one = timed(lambda: radix_topk(s, TOPK, programs_per_row=1), iters)
             radix = timed(lambda: radix_topk(s, TOPK), iters)
+            if not torch.equal(radix_topk(s, TOPK), radix_topk(s, TOPK, programs_per_row=1)):
+                print(f"MISMATCH: radix top-k planned {plan} differs from one program a row ({batch} x {ctx})")
             idx = select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK)
+            sparse_old = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                                                            idx, SCALE, _config=OLD_SPARSE), iters)
             sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                         SCALE), iters)
             whole = timed(lambda: sparse_mla_attention(
@@ -143,11 +173,41 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
                 SCALE), iters)
             latent_bytes = 2 * (L + R)
             ceiling = ctx * latent_bytes / (ctx * KEY_BYTES[key_dtype] + TOPK * latent_bytes)
-            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix:>8.1f} "
-                  f"{sparse:>8.1f} {whole:>9.1f} {dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x "
-                  f"{dense / whole_graph:>7.2f}x {ceiling:>11.2f}x")
+            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix_one:>9.1f} "
+                  f"{radix:>8.1f} {plan:>8} {sparse_old:>8.1f} {sparse:>8.1f} {splits:>7} {whole:>9.1f} "
+                  f"{dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x {dense / whole_graph:>7.2f}x "
+                  f"{ceiling:>11.2f}x")
             del iq, iw, keys, s, idx
         del c
+        torch.cuda.empty_cache()
+
+
+def sweep(iters: int) -> None:
+    """The sparse attention at every split count (BLOCK_N 64 and 32) and the radix top-k at every programs-per-row
+    count (BLOCK 256, 512, 1024), on the bf16 keys' scores and selection; the best of each line marked *."""
+    def show(label: str, times: dict) -> None:
+        best = min(times, key=times.get)
+        print(f"  {label}: " + "  ".join(f"{k}{'*' if k == best else ''} {v:.1f}" for k, v in times.items()))
+
+    for batch, ctx in SHAPES:
+        c = case(batch, ctx)
+        sms = _sms_for(c["q_lat"])
+        idx = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK)
+        print(f"batch {batch} x {ctx}: sparse attention us by splits (chosen "
+              f"{sparse_num_splits(batch, HEADS, TOPK, sms)}), radix top-k us by programs a row (plan "
+              f"{radix_plan(batch, ctx, sms)})")
+        for block_n in (64, 32):
+            cfg = {"BLOCK_N": block_n, "MIN_SPLIT": block_n}
+            show(f"sparse BLOCK_N {block_n}", {
+                n: timed(lambda n=n: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
+                                                          SCALE, num_splits=n, _config=cfg), iters)
+                for n in (1, 2, 4, 8, 16, 32, 64) if n * block_n <= TOPK})
+        s = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx)
+        for block in (256, 512, 1024):
+            show(f"radix BLOCK {block}", {
+                p: timed(lambda p=p: radix_topk(s, TOPK, block=block, programs_per_row=p), iters)
+                for p in (1, 2, 4, 8, 16, 32, 64, 128, 256) if p == 1 or p * block <= ctx})
+        del c, s, idx
         torch.cuda.empty_cache()
 
 
@@ -190,11 +250,14 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8", "both"], default="both")
+    ap.add_argument("--sweep", action="store_true", help="also every split count / programs a row (see above)")
     args = ap.parse_args()
     key_dtypes = ["bf16", "fp8"] if args.indexer_key_dtype == "both" else [args.indexer_key_dtype]
     for key_dtype in key_dtypes:
         check_errors(key_dtype)
     kernels(args.iters, key_dtypes)
+    if args.sweep:
+        sweep(args.iters)
     if args.e2e:
         e2e(key_dtypes)
 
