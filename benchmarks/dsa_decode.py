@@ -18,7 +18,10 @@ kernel's very output (a line starting "MISMATCH" where not).
     python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both] [--sweep]
 --sweep: after the table, the sparse attention at every split count (and two tiles) and the radix top-k at every
 programs-per-row count (and three BLOCKs), per batch and context, the best of each marked with *: what to set
-sparse_num_splits and radix_plan to, if the table's choices are not the best.
+sparse_num_splits and radix_plan to, if the table's choices are not the best. Also the indexer scores by grid
+(one tile a program, the eager default, or the CUDA-graph path's few programs striding over the row, each
+loading and converting its query once) and, with FP8 keys, by dot (float16 after one packed convert, the
+default, or the float8 tiles straight into the FP8 MMA: _fp8_dot).
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
 tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
@@ -120,6 +123,11 @@ def check_errors(key_dtype: str) -> None:
                                 TOPK)
         vs_bf16 = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), exact.cpu())) / exact.numel()
         print(f"fp8 keys: top-{TOPK} recall against the unquantized keys {vs_bf16:.4f}")
+        mma = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, _fp8_dot=True)
+        mma_sel, f16_sel = (torch.stack([torch.topk(r, TOPK).indices for r in x]) for x in (mma, scores))
+        common = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(mma_sel.cpu(), f16_sel.cpu()))
+        print(f"fp8 keys: scores by the FP8 MMA (_fp8_dot) rel err {((mma - ref).norm() / ref.norm()).item():.2e}; "
+              f"top-{TOPK} in common with the float16 dot's {common / f16_sel.numel():.4f}")
     out = sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], got, SCALE)
     ref_out = sparse_mla_attention_ref(c["q_lat"].float(), c["q_pe"].float(), c["latent"].float(), c["bt"],
                                        request_of_tokens(list(range(9)), c["bt"].device), got.long(), SCALE)
@@ -183,8 +191,9 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
 
 
 def sweep(iters: int) -> None:
-    """The sparse attention at every split count (BLOCK_N 64 and 32) and the radix top-k at every programs-per-row
-    count (BLOCK 256, 512, 1024), on the bf16 keys' scores and selection; the best of each line marked *."""
+    """The sparse attention at every split count (BLOCK_N 64 and 32), the indexer scores by grid and dot, and the
+    radix top-k at every programs-per-row count (BLOCK 256, 512, 1024), on the bf16 keys' scores and selection; the
+    best of each line marked *."""
     def show(label: str, times: dict) -> None:
         best = min(times, key=times.get)
         print(f"  {label}: " + "  ".join(f"{k}{'*' if k == best else ''} {v:.1f}" for k, v in times.items()))
@@ -202,6 +211,18 @@ def sweep(iters: int) -> None:
                 n: timed(lambda n=n: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                           SCALE, num_splits=n, _config=cfg), iters)
                 for n in (1, 2, 4, 8, 16, 32, 64) if n * block_n <= TOPK})
+        for key_dtype in ("bf16", "fp8"):
+            iq, iw, keys = index_inputs(c, key_dtype)
+            out = torch.empty(batch, ctx, device=DEVICE)
+            variants = {"eager": {}, "strided": {"visible_only": True}}
+            if key_dtype == "fp8":
+                variants |= {"eager fp8-mma": {"_fp8_dot": True}, "strided fp8-mma": {"visible_only": True,
+                                                                                       "_fp8_dot": True}}
+            show(f"scores {key_dtype} keys", {
+                name: timed(lambda kw=kw: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, out=out,
+                                                         **kw), iters)
+                for name, kw in variants.items()})
+            del iq, iw, keys, out
         s = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx)
         for block in (256, 512, 1024):
             show(f"radix BLOCK {block}", {

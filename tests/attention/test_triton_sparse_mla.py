@@ -82,12 +82,17 @@ def _scores_case(seed, heads=16, dim=32, page=16):
     return cache, bt, qsl, req, pos, q, w
 
 
-def test_indexer_scores_match_reference():
+@pytest.mark.parametrize("visible_only", [False, True])  # True: two programs a token, each striding over tiles
+def test_indexer_scores_match_reference(visible_only, monkeypatch):
+    from kestrel.attention.ops import triton_sparse_mla
     from kestrel.attention.ops.triton_sparse_mla import indexer_scores
 
     cache, bt, qsl, req, pos, q, w = _scores_case(1)
     width = max(SEQ)
-    got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width).cpu()
+    monkeypatch.setattr(triton_sparse_mla, "STRIDED_PROGRAMS", 2 * qsl[-1])
+    out = torch.full((qsl[-1], width), float("-inf"), device=DEVICE)  # visible_only leaves the tails as they are
+    got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width, out=out,
+                         block_n=16, visible_only=visible_only).cpu()
     for t in range(qsl[-1]):
         b = req[t].item()
         keys = cache[bt[b, :-(-SEQ[b] // 16)].long()].flatten(0, 1)[:pos[t] + 1].to(DTYPE)

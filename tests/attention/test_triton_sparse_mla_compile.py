@@ -26,7 +26,7 @@ def test_indexer_scores_compiles(heads, visible_only):
     ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "KS": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32",
             "S": "*fp32"}
     compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=False,
-                                        VISIBLE_ONLY=visible_only))
+                                        FP8_DOT=False, VISIBLE_ONLY=visible_only))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -44,14 +44,15 @@ def test_fp8_index_key_write_compiles():
     compile_ok(fn, _sig(fn, {"X": "*fp32", "C": "*fp32", "SLOT": "*i64"}), dict(D=1, D_PAD=1, PAGE=16))  # scales
 
 
+@pytest.mark.parametrize("fp8_dot", [False, True])  # True: the float8 tiles straight into the FP8 MMA (QGMMA)
 @pytest.mark.parametrize("heads", [32, 64])
-def test_indexer_scores_fp8_keys_compiles(heads):
+def test_indexer_scores_fp8_keys_compiles(heads, fp8_dot):
     fn = ops._indexer_scores_kernel
     ptrs = {"Q": "*fp8e4nv", "W": "*fp32", "K": "*fp8e4nv", "KS": "*fp32", "BT": "*i32", "REQ": "*i32",
             "QPOS": "*i32", "S": "*fp32"}
     for visible_only in (False, True):
         compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True,
-                                            VISIBLE_ONLY=visible_only))
+                                            FP8_DOT=fp8_dot, VISIBLE_ONLY=visible_only))
 
 
 @pytest.mark.parametrize("has_last", [False, True])  # True: per-row lengths on the device (CUDA graphs)

@@ -8,7 +8,10 @@
   -inf past the token's own position. One program per (token, tile of BLOCK_N positions): every head's query sits
   in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory. With FP8
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
-  bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
+  float16 for the dot (exact: every e4m3 value is a float16 value; products exact, float32 sums), one packed
+  convert per two values. They went to bf16 before, which Triton does on sm_90 as e4m3 -> f16 -> bf16, three
+  converts per two values: at 64 x [64 heads x 128] query + [64 keys x 128] elements a program, the converts
+  (16 a clock per SM) made the FP8 scores 2.3x slower than bf16 at batch 64 (171.8 vs 74.4 us at 8k on an H200).
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
   triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k. static_width (CUDA-graph
   decode): the width is the graph's longest context, only each row's visible scores are computed, and the radix
@@ -68,7 +71,8 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
                            stride_btb, stride_st,
                            D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, VISIBLE_ONLY: tl.constexpr):
+                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+                           VISIBLE_ONLY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     q_pos = tl.load(QPOS + t)
     # the whole row (-inf past q_pos), or only its visible part, each program striding over the tiles
@@ -78,6 +82,13 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
     heads = tl.arange(0, H_PAD)
     mask_h = heads < num_heads
     offs_d = tl.arange(0, D)
+    # the token's queries and head weights once a program (a program with no visible tile reads none)
+    needed = tl.program_id(1) * BLOCK_N <= q_pos
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None] & needed,
+                other=0.0)  # [H_PAD, D]
+    w = tl.load(W + t * stride_wt + heads, mask=mask_h & needed, other=0.0).to(tl.float32)
+    if KEY_FP8 and not FP8_DOT:
+        q = q.to(tl.float16)  # exact (every e4m3 value is a float16 value), one cvt per 2 (bf16: 3 per 2)
     for n0 in range(tl.program_id(1) * BLOCK_N, end, tl.num_programs(1) * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         visible = offs_n <= q_pos
@@ -88,11 +99,8 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
             blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
             k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
                         mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
-            q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
-                        other=0.0)  # [H_PAD, D]
-            w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
-            if KEY_FP8 and not UPCAST:
-                q, k = q.to(tl.bfloat16), k.to(tl.bfloat16)
+            if KEY_FP8 and not FP8_DOT:
+                k = k.to(tl.float16)
             logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
             weighted = tl.sum(logits * w[:, None], axis=0)
             if KEY_FP8:
@@ -104,14 +112,17 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
 
 
 def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
-                   block_n: int = 64, visible_only: bool = False) -> torch.Tensor:
+                   block_n: int = 64, visible_only: bool = False, _fp8_dot: bool = False) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
     -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
     [blocks, page, 1] float32), index_q float8 with its scales folded into index_w (indexer_keys.py).
     visible_only: only positions 0..q_pos are written (the rest of each row is left as it was), by a grid sized
     from T alone, each program striding over its row's tiles: the CUDA-graph path, whose width is the graph's
-    longest context and whose reader (radix_topk with last=q_pos) reads no further."""
+    longest context and whose reader (radix_topk with last=q_pos) reads no further.
+    _fp8_dot (FP8 keys; for benchmarks/dsa_decode.py until an H200 timing decides): the float8 tiles straight into
+    the FP8 MMA (no conversion at all; Hopper's FP8 MMA accumulates with less precision than float32, as
+    DeepSeek's own FP8 indexer does) instead of into float16 first (exact products, float32 sums)."""
     cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
@@ -131,7 +142,7 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
         index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
         ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
         D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
-        UPCAST=_upcast(index_q.dtype) or (fp8 and interpreter_mode()), KEY_FP8=fp8, VISIBLE_ONLY=visible_only)
+        UPCAST=_upcast(index_q.dtype), KEY_FP8=fp8, FP8_DOT=fp8 and _fp8_dot, VISIBLE_ONLY=visible_only)
     return out
 
 
