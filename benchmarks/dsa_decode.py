@@ -7,8 +7,9 @@ queries with their scales in the head weights; the rotation and quantization of 
 are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
 Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py) as one program a
 row ("radix 1p", the kernel before the split one) and as radix_plan chooses ("radix", with its plan "P": programs
-a row x BLOCK, "1p" where it keeps one program), the sparse attention with the first-guess split rule ("sp old":
-splits of at least 256 selected tokens) and with today's (sparse_num_splits; "splits": old/new counts); the DSA
+a row x BLOCK, "1p" where it keeps one program), the sparse attention with the first-guess tile and split rule
+("sp old": 64-token tiles, on 4 warps above 16 tokens, which spill; splits of at least 256 selected tokens) and
+with today's (default_sparse_config, sparse_num_splits; "splits": old/new counts); the DSA
 total (torch.topk, select_topk's default, and today's sparse attention); its speedup and byte ceiling over dense
 ("w/ radix": the speedup with the planned radix top-k in the total; "graph": the speedup of the CUDA-graph decode
 path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix top-k reading
@@ -16,7 +17,7 @@ each row's length on the device). Every case also checks that the planned radix 
 kernel's very output (a line starting "MISMATCH" where not).
 
     python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both] [--sweep]
---sweep: after the table, the sparse attention at every split count (and two tiles) and the radix top-k at every
+--sweep: after the table, the sparse attention at every split count (three tiles) and the radix top-k at every
 programs-per-row count (and three BLOCKs), per batch and context, the best of each marked with *: what to set
 sparse_num_splits and radix_plan to, if the table's choices are not the best. Also the indexer scores by grid
 (one tile a program, the eager default, or the CUDA-graph path's few programs striding over the row, each
@@ -139,7 +140,10 @@ def check_errors(key_dtype: str) -> None:
 KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer key in the page
 
 
-OLD_SPARSE = {"MIN_SPLIT": 256}  # the first guess: splits of at least 256 selected tokens
+def old_sparse(batch: int) -> dict:
+    """The sparse attention's first guess: 64-token tiles (on 4 warps above 16 tokens: they spill), splits of at
+    least 256 selected tokens."""
+    return {"BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if batch <= 16 else 4, "num_stages": 2}
 
 
 def kernels(iters: int, key_dtypes: list[str]) -> None:
@@ -153,7 +157,8 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
                                                    max_seq_len=ctx), iters)
         programs, block = radix_plan(batch, ctx, sms)
         plan = "1p" if programs == 1 else f"{programs}x{block}"
-        old_splits, new_splits = (sparse_num_splits(batch, HEADS, TOPK, sms, cfg) for cfg in (OLD_SPARSE, None))
+        old_splits, new_splits = (sparse_num_splits(batch, HEADS, TOPK, sms, cfg)
+                                  for cfg in (old_sparse(batch), None))
         splits = f"{old_splits}/{new_splits}"
         for key_dtype in key_dtypes:
             iq, iw, keys = index_inputs(c, key_dtype)
@@ -166,7 +171,7 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
                 print(f"MISMATCH: radix top-k planned {plan} differs from one program a row ({batch} x {ctx})")
             idx = select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK)
             sparse_old = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
-                                                            idx, SCALE, _config=OLD_SPARSE), iters)
+                                                            idx, SCALE, _config=old_sparse(batch)), iters)
             sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                         SCALE), iters)
             whole = timed(lambda: sparse_mla_attention(
@@ -191,7 +196,7 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
 
 
 def sweep(iters: int) -> None:
-    """The sparse attention at every split count (BLOCK_N 64 and 32), the indexer scores by grid and dot, and the
+    """The sparse attention at every split count (three tiles), the indexer scores by grid and dot, and the
     radix top-k at every programs-per-row count (BLOCK 256, 512, 1024), on the bf16 keys' scores and selection; the
     best of each line marked *."""
     def show(label: str, times: dict) -> None:
@@ -205,9 +210,9 @@ def sweep(iters: int) -> None:
         print(f"batch {batch} x {ctx}: sparse attention us by splits (chosen "
               f"{sparse_num_splits(batch, HEADS, TOPK, sms)}), radix top-k us by programs a row (plan "
               f"{radix_plan(batch, ctx, sms)})")
-        for block_n in (64, 32):
-            cfg = {"BLOCK_N": block_n, "MIN_SPLIT": block_n}
-            show(f"sparse BLOCK_N {block_n}", {
+        for block_n, warps, stages in ((64, 8, 2), (32, 4, 3), (32, 8, 2)):  # tiles that do not spill
+            cfg = {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "num_warps": warps, "num_stages": stages}
+            show(f"sparse BLOCK_N {block_n}, {warps} warps, {stages} stages", {
                 n: timed(lambda n=n: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                           SCALE, num_splits=n, _config=cfg), iters)
                 for n in (1, 2, 4, 8, 16, 32, 64) if n * block_n <= TOPK})

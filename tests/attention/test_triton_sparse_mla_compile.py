@@ -29,6 +29,48 @@ def test_indexer_scores_compiles(heads, visible_only):
                                         FP8_DOT=False, VISIBLE_ONLY=visible_only))
 
 
+def _spill_bytes(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int) -> int:
+    """ptxas -v's spill stores (bytes a thread) of fn compiled for sm_90 as a launch specializes it: pointers and
+    strides divisible by 16."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    from tests.attention.test_triton_compile import TARGET
+
+    sig = {**sig, **{name: "constexpr" for name in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or name.startswith("stride_")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"],
+                              capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info))
+
+
+SPARSE_PTRS = {"QL": "*bf16", "QP": "*bf16", "C": "*bf16", "BT": "*i32", "REQ": "*i32", "IDX": "*i32", "O": "*bf16",
+               "PO": "*fp32", "PLSE": "*fp32"}
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256])
+def test_sparse_mla_default_tiles_do_not_spill(tokens):
+    """default_sparse_config's tile at DeepSeek's 512 + 64 keeps the [16 x 512] accumulator and a latent tile in
+    registers (64-token tiles on 4 warps, the first guess above 16 tokens, spilled 248 bytes a thread)."""
+    cfg = ops.default_sparse_config(tokens)
+    fn = ops._sparse_mla_kernel
+    constexprs = dict(L=512, R=64, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SPLIT=tokens < 132,
+                      UPCAST=False)
+    assert _spill_bytes(fn, _sig(fn, SPARSE_PTRS, ("qk_scale",)), constexprs, cfg["num_warps"],
+                        cfg["num_stages"]) == 0
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_sparse_mla_compiles(split):
     fn = ops._sparse_mla_kernel

@@ -29,7 +29,7 @@ import triton.language as tl
 from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for, _split_bounds, _upcast,
                                                     choose_num_splits, split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
-                                              _store_latent_out)
+                                              _store_latent_out, default_decode_config)
 from kestrel.attention.ops.triton_topk import radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
@@ -212,21 +212,24 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads
                       stride_ot, stride_oh, L, SPLIT)
 
 
-def default_sparse_config(num_tokens: int) -> dict:
-    # the dense decode's small-batch tile; MIN_SPLIT None: splits as short as one BLOCK_N tile (sparse_num_splits)
-    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": None, "num_warps": 8 if num_tokens <= 16 else 4,
-            "num_stages": 2}
+def default_sparse_config(num_tokens: int, L: int = 512) -> dict:
+    # The dense MLA decode's tiles (triton_mla.default_decode_config, swept on the H200): up to 16 tokens 64-token
+    # tiles on 8 warps; above, 32-token tiles on 4 warps, 3 stages. The first guess here kept 64-token tiles on 4
+    # warps above 16 tokens, which spills at 512 + 64 (ptxas -v for sm_90: 255 registers and 248 bytes of spill
+    # stores and loads a thread in the tile loop; 32-token tiles: 230 registers, none). MIN_SPLIT None: splits
+    # as short as one BLOCK_N tile (sparse_num_splits).
+    return {**default_decode_config(L, num_tokens), "MIN_SPLIT": None}
 
 
-def _resolved_config(num_tokens: int, _config: dict | None) -> dict:
-    cfg = {**default_sparse_config(num_tokens), **(_config or {})}
+def _resolved_config(num_tokens: int, _config: dict | None, L: int = 512) -> dict:
+    cfg = {**default_sparse_config(num_tokens, L), **(_config or {})}
     if cfg["MIN_SPLIT"] is None:
         cfg["MIN_SPLIT"] = cfg["BLOCK_N"]
     return cfg
 
 
 def sparse_num_splits(num_tokens: int, num_heads: int, topk: int, num_sms: int = 132,
-                      _config: dict | None = None) -> int:
+                      _config: dict | None = None, L: int = 512) -> int:
     """Splits of each token's k selected positions, from the shapes only (so a CUDA graph may capture them):
     triton_mla's rule for the dense decode (choose_num_splits over (token, head block) programs, a program of 16
     heads x 512 latent dims weighing two), none shorter than MIN_SPLIT tokens, by default one BLOCK_N tile.
@@ -234,7 +237,7 @@ def sparse_num_splits(num_tokens: int, num_heads: int, topk: int, num_sms: int =
     guess, MIN_SPLIT 256, it was 8 programs on a 132-SM H200: 27.5 us for 2.4 MB); 64 tokens -> 4 splits (256
     programs, as before); from 132 tokens on (264 programs, twice the SMs) none. The reduce kernel then merges up
     to 32 float32 partials [16, 512] a token (1 MB at batch 1, in L2)."""
-    cfg = _resolved_config(num_tokens, _config)
+    cfg = _resolved_config(num_tokens, _config, L)
     head_blocks = triton.cdiv(num_heads, cfg["BLOCK_H"])
     return choose_num_splits(num_tokens, 2 * head_blocks, topk, num_sms, min_split=cfg["MIN_SPLIT"])
 
@@ -256,10 +259,10 @@ def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indic
     k = topk_indices.shape[1]
     if t == 0:
         return out
-    cfg = _resolved_config(t, _config)
+    cfg = _resolved_config(t, _config, L)
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
     if num_splits is None:
-        num_splits = sparse_num_splits(t, h, k, _sms_for(q_lat), cfg)
+        num_splits = sparse_num_splits(t, h, k, _sms_for(q_lat), cfg, L)
     num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
                                                                  shortest_split=cfg["MIN_SPLIT"])
     _sparse_mla_kernel[(t, head_blocks, num_splits)](
