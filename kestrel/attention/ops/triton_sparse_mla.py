@@ -9,9 +9,10 @@
   in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory. With FP8
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
   float16 for the dot (exact: every e4m3 value is a float16 value; products exact, float32 sums), one packed
-  convert per two values. They went to bf16 before, which Triton does on sm_90 as e4m3 -> f16 -> bf16, three
-  converts per two values: at 64 x [64 heads x 128] query + [64 keys x 128] elements a program, the converts
-  (16 a clock per SM) made the FP8 scores 2.3x slower than bf16 at batch 64 (171.8 vs 74.4 us at 8k on an H200).
+  convert per two values. They went to bf16 before, which Triton does on sm_90 as e4m3 -> f16 -> bf16 (sm_90
+  SASS a thread: 64 F2FP + 128 F2F + 64 PRMT, now 64 F2FP) for the [64 heads x 128] query and the [64 x 128] key
+  tile of every program: conversions run at a quarter of the FMA rate, the likely reason the FP8 scores ran 2.3x
+  slower than bf16 at batch 64 on an H200 (171.8 vs 74.4 us at 8k; to be confirmed by benchmarks/dsa_decode.py).
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
   triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k. static_width (CUDA-graph
   decode): the width is the graph's longest context, only each row's visible scores are computed, and the radix
