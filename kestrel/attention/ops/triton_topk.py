@@ -58,6 +58,67 @@ def _row_length(LAST, row, row_width, HAS_LAST: tl.constexpr):
     return width
 
 
+@triton.jit
+def _extend_prefix(hi, pick, PASS: tl.constexpr):
+    """The threshold key's bytes so far (arithmetic: threshold >> (24 - 8 * PASS)) once pass PASS picked `pick`."""
+    if PASS == 0:
+        hi = pick - 128
+    else:
+        hi = hi * 256 + pick
+    return hi
+
+
+@triton.jit
+def _digit_histogram(S, row, start, end, hi, stride_s, PASS: tl.constexpr, BLOCK: tl.constexpr,
+                     COUNT_ABOVE: tl.constexpr):
+    """Pass PASS's 256-bin histogram over positions start..end-1 of a row: of the signed top byte (PASS 0), else
+    of byte 3 - PASS of the keys whose higher bytes equal the prefix `hi` picked so far. COUNT_ABOVE (PASS 3):
+    also how many keys lie above that 24-bit prefix (0 otherwise)."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    hist = tl.zeros([256], tl.int32)
+    above = tl.full([], 0, tl.int32)
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        in_range = offs < end
+        key = _sortable(tl.load(S + row * stride_s + offs, mask=in_range, other=0.0))
+        if PASS == 0:
+            digit = (key >> 24) + 128  # the signed top byte, 0..255 in order
+            match = in_range
+        else:
+            digit = (key >> shift) & 0xFF
+            match = in_range & ((key >> (shift + 8)) == hi)
+            if COUNT_ABOVE:
+                above += tl.sum((in_range & ((key >> 8) > hi)).to(tl.int32), 0)
+        hist += tl.histogram(digit, 256, mask=match)
+    return hist, above
+
+
+@triton.jit
+def _write_selected(S, OUT, row, start, end, hi, remaining, n_gt, n_eq, k, stride_s, stride_o, BLOCK: tl.constexpr):
+    """The selection's writes for positions start..end-1 of a row whose k-th largest key is `hi`, with `remaining`
+    of the keys equal to it selected: each key above hi at the slot after the n_gt such keys before `start`, each
+    key equal to it ranked after the n_eq equal ones before `start` and, while that rank is under `remaining`,
+    written at slot k - remaining + rank; -1 for a selected -inf. Slots in position order, ties to the lowest
+    positions (both kernels' compaction: the one-program kernel over the whole row from 0, 0; the split one over
+    its chunk from the earlier chunks' counts)."""
+    base_eq = k - remaining
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        in_range = offs < end
+        x = tl.load(S + row * stride_s + offs, mask=in_range, other=0.0)
+        key = _sortable(x)
+        gt = in_range & (key > hi)
+        eq = in_range & (key == hi)
+        value = tl.where(x == float("-inf"), -1, offs)
+        gt_slot = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        tl.store(OUT + row * stride_o + gt_slot, value, mask=gt)
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take = eq & (eq_rank < remaining)
+        tl.store(OUT + row * stride_o + base_eq + eq_rank, value, mask=take)
+        n_gt += tl.sum(gt.to(tl.int32), 0)
+        n_eq += tl.sum(eq.to(tl.int32), 0)
+
+
 @triton.jit(do_not_specialize=["row_width", "k"])
 def _radix_topk_kernel(S, OUT, LAST, row_width, k, stride_s, stride_o, BLOCK: tl.constexpr, HAS_LAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -72,43 +133,12 @@ def _radix_topk_kernel(S, OUT, LAST, row_width, k, stride_s, stride_o, BLOCK: tl
     hi = 0  # the threshold key's bytes picked so far: (threshold >> shift), arithmetic
     remaining = k  # how many of the keys sharing `hi` still belong to the top k
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for n0 in range(0, width, BLOCK):
-            offs = n0 + tl.arange(0, BLOCK)
-            in_row = offs < width
-            key = _sortable(tl.load(S + row * stride_s + offs, mask=in_row, other=0.0))
-            if p == 0:
-                digit = (key >> 24) + 128  # the signed top byte, 0..255 in order
-                match = in_row
-            else:
-                digit = (key >> shift) & 0xFF
-                match = in_row & ((key >> (shift + 8)) == hi)
-            hist += tl.histogram(digit, 256, mask=match)
+        hist, _ = _digit_histogram(S, row, 0, width, hi, stride_s, p, BLOCK, False)
         pick, remaining = _pick_digit(hist, remaining, bins)
-        if p == 0:
-            hi = pick - 128
-        else:
-            hi = hi * 256 + pick
+        hi = _extend_prefix(hi, pick, p)
     # hi is the k-th largest key: every key above it, and the first `remaining` keys equal to it
-    base_eq = k - remaining
-    n_eq = 0
-    n_gt = 0
-    for n0 in range(0, width, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        in_row = offs < width
-        x = tl.load(S + row * stride_s + offs, mask=in_row, other=0.0)
-        key = _sortable(x)
-        gt = in_row & (key > hi)
-        eq = in_row & (key == hi)
-        value = tl.where(x == float("-inf"), -1, offs)
-        gt_slot = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-        tl.store(OUT + row * stride_o + gt_slot, value, mask=gt)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take = eq & (eq_rank < remaining)
-        tl.store(OUT + row * stride_o + base_eq + eq_rank, value, mask=take)
-        n_gt += tl.sum(gt.to(tl.int32), 0)
-        n_eq += tl.sum(eq.to(tl.int32), 0)
+    none_before = tl.full([], 0, tl.int32)  # a tensor: the helper's loop carries it
+    _write_selected(S, OUT, row, 0, width, hi, remaining, none_before, none_before, k, stride_s, stride_o, BLOCK)
 
 
 @triton.jit
@@ -127,10 +157,7 @@ def _threshold_so_far(HIST, row, k, PASSES: tl.constexpr):
     remaining = k
     for p in tl.static_range(PASSES):
         pick, remaining = _pick_digit(tl.load(HIST + (row * 4 + p) * 256 + bins), remaining, bins)
-        if p == 0:
-            hi = pick - 128
-        else:
-            hi = hi * 256 + pick
+        hi = _extend_prefix(hi, pick, p)
     return hi, remaining
 
 
@@ -146,23 +173,8 @@ def _radix_pass_kernel(S, LAST, HIST, SUF, ABOVE, row_width, k, stride_s, PASS: 
         return
     start, end = _chunk(n, BLOCK)
     hi, remaining = _threshold_so_far(HIST, row, k, PASS)
-    shift: tl.constexpr = 24 - 8 * PASS
     bins = tl.arange(0, 256)
-    hist = tl.zeros([256], tl.int32)
-    above = 0
-    for n0 in range(start, end, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        in_chunk = offs < end
-        key = _sortable(tl.load(S + row * stride_s + offs, mask=in_chunk, other=0.0))
-        if PASS == 0:
-            digit = (key >> 24) + 128  # the signed top byte, 0..255 in order
-            match = in_chunk
-        else:
-            digit = (key >> shift) & 0xFF
-            match = in_chunk & ((key >> (shift + 8)) == hi)
-            if PASS == 3:
-                above += tl.sum((in_chunk & ((key >> 8) > hi)).to(tl.int32), 0)
-        hist += tl.histogram(digit, 256, mask=match)
+    hist, above = _digit_histogram(S, row, start, end, hi, stride_s, PASS, BLOCK, PASS == 3)
     tl.atomic_add(HIST + (row * 4 + PASS) * 256 + bins, hist, mask=hist > 0, sem="relaxed")
     if PASS == 3:  # every program stores, an empty chunk zeros
         prog = row * tl.num_programs(1) + tl.program_id(1)
@@ -193,23 +205,8 @@ def _radix_compact_kernel(S, OUT, LAST, HIST, SUF, ABOVE, row_width, k, stride_s
     suf_gt = tl.load(SUF + prog * 256 + last_digit + 1, mask=before & (last_digit < 255), other=0)
     n_gt = tl.sum(tl.load(ABOVE + prog, mask=before, other=0) + suf_gt, 0)  # keys above, in earlier chunks
     n_eq = tl.sum(suf_eq - suf_gt, 0)  # keys equal to the threshold, in earlier chunks
-    base_eq = k - remaining
     start, end = _chunk(n, BLOCK)
-    for n0 in range(start, end, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        in_chunk = offs < end
-        x = tl.load(S + row * stride_s + offs, mask=in_chunk, other=0.0)
-        key = _sortable(x)
-        gt = in_chunk & (key > hi)
-        eq = in_chunk & (key == hi)
-        value = tl.where(x == float("-inf"), -1, offs)
-        gt_slot = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-        tl.store(OUT + row * stride_o + gt_slot, value, mask=gt)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take = eq & (eq_rank < remaining)
-        tl.store(OUT + row * stride_o + base_eq + eq_rank, value, mask=take)
-        n_gt += tl.sum(gt.to(tl.int32), 0)
-        n_eq += tl.sum(eq.to(tl.int32), 0)
+    _write_selected(S, OUT, row, start, end, hi, remaining, n_gt, n_eq, k, stride_s, stride_o, BLOCK)
 
 
 ONE_PROGRAM_BLOCK = 1024
