@@ -22,7 +22,9 @@ programs-per-row count (and three BLOCKs), per batch and context, the best of ea
 sparse_num_splits and radix_plan to, if the table's choices are not the best. Also the indexer scores by grid
 (one tile a program, the eager default, or the CUDA-graph path's few programs striding over the row, each
 loading and converting its query once) and, with FP8 keys, by dot (float16 after one packed convert, the
-default, or the float8 tiles straight into the FP8 MMA: _fp8_dot).
+default, or the float8 tiles straight into the FP8 MMA: _fp8_dot). And the scores + radix top-k (select_topk, eager
+and the CUDA-graph path) with the select's first histogram pass made by the scores kernel (first_pass_in_scores:
+one read of the row and, split, one launch less) or not.
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
 tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
@@ -108,6 +110,11 @@ def check_errors(key_dtype: str) -> None:
     split = radix_topk(scores_wide, TOPK, programs_per_row=16)
     print(f"{key_dtype} keys: radix top-k split over 16 programs a row vs one program: "
           f"{'identical' if torch.equal(one, split) else 'MISMATCH'}")
+    for width, kw in ((3000, {"topk_impl": "radix"}), (GRAPH_WIDTH, {"static_width": True})):
+        sel = [select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], width, TOPK, first_pass_in_scores=f,
+                           **kw) for f in (False, True)]
+        print(f"{key_dtype} keys: first radix pass in the scores kernel vs not, {kw}: "
+              f"{'identical' if torch.equal(*sel) else 'MISMATCH'}")
     scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
@@ -233,6 +240,14 @@ def sweep(iters: int) -> None:
             show(f"radix BLOCK {block}", {
                 p: timed(lambda p=p: radix_topk(s, TOPK, block=block, programs_per_row=p), iters)
                 for p in (1, 2, 4, 8, 16, 32, 64, 128, 256) if p == 1 or p * block <= ctx})
+        show("select_topk (scores + radix top-k), first pass in the scores kernel or not", {
+            f"{name}{' first-in-scores' if first else ''}": timed(
+                lambda width=width, kw=kw, first=first: select_topk(
+                    c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], width, TOPK,
+                    first_pass_in_scores=first, **kw), iters)
+            for name, width, kw in (("eager", ctx, {"topk_impl": "radix"}),
+                                    ("graph", GRAPH_WIDTH, {"static_width": True}))
+            for first in (False, True)})
         del c, s, idx
         torch.cuda.empty_cache()
 

@@ -84,15 +84,21 @@ def _scores_case(seed, heads=16, dim=32, page=16):
 
 @pytest.mark.parametrize("visible_only", [False, True])  # True: two programs a token, each striding over tiles
 def test_indexer_scores_match_reference(visible_only, monkeypatch):
+    """Also the radix select's first pass that the kernel adds into hist: each row's top-byte histogram over
+    the scores the select reads (the whole row, or with visible_only up to the token's position)."""
     from kestrel.attention.ops import triton_sparse_mla
     from kestrel.attention.ops.triton_sparse_mla import indexer_scores
+    from kestrel.attention.ops.triton_topk import radix_histogram
+    from tests.attention.test_triton_topk import first_pass_histogram_ref
 
     cache, bt, qsl, req, pos, q, w = _scores_case(1)
     width = max(SEQ)
     monkeypatch.setattr(triton_sparse_mla, "STRIDED_PROGRAMS", 2 * qsl[-1])
     out = torch.full((qsl[-1], width), float("-inf"), device=DEVICE)  # visible_only leaves the tails as they are
+    hist = radix_histogram(qsl[-1], DEVICE)
     got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width, out=out,
-                         block_n=16, visible_only=visible_only).cpu()
+                         block_n=16, visible_only=visible_only, hist=hist).cpu()
+    assert torch.equal(hist.cpu(), first_pass_histogram_ref(got, pos.int() if visible_only else None))
     for t in range(qsl[-1]):
         b = req[t].item()
         keys = cache[bt[b, :-(-SEQ[b] // 16)].long()].flatten(0, 1)[:pos[t] + 1].to(DTYPE)

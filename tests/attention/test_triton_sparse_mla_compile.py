@@ -26,7 +26,7 @@ def test_indexer_scores_compiles(heads, visible_only):
     ptrs = {"Q": "*bf16", "W": "*fp32", "K": "*bf16", "KS": "*bf16", "BT": "*i32", "REQ": "*i32", "QPOS": "*i32",
             "S": "*fp32"}
     compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=False,
-                                        FP8_DOT=False, VISIBLE_ONLY=visible_only))
+                                        FP8_DOT=False, VISIBLE_ONLY=visible_only, FIRST_HIST=False))
 
 
 def _spill_bytes(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int) -> int:
@@ -94,15 +94,31 @@ def test_indexer_scores_fp8_keys_compiles(heads, fp8_dot):
             "QPOS": "*i32", "S": "*fp32"}
     for visible_only in (False, True):
         compile_ok(fn, _sig(fn, ptrs), dict(D=128, H_PAD=heads, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=True,
-                                            FP8_DOT=fp8_dot, VISIBLE_ONLY=visible_only))
+                                            FP8_DOT=fp8_dot, VISIBLE_ONLY=visible_only, FIRST_HIST=False))
 
 
+@pytest.mark.parametrize("key_fp8", [False, True])
+@pytest.mark.parametrize("visible_only", [False, True])
+def test_indexer_scores_with_first_radix_pass_compiles_without_spills(visible_only, key_fp8):
+    """The scores kernel that also makes the radix select's first histogram pass (select_topk's
+    first_pass_in_scores): 64 heads, as indexer_scores launches it (4 warps, 3 stages), nothing spilled."""
+    fn = ops._indexer_scores_kernel
+    dt = "*fp8e4nv" if key_fp8 else "*bf16"
+    ptrs = {"Q": dt, "W": "*fp32", "K": dt, "KS": "*fp32" if key_fp8 else dt, "BT": "*i32", "REQ": "*i32",
+            "QPOS": "*i32", "S": "*fp32", "HIST": "*i32"}
+    constexprs = dict(D=128, H_PAD=64, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=key_fp8, FP8_DOT=False,
+                      VISIBLE_ONLY=visible_only, FIRST_HIST=True)
+    assert _spill_bytes(fn, _sig(fn, ptrs), constexprs, 4, 3) == 0
+
+
+@pytest.mark.parametrize("first_done", [False, True])  # True: the first pass's histogram made by the scores kernel
 @pytest.mark.parametrize("has_last", [False, True])  # True: per-row lengths on the device (CUDA graphs)
-def test_radix_topk_compiles(has_last):
+def test_radix_topk_compiles(has_last, first_done):
     from kestrel.attention.ops import triton_topk
 
     fn = triton_topk._radix_topk_kernel
-    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32", "LAST": "*i32"}), dict(BLOCK=1024, HAS_LAST=has_last))
+    compile_ok(fn, _sig(fn, {"S": "*fp32", "OUT": "*i32", "LAST": "*i32", "HIST": "*i32"}),
+               dict(BLOCK=1024, HAS_LAST=has_last, FIRST_DONE=first_done))
 
 
 @pytest.mark.parametrize("has_last", [False, True])

@@ -1,8 +1,9 @@
 """The radix-select top-k (kestrel/attention/ops/triton_topk.py) against torch.topk: rows of random scores, with
 negative values, a -inf tail (positions a query does not see), ties at the k-th value and k equal to the row; the
 split kernels (P programs a row) give exactly the one-program kernel's output, ties to the lowest positions, also
-with per-row lengths (`last`) and widths that are no multiple of the block; then DSA's select_topk with
-topk_impl="radix" against the reference selection. On CUDA, or on the CPU under the
+with per-row lengths (`last`) and widths that are no multiple of the block, and both given the first pass's
+histogram (hist); then DSA's select_topk with topk_impl="radix" against the reference selection, and with the
+first pass made by the scores kernel (first_pass_in_scores) against without. On CUDA, or on the CPU under the
 Triton interpreter (TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kestrel.platform import triton_gates as gates  # noqa: E402
 _ok, _why = gates.triton_runnable()
 pytestmark = pytest.mark.skipif(not _ok, reason=_why)
 
-from kestrel.attention.ops.triton_topk import radix_plan, radix_topk  # noqa: E402
+from kestrel.attention.ops.triton_topk import radix_histogram, radix_plan, radix_topk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -111,6 +112,43 @@ def test_split_radix_topk_reads_each_rows_own_length(programs):
             assert_lowest_ties(scores[r:r + 1, :n], got[r:r + 1], k)
 
 
+def first_pass_histogram_ref(scores: torch.Tensor, last: torch.Tensor | None = None) -> torch.Tensor:
+    """radix_histogram's buffer with [:, 0] the histogram of each row's keys' signed top byte over its candidates
+    (the whole row, or positions 0..last[r]), as a scores kernel fills it."""
+    bits = scores.contiguous().view(torch.int32)
+    digit = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> 24) + 128
+    hist = torch.zeros(scores.shape[0], 4, 256, dtype=torch.int32)
+    for r in range(scores.shape[0]):
+        n = scores.shape[1] if last is None else min(scores.shape[1], max(int(last[r]), -1) + 1)
+        hist[r, 0] = torch.bincount(digit[r, :n].long(), minlength=256)
+    return hist
+
+
+@pytest.mark.parametrize("programs", [1, 5])
+def test_radix_topk_given_the_first_pass_writes_the_same(programs):
+    """hist (the first pass's histogram made elsewhere, as the scores kernel does): the passes start at the
+    second, and the output is the very one of the select that makes all four, with and without `last` (garbage
+    past it: NaN)."""
+    width, k = 1000, 37
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(4, width, generator=gen)
+    scores[1] = torch.randint(0, 3, (width,), generator=gen).float() - 1  # ties at the k-th
+    scores[2, width // 3:] = float("-inf")
+    last = torch.tensor([width - 1, 500, k - 1, 300], dtype=torch.int32)
+    for lengths in (None, last):
+        rows = scores.clone()
+        if lengths is not None:
+            for r in range(4):
+                rows[r, lengths[r] + 1:] = float("nan")
+        lengths_dev = None if lengths is None else lengths.to(DEVICE)
+        want = radix_topk(rows.to(DEVICE), k, last=lengths_dev, programs_per_row=1, block=64).cpu()
+        hist = first_pass_histogram_ref(rows, lengths).to(DEVICE)
+        got = radix_topk(rows.to(DEVICE), k, last=lengths_dev, programs_per_row=programs, block=64, hist=hist).cpu()
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="hist must be"):
+        radix_topk(scores.to(DEVICE), k, hist=radix_histogram(3, DEVICE))
+
+
 def test_radix_plan():
     """One program a row for many rows or short rows; else about 4 programs an SM, chunks of whole blocks."""
     assert radix_plan(1, 8192) == (32, 256)
@@ -158,3 +196,19 @@ def test_select_topk_radix_matches_reference(topk, budget):
     want = select_topk_ref(q.to(DTYPE), w, cache.to(DTYPE), bt, qsl, SEQ, topk)
     assert got.shape == (qsl[-1], topk)
     assert_same_selection(got, want, pos, topk)
+
+
+@pytest.mark.parametrize("static_width", [False, True])  # True: the CUDA-graph path (visible scores, `last`)
+def test_select_topk_first_pass_in_scores_selects_the_same(static_width):
+    """The scores kernel making the radix select's first pass (first_pass_in_scores): the very same selection,
+    in row chunks (a 1-byte budget: one row a chunk) and whole."""
+    from kestrel.attention.ops.triton_sparse_mla import select_topk
+    from tests.attention.test_triton_sparse_mla import DTYPE, SEQ, _dev, _scores_case
+
+    cache, bt, qsl, req, pos, q, w = _scores_case(4)
+    args = _dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int())
+    width = 2 * max(SEQ) if static_width else max(SEQ)
+    for budget in (1, 1 << 20):
+        base, first = (select_topk(*args, width, 16, budget_bytes=budget, topk_impl="radix", static_width=static_width,
+                                   first_pass_in_scores=f).cpu() for f in (False, True))
+        assert torch.equal(first, base)

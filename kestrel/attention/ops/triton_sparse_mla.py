@@ -31,7 +31,7 @@ from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sm
                                                     choose_num_splits, split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
                                               _store_latent_out, default_decode_config)
-from kestrel.attention.ops.triton_topk import radix_topk
+from kestrel.attention.ops.triton_topk import _top_byte_histogram, radix_histogram, radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
@@ -68,12 +68,12 @@ def write_index_keys(index_k, cache, slot_mapping: torch.Tensor) -> None:
 
 
 @triton.jit(do_not_specialize=["width", "num_heads"])
-def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
+def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, HIST, width, num_heads,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
                            stride_btb, stride_st,
                            D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                            UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
-                           VISIBLE_ONLY: tl.constexpr):
+                           VISIBLE_ONLY: tl.constexpr, FIRST_HIST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     q_pos = tl.load(QPOS + t)
     # the whole row (-inf past q_pos), or only its visible part, each program striding over the tiles
@@ -90,6 +90,8 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
     w = tl.load(W + t * stride_wt + heads, mask=mask_h & needed, other=0.0).to(tl.float32)
     if KEY_FP8 and not FP8_DOT:
         q = q.to(tl.float16)  # exact (every e4m3 value is a float16 value), one cvt per 2 (bf16: 3 per 2)
+    if FIRST_HIST:  # the radix select's first pass over the scores this program writes
+        hist = tl.zeros([256], tl.int32)
     for n0 in range(tl.program_id(1) * BLOCK_N, end, tl.num_programs(1) * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         visible = offs_n <= q_pos
@@ -110,10 +112,19 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
                                               other=0.0)
             score = tl.where(visible, weighted, float("-inf"))
         tl.store(S + t * stride_st + offs_n, score, mask=in_row)
+        if FIRST_HIST:  # the candidates the select reads: the row, or (its last = q_pos) the visible part
+            if VISIBLE_ONLY:
+                hist += _top_byte_histogram(score, in_row & visible)
+            else:
+                hist += _top_byte_histogram(score, in_row)
+    if FIRST_HIST:
+        bins = tl.arange(0, 256)
+        tl.atomic_add(HIST + t * 4 * 256 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
-                   block_n: int = 64, visible_only: bool = False, _fp8_dot: bool = False) -> torch.Tensor:
+                   block_n: int = 64, visible_only: bool = False, _fp8_dot: bool = False,
+                   hist: torch.Tensor | None = None) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
     -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
@@ -123,7 +134,9 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
     longest context and whose reader (radix_topk with last=q_pos) reads no further.
     _fp8_dot (FP8 keys; for benchmarks/dsa_decode.py until an H200 timing decides): the float8 tiles straight into
     the FP8 MMA (no conversion at all; Hopper's FP8 MMA accumulates with less precision than float32, as
-    DeepSeek's own FP8 indexer does) instead of into float16 first (exact products, float32 sums)."""
+    DeepSeek's own FP8 indexer does) instead of into float16 first (exact products, float32 sums).
+    hist: a triton_topk.radix_histogram(T): each row's first radix pass over the scores the top-k will read (the
+    whole row, or with visible_only 0..q_pos) is added into hist[:, 0], for radix_topk(hist=hist)."""
     cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
@@ -134,28 +147,33 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
         out = torch.empty(t, width, dtype=torch.float32, device=index_q.device)
     if t == 0 or width == 0:
         return out
+    if hist is not None and (hist.dtype != torch.int32 or hist.shape != (t, 4, 256) or not hist.is_contiguous()):
+        raise ValueError(f"hist must be a contiguous int32 [{t}, 4, 256] (radix_histogram)")
     fp8 = scales is not None
     ks = scales if fp8 else cache  # unread without FP8
     tiles = triton.cdiv(width, block_n)
     programs = min(tiles, max(1, STRIDED_PROGRAMS // t)) if visible_only else tiles
     _indexer_scores_kernel[(t, programs)](
-        index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, width, h,
+        index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, out if hist is None else hist, width, h,
         index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
         ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
         D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
-        UPCAST=_upcast(index_q.dtype), KEY_FP8=fp8, FP8_DOT=fp8 and _fp8_dot, VISIBLE_ONLY=visible_only)
+        UPCAST=_upcast(index_q.dtype), KEY_FP8=fp8, FP8_DOT=fp8 and _fp8_dot, VISIBLE_ONLY=visible_only,
+        FIRST_HIST=hist is not None)
     return out
 
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
                 budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch",
-                static_width: bool = False) -> torch.Tensor:
+                static_width: bool = False, first_pass_in_scores: bool = False) -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
     exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
     topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort).
     static_width (CUDA graphs): `width` is the graph's longest context, not the step's, and nothing is read on the
     host: the radix select reads each row's length from q_pos on the device, and only visible scores are
-    computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width."""
+    computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width.
+    first_pass_in_scores (with the radix select; off until GPU timings decide): the scores kernel also makes the
+    select's first histogram pass (indexer_scores' hist), so the select skips it; the same selection."""
     if topk_impl not in ("torch", "radix"):
         raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
@@ -164,14 +182,16 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
     if t == 0 or k == 0:
         return out
     rows = max(1, budget_bytes // (4 * width))
+    radix = static_width or topk_impl == "radix"
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
+        hist = radix_histogram(r1 - r0, index_q.device) if radix and first_pass_in_scores else None
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
-                                q_pos[r0:r1], width, visible_only=static_width)
+                                q_pos[r0:r1], width, visible_only=static_width, hist=hist)
         if static_width:
-            radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1])
-        elif topk_impl == "radix":
-            radix_topk(scores, k, out[r0:r1])
+            radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1], hist=hist)
+        elif radix:
+            radix_topk(scores, k, out[r0:r1], hist=hist)
         else:
             best = scores.topk(k, dim=-1)
             out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)

@@ -22,7 +22,10 @@ Two kernels do this, chosen per shape by radix_plan:
   where its keys above and equal to the threshold go: the output is exactly the one-program kernel's (same
   slots, ties to the lowest positions), deterministic, with no atomic counter. Six launches (a histogram memset,
   four passes, the compaction), each over rows x P programs: no host sync and a grid from the shapes only, so
-  a CUDA graph captures it."""
+  a CUDA graph captures it.
+Either can start at the second pass (radix_topk's hist): the scores kernel, which visits every score anyway, adds
+each row's first-pass histogram into a radix_histogram buffer as it writes the row (indexer_scores' hist;
+select_topk's first_pass_in_scores), so the select reads the row four times, and the split one is five launches."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +40,13 @@ def _sortable(x):
     """float32 -> int32 whose signed order is the floats' order."""
     bits = x.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _top_byte_histogram(x, mask):
+    """The first pass's histogram of float32 scores x: their keys' signed top byte, 0..255 in order. Also what a
+    scores kernel adds into radix_histogram's [:, 0] so that radix_topk(hist=...) starts at the second pass."""
+    return tl.histogram((_sortable(x) >> 24) + 128, 256, mask=mask)
 
 
 @triton.jit
@@ -80,16 +90,15 @@ def _digit_histogram(S, row, start, end, hi, stride_s, PASS: tl.constexpr, BLOCK
     for n0 in range(start, end, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         in_range = offs < end
-        key = _sortable(tl.load(S + row * stride_s + offs, mask=in_range, other=0.0))
+        x = tl.load(S + row * stride_s + offs, mask=in_range, other=0.0)
         if PASS == 0:
-            digit = (key >> 24) + 128  # the signed top byte, 0..255 in order
-            match = in_range
+            hist += _top_byte_histogram(x, in_range)
         else:
-            digit = (key >> shift) & 0xFF
+            key = _sortable(x)
             match = in_range & ((key >> (shift + 8)) == hi)
             if COUNT_ABOVE:
                 above += tl.sum((in_range & ((key >> 8) > hi)).to(tl.int32), 0)
-        hist += tl.histogram(digit, 256, mask=match)
+            hist += tl.histogram((key >> shift) & 0xFF, 256, mask=match)
     return hist, above
 
 
@@ -120,7 +129,9 @@ def _write_selected(S, OUT, row, start, end, hi, remaining, n_gt, n_eq, k, strid
 
 
 @triton.jit(do_not_specialize=["row_width", "k"])
-def _radix_topk_kernel(S, OUT, LAST, row_width, k, stride_s, stride_o, BLOCK: tl.constexpr, HAS_LAST: tl.constexpr):
+def _radix_topk_kernel(S, OUT, LAST, HIST, row_width, k, stride_s, stride_o, BLOCK: tl.constexpr,
+                       HAS_LAST: tl.constexpr, FIRST_DONE: tl.constexpr):
+    """FIRST_DONE: the first pass's histogram is HIST[row, 0] already (radix_topk's hist), not read off the row."""
     row = tl.program_id(0).to(tl.int64)
     width = _row_length(LAST, row, row_width, HAS_LAST)
     if width <= k:  # every candidate is selected: positions 0..width-1, then -1
@@ -133,7 +144,10 @@ def _radix_topk_kernel(S, OUT, LAST, row_width, k, stride_s, stride_o, BLOCK: tl
     hi = 0  # the threshold key's bytes picked so far: (threshold >> shift), arithmetic
     remaining = k  # how many of the keys sharing `hi` still belong to the top k
     for p in tl.static_range(4):
-        hist, _ = _digit_histogram(S, row, 0, width, hi, stride_s, p, BLOCK, False)
+        if FIRST_DONE and p == 0:
+            hist = tl.load(HIST + row * 4 * 256 + bins)
+        else:
+            hist, _ = _digit_histogram(S, row, 0, width, hi, stride_s, p, BLOCK, False)
         pick, remaining = _pick_digit(hist, remaining, bins)
         hi = _extend_prefix(hi, pick, p)
     # hi is the k-th largest key: every key above it, and the first `remaining` keys equal to it
@@ -241,14 +255,24 @@ def _split_block(width: int, programs: int) -> int:
     return max(256, triton.next_power_of_2(-(-width // programs)))
 
 
+def radix_histogram(rows: int, device) -> torch.Tensor:
+    """The select's zeroed [rows, 4, 256] int32 histograms, for a scores kernel to add each row's first pass into
+    (indexer_scores' hist) before radix_topk(hist=...) reads it."""
+    return torch.zeros(rows, 4, 256, dtype=torch.int32, device=device)
+
+
 def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, block: int | None = None,
-               last: torch.Tensor | None = None, programs_per_row: int | None = None) -> torch.Tensor:
+               last: torch.Tensor | None = None, programs_per_row: int | None = None,
+               hist: torch.Tensor | None = None) -> torch.Tensor:
     """scores [R, width] float32 -> [R, k] int32 (k <= width): each row's k largest positions as a set, -1 for
     the selected -inf entries. `out` may be wider than k (only its first k columns are written). `last` [R] int32
     (on the device): row r's candidates are positions 0..last[r] only (nothing after is read; a row with at most
     k of them selects them all, then -1), so the cost follows each row's own length, not the width.
     programs_per_row: 1 (the one-program kernel), P > 1 (the split kernels), None (radix_plan); block: the
-    kernels' BLOCK (the plan's unless given). Both give the same output."""
+    kernels' BLOCK (the plan's unless given). Both give the same output.
+    hist: a radix_histogram(R) whose [:, 0] already holds each row's first-pass histogram (_top_byte_histogram
+    over exactly the candidates read here: all `width`, or 0..last[r]), the rest zero: the first pass is skipped
+    (one read of the row and, split, one launch less; the same output). It is used up (the passes add into it)."""
     r, width = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError("radix_topk needs contiguous float32 rows")
@@ -260,6 +284,8 @@ def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, bl
         raise ValueError("radix_topk writes int32 rows of at least k entries")
     if last is not None and (last.dtype != torch.int32 or last.shape != (r,)):
         raise ValueError(f"last must be int32 [{r}]")
+    if hist is not None and (hist.dtype != torch.int32 or hist.shape != (r, 4, 256) or not hist.is_contiguous()):
+        raise ValueError(f"hist must be a contiguous int32 [{r}, 4, 256] (radix_histogram)")
     if programs_per_row is not None and not 0 < programs_per_row <= MAX_PROGRAMS_PER_ROW:
         raise ValueError(f"programs_per_row {programs_per_row} must be in 1..{MAX_PROGRAMS_PER_ROW}")
     if not r:
@@ -271,15 +297,17 @@ def radix_topk(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, bl
         planned_block = ONE_PROGRAM_BLOCK if programs == 1 else _split_block(width, programs)
     block = planned_block if block is None else block
     lengths = out if last is None else last  # unread without last
+    first_done = hist is not None
     if programs == 1:
-        _radix_topk_kernel[(r,)](scores, out, lengths, width, k, scores.stride(0), out.stride(0), BLOCK=block,
-                                 HAS_LAST=last is not None)
+        _radix_topk_kernel[(r,)](scores, out, lengths, hist if first_done else out, width, k, scores.stride(0),
+                                 out.stride(0), BLOCK=block, HAS_LAST=last is not None, FIRST_DONE=first_done)
         return out
-    hist = torch.zeros(r, 4, 256, dtype=torch.int32, device=scores.device)
+    if not first_done:
+        hist = radix_histogram(r, scores.device)
     suffix = torch.empty(r, programs, 256, dtype=torch.int32, device=scores.device)
     above = torch.empty(r, programs, dtype=torch.int32, device=scores.device)
     grid = (r, programs)
-    for p in range(4):
+    for p in range(1 if first_done else 0, 4):
         _radix_pass_kernel[grid](scores, lengths, hist, suffix, above, width, k, scores.stride(0), PASS=p,
                                  BLOCK=block, HAS_LAST=last is not None)
     _radix_compact_kernel[grid](scores, out, lengths, hist, suffix, above, width, k, scores.stride(0),
