@@ -5,13 +5,26 @@ decode over the whole context, at batch 1 and 64 and contexts 8k and 32k. Bytes 
 indexer key 256 (bf16) or 132 (--indexer-key-dtype fp8: Hadamard-rotated float8 e4m3 + a float32 scale, fp8
 queries with their scales in the head weights; the rotation and quantization of the step's own query and key
 are not in the timing, as the bf16 column has no key write either). Both key formats are timed in one run.
-Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py; the DSA
-total uses torch.topk, select_topk's default) and the sparse attention; the DSA total; its speedup and byte
-ceiling over dense ("w/ radix": the speedup with the radix top-k in the total; "graph": the speedup of the
-CUDA-graph decode path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix
-top-k reading each row's length on the device).
+Columns: the dense decode; the scores, torch.topk on them, the radix-select top-k (triton_topk.py) as one program a
+row ("radix 1p", the kernel before the split one) and as radix_plan chooses ("radix", with its plan "P": programs
+a row x BLOCK, "1p" where it keeps one program), the sparse attention with the first-guess tile and split rule
+("sp old": 64-token tiles, on 4 warps above 16 tokens, which spill; splits of at least 256 selected tokens) and
+with today's (default_sparse_config, sparse_num_splits; "splits": old/new counts); the DSA
+total (torch.topk, select_topk's default, and today's sparse attention); its speedup and byte ceiling over dense
+("w/ radix": the speedup with the planned radix top-k in the total; "graph": the speedup of the CUDA-graph decode
+path, select_topk(static_width=True) at a 128k-wide score row: visible scores only and the radix top-k reading
+each row's length on the device). Every case also checks that the planned radix top-k writes the one-program
+kernel's very output (a line starting "MISMATCH" where not).
 
-    python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both]
+    python -m benchmarks.dsa_decode [--iters 50] [--e2e] [--indexer-key-dtype bf16|fp8|both] [--sweep]
+--sweep: after the table, the sparse attention at every split count (three tiles) and the radix top-k at every
+programs-per-row count (and three BLOCKs), per batch and context, the best of each marked with *: what to set
+sparse_num_splits and radix_plan to, if the table's choices are not the best. Also the indexer scores by grid
+(one tile a program, the eager default, or the CUDA-graph path's few programs striding over the row, each
+loading and converting its query once) and, with FP8 keys, by dot (float16 after one packed convert, the
+default, or the float8 tiles straight into the FP8 MMA: _fp8_dot). And the scores + radix top-k (select_topk, eager
+and the CUDA-graph path) with the select's first histogram pass made by the scores kernel (first_pass_in_scores:
+one read of the row and, split, one launch less) or not.
 --e2e: also the whole engine on the random-weight shapes deepseek-v2-lite-dsa and its dense twin
 deepseek-v2-lite-dsa-dense (benchmarks/common.py), 8 requests of 32k-token prompts: the decode steps' output
 tokens per second of each, with the decode-graph replays counted (the 256-request short-context workload:
@@ -27,17 +40,21 @@ from benchmarks.mla_decode import time_us
 from kestrel.attention.backends.torch_sparse_mla import request_of_tokens, select_topk_ref, sparse_mla_attention_ref
 from kestrel.attention.indexer_keys import dequantize_index_keys, quantize_index_keys, quantize_index_queries
 from kestrel.attention.ops.triton_mla import mla_decode_attention
-from kestrel.attention.ops.triton_sparse_mla import indexer_scores, select_topk, sparse_mla_attention
-from kestrel.attention.ops.triton_topk import radix_topk
+from kestrel.attention.ops.triton_attention import _sms_for
+from kestrel.attention.ops.triton_sparse_mla import (indexer_scores, select_topk, sparse_mla_attention,
+                                                     sparse_num_splits)
+from kestrel.attention.ops.triton_topk import radix_plan, radix_topk
 
 HEADS, L, R, PAGE = 16, 512, 64, 16
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 SCALE = 192 ** -0.5
 GRAPH_WIDTH = 131072  # a decode graph's score rows are max_model_len wide
+SHAPES = [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]  # (batch, context)
+DEVICE = "cuda"
 
 
 def case(batch: int, ctx: int):
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = DEVICE, torch.bfloat16
     nblk = -(-ctx // PAGE)
     bt = torch.randperm(batch * nblk, device=dev).view(batch, nblk).int()
     return dict(
@@ -88,6 +105,16 @@ def check_errors(key_dtype: str) -> None:
     graph = select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], GRAPH_WIDTH, TOPK, static_width=True)
     same = sum(len(set(g.tolist()) & set(r.tolist())) for g, r in zip(got.cpu(), graph.cpu())) / got.numel()
     print(f"{key_dtype} keys: the CUDA-graph path's selection vs the eager one: {same:.4f} in common")
+    scores_wide = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
+    one = radix_topk(scores_wide, TOPK, programs_per_row=1)
+    split = radix_topk(scores_wide, TOPK, programs_per_row=16)
+    print(f"{key_dtype} keys: radix top-k split over 16 programs a row vs one program: "
+          f"{'identical' if torch.equal(one, split) else 'MISMATCH'}")
+    for width, kw in ((3000, {"topk_impl": "radix"}), (GRAPH_WIDTH, {"static_width": True})):
+        sel = [select_topk(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], width, TOPK, first_pass_in_scores=f,
+                           **kw) for f in (False, True)]
+        print(f"{key_dtype} keys: first radix pass in the scores kernel vs not, {kw}: "
+              f"{'identical' if torch.equal(*sel) else 'MISMATCH'}")
     scores = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000)
     ref_rows = []
     for b in range(8):
@@ -104,6 +131,11 @@ def check_errors(key_dtype: str) -> None:
                                 TOPK)
         vs_bf16 = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got.cpu(), exact.cpu())) / exact.numel()
         print(f"fp8 keys: top-{TOPK} recall against the unquantized keys {vs_bf16:.4f}")
+        mma = indexer_scores(iq, iw, keys_cache, c["bt"], c["req"], c["pos"], 3000, _fp8_dot=True)
+        mma_sel, f16_sel = (torch.stack([torch.topk(r, TOPK).indices for r in x]) for x in (mma, scores))
+        common = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(mma_sel.cpu(), f16_sel.cpu()))
+        print(f"fp8 keys: scores by the FP8 MMA (_fp8_dot) rel err {((mma - ref).norm() / ref.norm()).item():.2e}; "
+              f"top-{TOPK} in common with the float16 dot's {common / f16_sel.numel():.4f}")
     out = sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], got, SCALE)
     ref_out = sparse_mla_attention_ref(c["q_lat"].float(), c["q_pe"].float(), c["latent"].float(), c["bt"],
                                        request_of_tokens(list(range(9)), c["bt"].device), got.long(), SCALE)
@@ -115,20 +147,38 @@ def check_errors(key_dtype: str) -> None:
 KEY_BYTES = {"bf16": 2 * INDEX_DIM, "fp8": INDEX_DIM + 4}  # a token's indexer key in the page
 
 
+def old_sparse(batch: int) -> dict:
+    """The sparse attention's first guess: 64-token tiles (on 4 warps above 16 tokens: they spill), splits of at
+    least 256 selected tokens."""
+    return {"BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if batch <= 16 else 4, "num_stages": 2}
+
+
 def kernels(iters: int, key_dtypes: list[str]) -> None:
-    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix':>8} "
-          f"{'sparse':>8} {'DSA us':>9} {'speedup':>8} {'w/ radix':>9} {'graph':>8} {'byte ceiling':>12}")
-    for batch, ctx in [(1, 8192), (64, 8192), (1, 32768), (64, 32768)]:
+    print(f"{'keys':>5} {'batch':>5} {'ctx':>6} {'dense us':>9} {'scores':>8} {'top-k':>8} {'radix 1p':>9} "
+          f"{'radix':>8} {'P':>8} {'sp old':>8} {'sparse':>8} {'splits':>7} {'DSA us':>9} {'speedup':>8} "
+          f"{'w/ radix':>9} {'graph':>8} {'byte ceiling':>12}")
+    for batch, ctx in SHAPES:
         c = case(batch, ctx)
+        sms = _sms_for(c["q_lat"])
         dense = timed(lambda: mla_decode_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["sl"], SCALE,
                                                    max_seq_len=ctx), iters)
+        programs, block = radix_plan(batch, ctx, sms)
+        plan = "1p" if programs == 1 else f"{programs}x{block}"
+        old_splits, new_splits = (sparse_num_splits(batch, HEADS, TOPK, sms, cfg)
+                                  for cfg in (old_sparse(batch), None))
+        splits = f"{old_splits}/{new_splits}"
         for key_dtype in key_dtypes:
             iq, iw, keys = index_inputs(c, key_dtype)
             scores = timed(lambda: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx), iters)
             s = indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx)
             topk = timed(lambda: s.topk(TOPK, dim=-1), iters)
+            radix_one = timed(lambda: radix_topk(s, TOPK, programs_per_row=1), iters)
             radix = timed(lambda: radix_topk(s, TOPK), iters)
+            if not torch.equal(radix_topk(s, TOPK), radix_topk(s, TOPK, programs_per_row=1)):
+                print(f"MISMATCH: radix top-k planned {plan} differs from one program a row ({batch} x {ctx})")
             idx = select_topk(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, TOPK)
+            sparse_old = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"],
+                                                            idx, SCALE, _config=old_sparse(batch)), iters)
             sparse = timed(lambda: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
                                                         SCALE), iters)
             whole = timed(lambda: sparse_mla_attention(
@@ -143,11 +193,62 @@ def kernels(iters: int, key_dtypes: list[str]) -> None:
                 SCALE), iters)
             latent_bytes = 2 * (L + R)
             ceiling = ctx * latent_bytes / (ctx * KEY_BYTES[key_dtype] + TOPK * latent_bytes)
-            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix:>8.1f} "
-                  f"{sparse:>8.1f} {whole:>9.1f} {dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x "
-                  f"{dense / whole_graph:>7.2f}x {ceiling:>11.2f}x")
+            print(f"{key_dtype:>5} {batch:>5} {ctx:>6} {dense:>9.1f} {scores:>8.1f} {topk:>8.1f} {radix_one:>9.1f} "
+                  f"{radix:>8.1f} {plan:>8} {sparse_old:>8.1f} {sparse:>8.1f} {splits:>7} {whole:>9.1f} "
+                  f"{dense / whole:>7.2f}x {dense / whole_radix:>8.2f}x {dense / whole_graph:>7.2f}x "
+                  f"{ceiling:>11.2f}x")
             del iq, iw, keys, s, idx
         del c
+        torch.cuda.empty_cache()
+
+
+def sweep(iters: int) -> None:
+    """The sparse attention at every split count (three tiles), the indexer scores by grid and dot, and the
+    radix top-k at every programs-per-row count (BLOCK 256, 512, 1024), on the bf16 keys' scores and selection; the
+    best of each line marked *."""
+    def show(label: str, times: dict) -> None:
+        best = min(times, key=times.get)
+        print(f"  {label}: " + "  ".join(f"{k}{'*' if k == best else ''} {v:.1f}" for k, v in times.items()))
+
+    for batch, ctx in SHAPES:
+        c = case(batch, ctx)
+        sms = _sms_for(c["q_lat"])
+        idx = select_topk(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx, TOPK)
+        print(f"batch {batch} x {ctx}: sparse attention us by splits (chosen "
+              f"{sparse_num_splits(batch, HEADS, TOPK, sms)}), radix top-k us by programs a row (plan "
+              f"{radix_plan(batch, ctx, sms)})")
+        for block_n, warps, stages in ((64, 8, 2), (32, 4, 3), (32, 8, 2)):  # tiles that do not spill
+            cfg = {"BLOCK_N": block_n, "MIN_SPLIT": block_n, "num_warps": warps, "num_stages": stages}
+            show(f"sparse BLOCK_N {block_n}, {warps} warps, {stages} stages", {
+                n: timed(lambda n=n: sparse_mla_attention(c["q_lat"], c["q_pe"], c["latent"], c["bt"], c["req"], idx,
+                                                          SCALE, num_splits=n, _config=cfg), iters)
+                for n in (1, 2, 4, 8, 16, 32, 64) if n * block_n <= TOPK})
+        for key_dtype in ("bf16", "fp8"):
+            iq, iw, keys = index_inputs(c, key_dtype)
+            out = torch.empty(batch, ctx, device=DEVICE)
+            variants = {"eager": {}, "strided": {"visible_only": True}}
+            if key_dtype == "fp8":
+                variants |= {"eager fp8-mma": {"_fp8_dot": True}, "strided fp8-mma": {"visible_only": True,
+                                                                                       "_fp8_dot": True}}
+            show(f"scores {key_dtype} keys", {
+                name: timed(lambda kw=kw: indexer_scores(iq, iw, keys, c["bt"], c["req"], c["pos"], ctx, out=out,
+                                                         **kw), iters)
+                for name, kw in variants.items()})
+            del iq, iw, keys, out
+        s = indexer_scores(c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], ctx)
+        for block in (256, 512, 1024):
+            show(f"radix BLOCK {block}", {
+                p: timed(lambda p=p: radix_topk(s, TOPK, block=block, programs_per_row=p), iters)
+                for p in (1, 2, 4, 8, 16, 32, 64, 128, 256) if p == 1 or p * block <= ctx})
+        show("select_topk (scores + radix top-k), first pass in the scores kernel or not", {
+            f"{name}{' first-in-scores' if first else ''}": timed(
+                lambda width=width, kw=kw, first=first: select_topk(
+                    c["iq"], c["iw"], c["keys"], c["bt"], c["req"], c["pos"], width, TOPK,
+                    first_pass_in_scores=first, **kw), iters)
+            for name, width, kw in (("eager", ctx, {"topk_impl": "radix"}),
+                                    ("graph", GRAPH_WIDTH, {"static_width": True}))
+            for first in (False, True)})
+        del c, s, idx
         torch.cuda.empty_cache()
 
 
@@ -190,11 +291,14 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--e2e", action="store_true")
     ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8", "both"], default="both")
+    ap.add_argument("--sweep", action="store_true", help="also every split count / programs a row (see above)")
     args = ap.parse_args()
     key_dtypes = ["bf16", "fp8"] if args.indexer_key_dtype == "both" else [args.indexer_key_dtype]
     for key_dtype in key_dtypes:
         check_errors(key_dtype)
     kernels(args.iters, key_dtypes)
+    if args.sweep:
+        sweep(args.iters)
     if args.e2e:
         e2e(key_dtypes)
 

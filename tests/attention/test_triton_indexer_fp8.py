@@ -55,11 +55,20 @@ def test_fp8_key_write_into_the_shared_page_matches_reference():
     assert got[0].abs().sum() == 0  # the latents untouched
 
 
-def test_fp8_indexer_scores_match_reference():
+@pytest.mark.parametrize("fp8_dot", [False, True])  # the float8 tiles into float16 for the dot, or straight in
+@pytest.mark.parametrize("visible_only", [False, True])  # one tile a program, or two programs a row striding
+def test_fp8_indexer_scores_match_reference(fp8_dot, visible_only, monkeypatch):
+    """The kernel's own conversion path runs here too (the interpreter's dot multiplies float16 and float8 tiles
+    exactly, in float32). visible_only with two programs a token: each program converts its query once and strides
+    over several tiles; the positions past each token are left as they were (-inf here)."""
+    from kestrel.attention.ops import triton_sparse_mla
     from kestrel.attention.ops.triton_sparse_mla import indexer_scores
 
     (k8, ks), bt, qsl, req, pos, q8, w8 = _fp8_case(1)
-    got = indexer_scores(*_dev(q8, w8), tuple(_dev(k8, ks)), *_dev(bt, req.int(), pos.int()), max(SEQ)).cpu()
+    monkeypatch.setattr(triton_sparse_mla, "STRIDED_PROGRAMS", 2 * qsl[-1])
+    out = torch.full((qsl[-1], max(SEQ)), float("-inf"), device=DEVICE)
+    got = indexer_scores(*_dev(q8, w8), tuple(_dev(k8, ks)), *_dev(bt, req.int(), pos.int()), max(SEQ), out=out,
+                         block_n=16, visible_only=visible_only, _fp8_dot=fp8_dot).cpu()
     for t in range(qsl[-1]):
         b = req[t].item()
         blocks = bt[b, :-(-SEQ[b] // 16)].long()

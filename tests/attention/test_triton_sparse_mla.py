@@ -82,12 +82,23 @@ def _scores_case(seed, heads=16, dim=32, page=16):
     return cache, bt, qsl, req, pos, q, w
 
 
-def test_indexer_scores_match_reference():
+@pytest.mark.parametrize("visible_only", [False, True])  # True: two programs a token, each striding over tiles
+def test_indexer_scores_match_reference(visible_only, monkeypatch):
+    """Also the radix select's first pass that the kernel adds into hist: each row's top-byte histogram over
+    the scores the select reads (the whole row, or with visible_only up to the token's position)."""
+    from kestrel.attention.ops import triton_sparse_mla
     from kestrel.attention.ops.triton_sparse_mla import indexer_scores
+    from kestrel.attention.ops.triton_topk import radix_histogram
+    from tests.attention.test_triton_topk import first_pass_histogram_ref
 
     cache, bt, qsl, req, pos, q, w = _scores_case(1)
     width = max(SEQ)
-    got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width).cpu()
+    monkeypatch.setattr(triton_sparse_mla, "STRIDED_PROGRAMS", 2 * qsl[-1])
+    out = torch.full((qsl[-1], width), float("-inf"), device=DEVICE)  # visible_only leaves the tails as they are
+    hist = radix_histogram(qsl[-1], DEVICE)
+    got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width, out=out,
+                         block_n=16, visible_only=visible_only, hist=hist).cpu()
+    assert torch.equal(hist.cpu(), first_pass_histogram_ref(got, pos.int() if visible_only else None))
     for t in range(qsl[-1]):
         b = req[t].item()
         keys = cache[bt[b, :-(-SEQ[b] // 16)].long()].flatten(0, 1)[:pos[t] + 1].to(DTYPE)
@@ -119,20 +130,22 @@ def assert_same_selection(got, want, pos, topk):
     assert hits / total >= (0.99 if CUDA else 1.0)
 
 
-@pytest.mark.parametrize("num_splits,cfg", [(1, None), (4, {"BLOCK_N": 16, "MIN_SPLIT": 16})])
-@pytest.mark.parametrize("heads", [16, 20])  # 20: two head blocks, the second partly masked
-def test_sparse_mla_attention_matches_reference_unselected_poisoned(heads, num_splits, cfg):
+def _check_sparse_attention(heads, k, num_splits, cfg, tail_padded=False, seed=3):
+    """Each token attends over a random subset of its visible positions (k - 3 at most), -1 padded: in random
+    order, or (tail_padded, as select_topk leaves them) the -1 entries last, so that whole splits are empty.
+    Every cache slot outside the selection is NaN: a read of one would show."""
     from kestrel.attention.ops.triton_sparse_mla import sparse_mla_attention
 
-    gen = torch.Generator().manual_seed(3)
-    L, R, page, k = 64, 16, 16, 64
+    gen = torch.Generator().manual_seed(seed)
+    L, R, page = 64, 16, 16
     cache, bt, qsl, req, pos = _case(SEQ, QL, page, L + R, gen)
     T = qsl[-1]
     topk = torch.full((T, k), -1, dtype=torch.int64)
-    for t in range(T):  # a random subset of each token's visible positions, in random order, -1 padded
+    for t in range(T):
         n = min(k - 3, pos[t].item() + 1)
         topk[t, :n] = torch.randperm(pos[t].item() + 1, generator=gen)[:n]
-        topk[t] = topk[t][torch.randperm(k, generator=gen)]
+        if not tail_padded:
+            topk[t] = topk[t][torch.randperm(k, generator=gen)]
     selected = torch.zeros(cache.shape[0] * page, dtype=torch.bool)
     for t in range(T):
         p = topk[t][topk[t] >= 0]
@@ -147,6 +160,36 @@ def test_sparse_mla_attention_matches_reference_unselected_poisoned(heads, num_s
                                0.2, num_splits=num_splits, _config=cfg).float().cpu()
     assert not got.isnan().any()
     assert (got - want).norm() / want.norm() < (1e-2 if CUDA else 1e-5)
+
+
+@pytest.mark.parametrize("num_splits,cfg", [(1, None), (4, {"BLOCK_N": 16, "MIN_SPLIT": 16})])
+@pytest.mark.parametrize("heads", [16, 20])  # 20: two head blocks, the second partly masked
+def test_sparse_mla_attention_matches_reference_unselected_poisoned(heads, num_splits, cfg):
+    _check_sparse_attention(heads, 64, num_splits, cfg)
+
+
+@pytest.mark.parametrize("num_splits", [None, 64])  # None: the shapes' choice (16 splits of one 16-token tile)
+@pytest.mark.parametrize("tail_padded", [False, True])
+def test_sparse_mla_attention_many_splits_match_reference(num_splits, tail_padded):
+    """k 256 over contexts of at most 130: most entries -1. With splits of one BLOCK_N tile (the default shortest
+    split), 16 active splits, or 64 launched of which 16 hold entries; tail-padded rows leave splits empty."""
+    from kestrel.attention.ops.triton_sparse_mla import sparse_num_splits
+
+    cfg = {"BLOCK_N": 16}
+    assert sparse_num_splits(sum(QL), 16, 256, _config=cfg) == 16
+    _check_sparse_attention(16, 256, num_splits, cfg, tail_padded)
+
+
+def test_sparse_num_splits_fill_the_chip_at_small_batch():
+    """DeepSeek's shapes (16 heads, k 2048) on 132 SMs: one token gets 32 splits of one 64-token tile (the first
+    guess, MIN_SPLIT 256, gave 8); 64 tokens 4 splits as before; from 132 tokens on none."""
+    from kestrel.attention.ops.triton_sparse_mla import sparse_num_splits
+
+    got = {t: sparse_num_splits(t, 16, 2048) for t in (1, 8, 16, 32, 64, 128, 132, 256)}
+    assert got == {1: 32, 8: 32, 16: 16, 32: 8, 64: 4, 128: 2, 132: 1, 256: 1}
+    assert sparse_num_splits(1, 16, 2048, _config={"MIN_SPLIT": 256}) == 8
+    assert sparse_num_splits(1, 16, 64) == 1  # one tile: nothing to split
+    assert sparse_num_splits(1, 128, 2048) == 32  # 8 head blocks: still 4 programs an SM wanted, 32 tiles at most
 
 
 def test_triton_impl_matches_torch_impl_on_a_step():

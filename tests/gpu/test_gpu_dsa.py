@@ -225,10 +225,12 @@ def test_fp8_indexer_kernels_at_deepseek_shapes():
     cache = (k8.view(keys.shape), ks.view(*keys.shape[:2], 1))
     q8, w8 = quantize_index_queries(q, w)
     got = indexer_scores(q8, w8, cache, bt, req, pos, ctx)
+    mma = indexer_scores(q8, w8, cache, bt, req, pos, ctx, _fp8_dot=True)  # the float8 tiles into the FP8 MMA
     for b in range(batch):
         deq = (cache[0][bt[b].long()].float() * cache[1][bt[b].long()]).flatten(0, 1)[:ctx]
         want = (w8[b, :, None] * (q8[b].float() @ deq.T).relu()).sum(0)
         assert (got[b] - want).norm() / want.norm() < 1e-2
+        assert (mma[b] - want).norm() / want.norm() < 1e-2
     qsl, lens = list(range(batch + 1)), [ctx] * batch
 
     def recall(a, b):
@@ -240,7 +242,8 @@ def test_fp8_indexer_kernels_at_deepseek_shapes():
 
 
 def test_radix_topk_at_32k():
-    """The radix top-k (triton_topk.py) picks torch.topk's set at DeepSeek's k = 2048 over 32k float32 scores."""
+    """The radix top-k (triton_topk.py) picks torch.topk's set at DeepSeek's k = 2048 over 32k float32 scores, split
+    over programs or not."""
     from kestrel.attention.ops.triton_topk import radix_topk
 
     scores = torch.randn(8, 32768, device="cuda")
@@ -249,3 +252,6 @@ def test_radix_topk_at_32k():
     want = scores.topk(2048, dim=-1).indices
     for g, w in zip(got.cpu(), want.cpu()):
         assert set(g.tolist()) == set(w.tolist())
+    # the split kernels (radix_plan's choice for one row and for these 8) write the one-program kernel's output
+    assert torch.equal(got, radix_topk(scores, 2048, programs_per_row=1))
+    assert torch.equal(radix_topk(scores[:1], 2048), radix_topk(scores[:1], 2048, programs_per_row=1))

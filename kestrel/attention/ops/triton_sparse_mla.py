@@ -8,7 +8,11 @@
   -inf past the token's own position. One program per (token, tile of BLOCK_N positions): every head's query sits
   in registers and the weighted head sum happens there, so only [T, width] float32 scores reach memory. With FP8
   keys each position's term is times its key scale (the query's scales are in w); the float8 query and keys go to
-  bf16 for the dot (exact: every e4m3 value is a bf16 value), so the dot itself is as in the bf16 path.
+  float16 for the dot (exact: every e4m3 value is a float16 value; products exact, float32 sums), one packed
+  convert per two values. They went to bf16 before, which Triton does on sm_90 as e4m3 -> f16 -> bf16 (sm_90
+  SASS a thread: 64 F2FP + 128 F2F + 64 PRMT, now 64 F2FP) for the [64 heads x 128] query and the [64 x 128] key
+  tile of every program: conversions run at a quarter of the FMA rate, the likely reason the FP8 scores ran 2.3x
+  slower than bf16 at batch 64 on an H200 (171.8 vs 74.4 us at 8k; to be confirmed by benchmarks/dsa_decode.py).
 - `select_topk`: the scores in row chunks under a byte budget, then torch.topk per row, or the radix select of
   triton_topk.py (topk_impl="radix"); -1 where a row has fewer visible positions than k. static_width (CUDA-graph
   decode): the width is the graph's longest context, only each row's visible scores are computed, and the radix
@@ -23,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
-                                                    split_decode_setup)
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for, _split_bounds, _upcast,
+                                                    choose_num_splits, split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
-                                              _store_latent_out)
-from kestrel.attention.ops.triton_topk import radix_topk
+                                              _store_latent_out, default_decode_config)
+from kestrel.attention.ops.triton_topk import _top_byte_histogram, radix_histogram, radix_topk
 from kestrel.platform.triton_gates import interpreter_mode
 
 SCORE_BUDGET_BYTES = 256 << 20  # float32 scores of one row chunk, [rows, context]
@@ -64,11 +68,12 @@ def write_index_keys(index_k, cache, slot_mapping: torch.Tensor) -> None:
 
 
 @triton.jit(do_not_specialize=["width", "num_heads"])
-def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
+def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, HIST, width, num_heads,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
                            stride_btb, stride_st,
                            D: tl.constexpr, H_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, VISIBLE_ONLY: tl.constexpr):
+                           UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+                           VISIBLE_ONLY: tl.constexpr, FIRST_HIST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     q_pos = tl.load(QPOS + t)
     # the whole row (-inf past q_pos), or only its visible part, each program striding over the tiles
@@ -78,6 +83,15 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
     heads = tl.arange(0, H_PAD)
     mask_h = heads < num_heads
     offs_d = tl.arange(0, D)
+    # the token's queries and head weights once a program (a program with no visible tile reads none)
+    needed = tl.program_id(1) * BLOCK_N <= q_pos
+    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None] & needed,
+                other=0.0)  # [H_PAD, D]
+    w = tl.load(W + t * stride_wt + heads, mask=mask_h & needed, other=0.0).to(tl.float32)
+    if KEY_FP8 and not FP8_DOT:
+        q = q.to(tl.float16)  # exact (every e4m3 value is a float16 value), one cvt per 2 (bf16: 3 per 2)
+    if FIRST_HIST:  # the radix select's first pass over the scores this program writes
+        hist = tl.zeros([256], tl.int32)
     for n0 in range(tl.program_id(1) * BLOCK_N, end, tl.num_programs(1) * BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         visible = offs_n <= q_pos
@@ -88,11 +102,8 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
             blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
             k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
                         mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
-            q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None],
-                        other=0.0)  # [H_PAD, D]
-            w = tl.load(W + t * stride_wt + heads, mask=mask_h, other=0.0).to(tl.float32)
-            if KEY_FP8 and not UPCAST:
-                q, k = q.to(tl.bfloat16), k.to(tl.bfloat16)
+            if KEY_FP8 and not FP8_DOT:
+                k = k.to(tl.float16)
             logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
             weighted = tl.sum(logits * w[:, None], axis=0)
             if KEY_FP8:
@@ -101,17 +112,31 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, width, num_heads,
                                               other=0.0)
             score = tl.where(visible, weighted, float("-inf"))
         tl.store(S + t * stride_st + offs_n, score, mask=in_row)
+        if FIRST_HIST:  # the candidates the select reads: the row, or (its last = q_pos) the visible part
+            if VISIBLE_ONLY:
+                hist += _top_byte_histogram(score, in_row & visible)
+            else:
+                hist += _top_byte_histogram(score, in_row)
+    if FIRST_HIST:
+        bins = tl.arange(0, 256)
+        tl.atomic_add(HIST + t * 4 * 256 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
-                   block_n: int = 64, visible_only: bool = False) -> torch.Tensor:
+                   block_n: int = 64, visible_only: bool = False, _fp8_dot: bool = False,
+                   hist: torch.Tensor | None = None) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
     -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
     [blocks, page, 1] float32), index_q float8 with its scales folded into index_w (indexer_keys.py).
     visible_only: only positions 0..q_pos are written (the rest of each row is left as it was), by a grid sized
     from T alone, each program striding over its row's tiles: the CUDA-graph path, whose width is the graph's
-    longest context and whose reader (radix_topk with last=q_pos) reads no further."""
+    longest context and whose reader (radix_topk with last=q_pos) reads no further.
+    _fp8_dot (FP8 keys; for benchmarks/dsa_decode.py until an H200 timing decides): the float8 tiles straight into
+    the FP8 MMA (no conversion at all; Hopper's FP8 MMA accumulates with less precision than float32, as
+    DeepSeek's own FP8 indexer does) instead of into float16 first (exact products, float32 sums).
+    hist: a triton_topk.radix_histogram(T): each row's first radix pass over the scores the top-k will read (the
+    whole row, or with visible_only 0..q_pos) is added into hist[:, 0], for radix_topk(hist=hist)."""
     cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
@@ -122,28 +147,33 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
         out = torch.empty(t, width, dtype=torch.float32, device=index_q.device)
     if t == 0 or width == 0:
         return out
+    if hist is not None and (hist.dtype != torch.int32 or hist.shape != (t, 4, 256) or not hist.is_contiguous()):
+        raise ValueError(f"hist must be a contiguous int32 [{t}, 4, 256] (radix_histogram)")
     fp8 = scales is not None
     ks = scales if fp8 else cache  # unread without FP8
     tiles = triton.cdiv(width, block_n)
     programs = min(tiles, max(1, STRIDED_PROGRAMS // t)) if visible_only else tiles
     _indexer_scores_kernel[(t, programs)](
-        index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, width, h,
+        index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, out if hist is None else hist, width, h,
         index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
         ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
         D=d, H_PAD=max(16, triton.next_power_of_2(h)), PAGE=cache.shape[1], BLOCK_N=block_n,
-        UPCAST=_upcast(index_q.dtype) or (fp8 and interpreter_mode()), KEY_FP8=fp8, VISIBLE_ONLY=visible_only)
+        UPCAST=_upcast(index_q.dtype), KEY_FP8=fp8, FP8_DOT=fp8 and _fp8_dot, VISIBLE_ONLY=visible_only,
+        FIRST_HIST=hist is not None)
     return out
 
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
                 budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch",
-                static_width: bool = False) -> torch.Tensor:
+                static_width: bool = False, first_pass_in_scores: bool = False) -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
     exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
     topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort).
     static_width (CUDA graphs): `width` is the graph's longest context, not the step's, and nothing is read on the
     host: the radix select reads each row's length from q_pos on the device, and only visible scores are
-    computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width."""
+    computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width.
+    first_pass_in_scores (with the radix select; off until GPU timings decide): the scores kernel also makes the
+    select's first histogram pass (indexer_scores' hist), so the select skips it; the same selection."""
     if topk_impl not in ("torch", "radix"):
         raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
@@ -152,14 +182,16 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
     if t == 0 or k == 0:
         return out
     rows = max(1, budget_bytes // (4 * width))
+    radix = static_width or topk_impl == "radix"
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
+        hist = radix_histogram(r1 - r0, index_q.device) if radix and first_pass_in_scores else None
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
-                                q_pos[r0:r1], width, visible_only=static_width)
+                                q_pos[r0:r1], width, visible_only=static_width, hist=hist)
         if static_width:
-            radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1])
-        elif topk_impl == "radix":
-            radix_topk(scores, k, out[r0:r1])
+            radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1], hist=hist)
+        elif radix:
+            radix_topk(scores, k, out[r0:r1], hist=hist)
         else:
             best = scores.topk(k, dim=-1)
             out[r0:r1, :k] = best.indices.to(torch.int32).masked_fill_(best.values == float("-inf"), -1)
@@ -201,18 +233,42 @@ def _sparse_mla_kernel(QL, QP, C, BT, REQ, IDX, O, PO, PLSE, qk_scale, num_heads
                       stride_ot, stride_oh, L, SPLIT)
 
 
-def default_sparse_config(num_tokens: int) -> dict:
-    # a first guess, untuned: the dense decode's small-batch tile, splits of at least 256 selected tokens
-    return {"BLOCK_H": 16, "BLOCK_N": 64, "MIN_SPLIT": 256, "num_warps": 8 if num_tokens <= 16 else 4,
-            "num_stages": 2}
+def default_sparse_config(num_tokens: int, L: int = 512) -> dict:
+    # The dense MLA decode's tiles (triton_mla.default_decode_config, swept on the H200): up to 16 tokens 64-token
+    # tiles on 8 warps; above, 32-token tiles on 4 warps, 3 stages. The first guess here kept 64-token tiles on 4
+    # warps above 16 tokens, which spills at 512 + 64 (ptxas -v for sm_90: 255 registers and 248 bytes of spill
+    # stores and loads a thread in the tile loop; 32-token tiles: 230 registers, none). MIN_SPLIT None: splits
+    # as short as one BLOCK_N tile (sparse_num_splits).
+    return {**default_decode_config(L, num_tokens), "MIN_SPLIT": None}
+
+
+def _resolved_config(num_tokens: int, _config: dict | None, L: int = 512) -> dict:
+    cfg = {**default_sparse_config(num_tokens, L), **(_config or {})}
+    if cfg["MIN_SPLIT"] is None:
+        cfg["MIN_SPLIT"] = cfg["BLOCK_N"]
+    return cfg
+
+
+def sparse_num_splits(num_tokens: int, num_heads: int, topk: int, num_sms: int = 132,
+                      _config: dict | None = None, L: int = 512) -> int:
+    """Splits of each token's k selected positions, from the shapes only (so a CUDA graph may capture them):
+    triton_mla's rule for the dense decode (choose_num_splits over (token, head block) programs, a program of 16
+    heads x 512 latent dims weighing two), none shorter than MIN_SPLIT tokens, by default one BLOCK_N tile.
+    So a small batch fills the chip: 1 token x 16 heads x k 2048 -> 32 splits of 64 (32 programs; with the first
+    guess, MIN_SPLIT 256, it was 8 programs on a 132-SM H200: 27.5 us for 2.4 MB); 64 tokens -> 4 splits (256
+    programs, as before); from 132 tokens on (264 programs, twice the SMs) none. The reduce kernel then merges up
+    to 32 float32 partials [16, 512] a token (1 MB at batch 1, in L2)."""
+    cfg = _resolved_config(num_tokens, _config, L)
+    head_blocks = triton.cdiv(num_heads, cfg["BLOCK_H"])
+    return choose_num_splits(num_tokens, 2 * head_blocks, topk, num_sms, min_split=cfg["MIN_SPLIT"])
 
 
 def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indices, scale, out=None,
                          num_splits=None, _config=None) -> torch.Tensor:
     """q_lat [T, H, L], q_pe [T, H, R] over each token's selected positions (topk_indices [T, k], request-local,
     -1: none) of the latent cache [blocks, page, L + R] -> [T, H, L] (before W_UV). L, R powers of two, R >= 16.
-    Few tokens split the k selected positions across programs (num_splits: a power of two, default from the
-    shapes) and merge the partials by their log-sum-exps."""
+    Few tokens split the k selected positions across programs (num_splits: a power of two, default
+    sparse_num_splits from the shapes) and merge the partials by their log-sum-exps."""
     t, h, L = q_lat.shape
     R = q_pe.shape[-1]
     if cache.shape[-1] != L + R or L & (L - 1) or R & (R - 1) or R < 16:
@@ -224,8 +280,10 @@ def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indic
     k = topk_indices.shape[1]
     if t == 0:
         return out
-    cfg = {**default_sparse_config(t), **(_config or {})}
+    cfg = _resolved_config(t, _config, L)
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
+    if num_splits is None:
+        num_splits = sparse_num_splits(t, h, k, _sms_for(q_lat), cfg, L)
     num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
                                                                  shortest_split=cfg["MIN_SPLIT"])
     _sparse_mla_kernel[(t, head_blocks, num_splits)](
