@@ -8,7 +8,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# one torch thread per pytest-xdist worker (make test runs two on the 2-core CI machine), else both cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 logging.getLogger("kestrel").setLevel(logging.WARNING)
 
 from kestrel.bench.tiny_tokenizer import make_tokenizer  # noqa: E402
