@@ -27,13 +27,14 @@ def test_greedy_rows_are_argmax(n, vocab):
 
 
 def test_draws_follow_softmax_over_temperature():
-    n, vocab, temp = 4000, 6, 0.7
+    # the interpreter runs one program a row in turn: fewer rows there, the bar following the binomial std
+    n, vocab, temp = (4000 if DEVICE == "cuda" else 1500), 6, 0.7
     row = torch.tensor([0.3, -1.0, 1.2, 0.0, -0.5, 0.9])
     logits = row.expand(n, vocab).contiguous().to(DEVICE)
     tokens = sample(logits, torch.full((n,), 1 / temp, device=DEVICE), torch.arange(n, device=DEVICE) + 99)
     freq = torch.bincount(tokens.cpu(), minlength=vocab).double() / n
     expect = torch.softmax(row.double() / temp, dim=-1)
-    assert (freq - expect).abs().max().item() < 0.04  # binomial std <= 0.008 at n = 4000: 5 sigma
+    assert (freq - expect).abs().max().item() < 5 * (0.25 / n) ** 0.5  # 5 binomial std (at most)
 
 
 def test_a_seeded_row_does_not_depend_on_the_batch():
