@@ -22,18 +22,13 @@ TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_tr
 	tests/attention/test_triton_prefill_graphs.py
 INTERP_RUN = HF_HUB_OFFLINE=1 PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider --disable-warnings
 
-# The interpreter run goes beside the suite: the suite waits on its server and worker processes for about half of
-# its time, so on 2 cores the two together take little longer than the suite alone. Its log follows the suite's.
+# Two pytest-xdist workers for the 2 cores (-n 2): the suite's tests wait on their server and worker processes for
+# much of their time; --dist loadfile keeps each file's module fixtures (a started server) on one worker.
 test: setup
-	@$(INTERP_RUN) $(TRITON_INTERP_TESTS) > .kernels-interp.log 2>&1 & kernels=$$!; \
-	trap 'kill $$kernels 2>/dev/null' INT TERM; \
-	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider tests; suite=$$?; \
-	wait $$kernels; interp=$$?; \
-	echo "== Triton kernels under the interpreter (ran beside the suite): $(TRITON_INTERP_TESTS) =="; \
-	cat .kernels-interp.log; \
-	[ $$suite -eq 0 ] && [ $$interp -eq 0 ]
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(INTERP_RUN) -n 2 $(TRITON_INTERP_TESTS)
 
 # Only the Triton checks of `make test` (compile ahead of time + interpreter), for kernel work.
 kernels-check: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider $(TRITON_COMPILE_TESTS)
-	$(INTERP_RUN) $(TRITON_INTERP_TESTS)
+	$(INTERP_RUN) -n 2 $(TRITON_INTERP_TESTS)
