@@ -23,9 +23,11 @@ TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_tr
 INTERP_RUN = HF_HUB_OFFLINE=1 PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider --disable-warnings
 
 # Two pytest-xdist workers for the 2 cores (-n 2): the suite's tests wait on their server and worker processes for
-# much of their time; --dist loadfile keeps each file's module fixtures (a started server) on one worker.
+# much of their time; --dist loadfile keeps each file's module fixtures (a started server) on one worker. Tests
+# marked serial assert latencies, which the other worker's load would blur: they run alone afterwards.
 test: setup
-	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial" tests
+	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -m serial tests
 	$(INTERP_RUN) -n 2 $(TRITON_INTERP_TESTS)
 
 # Only the Triton checks of `make test` (compile ahead of time + interpreter), for kernel work.

@@ -23,6 +23,8 @@ import pytest
 from conftest import Server, http
 from kestrel.bench.serve_metrics import percentile
 
+pytestmark = pytest.mark.serial  # latency ratios: make test runs these alone
+
 C = "/v1/completions"
 PROMPTS, N = 20, 32  # 640 sequences
 WINDOW = 16  # --max-seqs-per-request: small, so that on the CPU (where a step's time grows with the batch)

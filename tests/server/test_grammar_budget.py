@@ -38,6 +38,7 @@ def test_a_huge_repeat_count_is_refused_at_once(budget_server):
     assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.serial  # health latency: make test runs it alone
 def test_health_answers_while_hostile_schemas_parse(budget_server):
     results, latencies = [], []
 

@@ -58,6 +58,7 @@ def test_key_from_a_file_is_not_in_the_process_list_and_guards_the_docs(opts_ser
     assert http("GET", opts_server.url + "/health")[0] == 200  # the probe stays open
 
 
+@pytest.mark.serial  # health latency: make test runs it alone
 def test_sleep_with_queued_requests_idles_the_engine(opts_server):
     """Issue 33: put to sleep with requests in it, the engine core spun, sending empty outputs as fast as it could
     (/health took 30 s). Now it idles, the server answers at once, and the requests finish after /wake_up. (A
