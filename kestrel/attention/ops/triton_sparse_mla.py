@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _sms_for, _split_bounds, _upcast,
+from kestrel.attention.ops.triton_attention import (MAX_SPLITS, _LOG2E, _mm, _split_bounds, _upcast,
                                                     choose_num_splits, split_decode_setup)
 from kestrel.attention.ops.triton_mla import (_latent_tile, _load_latent_queries, _mla_reduce_kernel, _slot_offset,
                                               _store_latent_out, default_decode_config)
@@ -282,8 +282,7 @@ def sparse_mla_attention(q_lat, q_pe, cache, block_tables, token_req, topk_indic
         return out
     cfg = _resolved_config(t, _config, L)
     head_blocks = triton.cdiv(h, cfg["BLOCK_H"])
-    if num_splits is None:
-        num_splits = sparse_num_splits(t, h, k, _sms_for(q_lat), cfg, L)
+    # num_splits None: split_decode_setup's choose_num_splits with these programs and MIN_SPLIT (sparse_num_splits)
     num_splits, po, plse, min_split, launch = split_decode_setup(q_lat, out, cfg, 2 * head_blocks, k, num_splits,
                                                                  shortest_split=cfg["MIN_SPLIT"])
     _sparse_mla_kernel[(t, head_blocks, num_splits)](
