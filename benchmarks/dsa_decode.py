@@ -282,8 +282,8 @@ def e2e(key_dtypes: list[str], prompt_len: int = 32768, n: int = 8, out_len: int
         print(f"{shape} ({runner.backend.name}, {key_dtype} indexer keys): {n} x {prompt_len}: prefill "
               f"{seconds[0]:.2f} s; {out_len - 1} decode steps {decode:.2f} s, {n * (out_len - 1) / decode:.1f} "
               f"out tok/s ({replays} decode-graph replays)")
-        del llm
-        torch.cuda.empty_cache()
+        del runner
+        llm.shutdown()
 
 
 def main():

@@ -129,7 +129,8 @@ def model_run(model_dir: Path, fused: bool, prompt: list[int], n_out: int) -> di
         counts = [cuda_kernels(lambda m=m, gen=llm.generate: gen(
             [prompt], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), use_tqdm=False)) for m in (1, 2)]
         runner.graphs = graphs
-        llm.engine.core.shutdown()
+        del runner, graphs
+        llm.shutdown()
     finally:
         TritonKDAImpl.forward_decode = saved
     return {"ms_per_token": best * 1e3, "decode_step_kernels": counts[1] - counts[0], "weight_bytes": weights}

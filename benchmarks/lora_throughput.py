@@ -7,7 +7,6 @@ LoRA, and with --enable-lora and 4 random rank-16 PEFT adapters (q/k/v/o/gate/up
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 import time
@@ -48,9 +47,7 @@ def run(model_dir, prompts, outs, args, adapters: list[Path] | None):
     n_out = sum(len(r.outputs[0].token_ids) for r in res)
     assert n_out == sum(outs), (n_out, sum(outs))
     graphs = llm.engine.core.executor.runner.graphs is not None
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    llm.shutdown()
     return dt, n_out, graphs
 
 

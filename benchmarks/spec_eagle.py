@@ -55,8 +55,7 @@ def eagle3_rows(model, common, args, device, prompts, draft: str, batches, ks) -
             timed_generate(llm, prompts[:b], args.output_len, device, 1)  # warm-up
             ttft, total, _, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device, args.reps)
             rows.append(row_of("EAGLE-3 random draft", b, k, "", args.output_len, ttft, total, mean_len))
-        llm.engine.core.shutdown()
-        del llm
+        llm.shutdown()
     return rows
 
 

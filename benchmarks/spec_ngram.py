@@ -57,8 +57,7 @@ def ngram_smollm2(args, device) -> list[dict]:
             timed_generate(llm, batch, args.output_len, device, 1)  # warm-up
             ttft, total, _, mean_len = timed_with_acceptance(llm, batch, args.output_len, device, args.reps)
             rows.append(row_of("ngram" if k else "no speculation", b, k, "", args.output_len, ttft, total, mean_len))
-        llm.engine.core.shutdown()
-        del llm
+        llm.shutdown()
     return rows
 
 
@@ -113,8 +112,7 @@ def kestrel_half(job: dict, device: str) -> dict:
                   max_num_seqs=max(job["batches"]))
         rows, outs = measure(llm, job, k, lambda: kestrel_spec_counts(llm), device)
         result["runs"].append({"k": k, "rows": rows, "outputs": outs})
-        llm.engine.core.shutdown()
-        del llm
+        llm.shutdown()
     return result
 
 

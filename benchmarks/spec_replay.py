@@ -32,8 +32,7 @@ def plain_rows(model, common, args, device, batches) -> tuple[list[dict], list[l
         ttft, total, outs = timed_generate(plain, prompts[:b], args.output_len, device, args.reps)
         references.update({tuple(p): o for p, o in zip(prompts[:b], outs)})
         rows.append(row_of("no speculation", b, 0, "", args.output_len, ttft, total))
-    plain.engine.core.shutdown()
-    del plain
+    plain.shutdown()  # frees the GPU for the next engine (CUDA-graph cycles wait for a full collection)
     return rows, prompts, [[list(p), o] for p, o in references.items()]
 
 
@@ -53,8 +52,7 @@ def replay_rows(model, common, args, device, prompts, refs, batches, alphas, ks)
                 llm.engine.core.speculation.proposer.alpha = alpha
                 ttft, total, _, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device, args.reps)
                 rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len))
-        llm.engine.core.shutdown()
-        del llm
+        llm.shutdown()
     return rows
 
 

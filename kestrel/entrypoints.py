@@ -2,9 +2,11 @@
 LLM.classify and LLM.score."""
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Sequence, Union
 
+import torch
 from tqdm.auto import tqdm
 
 from kestrel.config import EngineConfig
@@ -60,6 +62,31 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine and give its device memory back now (weights, KV cache, CUDA graphs), so that another
+        engine fits in the same process. `del llm` alone is not enough on CUDA: the graph sets and the runner
+        refer to each other, and such cycles wait for Python's next full garbage collection. Idempotent; the LLM
+        cannot generate afterwards. `with LLM(...) as llm:` calls it on exit."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is None:
+            return
+        engine.core.shutdown()  # tensor parallel: the workers exit and free their GPUs
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __getattr__(self, name: str):  # only reached where normal lookup fails: `engine` after shutdown
+        if name == "engine":
+            raise RuntimeError("this LLM was shut down: create a new one")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool | None = None,
