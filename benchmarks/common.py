@@ -263,10 +263,11 @@ def print_table(title: str, rows: list[dict], digits: int = 1) -> None:
     """A markdown table; floats with `digits` decimals."""
     if not rows:
         return
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, first seen first
     print(f"\n### {title}\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{v:,.{digits}f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        values = (r.get(c, "") for c in cols)
+        print("| " + " | ".join(f"{v:,.{digits}f}" if isinstance(v, float) else str(v) for v in values) + " |")
     sys.stdout.flush()

@@ -19,8 +19,9 @@ def engine_kwargs(args, device: str, batches: list[int], ks: list[int]) -> tuple
                        max_num_batched_tokens=max(2048, max(batches) * (1 + max(ks))), **load)
 
 
-def plain_rows(model, common, args, device, batches) -> tuple[list[dict], list[list[int]], list]:
-    """No speculation: (rows, the prompts, [[prompt ids, greedy output ids], ...] for the replay proposer)."""
+def plain_rows(model, common, args, device, batches) -> tuple[list[dict], list[list[int]], dict]:
+    """No speculation: (rows, the prompts, {batch: [[prompt ids, greedy output ids], ...]}: each batch's own
+    references for the replay proposer, since in bf16 a batch size's kernels can break a near-tie differently)."""
     from kestrel import LLM
 
     rows, references = [], {}
@@ -30,10 +31,20 @@ def plain_rows(model, common, args, device, batches) -> tuple[list[dict], list[l
     for b in batches:
         timed_generate(plain, prompts[:b], args.output_len, device, 1)  # warm-up
         ttft, total, outs = timed_generate(plain, prompts[:b], args.output_len, device, args.reps)
-        references.update({tuple(p): o for p, o in zip(prompts[:b], outs)})
+        references[b] = [[list(p), o] for p, o in zip(prompts[:b], outs)]
         rows.append(row_of("no speculation", b, 0, "", args.output_len, ttft, total))
     plain.shutdown()  # frees the GPU for the next engine (CUDA-graph cycles wait for a full collection)
-    return rows, prompts, [[list(p), o] for p, o in references.items()]
+    return rows, prompts, references
+
+
+def followed(refs: list, outs: list[list[int]]) -> float:
+    """The mean number of leading output tokens equal to the reference: where it is far below the output length,
+    the target left its reference early (a bf16 near-tie broken differently by the verify kernels), and every
+    draft after that point is wrong whatever alpha is."""
+    n = []
+    for (_, ref), out in zip(refs, outs):
+        n.append(next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out))))
+    return sum(n) / max(len(n), 1)
 
 
 def replay_rows(model, common, args, device, prompts, refs, batches, alphas, ks) -> list[dict]:
@@ -44,14 +55,18 @@ def replay_rows(model, common, args, device, prompts, refs, batches, alphas, ks)
     rows = []
     for k in ks:
         spec_cfg = {"method": "replay", "num_speculative_tokens": k, "disable_by_batch_size": None,
-                    "replay_references": refs}
+                    "replay_references": refs[batches[0]]}
         llm = LLM(model, speculative_config=spec_cfg, **common)
+        proposer = llm.engine.core.speculation.proposer
         for b in batches:
+            proposer.references = {tuple(p): list(o) for p, o in refs[b]}
             timed_generate(llm, prompts[:b], args.output_len, device, 1)  # warm-up
             for alpha in alphas:
-                llm.engine.core.speculation.proposer.alpha = alpha
-                ttft, total, _, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device, args.reps)
-                rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len))
+                proposer.alpha = alpha
+                ttft, total, outs, mean_len = timed_with_acceptance(llm, prompts[:b], args.output_len, device,
+                                                                    args.reps)
+                rows.append(row_of("replay drafts", b, k, alpha, args.output_len, ttft, total, mean_len,
+                                   followed=round(followed(refs[b], outs), 1)))
         llm.shutdown()
     return rows
 

@@ -59,11 +59,12 @@ def timed_with_acceptance(llm, prompts, n_out, device, reps, counts=None, params
     return ttft, total, outs, mean_accepted_len(after[0] - before[0], after[1] - before[1])
 
 
-def row_of(label, batch, k, alpha, n_out, ttft, total, mean_accepted=None):
-    """A table row, also printed at once as a JSON line: a run stopped by its time limit still logs its rows."""
+def row_of(label, batch, k, alpha, n_out, ttft, total, mean_accepted=None, **extra):
+    """A table row, also printed at once as a JSON line: a run stopped by its time limit still logs its rows.
+    extra: more columns (the replay rows' `followed`)."""
     gen = max(total - ttft, 1e-9)
     row = dict(config=label, batch=batch, k=k, alpha=alpha, ms_per_token=gen / (n_out - 1) * 1e3,
                tok_per_s=batch * (n_out - 1) / gen, mean_accepted_len="" if mean_accepted is None
-               else f"{mean_accepted:.2f}")
+               else f"{mean_accepted:.2f}", **extra)
     print("row", json.dumps(row), flush=True)
     return row
