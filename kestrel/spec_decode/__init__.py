@@ -8,5 +8,5 @@ sampler keeps exactly the tokens plain decoding would have produced (kestrel/spe
   kestrel/worker/eagle3_drafter.py; built by kestrel/worker/drafters.py), for the next step.
 - replay.py: a benchmark-only proposer that replays a reference continuation, right with probability alpha.
 - verify.py: where a verify step's logits rows lie, and the accept rule.
-The engine side (who gets drafts, counters) is kestrel/engine/speculation.py; the scheduler counts drafts in the
+- speculation.py: the engine add-on (who gets drafts, counters); the scheduler counts these proposed tokens in the
 token budget and rolls `num_computed_tokens` back past rejected ones."""
