@@ -90,9 +90,9 @@ class UniExecutor(Executor):
     """Today's fast path: the model runner in the engine process."""
 
     def __init__(self, config, progress: bool = True):
-        from kestrel.worker.model_runner import ModelRunner
+        from kestrel.executor.runner_build import build_runner
 
-        self.runner = ModelRunner(config, progress)
+        self.runner = build_runner(config, progress)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.loaded.tokenizer
         self.device = self.runner.device

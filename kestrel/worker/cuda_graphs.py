@@ -4,7 +4,12 @@ before a replay (for paged attention: seq_len 0 and slot -1, which the kernels t
 
 A builder whose decode steps take one of several forms (AttentionMetadataBuilder.graph_variants; DSA: the sparse
 or the dense route) gets one set of graphs per form (DecodeGraphForms); a step replays the set of the form its
-builders decided when they built its metadata, so capture and replay never disagree on the route."""
+builders decided when they built its metadata, so capture and replay never disagree on the route.
+
+Every set of graphs that serves steps is a GraphSet: the runner keeps a list of them (decode first, then those the
+add-ons add, e.g. verify steps, then one-request prefills) and replays the first whose `step_key` is not None. A
+set is chosen at start-up from the flags the metadata builders declare (AttentionMetadataBuilder.graph_steps),
+never from their types."""
 from __future__ import annotations
 
 import bisect
@@ -29,7 +34,30 @@ def decode_graphs(runner, sizes: list[int]):
     return DecodeGraphs(runner, sizes) if len(forms) == 1 else DecodeGraphForms(runner, sizes, forms)
 
 
-class DecodeGraphs:
+class GraphSet:
+    """CUDA graphs that serve some steps of the runner."""
+
+    def step_key(self, chunks, states, meta):
+        """What step_logits replays for this step (its padded size, ...), or None where this set does not serve
+        it (`meta`: the step's first group's attention metadata)."""
+        return None
+
+    def step_logits(self, chunks, meta, key):
+        """Replay the step: the logits at its sampling rows (the verify rule's order, kestrel/core/step.py)."""
+        raise NotImplementedError
+
+
+class _DecodeSteps(GraphSet):
+    """A step whose every row is a decode, padded up to the next captured batch size."""
+
+    def step_key(self, chunks, states, meta):
+        return self.padded_size(meta.num_reqs) if meta.num_decodes == meta.num_reqs else None
+
+    def step_logits(self, chunks, meta, key):
+        return self.replay(meta.num_reqs, key)  # every decode row samples
+
+
+class DecodeGraphs(_DecodeSteps):
     def __init__(self, runner, sizes: list[int], form: tuple[str, ...] | None = None):
         """form: one of graph_variants per builder (None: what build_for_capture builds)."""
         self.runner, self.model, self.buf = runner, runner.model, runner.buffers
@@ -116,7 +144,7 @@ class DecodeGraphs:
         return self.logits[padded][:b]
 
 
-class DecodeGraphForms:
+class DecodeGraphForms(_DecodeSteps):
     """DecodeGraphs per combination of the builders' forms, in one memory pool, with DecodeGraphs' interface: a
     step replays the graphs of the forms its builders decided (step_variant) when they built its metadata."""
 

@@ -83,5 +83,5 @@ def profile_peak_bytes(runner) -> int:
 def profile_forward(runner, ids, positions, ctx: ForwardContext) -> None:
     hidden = runner.model(ids, positions, ctx)
     runner.model.compute_logits(hidden[-min(ids.shape[0], runner.max_sample_rows):])
-    if runner.drafter is not None:  # a draft step's first forward covers every token the step computed
-        runner.drafter.profile_forward(ids, positions, ctx)
+    for profile in runner._hooks["profile_forward"]:  # e.g. a draft model's first forward over the step's tokens
+        profile(ids, positions, ctx)

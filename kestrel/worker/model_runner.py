@@ -2,7 +2,8 @@
 (kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
 that group's attention metadata, runs the forward (or replays a CUDA graph) and samples. Per-request features
 (LoRA, images, a bidirectional prefix, grammar bitmasks) are add-ons (kestrel/worker/addons/): the runner calls
-their hooks and knows none by name."""
+their hooks and knows none by name; a feature package above the worker adds its own (`feature_addons`: speculative
+decoding's verify steps and drafter, kestrel/spec_decode/runner_addon.py, given by kestrel/executor/runner_build.py)."""
 from __future__ import annotations
 
 import logging
@@ -16,26 +17,24 @@ from kestrel.config import EngineConfig
 from kestrel.core.device import pick_device, to_device
 from kestrel.core.kv_spec import cdiv
 from kestrel.core.pooling import pooling_task
-from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
+from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
 from kestrel.loader import LoadedModel, load_model
-from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
-from kestrel.spec_decode.verify import logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
-from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
+from kestrel.worker.addons import HOOKS, StepAddon, build_addons, lora_manager, overriding
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.attention_binding import bind_attention
 from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
-from kestrel.worker.drafters import build_drafter
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True, parallel=None):
-        """`parallel` (kestrel.distributed.ParallelInfo): this tensor-parallel rank's place; None: one process."""
+    def __init__(self, config: EngineConfig, progress: bool = True, parallel=None, feature_addons=()):
+        """`parallel` (kestrel.distributed.ParallelInfo): this tensor-parallel rank's place; None: one process.
+        `feature_addons`: callables (config, loaded model, device, dtype, max_step_tokens) -> [StepAddon]."""
         self.config = config
         self.device = pick_device(config.model.device)
         if self.device.type == "cuda":
@@ -54,37 +53,40 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         m = config.model
         self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
+        # built before the binding: a draft model's attention layer joins the target's KV group
         self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
                                    self.model_config.pooling_method)
-        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
-        # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states; built
-        # before the binding, so that an EAGLE-3 draft's attention layer joins the target's KV group
-        self.drafter = build_drafter(spec, self.model, self.hf_config, self.loaded.context, self.loaded.path,
-                                     self.device, self.dtype, self.max_step_tokens)
+        for build in feature_addons:
+            self.addons += build(config, self.loaded, self.device, self.dtype, self.max_step_tokens)
         # the attention layers grouped by cache spec, a backend and a metadata builder per group
         self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
                                                                             self.dtype, self.device)
-        if spec is not None:
-            refuse(model_refusals(self.model, self.kv_cache_groups))
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
         self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
                                          config.scheduler.max_num_seqs)
-        if self.drafter is not None:
-            self.drafter.bind(self.builders, self.block_rows)
-        # a verify step (speculative decoding) samples 1 + k rows per request
-        k = spec.num_speculative_tokens if spec is not None else 0
-        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)
+        for bind in self._hooks["bind"]:
+            bind(self.model, self.kv_cache_groups, self.builders, self.block_rows)
+        # a verify step samples 1 + k rows per request (k proposed tokens)
+        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + config.scheduler.num_proposed_tokens)
         self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
-        self.graphs = None
-        self.verify_graphs = None  # speculative decoding's verify steps (kestrel/worker/verify_graphs.py)
-        self.prefill_graphs = None  # one request's small prefill step (kestrel/worker/prefill_graphs.py)
+        self.graphs = None  # the decode graphs (kestrel/worker/cuda_graphs.py)
+        self.graph_sets: list = []  # the graph sets that serve steps, tried in order (decode first; GraphSet)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
         self.buffers = None
+
+    def __getattr__(self, name: str):
+        """An add-on by its name (runner.<name>, e.g. runner.drafter; None where no such add-on was built)."""
+        if name.startswith("_") or "addons" not in self.__dict__:
+            raise AttributeError(name)
+        found = next((a for a in self.__dict__["addons"] if a.name == name), None)
+        if found is None and name not in StepAddon.names:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return found
 
     @property
     def backend(self):
@@ -167,8 +169,6 @@ class ModelRunner:
 
     def _forget(self, st: RequestState) -> None:
         self.block_rows.free(st.table_row)
-        if self.drafter is not None:
-            self.drafter.forget(st.request_id)
         for remove in self._hooks["remove_request"]:
             remove(st)
 
@@ -232,8 +232,8 @@ class ModelRunner:
         samplers = [(c, st) for c, st in zip(chunks, states) if c.samples and c.request_id not in inf.out.pooled]
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        if self.drafter is not None:  # its capture's buffer was filled by the forward or the graph replay
-            inf.target_hidden = (self.drafter.capture.rows(meta.num_tokens), list(qsl), chunks)
+        for after in self._hooks["after_forward"]:
+            after(inf, meta, chunks)
         if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
             kv_allocation.copy_state_slots(self.kv_cache_groups, layers, step.state_saves)
         if samplers:
@@ -276,20 +276,13 @@ class ModelRunner:
         return logits, hidden
 
     def _replay_graph(self, chunks: list[ScheduledChunk], states: list[RequestState], meta) -> torch.Tensor | None:
-        """The logits of a step that a CUDA graph serves (every row a decode: a decode graph; every row verifying
-        k drafts: a verify graph; one prefill chunk alone: a prefill graph, logits at its last token), else None."""
-        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  else None)
-        if padded is not None:
-            return self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
-        vg = self.verify_graphs.select(chunks) if self.verify_graphs else None
-        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
-        if verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
-            return vg.replay(meta.num_reqs, verify_padded)[
-                to_device(logits_positions(chunks, meta.query_start_loc_cpu), torch.int64, self.device)]
-        pg = self.prefill_graphs
-        bucket = pg.padded_size(meta.num_tokens) if pg is not None and pg.fits(chunks, states, meta) else None
-        return pg.replay(meta.num_tokens, bucket) if bucket is not None else None
+        """The logits of a step that a CUDA graph set serves (every row a decode: the decode graphs; then the
+        add-ons' sets, e.g. every row verifying k drafts; one prefill chunk alone: a prefill graph), else None."""
+        for graphs in self.graph_sets:
+            key = graphs.step_key(chunks, states, meta)
+            if key is not None:
+                return graphs.step_logits(chunks, meta, key)
+        return None
 
     def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
@@ -299,6 +292,6 @@ class ModelRunner:
     def collect(self, inf: InFlight) -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
         out = self.outputs.collect(inf, self.requests)
-        if self.drafter is not None:
-            self.drafter.after_step(inf, out, self.requests)
+        for after in self._hooks["after_collect"]:
+            after(inf, out, self.requests)
         return out

@@ -22,9 +22,6 @@ import logging
 
 import torch
 
-from kestrel.attention.backend import AttentionMetadataBuilder
-from kestrel.attention.mla import MLAMetadataBuilder
-from kestrel.attention.sparse_mla import SparseMLAMetadataBuilder
 from kestrel.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -32,12 +29,8 @@ logger = logging.getLogger(__name__)
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def _absorbed_mla(builder) -> bool:
-    return isinstance(builder, MLAMetadataBuilder) and not isinstance(builder, SparseMLAMetadataBuilder)
-
-
 def prefill_graphs_supported(runner) -> bool:
-    return all(type(b) is AttentionMetadataBuilder or _absorbed_mla(b) for b in runner.builders)
+    return all("prefill" in b.graph_steps for b in runner.builders)
 
 
 def prefill_graph_sizes(runner) -> list[int]:
@@ -58,7 +51,7 @@ class PrefillGraphs(DecodeGraphs):
     def __init__(self, runner, sizes: list[int], pool=None):
         super().__init__(runner, sizes)
         self.pool = pool
-        if not all(type(b) is AttentionMetadataBuilder for b in runner.builders):  # absorbed MLA
+        if any(b.prefill_graph_per_token for b in runner.builders):  # absorbed MLA: a table row per token
             self.max_seq_len = min(self.max_seq_len, max(self.sizes, default=0))
         # --calculate-kv-scales: the first batch that writes K/V sets the scales, in the eager forward
         self.calibrating = ([x for x in runner.loaded.context.attention_layers.values()
@@ -73,6 +66,12 @@ class PrefillGraphs(DecodeGraphs):
         return (len(chunks) == 1 and meta.num_decodes == 0 and not chunks[0].draft_token_ids
                 and states[0].sampling_params.prompt_logprobs is None and meta.bidirectional_lens_cpu is None
                 and meta.max_seq_len <= self.max_seq_len and not any(x.calibrate_kv_scales for x in self.calibrating))
+
+    def step_key(self, chunks, states, meta):
+        return self.padded_size(meta.num_tokens) if self.fits(chunks, states, meta) else None
+
+    def step_logits(self, chunks, meta, key):
+        return self.replay(meta.num_tokens, key)  # the logits at its last token
 
     def _context(self, q: int):
         if q not in self.contexts:

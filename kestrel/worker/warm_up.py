@@ -12,17 +12,18 @@ from kestrel.core.kv_spec import cdiv
 from kestrel.worker.cuda_graphs import DecodeGraphForms, DecodeGraphs, decode_graphs, default_graph_sizes
 from kestrel.worker.memory_profile import dummy_prefill_batch, profile_forward
 from kestrel.worker.prefill_graphs import PrefillGraphs, capture_prefill_graphs, prefill_graph_sizes
-from kestrel.worker.verify_graphs import capture_verify_graphs
 
 
 def set_up_after_kv(runner) -> None:
-    """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs and those built on them."""
+    """Persistent buffers, the kernel warm-up, then (where on) the decode CUDA graphs and the graph sets built on
+    them: the add-ons' (verify steps; a drafter's chain), then the one-request prefill graphs."""
     runner.buffers = runner._new_buffers()
-    runner.graphs = capture_graphs(runner)
-    runner.verify_graphs = capture_verify_graphs(runner, runner.spec, runner.graphs)
-    runner.prefill_graphs = capture_prefill_graphs(runner, runner.graphs)
-    if runner.drafter is not None and runner.graphs is not None:
-        runner.drafter.capture_graphs(runner.graphs.sizes)
+    runner.graphs = decode = capture_graphs(runner)
+    sets = [decode] if decode is not None else []
+    for graph_sets in runner._hooks["graph_sets"]:
+        sets += graph_sets(runner, decode)
+    prefill = capture_prefill_graphs(runner, decode)
+    runner.graph_sets = sets + ([prefill] if prefill is not None else [])
     if runner.config.cache.calculate_kv_scales:  # from the first real batch (the warm-ups above write no K/V)
         for g in runner.kv_cache_groups:
             for name in g.layer_names if kv_quant.is_fp8(g.spec.dtype) else ():

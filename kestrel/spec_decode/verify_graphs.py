@@ -5,23 +5,24 @@ eagerly.
 
 The step's inputs are staged as for an eager step; the batch is padded up to the next captured size with requests
 that compute k + 1 queries over themselves (seq_len k + 1 at positions 0..k, slots -1: they read some block and
-write nothing). Only backends whose metadata is the plain paged one (AttentionMetadataBuilder: the query
-positions come from query_start_loc and seq_lens on the device) are captured; their prefill kernels size their
-grids from the token and request counts alone, so one graph serves every step of its size."""
+write nothing). Only builders that declare "verify" in graph_steps are captured (the plain paged metadata: the
+query positions come from query_start_loc and seq_lens on the device, and their prefill kernels size their grids
+from the token and request counts alone, so one graph serves every step of its size)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from kestrel.attention.backend import AttentionMetadataBuilder
-from kestrel.worker.cuda_graphs import DecodeGraphs
+from kestrel.core.device import to_device
+from kestrel.core.step import logits_positions
+from kestrel.worker.cuda_graphs import DecodeGraphs, GraphSet
 
 logger = logging.getLogger(__name__)
 
 
 def verify_graphs_supported(runner) -> bool:
-    return all(type(b) is AttentionMetadataBuilder for b in runner.builders)
+    return all("verify" in b.graph_steps for b in runner.builders)
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -74,11 +75,22 @@ class VerifyGraphs(DecodeGraphs):
         return self.run(padded)[:b * self.q]
 
 
-class VerifyGraphSet:
+class VerifyGraphSet(GraphSet):
     """Verify graphs per draft count d = 1..k: a step whose requests all verify d drafts replays a graph of d."""
 
     def __init__(self, by_drafts: dict[int, VerifyGraphs]):
         self.by_drafts = by_drafts
+
+    def step_key(self, chunks, states, meta):
+        vg = self.select(chunks)
+        padded = vg.padded_size(meta.num_reqs) if vg is not None else None
+        return (vg, padded) if padded is not None else None
+
+    def step_logits(self, chunks, meta, key):
+        """Every row verifies k drafts: its logits at all tokens, then the sampling rows."""
+        vg, padded = key
+        rows = to_device(logits_positions(chunks, meta.query_start_loc_cpu), torch.int64, vg.buf.device)
+        return vg.replay(meta.num_reqs, padded)[rows]
 
     def select(self, chunks) -> VerifyGraphs | None:
         graphs = self.by_drafts.get(len(chunks[0].draft_token_ids))
