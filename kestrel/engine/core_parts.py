@@ -17,9 +17,7 @@ def start_executor(config, progress: bool):
     shut down where a later stage fails."""
     ex = make_executor(config, progress)
     try:
-        ex.precompile_kernels()
-        num_blocks = ex.determine_num_blocks()
-        ex.initialize_cache(num_blocks)
+        num_blocks = ex.start_up()  # precompile, size the KV cache, allocate it, warm up and capture graphs
     except BaseException:
         ex.shutdown()
         raise

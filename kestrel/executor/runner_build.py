@@ -9,6 +9,8 @@ RUNNER_FEATURES = (speculative_addons,)
 
 
 def build_runner(config, progress: bool = True, parallel=None):
+    """The runner over the build's parts (kestrel/worker/build.py build_parts), not yet started."""
+    from kestrel.worker.build import build_parts
     from kestrel.worker.model_runner import ModelRunner
 
-    return ModelRunner(config, progress, parallel, feature_addons=RUNNER_FEATURES)
+    return ModelRunner(build_parts(config, progress, parallel, RUNNER_FEATURES))

@@ -2,8 +2,9 @@
 (kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
 that group's attention metadata, runs the forward (or replays a CUDA graph) and samples. Per-request features
 (LoRA, images, a bidirectional prefix, grammar bitmasks) are add-ons (kestrel/worker/addons/): the runner calls
-their hooks and knows none by name; a feature package above the worker adds its own (`feature_addons`: speculative
-decoding's verify steps and drafter, kestrel/spec_decode/runner_addon.py, given by kestrel/executor/runner_build.py)."""
+their hooks and knows none by name; a feature package above the worker adds its own (speculative decoding's verify
+steps and drafter, kestrel/spec_decode/runner_addon.py, given by kestrel/executor/runner_build.py). The runner is
+built from frozen parts in an explicit order (kestrel/worker/build.py)."""
 from __future__ import annotations
 
 import logging
@@ -11,73 +12,51 @@ import logging
 import numpy as np
 import torch
 
-from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
-from kestrel.config import EngineConfig
-from kestrel.core.device import pick_device, to_device
-from kestrel.core.kv_spec import cdiv
-from kestrel.core.pooling import pooling_task
+from kestrel.core.device import to_device
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
-from kestrel.loader import LoadedModel, load_model
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
-from kestrel.worker.addons import HOOKS, StepAddon, build_addons, lora_manager, overriding
+from kestrel.worker.addons import StepAddon, lora_manager
 from kestrel.worker.addons.pooling import POOLED_TOKEN
-from kestrel.worker.attention_binding import bind_attention
-from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
+from kestrel.worker.attention_binding import step_metadata
+from kestrel.worker.build import RunnerParts
+from kestrel.worker.input_batch import InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
-from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
+from kestrel.worker.warm_up import Started, precompile_kernels, set_up_after_kv
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True, parallel=None, feature_addons=()):
-        """`parallel` (kestrel.distributed.ParallelInfo): this tensor-parallel rank's place; None: one process.
-        `feature_addons`: callables (config, loaded model, device, dtype, max_step_tokens) -> [StepAddon]."""
-        self.config = config
-        self.device = pick_device(config.model.device)
-        if self.device.type == "cuda":
-            try:
-                from kestrel.kernels.triton_ops.pdl import configure_pdl
-                configure_pdl(config.compilation.pdl)
-            except ImportError:  # no triton: no Triton kernels to launch
-                pass
-        torch.manual_seed(config.model.seed)
-        self.loaded: LoadedModel = load_model(config.model, self.device, config.kernel, progress, parallel)
+    def __init__(self, parts: RunnerParts):
+        """Built from the build's parts (kestrel/worker/build.py build_parts); start-up (build.start_up, or the
+        executor's stage calls below) gives it the KV cache, the buffers and the graph sets."""
+        self.parts = parts
+        self.config, self.device, self.loaded = parts.config, parts.device, parts.loaded
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.hf_config = self.model_config.text  # the decoder's HF config
         self.dtype = self.loaded.dtype
-        self.block_size = config.cache.block_size
-        self.max_model_len = self.model_config.max_model_len
-        m = config.model
-        self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
-        # built before the binding: a draft model's attention layer joins the target's KV group
-        self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
-                                   self.model_config.pooling_method)
-        for build in feature_addons:
-            self.addons += build(config, self.loaded, self.device, self.dtype, self.max_step_tokens)
-        # the attention layers grouped by cache spec, a backend and a metadata builder per group
-        self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
-                                                                            self.dtype, self.device)
-        self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
+        self.block_size, self.max_model_len = parts.block_size, parts.max_model_len
+        self.pooling_task = parts.pooling_task
+        self.addons = list(parts.addons)
+        self.kv_cache_groups, self.backends, self.builders = parts.kv_cache_groups, parts.backends, parts.builders
+        self._hooks = self.hooks = parts.hooks  # hook name -> the overriding add-ons' methods (the parts' dict)
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
-        self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
-                                         config.scheduler.max_num_seqs)
-        for bind in self._hooks["bind"]:
-            bind(self.model, self.kv_cache_groups, self.builders, self.block_rows)
-        # a verify step samples 1 + k rows per request (k proposed tokens)
-        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + config.scheduler.num_proposed_tokens)
-        self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
+        self.block_rows = parts.block_rows
+        self.max_sample_rows = parts.max_sample_rows
+        self.outputs = StepOutputs(self.config.model.seed, self.max_sample_rows, self.device,
+                                   self._hooks["before_sample"])
         self.graphs = None  # the decode graphs (kestrel/worker/cuda_graphs.py)
         self.graph_sets: list = []  # the graph sets that serve steps, tried in order (decode first; GraphSet)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
         self.buffers = None
+        self.kv_caches, self.num_blocks = [], 0
 
     def __getattr__(self, name: str):
         """An add-on by its name (runner.<name>, e.g. runner.drafter; None where no such add-on was built)."""
@@ -93,61 +72,48 @@ class ModelRunner:
         """The first group's backend (the only one for single-kind models)."""
         return self.backends[0]
 
-    # ---- KV cache
+    @property
+    def max_step_tokens(self) -> int:
+        return self.parts.max_step_tokens
+
     @property
     def bytes_per_block(self) -> int:
-        """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
-        return kv_allocation.bytes_per_block(self.kv_cache_groups)
+        return self.parts.bytes_per_block
+
+    def metadata(self, *args, **kw) -> ForwardContext:
+        """Every group's attention metadata over the buffers' first rows (attention_binding.step_metadata)."""
+        return step_metadata(self.builders, self.buffers, *args, **kw)
+
+    def new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
+        return self.parts.new_buffers(max_tokens, max_reqs)
+
+    # ---- start-up stages (kestrel/worker/build.py start_up runs them in order; a tensor-parallel worker runs
+    # them as the engine asks, since the ranks agree on the block count in between)
+    def precompile_kernels(self) -> None:
+        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
+        precompile_kernels(self.parts)
 
     def determine_num_blocks(self) -> int:
         """The blocks the KV cache gets (kestrel/worker/memory_profile.py)."""
-        return memory_profile.determine_num_blocks(self)
+        return memory_profile.determine_num_blocks(self.parts)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
-                                                         num_blocks, self.device)
-        self.num_blocks = num_blocks
+        self.kv_caches, self.num_blocks = self.parts.allocate_kv_cache(num_blocks), num_blocks
 
     def free_kv_cache(self) -> None:
-        for layer in self.loaded.context.attention_layers.values():
-            layer.kv_cache = None
+        self.parts.free_kv_cache()
         self.kv_caches = []
 
-    # ---- metadata
-    def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
-                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False, **fields) -> ForwardContext:
-        """Every group's attention metadata over the buffers' first rows, from its backend's builder. `fields`:
-        the add-ons' extra common fields (attention_fields)."""
-        buf = self.buffers
-        common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
-                                         buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
-                                         **fields)
-        metas = []
-        for g, builder in enumerate(self.builders):
-            build = builder.build_for_capture if capture else builder.build
-            metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
-        return ForwardContext(metas)
-
-    @property
-    def max_step_tokens(self) -> int:
-        """The most tokens of one step's forward (the persistent buffers' size)."""
-        sc = self.config.scheduler
-        return max(sc.max_num_batched_tokens, sc.max_num_seqs)
-
-    def _new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
-        sc = self.config.scheduler
-        return InputBuffers(max_tokens or self.max_step_tokens, max(max_reqs, sc.max_num_seqs),
-                            cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
-                            len(self.kv_cache_groups))
-
-    # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
         """Persistent buffers, the kernel warm-up, then (where on) the CUDA graphs."""
-        set_up_after_kv(self)
+        self.adopt(set_up_after_kv(self.parts))
 
-    def precompile_kernels(self) -> None:
-        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
-        precompile_kernels(self)
+    def adopt(self, started: Started) -> None:
+        """Take what start-up made."""
+        if started.num_blocks:
+            self.kv_caches, self.num_blocks = started.kv_caches, started.num_blocks
+        self.buffers, self.graphs, self.graph_sets = started.buffers, started.graphs, started.graph_sets
+        self.graph_capture_seconds = started.graph_capture_seconds
 
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
