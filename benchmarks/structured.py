@@ -164,8 +164,9 @@ def main():
         dt_c, res = timed_generate(llm, prompts, [SamplingParams(temperature=0.6, max_tokens=o, structured_outputs=so,
                                                                  detokenize=False) for o in outs])
         host.stop()
-        by_threads[core.grammars.manager.fill_threads] = dict(seconds=dt_c, tokens=sum(len(r.outputs[0].token_ids) for r in res),
-                                                        **{k: host.ms(k) for k in ("advance", "fill", "wait")})
+        mgr = core.grammars.manager
+        by_threads[mgr.fill_threads] = dict(seconds=dt_c, tokens=sum(len(r.outputs[0].token_ids) for r in res),
+                                            **{k: host.ms(k) for k in ("advance", "fill", "wait")})
     lengths = [len(r.outputs[0].token_ids) for r in res]
     valid = 0
     for r in res:

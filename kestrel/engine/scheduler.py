@@ -173,7 +173,8 @@ class Scheduler:
             lookahead = self._lookahead(req.num_computed_tokens + num_new)
             while True:
                 if self.kv.allocate_slots(req, num_new, lookahead=lookahead):
-                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, proposed_token_ids=extra))
+                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                                          proposed_token_ids=extra))
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break

@@ -1,6 +1,6 @@
 """The runner's draft models (speculative_config methods "mtp" and "eagle3"), fed the target's hidden states
-(kestrel/spec_decode/hidden_capture.py). A drafter is a runner add-on (DrafterAddon, kestrel/spec_decode/runner_addon.py):
-after each step its after_step records what the step computed and drafts for the requests that sampled
+(kestrel/spec_decode/hidden_capture.py). A drafter is a runner add-on (DrafterAddon,
+kestrel/spec_decode/runner_addon.py): after each step its after_step records what the step computed and drafts for the requests that sampled
 (RunnerOutput.next_drafts); bind_kv (after the KV groups exist) and capture_graphs (after the decode graphs) run
 at start-up. EAGLE-3
 (kestrel/spec_decode/eagle3_drafter.py) keeps a KV cache of its own, one more layer of the target's full-attention KV

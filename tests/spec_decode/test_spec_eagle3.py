@@ -137,7 +137,8 @@ def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts,
     (a window of the last 64 positions would draft otherwise), computed in chunks of 24 tokens with requests
     preempted and recomputed, then a prompt that shares 100 tokens with an earlier one, its first 96 a prefix-cache
     hit (blocks whose draft K/V the earlier request wrote; the shared prefix does not end on a block boundary: see
-    kestrel/spec_decode/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining,
+    kestrel/spec_decode/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the
+    chaining,
     d2t, that draft writes stay in the request's blocks (k - 1 lookahead slots) and that the chain's batches, padded
     to buckets, give the drafts of unpadded ones."""
     import random

@@ -1,6 +1,7 @@
 """Grammars, an engine add-on: the engine core's side of structured outputs. Constrained requests wait here
-until their grammar compiled (the others are not held up); per step, the grammars take the tokens of a collected step, and the fill pool fills
-the token bitmask of a launched step whose sampling waits for it, while the engine loop goes on.
+until their grammar compiled (the others are not held up); per step, the grammars take the tokens of a collected
+step, and the fill pool fills the token bitmask of a launched step whose sampling waits for it, while the engine
+loop goes on.
 
 Pipelined, a constrained step N+1 is launched without sampling: once step N's tokens are on the host its grammars
 take them and the pool fills N+1's bitmask, while the engine loop returns N's outputs and prepares N+2; N+1
