@@ -14,7 +14,7 @@ and with a trained draft of the acceptance that replay alpha stands for,
 
 (each step drafts once and emits `mean accepted length` tokens). The drafter's work a step hardly depends on how
 many drafts were accepted (its first forward covers the 1 + accepted new positions of each request, then k - 1
-one-token forwards: kestrel/worker/eagle3_drafter.py), so its cost measured at acceptance 0 is a close lower
+one-token forwards: kestrel/spec_decode/eagle3_drafter.py), so its cost measured at acceptance 0 is a close lower
 bound at any alpha.
 
     python -m benchmarks.spec_decode --eagle3-cost --shape llama-8b --batches 1,8 --ks 2,4 --alphas 0.8"""

@@ -144,7 +144,7 @@ def main():
     print(f"pipelined decode: {core.pipelined}")
     so = StructuredOutputsParams(json=SCHEMA)
     t = time.perf_counter()
-    core.structured.submit(so).result()  # the tokenizer tables and this schema, compiled once (cached after)
+    core.grammars.manager.submit(so).result()  # the tokenizer tables and this schema, compiled once (cached after)
     compile_s = time.perf_counter() - t
     prompts, outs = nano_workload(args.num_requests, out_range=(min(100, args.max_output), args.max_output),
                                   vocab_cap=min(10000, args.tokenizer_vocab))
@@ -155,17 +155,18 @@ def main():
     by_threads = {}
     for threads in ([int(x) for x in args.fill_threads.split(",")] if args.fill_threads else [0]):
         if threads:  # a new pool of this size for the next constrained step
-            mgr = core.structured
+            mgr = core.grammars.manager
             if mgr._pool is not None:
                 mgr._pool.shutdown()
                 mgr._pool = None
             mgr.fill_threads = threads
-        host = instrument(core.structured)
+        host = instrument(core.grammars.manager)
         dt_c, res = timed_generate(llm, prompts, [SamplingParams(temperature=0.6, max_tokens=o, structured_outputs=so,
                                                                  detokenize=False) for o in outs])
         host.stop()
-        by_threads[core.structured.fill_threads] = dict(seconds=dt_c, tokens=sum(len(r.outputs[0].token_ids) for r in res),
-                                                        **{k: host.ms(k) for k in ("advance", "fill", "wait")})
+        mgr = core.grammars.manager
+        by_threads[mgr.fill_threads] = dict(seconds=dt_c, tokens=sum(len(r.outputs[0].token_ids) for r in res),
+                                            **{k: host.ms(k) for k in ("advance", "fill", "wait")})
     lengths = [len(r.outputs[0].token_ids) for r in res]
     valid = 0
     for r in res:
@@ -186,9 +187,9 @@ def main():
                   fill_ms=f"{v['fill']:.2f}", loop_wait_ms=f"{v['wait']:.2f}") for n, v in by_threads.items()]
     print_table(f"Structured outputs, {args.shape}, {len(prompts)} requests, {n_out} output tokens, "
                 f"commit {git_commit()}", rows)
-    print(f"\nconstrained / unconstrained throughput: {ratio:.1%} with {core.structured.fill_threads} fill threads "
+    print(f"\nconstrained / unconstrained throughput: {ratio:.1%} with {core.grammars.manager.fill_threads} fill threads "
           f"(acceptance: >= 85%)")
-    print(f"host, per constrained step ({host.steps} steps, {core.structured.fill_threads} fill threads): "
+    print(f"host, per constrained step ({host.steps} steps, {core.grammars.manager.fill_threads} fill threads): "
           f"engine loop in start_step (tokens into the grammars) {host.ms('advance'):.2f} ms, tokens + bitmask "
           f"fill {host.ms('fill'):.2f} ms (start to last row), engine loop waiting for it {host.ms('wait'):.2f} ms")
     print(f"grammar compile (first, with tokenizer tables) {compile_s:.2f} s; "
@@ -197,7 +198,7 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             shape=args.shape, commit=git_commit(), requests=len(prompts), output_tokens=n_out,
-            unconstrained_s=dt_u, constrained_s=dt_c, ratio=ratio, fill_threads=core.structured.fill_threads,
+            unconstrained_s=dt_u, constrained_s=dt_c, ratio=ratio, fill_threads=core.grammars.manager.fill_threads,
             host_ms_per_step={k: host.ms(k) for k in ("advance", "fill", "wait")}, fill_steps=host.steps,
             compile_s=compile_s, pipelined=core.pipelined, by_fill_threads=by_threads), indent=1))
 

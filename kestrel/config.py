@@ -176,6 +176,12 @@ class SchedulerConfig:
            "Keeps another user's steps close to an idle engine's cost while a huge request runs; a request alone "
            "is never capped (0: the server's contended window, a quarter of --max-seqs-per-request; -1: no cap)")
 
+    @property
+    def num_proposed_tokens(self) -> int:
+        """Tokens a request may carry past its known ones in one step (speculative_config's
+        num_speculative_tokens; 0 without it): a verify step samples 1 + this many rows a request."""
+        return int((self.speculative_config or {}).get("num_speculative_tokens", 0))
+
     def request_window(self) -> int:
         """The server's admission window of one API request (--max-seqs-per-request, 0: half of --max-num-seqs)."""
         return self.max_seqs_per_request or max(1, self.max_num_seqs // 2)

@@ -53,6 +53,13 @@ class AttentionMetadata:
 class AttentionMetadataBuilder:
     """Builds one group's metadata from the common part and the group's block table and slot mapping (views of the
     runner's persistent buffers). The default serves paged backends whose kernels need nothing else."""
+    # declared capabilities: the CUDA-graph sets beyond decode whose captured metadata stays valid for this builder
+    # ("verify": every row k + 1 queries; "prefill": one request's chunk beside a pad request; the query positions
+    # come from query_start_loc and seq_lens on the device). A subclass that builds other metadata declares its own.
+    graph_steps: ClassVar[frozenset[str]] = frozenset({"verify", "prefill"})
+    # a captured prefill runs each token as a one-query row over its own prefix (a table row per token): its
+    # graphs cover contexts up to their bucket size only
+    prefill_graph_per_token: ClassVar[bool] = False
 
     def __init__(self, spec: KVCacheSpec, block_size: int, device: torch.device):
         self.spec, self.block_size, self.device = spec, block_size, device

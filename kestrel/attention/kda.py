@@ -72,6 +72,7 @@ class KDAMetadata(AttentionMetadata):
 
 
 class KDAMetadataBuilder(AttentionMetadataBuilder):
+    graph_steps: ClassVar[frozenset[str]] = frozenset()  # state slots and prefill chunks: decode graphs only
     def build(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
               slot_mapping: torch.Tensor) -> KDAMetadata:
         c = common

@@ -49,6 +49,8 @@ class MLAMetadata(AttentionMetadata):
 class MLAMetadataBuilder(AttentionMetadataBuilder):
     """Routes the step: the absorbed/dense split, and for the dense part where its contexts sit in the cache."""
     dense_prefill: ClassVar[bool] = True  # set per backend (MLABackend.__init_subclass__)
+    graph_steps: ClassVar[frozenset[str]] = frozenset({"prefill"})  # absorbed: each token a one-query row
+    prefill_graph_per_token: ClassVar[bool] = True
 
     def build(self, common: CommonAttentionMetadata, block_table: torch.Tensor,
               slot_mapping: torch.Tensor) -> MLAMetadata:

@@ -83,6 +83,7 @@ class SparseMLAMetadataBuilder(MLAMetadataBuilder):
     declared (else SPARSE only), and a replay runs the graph of the route build() decided for its step (the same
     rule as eager steps: DENSE while every context is <= index_topk)."""
     spec: SparseMLASpec
+    graph_steps: ClassVar[frozenset[str]] = frozenset()  # a route per step: decode graphs only (per route)
 
     def __init__(self, spec, block_size, device):
         super().__init__(spec, block_size, device)

@@ -64,6 +64,30 @@ class ScheduledChunk:
     draft_token_ids: list[int] = field(default_factory=list)
 
 
+def logits_positions(chunks: list[ScheduledChunk], query_start_loc, skip=()) -> list[int]:
+    """Token indices of a step whose logits are sampled: one row per sampling request (the position after its
+    last known token, in batch order), then each request's proposed positions in the same order (the verify rule:
+    kestrel/spec_decode/verify.py). Requests in `skip`, which end in a pooler, have none."""
+    first, drafted = [], []
+    for b, c in enumerate(chunks):
+        if not c.samples or c.request_id in skip:
+            continue
+        end, nd = query_start_loc[b + 1], len(c.draft_token_ids)
+        first.append(end - 1 - nd)
+        drafted.extend(range(end - nd, end))
+    return first + drafted
+
+
+def accept(first: int, verified: list[int], drafts: list[int]) -> list[int]:
+    """The emitted tokens: `first` (y_0), then y_{j+1} = verified[j] for as long as y_j == d_j."""
+    out = [first]
+    for j, d in enumerate(drafts):
+        if out[-1] != d:
+            break
+        out.append(verified[j])
+    return out
+
+
 @dataclass
 class StepInput:
     new_requests: list[NewRequestData] = field(default_factory=list)

@@ -67,6 +67,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     def step_tokens(self) -> int:
         return self.step_prompt_tokens + self.step_generation_tokens
 
+    def as_dict(self) -> dict:
+        return msgspec.structs.asdict(self)
+
 
 class UtilityOutput(msgspec.Struct, omit_defaults=True):
     call_id: int

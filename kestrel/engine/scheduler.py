@@ -9,6 +9,7 @@ Fair share between request groups (kestrel/engine/fair_share.py): while more tha
 group's running sequences beyond its cap sit steps out, and are the first preempted where a newcomer needs room."""
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,7 +19,6 @@ from kestrel.engine.fair_share import FairShare
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.request import PLACEHOLDER, Request, RequestStatus
 from kestrel.engine.waiting_queue import WaitingQueue
-from kestrel.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -28,12 +28,13 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     output_index: int = -1  # where this step's sampled token goes in output_token_ids (set at launch)
     samples: bool = False  # this step reaches the end of the known tokens, so a new token is sampled
-    # speculative decoding: proposed tokens computed after the known ones (the last of num_new_tokens)
-    draft_token_ids: list[int] = field(default_factory=list)
-    num_emitted: int = 1  # tokens the step's result appended (more than one where drafts were accepted)
+    # tokens proposed past the known ones (speculative decoding's drafts), computed as the last of num_new_tokens
+    # and verified by the step's sampling
+    proposed_token_ids: list[int] = field(default_factory=list)
+    num_emitted: int = 1  # tokens the step's result appended (more than one where proposed ones were accepted)
 
     def __post_init__(self):
-        known = self.num_new_tokens - len(self.draft_token_ids)
+        known = self.num_new_tokens - len(self.proposed_token_ids)
         self.samples = self.num_computed_tokens + known == self.request.num_tokens
 
 
@@ -63,13 +64,15 @@ def needs_sync(req: Request) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, max_loras: int = 0):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, lookahead: int = 0,
+                 gates: list = ()):
+        """`lookahead`: KV slots each request holds past a step's tokens. `gates`: can_schedule(req, running)
+        callables (the engine add-ons'): a waiting request joins the running ones only where all say yes."""
         self.config = config
-        self.max_loras = max_loras  # most distinct LoRA adapters among running requests (0: no LoRA)
         self.kv = kv
         self.max_model_len = max_model_len
-        spec = SpeculativeConfig.from_dict(config.speculative_config)
-        self.lookahead = spec.num_lookahead_slots if spec is not None else 0  # slots past a step's tokens
+        self.lookahead = lookahead
+        self.gates = list(gates)
         # the one admission rule: the engine announces this number, the frontend compares prompts against it
         self.max_prompt_tokens = kv.max_prompt_tokens(config.max_num_batched_tokens, max_model_len)
         if not config.enable_chunked_prefill:  # a prompt is then computed in one step
@@ -145,8 +148,8 @@ class Scheduler:
         out.preempted.append(req)
         req.num_sent_blocks = None  # the runner drops it; a resume sends it anew
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
-        """`drafts` (speculative decoding): proposed tokens per running request whose known tokens are all
+    def schedule(self, proposed: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """`proposed` (speculative decoding's drafts): tokens per running request whose known tokens are all
         computed but the last; they count in the token budget and are verified by the step's sampling."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
@@ -165,12 +168,13 @@ class Scheduler:
             if len(req.output_token_ids) >= req.max_tokens:
                 continue  # its in-flight token is its last one
             num_new = self._chunk(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
-            draft = drafts.get(req.request_id, ())[:budget - num_new] if drafts else []
-            num_new += len(draft)
+            extra = proposed.get(req.request_id, ())[:budget - num_new] if proposed else []
+            num_new += len(extra)
             lookahead = self._lookahead(req.num_computed_tokens + num_new)
             while True:
                 if self.kv.allocate_slots(req, num_new, lookahead=lookahead):
-                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, draft_token_ids=draft))
+                    out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                                          proposed_token_ids=extra))
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break
@@ -184,17 +188,17 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
 
-        # 2. waiting requests, while budget, sequence slots, blocks and LoRA slots last; under a share, a paused
-        # sequence is preempted where a newcomer needs its slot or blocks
+        # 2. waiting requests, while budget, sequence slots and blocks last and the gates let them in; under a
+        # share, a paused sequence is preempted where a newcomer needs its slot or blocks
         kv_short = bool(out.preempted)
-        loras = {r.lora_id for r in self.running if r.lora_id}
+        gates = self.gates
         running_per_group = Counter(r.group for r in self.running) if cap is not None else None
         while not kv_short and budget > 0:
             req = self.fair.next_waiting(self.waiting, running_per_group, cap)
             if req is None:
                 break
-            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
-                break  # its adapter needs a device slot that running requests hold: wait for them
+            if gates and not all(gate(req, self.running) for gate in gates):
+                break  # it waits for what running requests hold (e.g. an adapter's device slot)
             if len(self.running) >= self.config.max_num_seqs:
                 if not paused:
                     break
@@ -220,8 +224,6 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
-            if req.lora_id:
-                loras.add(req.lora_id)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, num_hit))
             budget -= num_new
@@ -229,8 +231,7 @@ class Scheduler:
         return out
 
     def _lookahead(self, end: int) -> int:
-        """Slots to hold past a step that ends at `end` tokens (speculative_config's num_lookahead_slots), not
-        past max_model_len."""
+        """Slots to hold past a step that ends at `end` tokens (the `lookahead` slots), not past max_model_len."""
         return max(0, min(self.lookahead, self.max_model_len - end))
 
     def _chunk(self, start: int, num_new: int) -> int:
@@ -254,6 +255,8 @@ class Scheduler:
             req = s.request
             new_ids = None
             if req.num_sent_blocks is None:
+                if not req.scheduled_at:
+                    req.scheduled_at = time.monotonic()
                 block_ids = self.kv.block_ids(req)
                 sp = req.sampling_params
                 stop = ([req.eos_token_id] if req.eos_token_id is not None and not sp.ignore_eos else [])
@@ -267,7 +270,7 @@ class Scheduler:
                 req.num_sent_blocks = [len(ids) for ids in block_ids]
             grown.discard(req.request_id)
             step.chunks.append(ScheduledChunk(req.request_id, s.num_new_tokens, s.num_computed_tokens, s.samples,
-                                              new_ids, s.draft_token_ids))
+                                              new_ids, s.proposed_token_ids))
         step.chunks.sort(key=lambda c: c.num_new_tokens != 1)  # the runner's row order: decode rows first
         step.state_restores, step.state_saves = self.kv.take_state_copies()
         return step
@@ -285,8 +288,8 @@ class Scheduler:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue
-            # drafts are computed but not yet known to be right: the result counts the accepted ones
-            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens - len(s.draft_token_ids)
+            # proposed tokens are computed but not yet known to be right: the result counts the accepted ones
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens - len(s.proposed_token_ids)
             if s.samples:
                 s.output_index = len(req.output_token_ids)
                 req.output_token_ids.append(PLACEHOLDER)

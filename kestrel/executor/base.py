@@ -58,6 +58,14 @@ class Executor:
         """Allocate the KV cache and set up what needs it (buffers, CUDA graphs) on every rank."""
         raise NotImplementedError
 
+    def start_up(self) -> int:
+        """The start-up after the model loaded, in order: precompile, size the KV cache (the minimum over ranks),
+        allocate it and set up what needs it. Returns the number of blocks."""
+        self.precompile_kernels()
+        num_blocks = self.determine_num_blocks()
+        self.initialize_cache(num_blocks)
+        return num_blocks
+
     def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None):
         """Start a step and return a handle for `collect` (its `samples` says whether it samples tokens). With
         sample=False the caller passes a token bitmask to `sample` first (handle.rows: request id -> its row).
@@ -90,9 +98,9 @@ class UniExecutor(Executor):
     """Today's fast path: the model runner in the engine process."""
 
     def __init__(self, config, progress: bool = True):
-        from kestrel.worker.model_runner import ModelRunner
+        from kestrel.executor.runner_build import build_runner
 
-        self.runner = ModelRunner(config, progress)
+        self.runner = build_runner(config, progress)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.loaded.tokenizer
         self.device = self.runner.device
@@ -111,6 +119,13 @@ class UniExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.setup_after_kv()
+
+    def start_up(self) -> int:
+        from kestrel.worker.build import start_up
+
+        started = start_up(self.runner.parts)  # the runner's start-up order, in one function
+        self.runner.adopt(started)
+        return started.num_blocks
 
     def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None):
         return self.runner.launch(step, prev, sample, before_forward)

@@ -57,9 +57,9 @@ def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_
         if device.type == "cpu":
             torch.set_num_threads(config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // size))
         parallel = init_distributed(rank, size, init_method, device)
-        from kestrel.worker.model_runner import ModelRunner
+        from kestrel.executor.runner_build import build_runner
 
-        runner = ModelRunner(config, progress=False, parallel=parallel)
+        runner = build_runner(config, progress=False, parallel=parallel)
         logger.info("tensor-parallel worker rank %d ready (pid %d)", rank, os.getpid())
         _serve(runner, rank, inp, out, me, parent_pid)
         torch.distributed.destroy_process_group()  # a clean exit (after a peer's failure the engine kills us)

@@ -26,10 +26,15 @@ class LLMEngine:
             pooling=pooling_facts(self.core.model_config, config.model))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._lora_ids = itertools.count(1)
-        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)  # never reused: an id salts its adapter's prefix-cache blocks
         for name, path in parse_lora_modules(config.lora):
             self.add_lora(name, path)
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        """The loaded adapters by name: the core's LoRA control holds the one registry."""
+        ctl = self.core.lora_control
+        return {name: LoRARequest(name, i, ctl.paths[i]) for i, name in ctl.loras.items()}
 
     def add_lora(self, name: str, path: str) -> LoRARequest:
         """Load a PEFT adapter; requests pick it with lora_request (or its name)."""
@@ -37,16 +42,11 @@ class LLMEngine:
             raise ValueError(f"an adapter named {name!r} is already loaded")
         req = LoRARequest(name, next(self._lora_ids), path)
         self.core.add_lora(req.lora_id, name, path)
-        self.loras[name] = req
         return req
 
     def remove_lora(self, name: str) -> bool:
         req = self.loras.get(name)
-        if req is None:
-            return False
-        removed = self.core.remove_lora(req.lora_id)  # raises (and keeps it) while a request uses it
-        del self.loras[name]
-        return removed
+        return req is not None and self.core.remove_lora(req.lora_id)  # raises (and keeps it) while in use
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, stream: bool = False, lora_request: LoRARequest | str | None = None,

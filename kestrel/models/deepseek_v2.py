@@ -120,7 +120,7 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         n = self.config.num_hidden_layers
         # V3 checkpoints carry multi-token-prediction layers past the last decoder layer: not part of the target
-        # (speculative_config method "mtp" loads them into its drafter, kestrel/worker/mtp_drafter.py)
+        # (speculative_config method "mtp" loads them into its drafter, kestrel/spec_decode/mtp_drafter.py)
         return super().load_weights((name, t) for name, t in weights if not _beyond_last_layer(name, n))
 
 

@@ -60,7 +60,7 @@ class SpeculativeConfig:
     @property
     def num_lookahead_slots(self) -> int:
         """KV slots a request needs past a step's tokens: an EAGLE-3 draft chain writes its layer's K/V at up to
-        k - 1 positions after them (kestrel/worker/draft_kv.py)."""
+        k - 1 positions after them (kestrel/spec_decode/draft_kv.py)."""
         return self.num_speculative_tokens - 1 if self.method == "eagle3" else 0
 
 

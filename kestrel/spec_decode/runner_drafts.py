@@ -1,5 +1,5 @@
 """The engine side of drafters that run in the model runner (methods mtp and eagle3,
-kestrel/worker/drafters.py): the runner drafts after each step from the target's hidden states and returns
+kestrel/spec_decode/drafters.py): the runner drafts after each step from the target's hidden states and returns
 the drafts with its output (RunnerOutput.next_drafts); this proposer hands them to the next step. Drafts made for a
 request whose token count has moved since (a preemption, a stop) are dropped."""
 from __future__ import annotations

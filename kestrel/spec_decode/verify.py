@@ -13,29 +13,7 @@ A step's logits rows: first one row per sampling request (the position after its
 order, as without speculation), then each drafted request's draft positions in the same order."""
 from __future__ import annotations
 
-from collections.abc import Container
+# the rule's two functions sit with the step deltas, below the runner that applies them
+from kestrel.core.step import accept, logits_positions
 
-from kestrel.core.step import ScheduledChunk
-
-
-def logits_positions(chunks: list[ScheduledChunk], query_start_loc, skip: Container[str] = ()) -> list[int]:
-    """Token indices of the step whose logits are sampled, in the row order above (requests in `skip`, which end
-    in a pooler, have none)."""
-    first, drafted = [], []
-    for b, c in enumerate(chunks):
-        if not c.samples or c.request_id in skip:
-            continue
-        end, nd = query_start_loc[b + 1], len(c.draft_token_ids)
-        first.append(end - 1 - nd)
-        drafted.extend(range(end - nd, end))
-    return first + drafted
-
-
-def accept(first: int, verified: list[int], drafts: list[int]) -> list[int]:
-    """The emitted tokens: `first` (y_0), then y_{j+1} = verified[j] for as long as y_j == d_j."""
-    out = [first]
-    for j, d in enumerate(drafts):
-        if out[-1] != d:
-            break
-        out.append(verified[j])
-    return out
+__all__ = ["accept", "logits_positions"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention import kv_quant
+from kestrel.attention.backend import CommonAttentionMetadata
+from kestrel.attention.layer import ForwardContext
 from kestrel.attention.indexer_keys import specs_with_index_key_dtype
 from kestrel.attention.selector import select_attention_backend
 from kestrel.config import EngineConfig
@@ -54,3 +56,24 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                 layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
             layer.group_id = g.group_id
     return groups, backends, builders
+
+
+def max_step_tokens(config) -> int:
+    """The most tokens of one step's forward (the persistent buffers' size)."""
+    sc = config.scheduler
+    return max(sc.max_num_batched_tokens, sc.max_num_seqs)
+
+
+def step_metadata(builders, buf, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int,
+                  max_seq_len: int, width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False,
+                  **fields) -> ForwardContext:
+    """Every group's attention metadata over the first rows of the input buffers `buf`, from its backend's
+    builder. `fields`: the add-ons' extra common fields (attention_fields)."""
+    common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
+                                     buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
+                                     **fields)
+    metas = []
+    for g, builder in enumerate(builders):
+        build = builder.build_for_capture if capture else builder.build
+        metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
+    return ForwardContext(metas)

@@ -4,7 +4,12 @@ before a replay (for paged attention: seq_len 0 and slot -1, which the kernels t
 
 A builder whose decode steps take one of several forms (AttentionMetadataBuilder.graph_variants; DSA: the sparse
 or the dense route) gets one set of graphs per form (DecodeGraphForms); a step replays the set of the form its
-builders decided when they built its metadata, so capture and replay never disagree on the route."""
+builders decided when they built its metadata, so capture and replay never disagree on the route.
+
+Every set of graphs that serves steps is a GraphSet: the runner keeps a list of them (decode first, then those the
+add-ons add, e.g. verify steps, then one-request prefills) and replays the first whose `step_key` is not None. A
+set is chosen at start-up from the flags the metadata builders declare (AttentionMetadataBuilder.graph_steps),
+never from their types."""
 from __future__ import annotations
 
 import bisect
@@ -22,22 +27,45 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
-def decode_graphs(runner, sizes: list[int]):
-    """The runner's decode graphs (not yet captured): one DecodeGraphs, or one per combination of its builders'
+def decode_graphs(parts, sizes: list[int]):
+    """The decode graphs (not yet captured): one DecodeGraphs, or one per combination of its builders'
     forms."""
-    forms = list(itertools.product(*(b.graph_variants() for b in runner.builders)))
-    return DecodeGraphs(runner, sizes) if len(forms) == 1 else DecodeGraphForms(runner, sizes, forms)
+    forms = list(itertools.product(*(b.graph_variants() for b in parts.builders)))
+    return DecodeGraphs(parts, sizes) if len(forms) == 1 else DecodeGraphForms(parts, sizes, forms)
 
 
-class DecodeGraphs:
-    def __init__(self, runner, sizes: list[int], form: tuple[str, ...] | None = None):
+class GraphSet:
+    """CUDA graphs that serve some steps of the parts."""
+
+    def step_key(self, chunks, states, meta):
+        """What step_logits replays for this step (its padded size, ...), or None where this set does not serve
+        it (`meta`: the step's first group's attention metadata)."""
+        return None
+
+    def step_logits(self, chunks, meta, key):
+        """Replay the step: the logits at its sampling rows (the verify rule's order, kestrel/core/step.py)."""
+        raise NotImplementedError
+
+
+class _DecodeSteps(GraphSet):
+    """A step whose every row is a decode, padded up to the next captured batch size."""
+
+    def step_key(self, chunks, states, meta):
+        return self.padded_size(meta.num_reqs) if meta.num_decodes == meta.num_reqs else None
+
+    def step_logits(self, chunks, meta, key):
+        return self.replay(meta.num_reqs, key)  # every decode row samples
+
+
+class DecodeGraphs(_DecodeSteps):
+    def __init__(self, parts, sizes: list[int], form: tuple[str, ...] | None = None):
         """form: one of graph_variants per builder (None: what build_for_capture builds)."""
-        self.runner, self.model, self.buf = runner, runner.model, runner.buffers
+        self.parts, self.model, self.buf = parts, parts.model, parts.buffers
         self.form = form
         if form is not None:
             self.kind = "/".join(v for v in form if v) + " "
         self.sizes = sorted(sizes)
-        self.max_seq_len = runner.max_model_len
+        self.max_seq_len = parts.max_model_len
         self.width = self.buf.max_blocks
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -48,10 +76,10 @@ class DecodeGraphs:
 
     def _context(self, b: int):
         if b not in self.contexts:
-            ctx = self.runner.metadata(b, b, b, 1, self.max_seq_len, self.width, capture=True)
+            ctx = self.parts.metadata(b, b, b, 1, self.max_seq_len, self.width, capture=True)
             if self.form is not None:
                 ctx.attn_metadata = [builder.captured_variant(meta, v) for builder, meta, v in
-                                     zip(self.runner.builders, ctx.attn_metadata, self.form)]
+                                     zip(self.parts.builders, ctx.attn_metadata, self.form)]
             self.contexts[b] = ctx
         return self.contexts[b]
 
@@ -60,7 +88,7 @@ class DecodeGraphs:
         """One eager decode forward of the padded batch `b` from the buffers (what a capture records); returns
         its logits."""
         ctx = self._context(b)
-        for builder, meta in zip(self.runner.builders, ctx.attn_metadata):
+        for builder, meta in zip(self.parts.builders, ctx.attn_metadata):
             builder.update_captured(meta)
         hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b], ctx)
         return self.model.compute_logits(hidden)
@@ -83,7 +111,10 @@ class DecodeGraphs:
         dt = time.perf_counter() - t0
         logger.info("Captured %d %sCUDA graphs (%s %s..%s) in %.1f s", len(self.graphs), self.kind, self.unit,
                     self.sizes[0], self.sizes[-1], dt)
+        self.capture_seconds = dt
         return dt
+
+    capture_seconds = 0.0
 
     kind, unit = "", "batch sizes"  # in the log line
 
@@ -107,7 +138,7 @@ class DecodeGraphs:
             buf.input_ids[b:padded].zero_()
             buf.positions[b:padded].zero_()
             buf.query_start_loc[b + 1:padded + 1].copy_(self.arange[b + 1:padded + 1])
-            for builder, meta in zip(self.runner.builders, self._context(padded).attn_metadata):
+            for builder, meta in zip(self.parts.builders, self._context(padded).attn_metadata):
                 builder.prepare_replay(meta, b, padded)
         self.replays += 1
         if padded not in self.graphs:
@@ -116,13 +147,13 @@ class DecodeGraphs:
         return self.logits[padded][:b]
 
 
-class DecodeGraphForms:
+class DecodeGraphForms(_DecodeSteps):
     """DecodeGraphs per combination of the builders' forms, in one memory pool, with DecodeGraphs' interface: a
     step replays the graphs of the forms its builders decided (step_variant) when they built its metadata."""
 
-    def __init__(self, runner, sizes: list[int], forms: list[tuple[str, ...]]):
-        self.builders = runner.builders
-        self.by_form = {form: DecodeGraphs(runner, sizes, form) for form in forms}
+    def __init__(self, parts, sizes: list[int], forms: list[tuple[str, ...]]):
+        self.builders = parts.builders
+        self.by_form = {form: DecodeGraphs(parts, sizes, form) for form in forms}
         self.sizes = sorted(sizes)
 
     @property
@@ -139,7 +170,10 @@ class DecodeGraphForms:
             graphs.pool = pool
             seconds += graphs.capture()
             pool = graphs.pool
+        self.capture_seconds = seconds
         return seconds
+
+    capture_seconds = 0.0
 
     def run(self, b: int) -> None:
         """Every form's eager forward (the precompile's dry run)."""

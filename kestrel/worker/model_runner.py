@@ -2,7 +2,9 @@
 (kestrel/core/step.py), lays the batch into persistent input buffers, asks each KV-cache group's backend to build
 that group's attention metadata, runs the forward (or replays a CUDA graph) and samples. Per-request features
 (LoRA, images, a bidirectional prefix, grammar bitmasks) are add-ons (kestrel/worker/addons/): the runner calls
-their hooks and knows none by name."""
+their hooks and knows none by name; a feature package above the worker adds its own (speculative decoding's verify
+steps and drafter, kestrel/spec_decode/runner_addon.py, given by kestrel/executor/runner_build.py). The runner is
+built from frozen parts in an explicit order (kestrel/worker/build.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,142 +12,108 @@ import logging
 import numpy as np
 import torch
 
-from kestrel.attention.backend import CommonAttentionMetadata
 from kestrel.attention.layer import ForwardContext
-from kestrel.config import EngineConfig
-from kestrel.core.device import pick_device, to_device
-from kestrel.core.kv_spec import cdiv
-from kestrel.core.pooling import pooling_task
-from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput
-from kestrel.loader import LoadedModel, load_model
-from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
-from kestrel.spec_decode.verify import logits_positions
+from kestrel.core.device import to_device
+from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
-from kestrel.worker.addons import HOOKS, build_addons, lora_manager, overriding
+from kestrel.worker.addons import StepAddon, lora_manager
 from kestrel.worker.addons.pooling import POOLED_TOKEN
-from kestrel.worker.attention_binding import bind_attention
-from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestState
+from kestrel.worker.attention_binding import step_metadata
+from kestrel.worker.build import RunnerParts
+from kestrel.worker.input_batch import InputBuffers, RequestState
 from kestrel.worker.step_outputs import InFlight, StepOutputs
-from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
-from kestrel.worker.drafters import build_drafter
+from kestrel.worker.warm_up import Started, precompile_kernels, set_up_after_kv
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True, parallel=None):
-        """`parallel` (kestrel.distributed.ParallelInfo): this tensor-parallel rank's place; None: one process."""
-        self.config = config
-        self.device = pick_device(config.model.device)
-        if self.device.type == "cuda":
-            try:
-                from kestrel.kernels.triton_ops.pdl import configure_pdl
-                configure_pdl(config.compilation.pdl)
-            except ImportError:  # no triton: no Triton kernels to launch
-                pass
-        torch.manual_seed(config.model.seed)
-        self.loaded: LoadedModel = load_model(config.model, self.device, config.kernel, progress, parallel)
+    def __init__(self, parts: RunnerParts):
+        """Built from the build's parts (kestrel/worker/build.py build_parts); start-up (build.start_up, or the
+        executor's stage calls below) gives it the KV cache, the buffers and the graph sets."""
+        self.parts = parts
+        self.config, self.device, self.loaded = parts.config, parts.device, parts.loaded
         self.model = self.loaded.model
         self.model_config = self.loaded.config
         self.hf_config = self.model_config.text  # the decoder's HF config
         self.dtype = self.loaded.dtype
-        self.block_size = config.cache.block_size
-        self.max_model_len = self.model_config.max_model_len
-        m = config.model
-        self.pooling_task = pooling_task(self.model_config.architecture, m.runner, m.convert)
-        self.addons = build_addons(self.model, config, self.device, self.dtype, self.pooling_task,
-                                   self.model_config.pooling_method)
-        self.spec = spec = SpeculativeConfig.from_dict(config.scheduler.speculative_config)
-        # the draft model (speculative_config method "mtp" or "eagle3"), fed the target's hidden states; built
-        # before the binding, so that an EAGLE-3 draft's attention layer joins the target's KV group
-        self.drafter = build_drafter(spec, self.model, self.hf_config, self.loaded.context, self.loaded.path,
-                                     self.device, self.dtype, self.max_step_tokens)
-        # the attention layers grouped by cache spec, a backend and a metadata builder per group
-        self.kv_cache_groups, self.backends, self.builders = bind_attention(self.loaded.context, config, self.addons,
-                                                                            self.dtype, self.device)
-        if spec is not None:
-            refuse(model_refusals(self.model, self.kv_cache_groups))
-        self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
+        self.block_size, self.max_model_len = parts.block_size, parts.max_model_len
+        self.pooling_task = parts.pooling_task
+        self.addons = list(parts.addons)
+        self.kv_cache_groups, self.backends, self.builders = parts.kv_cache_groups, parts.backends, parts.builders
+        self._hooks = self.hooks = parts.hooks  # hook name -> the overriding add-ons' methods (the parts' dict)
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}
-        self.block_rows = BlockTableRows(len(self.kv_cache_groups), cdiv(self.max_model_len, self.block_size),
-                                         config.scheduler.max_num_seqs)
-        if self.drafter is not None:
-            self.drafter.bind(self.builders, self.block_rows)
-        # a verify step (speculative decoding) samples 1 + k rows per request
-        k = spec.num_speculative_tokens if spec is not None else 0
-        self.max_sample_rows = config.scheduler.max_num_seqs * (1 + k)
-        self.outputs = StepOutputs(config.model.seed, self.max_sample_rows, self.device, self._hooks["before_sample"])
-        self.graphs = None
-        self.verify_graphs = None  # speculative decoding's verify steps (kestrel/worker/verify_graphs.py)
-        self.prefill_graphs = None  # one request's small prefill step (kestrel/worker/prefill_graphs.py)
+        self.block_rows = parts.block_rows
+        self.max_sample_rows = parts.max_sample_rows
+        self.outputs = StepOutputs(self.config.model.seed, self.max_sample_rows, self.device,
+                                   self._hooks["before_sample"])
+        self.graphs = None  # the decode graphs (kestrel/worker/cuda_graphs.py)
+        self.graph_sets: list = []  # the graph sets that serve steps, tried in order (decode first; GraphSet)
         self.graph_capture_seconds = 0.0
         self._copy_done = None
         self._num_fills = 0
         self.buffers = None
+        self.kv_caches, self.num_blocks = [], 0
+
+    def __getattr__(self, name: str):
+        """An add-on by its name (runner.<name>, e.g. runner.drafter; None where no such add-on was built)."""
+        if name.startswith("_") or "addons" not in self.__dict__:
+            raise AttributeError(name)
+        found = next((a for a in self.__dict__["addons"] if a.name == name), None)
+        if found is None and name not in StepAddon.names:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return found
 
     @property
     def backend(self):
         """The first group's backend (the only one for single-kind models)."""
         return self.backends[0]
 
-    # ---- KV cache
+    @property
+    def max_step_tokens(self) -> int:
+        return self.parts.max_step_tokens
+
     @property
     def bytes_per_block(self) -> int:
-        """One block id holds a row in each cache slot (kestrel/worker/kv_allocation.py)."""
-        return kv_allocation.bytes_per_block(self.kv_cache_groups)
+        return self.parts.bytes_per_block
+
+    def metadata(self, *args, **kw) -> ForwardContext:
+        """Every group's attention metadata over the buffers' first rows (attention_binding.step_metadata)."""
+        return step_metadata(self.builders, self.buffers, *args, **kw)
+
+    def new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
+        return self.parts.new_buffers(max_tokens, max_reqs)
+
+    # ---- start-up stages (kestrel/worker/build.py start_up runs them in order; a tensor-parallel worker runs
+    # them as the engine asks, since the ranks agree on the block count in between)
+    def precompile_kernels(self) -> None:
+        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
+        precompile_kernels(self.parts)
 
     def determine_num_blocks(self) -> int:
         """The blocks the KV cache gets (kestrel/worker/memory_profile.py)."""
-        return memory_profile.determine_num_blocks(self)
+        return memory_profile.determine_num_blocks(self.parts)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_allocation.allocate_kv_cache(self.kv_cache_groups, self.loaded.context.attention_layers,
-                                                         num_blocks, self.device)
-        self.num_blocks = num_blocks
+        self.kv_caches, self.num_blocks = self.parts.allocate_kv_cache(num_blocks), num_blocks
 
     def free_kv_cache(self) -> None:
-        for layer in self.loaded.context.attention_layers.values():
-            layer.kv_cache = None
+        self.parts.free_kv_cache()
         self.kv_caches = []
 
-    # ---- metadata
-    def metadata(self, num_tokens: int, num_reqs: int, num_decodes: int, max_query_len: int, max_seq_len: int,
-                 width: int, qsl_cpu=None, sl_cpu=None, capture: bool = False, **fields) -> ForwardContext:
-        """Every group's attention metadata over the buffers' first rows, from its backend's builder. `fields`:
-        the add-ons' extra common fields (attention_fields)."""
-        buf = self.buffers
-        common = CommonAttentionMetadata(num_tokens, num_reqs, num_decodes, max_query_len, max_seq_len,
-                                         buf.query_start_loc[:num_reqs + 1], buf.seq_lens[:num_reqs], qsl_cpu, sl_cpu,
-                                         **fields)
-        metas = []
-        for g, builder in enumerate(self.builders):
-            build = builder.build_for_capture if capture else builder.build
-            metas.append(build(common, buf.block_tables[g, :num_reqs, :width], buf.slot_mapping[g, :num_tokens]))
-        return ForwardContext(metas)
-
-    @property
-    def max_step_tokens(self) -> int:
-        """The most tokens of one step's forward (the persistent buffers' size)."""
-        sc = self.config.scheduler
-        return max(sc.max_num_batched_tokens, sc.max_num_seqs)
-
-    def _new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
-        sc = self.config.scheduler
-        return InputBuffers(max_tokens or self.max_step_tokens, max(max_reqs, sc.max_num_seqs),
-                            cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
-                            len(self.kv_cache_groups))
-
-    # ---- start-up after the KV cache (kestrel/worker/warm_up.py)
     def setup_after_kv(self) -> None:
         """Persistent buffers, the kernel warm-up, then (where on) the CUDA graphs."""
-        set_up_after_kv(self)
+        self.adopt(set_up_after_kv(self.parts))
 
-    def precompile_kernels(self) -> None:
-        """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
-        precompile_kernels(self)
+    def adopt(self, started: Started) -> None:
+        """Take what start-up made."""
+        if started.num_blocks:
+            self.kv_caches, self.num_blocks = started.kv_caches, started.num_blocks
+        self.buffers, self.graphs, self.graph_sets = started.buffers, started.graphs, started.graph_sets
+        self.graph_capture_seconds = started.graph_capture_seconds
 
     # ---- batch state from the scheduler's deltas
     def _update_states(self, step: StepInput) -> None:
@@ -167,8 +135,6 @@ class ModelRunner:
 
     def _forget(self, st: RequestState) -> None:
         self.block_rows.free(st.table_row)
-        if self.drafter is not None:
-            self.drafter.forget(st.request_id)
         for remove in self._hooks["remove_request"]:
             remove(st)
 
@@ -232,8 +198,8 @@ class ModelRunner:
         samplers = [(c, st) for c, st in zip(chunks, states) if c.samples and c.request_id not in inf.out.pooled]
         meta = ctx.attn_metadata[0]
         qsl = meta.query_start_loc_cpu
-        if self.drafter is not None:  # its capture's buffer was filled by the forward or the graph replay
-            inf.target_hidden = (self.drafter.capture.rows(meta.num_tokens), list(qsl), chunks)
+        for after in self._hooks["after_forward"]:
+            after(inf, meta, chunks)
         if step.state_saves:  # states at block boundaries, from the slots the forward (or graph) just wrote
             kv_allocation.copy_state_slots(self.kv_cache_groups, layers, step.state_saves)
         if samplers:
@@ -276,20 +242,13 @@ class ModelRunner:
         return logits, hidden
 
     def _replay_graph(self, chunks: list[ScheduledChunk], states: list[RequestState], meta) -> torch.Tensor | None:
-        """The logits of a step that a CUDA graph serves (every row a decode: a decode graph; every row verifying
-        k drafts: a verify graph; one prefill chunk alone: a prefill graph, logits at its last token), else None."""
-        padded = (self.graphs.padded_size(meta.num_reqs) if self.graphs and meta.num_decodes == meta.num_reqs
-                  else None)
-        if padded is not None:
-            return self.graphs.replay(meta.num_reqs, padded)  # every decode row samples
-        vg = self.verify_graphs.select(chunks) if self.verify_graphs else None
-        verify_padded = vg.padded_size(meta.num_reqs) if vg is not None else None
-        if verify_padded is not None:  # every row verifies k drafts: its logits at all tokens, then the rows
-            return vg.replay(meta.num_reqs, verify_padded)[
-                to_device(logits_positions(chunks, meta.query_start_loc_cpu), torch.int64, self.device)]
-        pg = self.prefill_graphs
-        bucket = pg.padded_size(meta.num_tokens) if pg is not None and pg.fits(chunks, states, meta) else None
-        return pg.replay(meta.num_tokens, bucket) if bucket is not None else None
+        """The logits of a step that a CUDA graph set serves (every row a decode: the decode graphs; then the
+        add-ons' sets, e.g. every row verifying k drafts; one prefill chunk alone: a prefill graph), else None."""
+        for graphs in self.graph_sets:
+            key = graphs.step_key(chunks, states, meta)
+            if key is not None:
+                return graphs.step_logits(chunks, meta, key)
+        return None
 
     def sample(self, inf: InFlight, bitmask: StepBitmask | None = None) -> None:
         """Queue the sampling of a launched step. `bitmask` (the host masks of the constrained rows, by their
@@ -299,6 +258,6 @@ class ModelRunner:
     def collect(self, inf: InFlight) -> RunnerOutput:
         """Wait for a launched step's sampled tokens (and record them in the batch state)."""
         out = self.outputs.collect(inf, self.requests)
-        if self.drafter is not None:
-            self.drafter.after_step(inf, out, self.requests)
+        for after in self._hooks["after_collect"]:
+            after(inf, out, self.requests)
         return out

@@ -22,9 +22,6 @@ import logging
 
 import torch
 
-from kestrel.attention.backend import AttentionMetadataBuilder
-from kestrel.attention.mla import MLAMetadataBuilder
-from kestrel.attention.sparse_mla import SparseMLAMetadataBuilder
 from kestrel.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -32,37 +29,33 @@ logger = logging.getLogger(__name__)
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def _absorbed_mla(builder) -> bool:
-    return isinstance(builder, MLAMetadataBuilder) and not isinstance(builder, SparseMLAMetadataBuilder)
+def prefill_graphs_supported(parts) -> bool:
+    return all("prefill" in b.graph_steps for b in parts.builders)
 
 
-def prefill_graphs_supported(runner) -> bool:
-    return all(type(b) is AttentionMetadataBuilder or _absorbed_mla(b) for b in runner.builders)
-
-
-def prefill_graph_sizes(runner) -> list[int]:
+def prefill_graph_sizes(parts) -> list[int]:
     """The token buckets up to --cuda-graph-prefill-max-tokens and the buffers, and none beyond the first that
     holds a whole step (--max-num-batched-tokens); none where the backends have no prefill graphs or the buffers
     hold a single request (no room for the pad request)."""
-    cap = min(runner.config.compilation.cuda_graph_prefill_max_tokens, runner.buffers.max_tokens)
-    if runner.buffers.max_reqs < 2 or not prefill_graphs_supported(runner):
+    cap = min(parts.config.compilation.cuda_graph_prefill_max_tokens, parts.buffers.max_tokens)
+    if parts.buffers.max_reqs < 2 or not prefill_graphs_supported(parts):
         return []
     sizes = [s for s in BUCKETS if s <= cap]
-    budget = runner.config.scheduler.max_num_batched_tokens
+    budget = parts.config.scheduler.max_num_batched_tokens
     return [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] < budget]
 
 
 class PrefillGraphs(DecodeGraphs):
     kind, unit = "prefill ", "tokens"
 
-    def __init__(self, runner, sizes: list[int], pool=None):
-        super().__init__(runner, sizes)
+    def __init__(self, parts, sizes: list[int], pool=None):
+        super().__init__(parts, sizes)
         self.pool = pool
-        if not all(type(b) is AttentionMetadataBuilder for b in runner.builders):  # absorbed MLA
+        if any(b.prefill_graph_per_token for b in parts.builders):  # absorbed MLA: a table row per token
             self.max_seq_len = min(self.max_seq_len, max(self.sizes, default=0))
         # --calculate-kv-scales: the first batch that writes K/V sets the scales, in the eager forward
-        self.calibrating = ([x for x in runner.loaded.context.attention_layers.values()
-                             if hasattr(x, "calibrate_kv_scales")] if runner.config.cache.calculate_kv_scales else [])
+        self.calibrating = ([x for x in parts.loaded.context.attention_layers.values()
+                             if hasattr(x, "calibrate_kv_scales")] if parts.config.cache.calculate_kv_scales else [])
         dev = self.buf.device
         self.last = torch.zeros(1, dtype=torch.int64, device=dev)  # the real request's last token
         self.pad_positions = torch.arange(max(self.sizes, default=0), dtype=torch.int64, device=dev)
@@ -74,9 +67,15 @@ class PrefillGraphs(DecodeGraphs):
                 and states[0].sampling_params.prompt_logprobs is None and meta.bidirectional_lens_cpu is None
                 and meta.max_seq_len <= self.max_seq_len and not any(x.calibrate_kv_scales for x in self.calibrating))
 
+    def step_key(self, chunks, states, meta):
+        return self.padded_size(meta.num_tokens) if self.fits(chunks, states, meta) else None
+
+    def step_logits(self, chunks, meta, key):
+        return self.replay(meta.num_tokens, key)  # the logits at its last token
+
     def _context(self, q: int):
         if q not in self.contexts:
-            self.contexts[q] = self.runner.metadata(q, 2, 0, q, self.max_seq_len, self.width, capture=True)
+            self.contexts[q] = self.parts.metadata(q, 2, 0, q, self.max_seq_len, self.width, capture=True)
         return self.contexts[q]
 
     def _pad(self, n: int, q: int) -> None:
@@ -103,7 +102,7 @@ class PrefillGraphs(DecodeGraphs):
         """One eager forward of bucket `q` from the buffers (what a capture records); the logits [1, vocab] at
         the real request's last token."""
         ctx = self._context(q)
-        for builder, meta in zip(self.runner.builders, ctx.attn_metadata):
+        for builder, meta in zip(self.parts.builders, ctx.attn_metadata):
             builder.update_captured(meta)
         hidden = self.model(self.buf.input_ids[:q], self.buf.positions[:q], ctx)
         return self.model.compute_logits(hidden.index_select(0, self.last))
@@ -119,15 +118,15 @@ class PrefillGraphs(DecodeGraphs):
         return self.run(q)
 
 
-def capture_prefill_graphs(runner, decode_graphs) -> PrefillGraphs | None:
+def capture_prefill_graphs(parts, decode_graphs) -> PrefillGraphs | None:
     """Where decode graphs are captured and the backends allow it: prefill graphs per token bucket, in the decode
     graphs' memory pool. A failed capture logs and leaves prefill steps eager."""
-    sizes = prefill_graph_sizes(runner) if decode_graphs is not None else []
+    sizes = prefill_graph_sizes(parts) if decode_graphs is not None else []
     if not sizes:
         return None
     try:
-        graphs = PrefillGraphs(runner, sizes, decode_graphs.pool)
-        runner.graph_capture_seconds += graphs.capture()
+        graphs = PrefillGraphs(parts, sizes, decode_graphs.pool)
+        graphs.capture()
     except Exception as e:  # noqa: BLE001  (an optimisation: eager prefill steps stay correct)
         logger.warning("prefill CUDA graphs not captured (%s: %s); prefill steps run eagerly", type(e).__name__, e)
         torch.cuda.synchronize()

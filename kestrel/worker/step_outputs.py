@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk
-from kestrel.spec_decode.verify import accept
+from kestrel.core.step import PLACEHOLDER, RunnerOutput, ScheduledChunk, accept
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker.input_batch import RequestState
 from kestrel.worker.sampler import Sampler, SamplingRow, compute_logprobs

@@ -44,7 +44,7 @@ def test_prefill_graph_path_equals_eager_engine(tmp_path, tiny_tokenizer, monkey
         runner = llm.engine.core.executor.runner
         assert runner.backend.name == backend
         if graphs:
-            runner.prefill_graphs = pg = PrefillGraphs(runner, [16, 32, 64])
+            runner.graph_sets = [pg := PrefillGraphs(runner, [16, 32, 64])]
             replay = pg.replay
             pg.replay = lambda n, q: served.append((n, q, int(runner.buffers.seq_lens[0]))) or replay(n, q)
         outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for b in batches for o in llm.generate(b, params)])

@@ -122,6 +122,7 @@ def test_decode_graph_path_equals_eager_engine(tmp_path, tiny_tokenizer, monkeyp
         runner = llm.engine.core.executor.runner
         if graphs:
             runner.graphs = decode_graphs(runner, [1, 2, 4])  # 3 requests: one padded row
+            runner.graph_sets = [runner.graphs]
         outs.append([[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches])
     assert outs[1] == outs[0]
     forms = runner.graphs.by_form if isinstance(runner.graphs, DecodeGraphForms) else {None: runner.graphs}

@@ -22,8 +22,8 @@ def install(llm) -> list[tuple[int, int, int]]:
     from kestrel.worker.prefill_graphs import PrefillGraphs, prefill_graphs_supported
 
     runner = llm.engine.core.executor.runner
-    assert prefill_graphs_supported(runner) and runner.prefill_graphs is None  # not captured on the CPU
-    runner.prefill_graphs = pg = PrefillGraphs(runner, SIZES)
+    assert prefill_graphs_supported(runner) and not runner.graph_sets  # not captured on the CPU
+    runner.graph_sets = [pg := PrefillGraphs(runner, SIZES)]
     served, replay = [], pg.replay
 
     def spy(n, q):

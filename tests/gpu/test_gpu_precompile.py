@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 def test_precompile_covers_start_up(tmp_path, tiny_tokenizer, monkeypatch):
     from kestrel.kernels.triton_ops.precompile import CompileCounter
-    from kestrel.worker.model_runner import ModelRunner
+    from kestrel.executor.runner_build import build_runner
     from tests.tiny import make_checkpoint
 
     # A shape no other test uses: its kernel variants are not yet in this process's in-memory Triton caches.
@@ -19,7 +19,7 @@ def test_precompile_covers_start_up(tmp_path, tiny_tokenizer, monkeypatch):
                            num_attention_heads=5, num_key_value_heads=1, head_dim=64)
     cfg = EngineConfig.create(model=str(path), dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
                               gpu_memory_utilization=0.15)  # the profile run sizes the cache, as in serving
-    runner = ModelRunner(cfg, progress=False)
+    runner = build_runner(cfg, progress=False)
     with CompileCounter() as ahead:
         runner.precompile_kernels()
     assert ahead.count >= 8, ahead.count  # norms, qk-norm/rope/cache, prefill and decode attention, GEMV, ...

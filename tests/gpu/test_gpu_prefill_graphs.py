@@ -53,9 +53,9 @@ def test_prefill_graphs_equal_the_eager_prefill(models, kind):
     try:
         runner = graphs.engine.core.executor.runner
         assert runner.backend.name == ("triton_mla" if mla else "triton")
-        pg = runner.prefill_graphs
+        pg = next((g for g in runner.graph_sets if type(g).__name__ == "PrefillGraphs"), None)
         assert pg is not None and sorted(pg.graphs) == pg.sizes == [16, 32, 64, 128, 256, 512]
-        assert plain.engine.core.executor.runner.prefill_graphs is None
+        assert not any(type(g).__name__ == "PrefillGraphs" for g in plain.engine.core.executor.runner.graph_sets)
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
         outs = [(graphs.generate([p], params)[0].outputs[0], plain.generate([p], params)[0].outputs[0])
                 for p in PROMPTS]  # one request at a time: each prefill step alone

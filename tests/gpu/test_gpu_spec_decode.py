@@ -78,7 +78,7 @@ def test_verify_graphs_equal_eager(model, plain):
     spec = {"method": "replay", "num_speculative_tokens": 3, "alpha": 0.7,
             "replay_references": [[p, r] for p, r in zip(prompts, ref)]}
     graphs = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec)
-    vg = graphs.engine.core.executor.runner.verify_graphs
+    vg = next((g for g in graphs.engine.core.executor.runner.graph_sets if type(g).__name__ == "VerifyGraphSet"), None)
     assert vg is not None and vg.by_drafts[3].graphs and set(vg.by_drafts) == {1, 2, 3}
     eager = LLM(str(model), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, speculative_config=spec,
                 enforce_eager=True)

@@ -49,5 +49,5 @@ def test_constrained_generation_pipelined(tiny_llama, caplog):
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     for o in outs[16:24]:
         assert all(re.fullmatch("[0-9]{4}", c.text) for c in o.outputs)
-    assert llm.engine.core.structured.num_compiles == 2
+    assert llm.engine.core.grammars.manager.num_compiles == 2
     assert "rejected by the grammar" not in caplog.text  # every sampled token was one the mask allowed

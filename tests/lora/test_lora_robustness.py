@@ -51,10 +51,10 @@ def test_unload_while_a_request_waits_for_its_grammar(llm, base_and_adapter):
     assert [r.request_id for r in core.grammars.compiling] == [rid]  # prepared, not yet in the scheduler
     with pytest.raises(InvalidRequest, match=r"LoRA id \d+ is in use by 1 request"):
         llm.unload_lora("a")
-    assert core.loras == {req.lora_id: "a"} and "a" in llm.engine.loras
+    assert core.lora_control.loras == {req.lora_id: "a"} and "a" in llm.engine.loras
     out = finish(llm)
     assert out[rid].outputs[0].text.isdigit() and len(out[rid].outputs[0].text) == 6
-    assert llm.unload_lora("a") and core.loras == {}
+    assert llm.unload_lora("a") and core.lora_control.loras == {}
 
 
 def test_request_for_an_unloaded_adapter_aborts_with_a_reason(llm, base_and_adapter):
@@ -112,7 +112,7 @@ def test_corrupted_adapter_fails_its_load_only(llm, base_and_adapter, tmp_path, 
     with pytest.raises(ControlCallError, match=message) as err:
         llm.load_lora("bad", str(bad))
     assert err.value.status_code == 400
-    assert "bad" not in llm.engine.loras and "bad" not in llm.engine.core.loras.values()
+    assert "bad" not in llm.engine.loras and "bad" not in llm.engine.core.lora_control.loras.values()
     good = llm.load_lora(f"good-{how}", str(adapter))  # the engine serves on, adapters too
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=good)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -164,5 +164,5 @@ def test_load_that_fails_on_one_rank_is_undone_where_it_succeeded(llm, base_and_
     lora_id = calls[0][1][0]
     assert err.value.status_code == 500 and err.value.failed_ranks == [1]
     assert calls == [("add_lora", (lora_id, "half", str(adapter))), ("remove_lora", (lora_id,))]
-    assert lora_id not in core.executor.runner.lora.registered and lora_id not in core.loras
+    assert lora_id not in core.executor.runner.lora.registered and lora_id not in core.lora_control.loras
     assert "half" not in llm.engine.loras

@@ -76,7 +76,7 @@ def test_unload_reaches_every_rank_and_bad_calls_fail_alone(qwen3_lora_tp2):
     with_adapter = run(eng, [(prompts()[1], req)])
     assert eng.remove_lora("a")
     assert ex.call_all("list_loras") == [[], []]
-    assert eng.core.list_loras() == [] and eng.core.loras == {}
+    assert eng.core.list_loras() == [] and eng.core.lora_control.loras == {}
 
     broken = root / "broken"
     broken.mkdir()

@@ -1,4 +1,4 @@
-"""The draft models' capture of the target's hidden states (kestrel/worker/hidden_capture.py HiddenCapture): the
+"""The draft models' capture of the target's hidden states (kestrel/spec_decode/hidden_capture.py HiddenCapture): the
 hooks copy into one static buffer (what lets CUDA graphs replay with a drafter loaded); on the CPU the same path
 runs eagerly. After every step of a mixed workload (prefill chunks, decodes, verify steps) the rows the runner
 hands the drafter equal what plain forward hooks (the capture before the static buffer) see in that forward:
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kestrel import LLM
-from kestrel.worker.hidden_capture import FinalNormInput, HiddenCapture, LayerInput
+from kestrel.spec_decode.hidden_capture import FinalNormInput, HiddenCapture, LayerInput
 from tests.spec_decode.eagle3_tiny import eagle3_draft, eagle3_target
 from tests.spec_decode.mixed import workload
 from tests.spec_decode.mtp_tiny import mtp_checkpoint

@@ -10,9 +10,9 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
-from kestrel.worker.draft_chain import DraftChain
-from kestrel.worker.draft_kv import DraftKV
-from kestrel.worker.eagle3_drafter import Eagle3Drafter
+from kestrel.spec_decode.draft_chain import DraftChain
+from kestrel.spec_decode.draft_kv import DraftKV
+from kestrel.spec_decode.eagle3_drafter import Eagle3Drafter
 from tests.spec_decode.eagle3_tiny import TARGET_LAYERS, eagle3_draft, eagle3_target
 from tests.spec_decode.mixed import tokens, workload as mixed_workload
 
@@ -137,7 +137,8 @@ def test_drafts_equal_plain_pytorch_eagle3_over_the_full_context(target, drafts,
     (a window of the last 64 positions would draft otherwise), computed in chunks of 24 tokens with requests
     preempted and recomputed, then a prompt that shares 100 tokens with an earlier one, its first 96 a prefix-cache
     hit (blocks whose draft K/V the earlier request wrote; the shared prefix does not end on a block boundary: see
-    kestrel/worker/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the chaining,
+    kestrel/spec_decode/draft_kv.py). Checks the aux layers captured (2, L//2, L-3 by default), fc, the layer, the
+    chaining,
     d2t, that draft writes stay in the request's blocks (k - 1 lookahead slots) and that the chain's batches, padded
     to buckets, give the drafts of unpadded ones."""
     import random

@@ -223,10 +223,10 @@ def test_worker_process_executor_carries_drafts_and_results(tiny_llama, plain_ll
 
 
 def test_verify_graph_padding_gives_the_eager_outputs(tiny_llama, plain_llama):
-    """The verify-graph path (kestrel/worker/verify_graphs.py) without a captured graph on the CPU: uniform
+    """The verify-graph path (kestrel/spec_decode/verify_graphs.py) without a captured graph on the CPU: uniform
     verify steps run the padded batch (dummy requests up to the next size) and give plain decoding's tokens;
     with n-gram drafts the draft count varies by step (a graph per count)."""
-    from kestrel.worker.verify_graphs import VerifyGraphs, VerifyGraphSet, verify_graphs_supported
+    from kestrel.spec_decode.verify_graphs import VerifyGraphs, VerifyGraphSet, verify_graphs_supported
 
     prompts = [[3, 4, 5, 6], [10, 11], [40, 41, 42, 43, 44, 45]]
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
@@ -237,6 +237,6 @@ def test_verify_graph_padding_gives_the_eager_outputs(tiny_llama, plain_llama):
         llm = LLM(str(tiny_llama), progress=False, speculative_config=spec)
         runner = llm.engine.core.executor.runner
         assert verify_graphs_supported(runner)
-        runner.verify_graphs = vg = VerifyGraphSet({d: VerifyGraphs(runner, [1, 4, 8], d) for d in (1, 2, 3)})
+        runner.graph_sets = [vg := VerifyGraphSet({d: VerifyGraphs(runner, [1, 4, 8], d) for d in (1, 2, 3)})]
         same(outputs(llm, batch, params), outputs(plain_llama, batch, params))
         assert vg.replays > 1

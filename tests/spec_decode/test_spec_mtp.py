@@ -7,7 +7,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
-from kestrel.worker.mtp_drafter import MtpDrafter
+from kestrel.spec_decode.mtp_drafter import MtpDrafter
 from tests.spec_decode.mixed import record_drafts_from_position_0, tokens, workload as mixed_workload
 from tests.spec_decode.mtp_tiny import mtp_checkpoint
 from tests.tiny import make_checkpoint

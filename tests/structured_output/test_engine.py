@@ -62,7 +62,7 @@ def test_pipelined_equals_sync(tiny_llama, llm):
 
 def test_a_compiling_request_does_not_block_others(llm, monkeypatch):
     engine = llm.engine
-    manager = engine.core.structured
+    manager = engine.core.grammars.manager
     release = threading.Event()
     real = manager._compile
 
@@ -114,7 +114,7 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
     core = llm.engine.core
     staged = threading.Condition()
     count = {"prepared": 0, "fills": 0, "overlapped": 0}
-    real_prepare, real_slice = core.executor.runner._prepare, core.structured._fill_slice
+    real_prepare, real_slice = core.executor.runner._prepare, core.grammars.manager._fill_slice
 
     def prepare(chunks, states, prev):
         out = real_prepare(chunks, states, prev)
@@ -123,7 +123,7 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
             staged.notify_all()
         return out
 
-    real_start = core.structured.start_step
+    real_start = core.grammars.manager.start_step
 
     def start_step(accepts, rows):  # returns with the fill submitted
         with staged:
@@ -138,8 +138,8 @@ def test_the_fill_runs_while_the_engine_loop_stages_the_next_step(tiny_llama):
                 count["overlapped"] += 1
         real_slice(matchers, buf, index)
 
-    core.executor.runner._prepare, core.structured._fill_slice = prepare, fill_slice
-    core.structured.start_step = start_step
+    core.executor.runner._prepare, core.grammars.manager._fill_slice = prepare, fill_slice
+    core.grammars.manager.start_step = start_step
     p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=SO(regex="[a-z]{20}"))
     out = llm.generate(["Hello"], p)[0].outputs[0]
     assert re.fullmatch("[a-z]{20}", out.text) and out.finish_reason == "stop"
@@ -177,4 +177,4 @@ def test_slow_compiles_time_out_and_do_not_starve_a_small_grammar(tiny_llama):
     core.add_request(EngineCoreRequest("again", [1, 5, 7], slow[0], 4, 0.0))
     out = next(o for _ in range(100) for o in core.step().outputs if o.finish_reason)
     assert out.request_id == "again" and "budget" in out.stop_reason and time.monotonic() - t1 < 0.5
-    core.structured.shutdown()
+    core.grammars.manager.shutdown()

@@ -12,14 +12,23 @@ import torch
 from kestrel.core.step import ScheduledChunk
 from kestrel.worker.input_batch import RequestState
 
-# the hooks the runner calls through per-hook lists (supports_graphs and warm_up are asked of every add-on once)
+# the hooks the runner calls through per-hook lists: per step, then at start-up (supports_graphs and warm_up are
+# asked of every add-on once)
 HOOKS = ("add_request", "remove_request", "prepare", "failed_requests", "attention_fields", "inputs_embeds",
-         "step_graph_ok", "before_sample", "pool")
+         "step_graph_ok", "before_sample", "pool", "after_forward", "after_collect",
+         "bind", "graph_sets", "profile_forward")
 
 
 class StepAddon:
     # attention-backend capability flags this add-on's feature needs (the selector skips backends without them)
     backend_requires: tuple[str, ...] = ()
+    name: str = ""  # the runner's attribute for it (runner.<name>), where it has one
+    names: set[str] = set()  # every add-on class's name: runner.<name> is None where no such add-on was built
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.name:
+            StepAddon.names.add(cls.name)
 
     def add_request(self, st: RequestState) -> None:
         """A request the runner starts tracking (new, or resumed after a preemption)."""
@@ -60,6 +69,24 @@ class StepAddon:
         """Rows this add-on ends instead of the sampler (a pooling request's last prefill step): request id ->
         its pooled vector, from the step's final hidden states (rows b of query_start_loc[b]:[b + 1])."""
         return {}
+
+    def after_forward(self, inf, meta, chunks: list[ScheduledChunk]) -> None:
+        """After a launched step's forward or graph replay (`meta`: its first group's attention metadata)."""
+
+    def after_collect(self, inf, out, requests: dict[str, RequestState]) -> None:
+        """A launched step's RunnerOutput was collected (e.g. a drafter drafts for the next step into it)."""
+
+    # ---- start-up
+    def bind(self, model, kv_cache_groups, builders, block_rows) -> None:
+        """Once the attention layers are bound to KV groups (and the block-table rows exist)."""
+
+    def graph_sets(self, parts, decode_graphs) -> list:
+        """After the decode CUDA graphs were captured (`parts`: what graph sets are built from): the graph sets this
+        add-on adds to those that serve steps (GraphSet, kestrel/worker/cuda_graphs.py), captured."""
+        return []
+
+    def profile_forward(self, ids, positions, ctx) -> None:
+        """After the memory profile's forward: run what a step adds to it (a draft model's first forward)."""
 
     def warm_up(self) -> object:
         """Start-up: run what the first requests would otherwise compile or allocate (the memory profile keeps

@@ -5,30 +5,31 @@ eagerly.
 
 The step's inputs are staged as for an eager step; the batch is padded up to the next captured size with requests
 that compute k + 1 queries over themselves (seq_len k + 1 at positions 0..k, slots -1: they read some block and
-write nothing). Only backends whose metadata is the plain paged one (AttentionMetadataBuilder: the query
-positions come from query_start_loc and seq_lens on the device) are captured; their prefill kernels size their
-grids from the token and request counts alone, so one graph serves every step of its size."""
+write nothing). Only builders that declare "verify" in graph_steps are captured (the plain paged metadata: the
+query positions come from query_start_loc and seq_lens on the device, and their prefill kernels size their grids
+from the token and request counts alone, so one graph serves every step of its size)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from kestrel.attention.backend import AttentionMetadataBuilder
-from kestrel.worker.cuda_graphs import DecodeGraphs
+from kestrel.core.device import to_device
+from kestrel.core.step import logits_positions
+from kestrel.worker.cuda_graphs import DecodeGraphs, GraphSet
 
 logger = logging.getLogger(__name__)
 
 
-def verify_graphs_supported(runner) -> bool:
-    return all(type(b) is AttentionMetadataBuilder for b in runner.builders)
+def verify_graphs_supported(parts) -> bool:
+    return all("verify" in b.graph_steps for b in parts.builders)
 
 
 class VerifyGraphs(DecodeGraphs):
     kind = "verify "
 
-    def __init__(self, runner, sizes: list[int], k: int, pool=None):
-        super().__init__(runner, [s for s in sizes if s * (k + 1) <= runner.buffers.max_tokens])
+    def __init__(self, parts, sizes: list[int], k: int, pool=None):
+        super().__init__(parts, [s for s in sizes if s * (k + 1) <= parts.buffers.max_tokens])
         self.k, self.q, self.pool = k, k + 1, pool
         dev = self.buf.device
         self.starts = torch.arange(self.buf.max_reqs + 1, dtype=torch.int32, device=dev) * self.q
@@ -40,7 +41,7 @@ class VerifyGraphs(DecodeGraphs):
 
     def _context(self, b: int):
         if b not in self.contexts:
-            self.contexts[b] = self.runner.metadata(b * self.q, b, 0, self.q, self.max_seq_len, self.width,
+            self.contexts[b] = self.parts.metadata(b * self.q, b, 0, self.q, self.max_seq_len, self.width,
                                                     capture=True)
         return self.contexts[b]
 
@@ -74,11 +75,22 @@ class VerifyGraphs(DecodeGraphs):
         return self.run(padded)[:b * self.q]
 
 
-class VerifyGraphSet:
+class VerifyGraphSet(GraphSet):
     """Verify graphs per draft count d = 1..k: a step whose requests all verify d drafts replays a graph of d."""
 
     def __init__(self, by_drafts: dict[int, VerifyGraphs]):
         self.by_drafts = by_drafts
+
+    def step_key(self, chunks, states, meta):
+        vg = self.select(chunks)
+        padded = vg.padded_size(meta.num_reqs) if vg is not None else None
+        return (vg, padded) if padded is not None else None
+
+    def step_logits(self, chunks, meta, key):
+        """Every row verifies k drafts: its logits at all tokens, then the sampling rows."""
+        vg, padded = key
+        rows = to_device(logits_positions(chunks, meta.query_start_loc_cpu), torch.int64, vg.buf.device)
+        return vg.replay(meta.num_reqs, padded)[rows]
 
     def select(self, chunks) -> VerifyGraphs | None:
         graphs = self.by_drafts.get(len(chunks[0].draft_token_ids))
@@ -88,20 +100,24 @@ class VerifyGraphSet:
     def replays(self) -> int:
         return sum(g.replays for g in self.by_drafts.values())
 
+    @property
+    def capture_seconds(self) -> float:
+        return sum(g.capture_seconds for g in self.by_drafts.values())
 
-def capture_verify_graphs(runner, spec, decode_graphs) -> VerifyGraphSet | None:
+
+def capture_verify_graphs(parts, spec, decode_graphs) -> VerifyGraphSet | None:
     """Where decode graphs are captured and the backends allow it: verify graphs for 1..k drafts a request at the
     decode graphs' batch sizes up to disable_by_batch_size. A failed capture logs and leaves verify steps eager."""
-    if spec is None or decode_graphs is None or not verify_graphs_supported(runner):
+    if spec is None or decode_graphs is None or not verify_graphs_supported(parts):
         return None
-    limit = spec.disable_by_batch_size or runner.config.scheduler.max_num_seqs
+    limit = spec.disable_by_batch_size or parts.config.scheduler.max_num_seqs
     sizes = [s for s in decode_graphs.sizes if s <= limit]
     by_drafts, pool = {}, decode_graphs.pool
     try:
         for d in range(spec.num_speculative_tokens, 0, -1):  # the most tokens first: the others reuse its pool
-            graphs = VerifyGraphs(runner, sizes, d, pool)
+            graphs = VerifyGraphs(parts, sizes, d, pool)
             if graphs.sizes:
-                runner.graph_capture_seconds += graphs.capture()
+                graphs.capture()
                 by_drafts[d], pool = graphs, graphs.pool
     except Exception as e:  # noqa: BLE001  (an optimisation: eager verify steps stay correct)
         logger.warning("verify CUDA graphs not captured (%s: %s); verify steps run eagerly", type(e).__name__, e)

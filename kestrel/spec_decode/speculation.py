@@ -1,4 +1,4 @@
-"""The engine core's side of speculative decoding (kestrel/spec_decode/): before a synchronous step, which
+"""Speculation, an engine add-on: the engine core's side of speculative decoding. Before a synchronous step, which
 running requests get drafts and how many, and the acceptance counters (vLLM's vllm:spec_decode_* metrics).
 
 A request is drafted for when all its known tokens but the last are computed (it decodes this step) and its
@@ -8,8 +8,9 @@ max_tokens and max_model_len. Speculation is off while more than `disable_by_bat
 engine pipelines its steps as without it)."""
 from __future__ import annotations
 
+from kestrel.core.engine_addon import EngineAddon
 from kestrel.core.step import PLACEHOLDER
-from kestrel.spec_decode.config import SpeculativeConfig
+from kestrel.spec_decode.config import SpeculativeConfig, engine_refusals, refuse
 from kestrel.spec_decode.proposers import make_proposer
 
 # sampling fields whose logits processing is applied per request, not per output position: no drafts for them
@@ -25,9 +26,14 @@ def draftable(req) -> bool:
     return not any(getattr(sp, name, None) for name in _PER_REQUEST_LOGITS)
 
 
-class Speculation:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, seed: int = 0):
+class Speculation(EngineAddon):
+    """Its steps are synchronous: drafts are proposed from every known token."""
+    name = "speculation"
+
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, seed: int = 0, num_running=lambda: 0):
         self.cfg = cfg
+        self.lookahead_slots = cfg.num_lookahead_slots
+        self._num_running = num_running  # () -> the scheduler's running count
         self.k = cfg.num_speculative_tokens
         self.proposer = make_proposer(cfg, seed)
         self.max_model_len = max_model_len
@@ -37,11 +43,39 @@ class Speculation:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # drafts accepted at position 0, 1, ...
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.scheduler.speculative_config is not None:
+            SpeculativeConfig.from_dict(config.scheduler.speculative_config)
+            refuse(engine_refusals(config))  # before the model loads
+
+    @classmethod
+    def build(cls, core) -> "Speculation | None":
+        cfg = SpeculativeConfig.from_dict(core.config.scheduler.speculative_config)
+        if cfg is None:
+            return None
+        return cls(cfg, core.max_model_len, core.config.model.seed, lambda: core.scheduler.num_running)
+
+    def allows_pipelining(self) -> bool:
+        return not self.active(self._num_running())
+
+    def propose(self, running: list) -> dict[str, list[int]]:
+        """Drafts per request id for the next step (none while more than disable_by_batch_size run)."""
+        return self._drafts(running) if self.active(len(running)) else {}
+
+    def after_collect(self, sched, result, pending) -> None:
+        self.record(sched.scheduled, result.more_sampled, result.next_drafts)
+
+    def stats(self, s) -> None:
+        s.spec_num_drafts, s.spec_num_draft_tokens = self.num_drafts, self.num_draft_tokens
+        s.spec_num_accepted_tokens = self.num_accepted_tokens
+        s.spec_accepted_per_pos = list(self.accepted_per_pos)
+
     def active(self, num_running: int) -> bool:
         limit = self.cfg.disable_by_batch_size
         return limit is None or num_running <= limit
 
-    def propose(self, running: list) -> dict[str, list[int]]:
+    def _drafts(self, running: list) -> dict[str, list[int]]:
         """Drafts per request id for the next step, from the running requests (all tokens known)."""
         self.proposer.retain({r.request_id for r in running})
         reqs, caps = [], []
@@ -62,11 +96,11 @@ class Speculation:
         if next_drafts:
             self.proposer.receive(next_drafts)
         for s in scheduled:
-            if not s.draft_token_ids:
+            if not s.proposed_token_ids:
                 continue
             accepted = len(more_sampled.get(s.request.request_id, ()))
             self.num_drafts += 1
-            self.num_draft_tokens += len(s.draft_token_ids)
+            self.num_draft_tokens += len(s.proposed_token_ids)
             self.num_accepted_tokens += accepted
             for j in range(accepted):
                 self.accepted_per_pos[j] += 1

@@ -1,10 +1,10 @@
-"""The MTP drafter's window recompute (kestrel/worker/mtp_drafter.py): a window of each request's last accepted
+"""The MTP drafter's window recompute (kestrel/spec_decode/mtp_drafter.py): a window of each request's last accepted
 positions and greedy chained drafting over it. (EAGLE-3 keeps a KV cache of its own instead:
-kestrel/worker/eagle3_drafter.py. MTP stays here until its layer, MLA attention with MoE experts, runs on the
+kestrel/spec_decode/eagle3_drafter.py. MTP stays here until its layer, MLA attention with MoE experts, runs on the
 engine's kernels and cache.)
 
 A draft model at position t reads the target's hidden state at t (captured during its forward:
-kestrel/worker/hidden_capture.py) and the embedding of token t+1, and predicts token t+2. For each request the
+kestrel/spec_decode/hidden_capture.py) and the embedding of token t+1, and predicts token t+2. For each request the
 drafter keeps the last `window` accepted positions (positions, hidden states, the token after each) and every step
 recomputes its draft layer over that window in plain PyTorch with a causal mask: no cache of its own. Attention
 beyond the window is dropped, so drafts are approximate where the draft layer would look further back: that costs
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.worker.hidden_capture import HiddenCapture, kept_positions
+from kestrel.spec_decode.hidden_capture import HiddenCapture, kept_positions
+from kestrel.spec_decode.runner_addon import DrafterAddon
 
 
-class WindowDrafter:
+class WindowDrafter(DrafterAddon):
     """Subclasses pass the target, the hidden states they read (`taps`, each `width` wide) and implement embed,
     draft_layer and draft_token_ids. `max_tokens`: the most tokens of one target forward (the runner's
     max(max_num_batched_tokens, max_num_seqs))."""
@@ -33,7 +34,7 @@ class WindowDrafter:
         # request id -> (positions [W], hidden states [W, H], the token after each position [W])
         self.windows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def bind(self, builders, block_rows) -> None:
+    def bind_kv(self, builders, block_rows) -> None:
         """Nothing to bind: the window keeps no KV cache (the runner calls this on every drafter)."""
 
     def capture_graphs(self, sizes: list[int]) -> None:

@@ -11,7 +11,7 @@ With k drafts beyond the number of MTP layers the last layer is reused autoregre
 the next position, with the draft just made as its token), as vLLM does.
 
 The runner keeps no cache for the MTP layer: it recomputes the block over a window of each request's last accepted
-positions (kestrel/worker/window_drafter.py), in plain PyTorch (transformers' DeepseekV3 decoder
+positions (kestrel/spec_decode/window_drafter.py), in plain PyTorch (transformers' DeepseekV3 decoder
 layer, eager attention), from the target's pre-norm hidden states. Drafts are greedy. A cache group for the MTP
 layer's attention (and running the block with the engine's kernels) is the next step.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import ConfigError
-from kestrel.worker.hidden_capture import FinalNormInput
-from kestrel.worker.window_drafter import WindowDrafter
+from kestrel.spec_decode.hidden_capture import FinalNormInput
+from kestrel.spec_decode.window_drafter import WindowDrafter
 
 
 def num_mtp_layers(hf_config) -> int:

@@ -1,4 +1,4 @@
-"""The target's hidden states a runner drafter reads (kestrel/worker/drafters.py), captured during the target's
+"""The target's hidden states a runner drafter reads (kestrel/spec_decode/drafters.py), captured during the target's
 forward. A drafter declares which ones (taps: FinalNormInput, LayerInput); their hooks copy them into one static
 buffer on the device (HiddenCapture), so eager steps and CUDA graph replays (decode and verify graphs are captured
 with the hooks in place) fill it alike; after the forward the runner takes the step's rows."""

@@ -1,6 +1,7 @@
-"""The engine core's side of structured outputs: constrained requests wait here until their grammar compiled
-(the others are not held up); per step, the grammars take the tokens of a collected step, and the fill pool fills
-the token bitmask of a launched step whose sampling waits for it, while the engine loop goes on.
+"""Grammars, an engine add-on: the engine core's side of structured outputs. Constrained requests wait here
+until their grammar compiled (the others are not held up); per step, the grammars take the tokens of a collected
+step, and the fill pool fills the token bitmask of a launched step whose sampling waits for it, while the engine
+loop goes on.
 
 Pipelined, a constrained step N+1 is launched without sampling: once step N's tokens are on the host its grammars
 take them and the pool fills N+1's bitmask, while the engine loop returns N's outputs and prepares N+2; N+1
@@ -11,18 +12,35 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, wait
 
-from kestrel.engine.messages import EngineCoreOutput
+from kestrel.core.engine_addon import EngineAddon
 from kestrel.engine.request import Request
 from kestrel.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-class GrammarSteps:
-    def __init__(self, manager: StructuredOutputManager, executor):
+class Grammars(EngineAddon):
+    name = "grammars"
+
+    def __init__(self, manager: StructuredOutputManager, executor, scheduler=lambda: None):
         self.manager, self.executor = manager, executor
+        self._scheduler = scheduler  # () -> the engine's Scheduler
         self.compiling: list[Request] = []  # waiting for their grammar
         self._fill = None  # (handle, FillJob): the bitmask being filled for a launched step that samples later
+
+    @classmethod
+    def build(cls, core) -> "Grammars":
+        sc, mc = core.config.scheduler, core.model_config
+        manager = StructuredOutputManager(core.tokenizer, int(mc.vocab_size), mc.eos_token_id, sc.max_num_seqs,
+                                          pin=core.device.type == "cuda", fill_threads=sc.structured_output_threads,
+                                          compile_timeout=sc.grammar_compile_timeout)
+        return cls(manager, core.executor, lambda: core.scheduler)
+
+    def hold(self, req: Request) -> bool:
+        if req.sampling_params.structured_outputs is None:
+            return False
+        self.submit(req)  # scheduled once its grammar compiled
+        return True
 
     def submit(self, req: Request) -> None:
         if any(c.request_id == req.request_id for c in self.compiling):
@@ -30,11 +48,15 @@ class GrammarSteps:
         req.grammar = self.manager.submit(req.sampling_params.structured_outputs)  # a future until compiled
         self.compiling.append(req)
 
-    def admit(self, scheduler, idle: bool) -> list[EngineCoreOutput]:
-        """Hand requests whose grammar compiled to the scheduler; returns the outputs of those that failed.
+    def held(self) -> list[Request]:
+        return self.compiling
+
+    def release(self, idle: bool) -> list[tuple[str, str]]:
+        """Hand requests whose grammar compiled to the scheduler; returns (id, reason) of those that failed.
         `idle` (nothing else to do): wait a moment for a compile instead of spinning."""
         if not self.compiling:
             return []
+        scheduler = self._scheduler()
         if idle:
             wait([r.grammar for r in self.compiling], timeout=0.01, return_when=FIRST_COMPLETED)
         waiting, failed = [], []
@@ -47,8 +69,7 @@ class GrammarSteps:
                 scheduler.add_request(req)
             except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
                 logger.warning("request %s failed before running: %s", req.request_id, e)
-                failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
-                                               stop_reason=f"structured output failed: {e}"))
+                failed.append((req.request_id, f"structured output failed: {e}"))
         self.compiling = waiting
         return failed
 
@@ -57,10 +78,15 @@ class GrammarSteps:
         self.compiling = [r for r in self.compiling if r.request_id not in ids]
         return aborted
 
-    @staticmethod
-    def samples_later(sched) -> bool:
+    def samples_later(self, sched) -> bool:
         """A step with grammar-constrained sampling rows samples once the host filled its bitmask."""
         return any(s.samples and s.request.grammar is not None for s in sched.scheduled)
+
+    def after_launch(self, sched, inf) -> None:
+        self.advance(None, None, (sched, inf))
+
+    def after_collect(self, sched, result, pending) -> None:
+        self.advance(sched, result, pending)
 
     def advance(self, done, result, pending) -> None:
         """The grammars take the tokens of a collected step (`done`, its `result`), then the bitmask of `pending`
@@ -93,3 +119,6 @@ class GrammarSteps:
             bitmask = self._fill[1].result()
             self._fill = None
         self.executor.sample(inf, bitmask)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

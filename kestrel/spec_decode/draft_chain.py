@@ -1,4 +1,4 @@
-"""The chained drafts of an EAGLE-3 draft step after its first forward (kestrel/worker/eagle3_drafter.py): k - 1
+"""The chained drafts of an EAGLE-3 draft step after its first forward (kestrel/spec_decode/eagle3_drafter.py): k - 1
 forwards of one token per drafting request, each at the next position, from static buffers, so that they are
 one shape per batch size and captured as CUDA graphs per batch bucket (the decode graphs' sizes) where the runner
 captures graphs. Without a captured graph (the CPU, a batch above the largest bucket) the same code runs eagerly,

@@ -1,4 +1,4 @@
-"""The KV cache of a runner draft layer (EAGLE-3: kestrel/worker/eagle3_drafter.py), and the attention metadata of
+"""The KV cache of a runner draft layer (EAGLE-3: kestrel/spec_decode/eagle3_drafter.py), and the attention metadata of
 one draft forward over it.
 
 The seam (vLLM's idea): the draft's attention layer is a kestrel Attention registered in the target's ModelContext
@@ -28,7 +28,7 @@ What keeps it valid:
 A draft step's first forward (every position the target computed) is a flattened batch like a target step's
 (decode rows first, a request's new tokens at positions seq_len - q_len .. seq_len - 1), its metadata built here by
 the group's own builder from the runner's block table rows; it runs eagerly (its shape follows the step's
-accepted counts). The chained one-token forwards after it run from static buffers (kestrel/worker/draft_chain.py).
+accepted counts). The chained one-token forwards after it run from static buffers (kestrel/spec_decode/draft_chain.py).
 """
 from __future__ import annotations
 
