@@ -343,6 +343,8 @@ class ServerConfig:
     responses_store_size: int = _f(1000, "/v1/responses kept in memory for previous_response_id and GET "
                                          "/v1/responses/{id} (the oldest dropped first; 0: none, as vLLM without "
                                          "VLLM_ENABLE_RESPONSES_API_STORE)")
+    responses_store_bytes: int = _f(64 * 2**20, "bytes of JSON the /v1/responses store may hold in all (the "
+                                                "oldest dropped first; a larger response is not kept)")
 
 
 def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:

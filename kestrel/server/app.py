@@ -276,7 +276,7 @@ async def responses(req: ResponsesRequest, raw: Request):
 
 @api.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, raw: Request):
-    return await get_response(_state(raw), response_id)
+    return await get_response(_state(raw), response_id, raw)
 
 
 @api.post("/v1/embeddings")

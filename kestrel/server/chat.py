@@ -71,6 +71,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = req.sampling_params(state.sampling_defaults, plan.structured)
     beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
+    params = await engine.tokenize_bad_words(params)  # on a render thread
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
     gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else

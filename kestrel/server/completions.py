@@ -63,6 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = req.sampling_params(state.sampling_defaults)
     beam = req.beam_search_params(req.max_tokens, params)
     await state.grammar.check(params.structured_outputs, req.constraint_param)
+    params = await engine.tokenize_bad_words(params)  # on a render thread
     prompts = req.prompts()
     rid, public_id = request_ids("cmpl", req.request_id, raw)
 
