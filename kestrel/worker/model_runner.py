@@ -29,6 +29,7 @@ from kestrel.worker.input_batch import BlockTableRows, InputBuffers, RequestStat
 from kestrel.worker.step_outputs import InFlight, StepOutputs
 from kestrel.worker.warm_up import precompile_kernels, set_up_after_kv
 from kestrel.worker.drafters import build_drafter
+from kestrel.core.progress import count_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class ModelRunner:
                                                                             self.dtype, self.device)
         if spec is not None:
             refuse(model_refusals(self.model, self.kv_cache_groups))
+        if self.device.type == "cpu":  # a long CPU step reads as work in progress to the hang watchdog
+            count_forwards(self.model)
         self._hooks = {h: overriding(self.addons, h) for h in HOOKS}
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
