@@ -96,11 +96,20 @@ def stream_error(e: BaseException) -> str:
     return sse(error_body("internal server error", "internal_error", None, 500))
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: a banned token's -inf (an output constraint, bad_words) is sent as this
+
+
+def json_logprob(value: float) -> float:
+    """A logprob as the API sends it: JSON has no -inf (a 500 whole, -Infinity streamed); vLLM sends -9999.0."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too: not >= anything
+
+
 def prompt_logprobs_json(out: RequestOutput) -> list | None:
     """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [None if d is None else {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
                                     for t, lp in d.items()} for d in out.prompt_logprobs]
 
 

@@ -70,3 +70,59 @@ def test_bad_words_ids_in_order_without_repeats(tiny_tokenizer):
     out = ip.bad_words_token_ids(["hello", " hello", "world", "hello"])
     assert len(out) == len({tuple(x) for x in out})
     assert out[0] == tiny_tokenizer.encode("hello", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_with_a_constraint_are_finite_json(server, route, stream):
+    """Issue 55: a constrained (or banned) token's logprob is -inf: the whole answer was a 500 (-inf is not JSON)
+    and a stream sent -Infinity. Now -9999.0, as vLLM sends it."""
+    import json as _json
+    import urllib.request
+
+    body = {"max_tokens": 3, "temperature": 0, "stream": stream, "structured_outputs": {"choice": ["yes", "no"]}}
+    if route == "chat":
+        body.update(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=5)
+    else:
+        body.update(prompt="hi", logprobs=5)
+    path = "/v1/chat/completions" if route == "chat" else C
+    req = urllib.request.Request(server.url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    assert "Infinity" not in text and "NaN" not in text
+    payloads = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"] \
+        if stream else [text]
+    values = []
+    for p in payloads:
+        d = _json.loads(p)
+        for ch in d["choices"]:
+            lp = ch.get("logprobs")
+            if not lp:
+                continue
+            if route == "chat":
+                values += [e["logprob"] for e in lp["content"]] + [t["logprob"] for e in lp["content"]
+                                                                    for t in e["top_logprobs"]]
+            else:
+                values += [v for v in lp["token_logprobs"] if v is not None]
+                values += [v for top in lp["top_logprobs"] if top for v in top.values()]
+    assert values and min(values) == -9999.0, values
+
+
+@pytest.mark.parametrize("path", ["/invocations", C, "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_post_bodies_must_be_json(server, path, kind):
+    """Issue 55: /invocations ran a text/plain body, which a browser sends across origins without a CORS
+    preflight. Every POST with a body must be JSON now (415 otherwise)."""
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    body = _json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    req = urllib.request.Request(server.url + path, body, {"Content-Type": kind}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    assert status == 415 and _json.loads(text)["error"]["type"] == "invalid_request_error", (status, text)
