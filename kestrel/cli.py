@@ -92,6 +92,9 @@ def resolve_api_key(key: str | None, key_file: str | None) -> str | None:
     line is visible to every user of the machine (ps, /proc/PID/cmdline); the file and the environment are not."""
     from kestrel.errors import ConfigError
 
+    if key is not None and not key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave the flag out (a server without a key lets "
+                          "anyone in)")
     if key and key_file:
         raise ConfigError("give --api-key or --api-key-file, not both")
     if key_file:
@@ -117,6 +120,9 @@ def check_args(args) -> None:
 
     from kestrel.hub_cache import resolve_model_path
 
+    check_ranges(args)
+    for field in ("model", "tokenizer"):
+        check_model_path(getattr(args, field, None), field)
     for field in ("model", "tokenizer"):
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
@@ -143,6 +149,59 @@ def check_args(args) -> None:
     procs = getattr(args, "image_render_processes", None)
     if procs is not None and procs < 0:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
+
+
+# launch values out of range start a server that hangs, forks hundreds of engines or never times out: refused at
+# parse time, one line each. field -> (lowest, highest); None: no bound. Floats must also be finite.
+_INT_RANGES = {"max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "block_size": (1, None),
+               "max_model_len": (1, None), "port": (0, 65535), "tensor_parallel_size": (1, None),
+               "data_parallel_size": (1, os.cpu_count() or 1), "engine_restart_limit": (0, None),
+               "default_max_tokens": (1, None), "max_request_body_bytes": (1, None),
+               "responses_store_size": (0, None), "responses_store_bytes": (1, None), "max_logprobs": (0, None),
+               "num_kv_blocks": (1, None), "max_seqs_per_request": (0, None)}
+_POSITIVE_SECONDS = ("engine_hang_timeout", "engine_startup_timeout", "engine_restart_window", "request_timeout",
+                     "grammar_parse_timeout", "grammar_compile_timeout", "media_fetch_timeout", "log_stats_interval")
+
+
+def check_ranges(args) -> None:
+    import math
+
+    from kestrel.errors import ConfigError
+
+    for field, (low, high) in _INT_RANGES.items():
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        if value < low or (high is not None and value > high):
+            flag = "--" + field.replace("_", "-")
+            span = f"at least {low}" if high is None else f"from {low} to {high}"
+            why = " (one engine-core process each; this machine has that many CPUs)" \
+                if field == "data_parallel_size" else ""
+            raise ConfigError(f"{flag} must be {span}, got {value}{why}")
+    for field in _POSITIVE_SECONDS:
+        value = getattr(args, field, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{field.replace('_', '-')} must be a positive number of seconds, got {value}")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_path(path: str | None, field: str) -> None:
+    """A --model or --tokenizer that names something on disk must be a checkpoint folder or a regular file (not a
+    device such as /dev/zero), and a --tokenizer folder must hold tokenizer files."""
+    from kestrel.errors import ConfigError
+
+    if path is None or not os.path.exists(path):
+        return  # a hub id: resolved (or refused) by resolve_model_path
+    flag = f"--{field}"
+    if not (os.path.isdir(path) or os.path.isfile(path)):
+        raise ConfigError(f"{flag} {path} is neither a checkpoint folder nor a file")
+    if os.path.isfile(path) and field == "model" and not path.endswith(".gguf"):
+        raise ConfigError(f"{flag} {path} is a file but not a GGUF checkpoint (.gguf); give a checkpoint folder")
+    if field == "tokenizer" and os.path.isdir(path) and not any(
+            os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ConfigError(f"{flag} {path} holds no tokenizer ({', '.join(_TOKENIZER_FILES)})")
 
 
 def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto") -> None:

@@ -10,9 +10,12 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 def _f(default: Any, help: str, **kw) -> Any:
     """A config field; metadata the CLI reads: choices, aliases (more option strings, e.g. vLLM's -tp), parse
-    (the argparse type when the field's own type is not enough)."""
+    (the argparse type when the field's own type is not enough), cli_default (a function of the config that gives
+    the flag's default where it is not given, e.g. by device)."""
     return field(default=default, metadata={"help": help, **kw})
 
+
+CPU_STEP_TOKENS = 512  # the CPU's step budget: a step of seconds, well under the hang time-out
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings
 
@@ -148,7 +151,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = _f(8192, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = _f(8192, "token budget of one engine step (prefill chunks + decodes); default "
+                                           "8192, on the CPU 512 (a step of seconds, not minutes)",
+                                     cli_default=lambda cfg: CPU_STEP_TOKENS if cfg.on_cpu() else 8192)
     max_num_seqs: int = _f(256, "most requests running at once")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
@@ -215,11 +220,15 @@ class ParallelConfig:
                                        "offline, torch's, less one core on machines of 4 cores or fewer)")
     engine_startup_timeout: float = _f(600.0, "seconds an engine-core process may take to load the model and "
                                               "report ready")
-    engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died (with back-off "
-                                      "0.5 s, 1 s, 2 s, ...); 0: never")
+    engine_restart_limit: int = _f(3, "times the server restarts an engine-core process that died within "
+                                      "--engine-restart-window (with back-off 0.5 s, 1 s, 2 s, ...); 0: never")
+    engine_restart_window: float = _f(600.0, "seconds over which --engine-restart-limit counts an engine's restarts: "
+                                             "one that died more often than that within it stays down; older "
+                                             "restarts no longer count")
     engine_hang_timeout: float = _f(30.0, "seconds an engine-core process may go without a heartbeat, or without "
-                                          "finishing a step while it has requests, before the server kills and "
-                                          "restarts it as a hung engine (a longer single step counts as a hang)")
+                                          "finishing a step or doing work (on the CPU: module forwards) while it "
+                                          "has requests, before the server kills and restarts it as a hung engine "
+                                          "(on CUDA a longer single step counts as a hang)")
 
 
 @dataclass
@@ -312,6 +321,14 @@ class EngineConfig:
     def to_dict(self) -> dict:
         return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
 
+    def on_cpu(self) -> bool:
+        """Does the model run on the CPU (--device cpu, or auto without CUDA)?"""
+        if self.model.device != "auto":
+            return self.model.device == "cpu"
+        import torch
+
+        return not torch.cuda.is_available()
+
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
         types = {s: type(getattr(cls(), s)) for s in cls.SECTIONS}
@@ -349,6 +366,8 @@ class ServerConfig:
     responses_store_size: int = _f(1000, "/v1/responses kept in memory for previous_response_id and GET "
                                          "/v1/responses/{id} (the oldest dropped first; 0: none, as vLLM without "
                                          "VLLM_ENABLE_RESPONSES_API_STORE)")
+    responses_store_bytes: int = _f(64 * 2**20, "bytes of JSON the /v1/responses store may hold in all (the "
+                                                "oldest dropped first; a larger response is not kept)")
 
 
 def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
@@ -361,6 +380,8 @@ def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, ski
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
         hint, help_text = hints[f.name], f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
+        if "cli_default" in f.metadata:  # resolved by from_cli_args where the flag is not given
+            default = None
         if "default" not in help_text:  # each default is printed once
             help_text = f"{help_text} (default: {default})"
         if hint is bool:
@@ -407,4 +428,9 @@ def from_cli_args(args: argparse.Namespace) -> EngineConfig:
         for f in fields(sub):
             if hasattr(args, f.name):
                 setattr(sub, f.name, getattr(args, f.name))
+    for section in EngineConfig.SECTIONS:
+        sub = getattr(cfg, section)
+        for f in fields(sub):
+            if "cli_default" in f.metadata and getattr(sub, f.name) is None:
+                setattr(sub, f.name, f.metadata["cli_default"](cfg))
     return cfg

@@ -10,6 +10,11 @@ from kestrel.errors import InvalidRequest
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# Size limits of the request parameters that grow with the request (docs/serving.md "Request size limits"): each
+# is checked before any per-item work, so an oversized list costs one len() and a 400 naming the field.
+MAX_BAD_WORDS = 1024  # bad_words: words (each tokenized twice, off the event loop)
+MAX_BAD_WORD_CHARS = 64 * 1024  # bad_words: characters of all words together
+MAX_LOGIT_BIAS = 1024  # logit_bias: entries (OpenAI's own limit is lower)
 
 
 @dataclass
@@ -65,6 +70,23 @@ class StructuredOutputsParams:
 
         (check_grammar if parse else check_limits)(self.kind, self.spec, param)
         return self
+
+
+def check_bad_words(words) -> None:
+    """bad_words' shape and size (MAX_BAD_WORDS, MAX_BAD_WORD_CHARS): the count before any per-word work."""
+    if words is None:
+        return
+    if not isinstance(words, list):
+        raise InvalidRequest("bad_words must be a list of non-empty strings", param="bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed",
+                             param="bad_words")
+    if any(not isinstance(w, str) or not w.strip() for w in words):
+        raise InvalidRequest("bad_words must be a list of non-empty strings", param="bad_words")
+    chars = sum(len(w) for w in words)
+    if chars > MAX_BAD_WORD_CHARS:
+        raise InvalidRequest(f"bad_words has {chars} characters in all; at most {MAX_BAD_WORD_CHARS} are allowed",
+                             param="bad_words")
 
 
 def _token_ids_ok(ids, vocab_size: int | None) -> bool:
@@ -191,6 +213,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must map token ids to numbers")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
             if not _token_ids_ok(self.logit_bias, vocab_size):
                 wrong = [t for t in self.logit_bias if not _token_ids_ok([t], vocab_size)]
                 bad("logit_bias", f"has token ids outside the vocabulary: {wrong[:8]} (token ids are {vocab})")
@@ -202,9 +226,7 @@ class SamplingParams:
                 bad("allowed_token_ids", "must be a non-empty list of token ids")
             if not _token_ids_ok(self.allowed_token_ids, vocab_size):
                 bad("allowed_token_ids", f"must be token ids {vocab}")
-        if self.bad_words is not None and (not isinstance(self.bad_words, list)
-                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
-            bad("bad_words", "must be a list of non-empty strings")
+        check_bad_words(self.bad_words)
         if self.bad_words_token_ids is not None and (
                 not isinstance(self.bad_words_token_ids, list)
                 or any(not isinstance(w, list) or not w or not _token_ids_ok(w, vocab_size)

@@ -8,7 +8,8 @@ A Supervisor owns N numbered children and knows each one's state:
   ready    -> exiting        the child reported its failure (failing(i, ...)): killed if not gone after a grace
   any      -> (replaced)     replace(i, why): killed now (a hung child), on_died, restart scheduled
   waiting  -> starting       the back-off is over: spawned again (restart k of restart_limit)
-  down                       the restart limit is spent; it stays down
+  down                       the restart limit is spent (restart_limit restarts within restart_window
+                             seconds); it stays down
 
 watch() is one pass over the children: the asyncio users call it from a task (`run_watch`), the synchronous
 tensor-parallel executor while it waits for a reply. The supervisor never reads the children's sockets: the wire
@@ -26,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 logger = logging.getLogger(__name__)
@@ -103,22 +104,27 @@ class Child:
     proc: Process | None = None
     state: str = "starting"  # starting | ready | exiting | waiting | down
     deadline: float = 0.0  # starting: ready by; exiting: killed at; waiting: spawned at
-    restarts: int = 0
+    restarts: int = 0  # in all (for the logs)
+    restart_times: list[float] = field(default_factory=list)  # when it was restarted, within the restart window
     start_error: str | None = None  # what the child reported when its start failed
 
 
 class Supervisor:
-    """N children made by `spawn(i)`. `restart_limit` None: restart forever; `backoff` (first, cap) seconds,
-    doubling per restart of the same child."""
+    """N children made by `spawn(i)`. `restart_limit` None: restart forever; else at most that many restarts of
+    one child within `restart_window` seconds (None: in its lifetime), so that rare deaths over days never use the
+    limit up while a crash loop still stops; `backoff` (first, cap) seconds, doubling per recent restart of the
+    same child."""
 
     def __init__(self, what: str, num: int, spawn: Callable[[int], Process], *, startup_timeout: float,
-                 restart_limit: int | None = None, backoff: tuple[float, float] = (0.0, 0.0),
+                 restart_limit: int | None = None, restart_window: float | None = None,
+                 backoff: tuple[float, float] = (0.0, 0.0),
                  exit_grace: float = 5.0, on_died: Callable[[int, str], None] = lambda i, why: None,
                  on_restart_failed: Callable[[int], None] = lambda i: None):
         self.what = what  # "engine core", "render process", ...: names a child in messages
         self.spawn = spawn
         self.startup_timeout = startup_timeout
         self.restart_limit = restart_limit
+        self.restart_window = restart_window
         self.backoff = backoff
         self.exit_grace = exit_grace
         self.on_died = on_died  # a ready child died or was replaced: fail its work (the restart follows)
@@ -227,7 +233,9 @@ class Supervisor:
                 self._schedule_restart(i, now)
             elif c.state == "waiting" and now >= c.deadline:
                 c.restarts += 1
-                limit = "" if self.restart_limit is None else f" ({c.restarts} of {self.restart_limit})"
+                c.restart_times.append(now)
+                limit = "" if self.restart_limit is None else f" ({self.recent_restarts(i, now)} of " \
+                    f"{self.restart_limit}{self._window_text()})"
                 logger.info("restarting %s %d%s", self.what, i, limit)
                 self._spawn(i, now)
             elif c.state == "exiting" and (not alive or now > c.deadline):
@@ -241,14 +249,29 @@ class Supervisor:
                 self.on_died(i, f"died with exit code {c.proc.exitcode}")
                 self._schedule_restart(i, now)
 
+    def _window_text(self) -> str:
+        return "" if self.restart_window is None else f" within {self.restart_window:g} s"
+
+    def recent_restarts(self, i: int, now: float | None = None) -> int:
+        """Child i's restarts that count against the limit: those within the restart window."""
+        c = self.children[i]
+        if self.restart_window is not None:
+            now = time.monotonic() if now is None else now
+            c.restart_times = [t for t in c.restart_times if now - t < self.restart_window]
+        return len(c.restart_times)
+
+    def can_restart(self, i: int, now: float | None = None) -> bool:
+        return self.restart_limit is None or self.recent_restarts(i, now) < self.restart_limit
+
     def _schedule_restart(self, i: int, now: float) -> None:
         c = self.children[i]
-        if self.restart_limit is not None and c.restarts >= self.restart_limit:
+        if not self.can_restart(i, now):
             c.state = "down"
-            logger.error("%s %d stays down: it was restarted %d times", self.what, i, c.restarts)
+            logger.error("%s %d stays down: it was restarted %d times%s", self.what, i, len(c.restart_times),
+                         self._window_text())
             return
         first, cap = self.backoff
-        c.state, c.deadline = "waiting", now + min(cap, first * 2 ** c.restarts)
+        c.state, c.deadline = "waiting", now + min(cap, first * 2 ** len(c.restart_times))
 
     async def run_watch(self, interval: float, also: Callable[[float], None] | None = None) -> None:
         """The asyncio users' watch task: watch() (and `also(now)`) every `interval` seconds until stop()."""

@@ -86,5 +86,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     # the engine core's last message before it exits on a failed step (a tensor-parallel worker died): why
     engine_error: str | None = None
     # a liveness heartbeat (sent about once a second from a thread of the engine-core process): the number of
-    # steps the engine has finished so far
+    # steps the engine has finished so far, and the work it has done (kestrel/core/progress.py: module forwards on
+    # the CPU), which moves while a long step runs
     heartbeat: int | None = None
+    work: int = 0

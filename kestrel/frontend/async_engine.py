@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from kestrel.config import EngineConfig
 from kestrel.core.pooling import PoolingParams
-from kestrel.core.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams, check_bad_words
 from kestrel.engine.messages import EngineCoreOutputs
 from kestrel.errors import ConfigError, EngineDead, EngineSleeping, InvalidRequest, ModelNotFound
 from kestrel.frontend.admission import AdmissionWindow
@@ -135,6 +135,15 @@ class AsyncEngine(FleetControl):
                                                       continue_final_message)
 
     # ---- requests
+    async def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """The request's bad_words tokenized on a render thread (generate() would do it on the event loop): at
+        most MAX_BAD_WORDS words, counted before any is tokenized."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        check_bad_words(params.bad_words)
+        ids = await self.run_tokenizer(self.input_processor.bad_words_token_ids, params.bad_words)
+        return params.clone(bad_words_token_ids=ids)
+
     def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
                     lora_request: LoRARequest | None = None,
                     want_logprobs: bool = False) -> AsyncIterator[RequestOutput]:

@@ -14,7 +14,7 @@ from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.pooling import PoolingParams
 from kestrel.frontend.pooling import check_request_kind
-from kestrel.core.sampling_params import SamplingParams
+from kestrel.core.sampling_params import SamplingParams, check_bad_words
 from kestrel.errors import InvalidRequest
 
 
@@ -146,13 +146,14 @@ class InputProcessor:
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would start the text and, where they differ, as it would follow a
         space (a word mid-text usually tokenizes with its leading space)."""
-        out: list[list[int]] = []
+        check_bad_words(words)  # the count first: at most MAX_BAD_WORDS words are tokenized
+        seen: dict[tuple[int, ...], None] = {}  # in order, without repeats (a set lookup, not a list scan)
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = self.tokenize(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+                if ids:
+                    seen.setdefault(tuple(ids), None)
+        return [list(ids) for ids in seen]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, template_kwargs: dict | None = None,
@@ -237,7 +238,7 @@ class InputProcessor:
         the API request these sequences belong to, shared with its other prompts ("": this request's id)."""
         check_request_kind(self.pooling, pooling)
         params.validate(self.vocab_size, self.max_logprobs)
-        if params.bad_words:
+        if params.bad_words and params.bad_words_token_ids is None:  # the server tokenized them off the loop
             params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
             params.validate(self.vocab_size, self.max_logprobs)  # the words' ids are in the model's vocabulary
         prompt = self.process_images(prompt)

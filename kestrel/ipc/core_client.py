@@ -232,7 +232,8 @@ class MPClient(EngineCoreClient):
             raise ConfigError(f"--engine-hang-timeout must be positive, got {self.hang_timeout}")
         self.sup = Supervisor("engine core", num_engines, self._spawn,
                               startup_timeout=config.parallel.engine_startup_timeout,
-                              restart_limit=self.restart_limit, backoff=RESTART_BACKOFF_S, exit_grace=EXIT_GRACE_S,
+                              restart_limit=self.restart_limit,
+                              restart_window=config.parallel.engine_restart_window, backoff=RESTART_BACKOFF_S, exit_grace=EXIT_GRACE_S,
                               on_died=self._engine_died, on_restart_failed=self._restore_failed)
         self.engine_info = [{} for _ in range(num_engines)]
         self.stats = [None] * num_engines
@@ -241,7 +242,8 @@ class MPClient(EngineCoreClient):
         self._outbox: list[collections.deque] = [collections.deque() for _ in range(num_engines)]
         self._outbox_ready: asyncio.Event | None = None
         self._last_seen = [0.0] * num_engines  # when each engine last sent anything (heartbeats included)
-        self._progress = [(0, 0.0)] * num_engines  # (steps finished, when that count last moved or it was idle)
+        # ((steps finished, work done), when either last moved or it was idle)
+        self._progress = [((0, 0), 0.0)] * num_engines
         self._last_check = 0.0
         self._tasks: list[asyncio.Task] = []
         self._restores: set[asyncio.Task] = set()
@@ -260,7 +262,7 @@ class MPClient(EngineCoreClient):
         state = self.sup.state(i)
         if state in ("starting", "waiting"):
             return "restarting"
-        if state == "exiting" and self.sup.children[i].restarts < self.restart_limit:
+        if state == "exiting" and self.sup.can_restart(i):
             return "restarting"
         return "dead"
 
@@ -305,7 +307,7 @@ class MPClient(EngineCoreClient):
             raise
         now = time.monotonic()
         self._last_seen = [now] * self.num_engines
-        self._progress = [(0, now)] * self.num_engines
+        self._progress = [((0, 0), now)] * self.num_engines
         self._last_check = now
         self._tasks = [asyncio.create_task(self._output_loop(), name="kestrel-output-loop"),
                        asyncio.create_task(self._send_loop(), name="kestrel-send-loop"),
@@ -453,8 +455,7 @@ class MPClient(EngineCoreClient):
                 continue  # a dead engine's last words: its requests have already failed
             self._last_seen[idx] = time.monotonic()
             if outs.heartbeat is not None:
-                if outs.heartbeat != self._progress[idx][0]:
-                    self._progress[idx] = (outs.heartbeat, self._last_seen[idx])
+                self._on_heartbeat(idx, outs.heartbeat, outs.work, self._last_seen[idx])
                 continue
             if outs.engine_error is not None:  # it failed a step and exits: fail its requests now
                 self.sup.failing(idx, f"failed: {outs.engine_error}")
@@ -474,13 +475,19 @@ class MPClient(EngineCoreClient):
                     logger.exception("output handler failed")
 
     # ---- liveness (from the watch task, before each supervisor pass)
+    def _on_heartbeat(self, i: int, steps: int, work: int, now: float) -> None:
+        """A heartbeat of engine i: progress when a step finished or work was done since the last one."""
+        if (steps, work) != self._progress[i][0]:
+            self._progress[i] = ((steps, work), now)
+
     def _before_watch(self, now: float) -> None:
         self._read_handshakes()
         self._check_engines(now)
 
     def _check_engines(self, now: float) -> None:
         """Stalled (no heartbeat for HEALTH_STALE_S): out of service until it answers. Silent, or busy without
-        finishing a step, for engine_hang_timeout: replaced (killed and restarted like a dead engine)."""
+        finishing a step or doing any work (its heartbeats' counts stand still), for engine_hang_timeout: replaced
+        (killed and restarted like a dead engine). A long step that computes is work, not a hang."""
         late = now - self._last_check - WATCH_INTERVAL_S
         self._last_check = now
         if late > 1.0:  # this event loop was blocked: the engines' messages wait unread, they are not silent
@@ -501,8 +508,8 @@ class MPClient(EngineCoreClient):
                 self.sup.replace(i, f"sent no heartbeat for {silent:.0f} s (--engine-hang-timeout)")
             elif i in busy and now - since > self.hang_timeout:
                 self.stalled.pop(i, None)
-                self.sup.replace(i, f"finished no step for {now - since:.0f} s while it had requests "
-                                    f"(--engine-hang-timeout)")
+                self.sup.replace(i, f"finished no step and did no work for {now - since:.0f} s while it had "
+                                    f"requests (--engine-hang-timeout)")
             elif silent > HEALTH_STALE_S:
                 if i not in self.stalled:
                     logger.warning("engine core %d sent no heartbeat for %.0f s: no new requests go to it", i,
@@ -539,10 +546,10 @@ class MPClient(EngineCoreClient):
         self.stats[i] = None
         self.routed_since_stats[i] = 0
         now = time.monotonic()
-        self._last_seen[i], self._progress[i] = now, (0, now)
+        self._last_seen[i], self._progress[i] = now, ((0, 0), now)
         del self.dead[i]
-        logger.info("engine core %d is back (restart %d of %d)", i, self.sup.children[i].restarts,
-                    self.restart_limit)
+        logger.info("engine core %d is back (restart %d of %d within %g s)", i, self.sup.recent_restarts(i),
+                    self.restart_limit, self.sup.restart_window)
 
     def _engine_died(self, i: int, why: str) -> None:
         exc = EngineDead(f"engine core {i} {why}")

@@ -15,10 +15,12 @@ process. A step that raises (a worker died: WorkerError names its rank) or a wor
 reported at once in a last EngineCoreOutputs with `engine_error` set; the workers are stopped and the process exits,
 so the client fails the in-flight requests without waiting for the exit.
 
-Heartbeat: once ready, a thread of the process sends EngineCoreOutputs(heartbeat=steps finished so far) every
-HEARTBEAT_INTERVAL_S on its own PUSH socket. A thread, not the loop, so that a long step (a big prefill, a first
-CUDA-graph capture) is not silence: the client tells a stopped or frozen process (no heartbeat) from a loop that
-is stuck (heartbeats whose step count does not move while it has requests), see MPClient._check_engines."""
+Heartbeat: once ready, a thread of the process sends EngineCoreOutputs(heartbeat=steps finished so far,
+work=work done so far) every HEARTBEAT_INTERVAL_S on its own PUSH socket. A thread, not the loop, so that a long
+step (a big prefill, a first CUDA-graph capture) is not silence; the work count (kestrel/core/progress.py: the
+CPU runner's module forwards) moves while a long step computes. The client tells a stopped or frozen process (no
+heartbeat) from a loop that is stuck (heartbeats whose step count and work do not move while it has requests)
+from one that is working, see MPClient._check_engines."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +32,7 @@ import traceback
 import msgspec
 import zmq
 
+from kestrel.core import progress
 from kestrel.core.pooling import pooling_facts
 from kestrel.core.supervisor import parent_gone
 from kestrel.errors import KestrelError
@@ -115,7 +118,8 @@ def run_engine_core(config_dict: dict, input_addr: str, output_addr: str, engine
 
 
 class Heartbeat(threading.Thread):
-    """Sends EngineCoreOutputs(heartbeat=steps()) every HEARTBEAT_INTERVAL_S until stop()."""
+    """Sends EngineCoreOutputs(heartbeat=steps(), work=progress.work_done()) every HEARTBEAT_INTERVAL_S until
+    stop()."""
 
     def __init__(self, ctx, output_addr: str, engine_index: int, steps):
         super().__init__(name="kestrel-heartbeat", daemon=True)
@@ -129,8 +133,8 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self.sock.send(P.encoder.encode(P.EngineCoreOutputs(self.engine_index, heartbeat=self.steps())),
-                               zmq.NOBLOCK)
+                beat = P.EngineCoreOutputs(self.engine_index, heartbeat=self.steps(), work=progress.work_done())
+                self.sock.send(P.encoder.encode(beat), zmq.NOBLOCK)
             except zmq.ZMQError:  # the client is not reading: nothing to tell it
                 pass
 

@@ -169,6 +169,23 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+def json_only(app):
+    """ASGI middleware: a POST with a body must say it is JSON (application/json or a +json type), else 415. A
+    browser posts text/plain across origins without a CORS preflight; no route of this server takes it."""
+    async def middleware(scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope["headers"])
+            has_body = headers.get(b"content-length", b"0") not in (b"", b"0") or b"transfer-encoding" in headers
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if has_body and kind != b"application/json" and not kind.endswith(b"+json"):
+                shown = kind.decode("latin-1") or "none"
+                return await _error(415, f"the body must be JSON (Content-Type: application/json), not {shown}",
+                                    "invalid_request_error")(scope, receive, send)
+        return await app(scope, receive, send)
+
+    return middleware
+
+
 # ------------------------------------------------------------------------------ routes
 open_routes = APIRouter()
 api = APIRouter(dependencies=[Depends(check_key)])
@@ -276,7 +293,7 @@ async def responses(req: ResponsesRequest, raw: Request):
 
 @api.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, raw: Request):
-    return await get_response(_state(raw), response_id)
+    return await get_response(_state(raw), response_id, raw)
 
 
 @api.post("/v1/embeddings")
@@ -464,6 +481,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     app.add_middleware(BodyLimit, limit=server.max_request_body_bytes)
+    app.add_middleware(json_only)
     return app
 
 

@@ -9,14 +9,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob
 from kestrel.frontend.processor import ProcessedPrompt
-from kestrel.server.common import (ServerState, beam_searches, final_outputs, prompt_logprobs_json, request_ids,
-                                   sse_chunk, stream_error, unless_disconnected)
+from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, prompt_logprobs_json,
+                                   request_ids, sse_chunk, stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
 
 def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": json_logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None, num: int, tokenizer) -> dict:
@@ -71,6 +71,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = req.sampling_params(state.sampling_defaults, plan.structured)
     beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
+    params = await engine.tokenize_bad_words(params)  # on a render thread
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
     gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else

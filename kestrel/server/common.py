@@ -44,7 +44,7 @@ class ServerState:
         if self.grammar is None:
             self.grammar = GrammarCheck(self.server.grammar_parse_timeout)
         if self.responses is None:
-            self.responses = ResponseStore(self.server.responses_store_size)
+            self.responses = ResponseStore(self.server.responses_store_size, self.server.responses_store_bytes)
 
     def check_model(self, model: str | None):
         """The LoRA adapter that `model` names (a LoRARequest), None for the base model; 404 for anything else."""
@@ -74,10 +74,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def request_ids(prefix: str, body_id: str | None, raw: Request) -> tuple[str, str]:
+def request_ids(prefix: str, body_id: str | None, raw: Request, echo: bool = True) -> tuple[str, str]:
     """(engine request id, id shown to the client). The engine's id is always generated here, so a client can
     never address another request; the client's own id (body ``request_id`` or ``X-Request-Id``) is only
-    echoed and logged."""
+    echoed (``echo``: not for ids that name something kept, such as a stored response) and logged."""
     client_id = body_id if body_id is not None else raw.headers.get("x-request-id")
     internal = new_id(prefix)
     if client_id is None:
@@ -85,7 +85,7 @@ def request_ids(prefix: str, body_id: str | None, raw: Request) -> tuple[str, st
     if len(client_id) > MAX_CLIENT_REQUEST_ID:
         raise InvalidRequest(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} characters", param="request_id")
     logger.info("request %s: client request id %r", internal, client_id)
-    return internal, f"{prefix}-{client_id}"
+    return internal, f"{prefix}-{client_id}" if echo else internal
 
 
 def stream_error(e: BaseException) -> str:
@@ -96,11 +96,20 @@ def stream_error(e: BaseException) -> str:
     return sse(error_body("internal server error", "internal_error", None, 500))
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: a banned token's -inf (an output constraint, bad_words) is sent as this
+
+
+def json_logprob(value: float) -> float:
+    """A logprob as the API sends it: JSON has no -inf (a 500 whole, -Infinity streamed); vLLM sends -9999.0."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN too: not >= anything
+
+
 def prompt_logprobs_json(out: RequestOutput) -> list | None:
     """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [None if d is None else {str(t): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
                                     for t, lp in d.items()} for d in out.prompt_logprobs]
 
 

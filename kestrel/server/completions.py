@@ -8,8 +8,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob, RequestOutput
-from kestrel.server.common import (ServerState, beam_searches, final_outputs, merge, prompt_logprobs_json,
-                                   request_ids, sse_chunk, stream_error, unless_disconnected)
+from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, merge,
+                                   prompt_logprobs_json, request_ids, sse_chunk, stream_error, unless_disconnected)
 from kestrel.server.openai_protocol import CompletionRequest
 
 
@@ -33,12 +33,12 @@ class LegacyLogprobs:
         else:
             text = entry[token].decoded_token or ""
             self.tokens.append(text)
-            self.token_logprobs.append(entry[token].logprob)
+            self.token_logprobs.append(json_logprob(entry[token].logprob))
             top = sorted((lp for lp in entry.items() if lp[1].rank <= self.num or lp[0] == token),
                          key=lambda kv: kv[1].rank)
             d: dict[str, float] = {}
             for _, lp in top:  # several ids can decode to the same text (e.g. U+FFFD): keep the best-ranked
-                d.setdefault(lp.decoded_token or "", lp.logprob)
+                d.setdefault(lp.decoded_token or "", json_logprob(lp.logprob))
             self.top_logprobs.append(d)
         self.text_offset.append(self.offset)
         self.offset += len(text)
@@ -63,6 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = req.sampling_params(state.sampling_defaults)
     beam = req.beam_search_params(req.max_tokens, params)
     await state.grammar.check(params.structured_outputs, req.constraint_param)
+    params = await engine.tokenize_bad_words(params)  # on a render thread
     prompts = req.prompts()
     rid, public_id = request_ids("cmpl", req.request_id, raw)
 

@@ -11,7 +11,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
-from kestrel.core.sampling_params import SamplingParams, StructuredOutputsParams
+from kestrel.core.sampling_params import (MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams,
+                                          check_bad_words)
 from kestrel.frontend.beam_search import BeamSearchParams
 from kestrel.errors import InvalidRequest
 
@@ -162,6 +163,7 @@ class _SamplingRequest(_Base):
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if self.stream and self.prompt_logprobs is not None:
             raise InvalidRequest("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+        check_bad_words(self.bad_words)  # sizes before any per-item work (MAX_BAD_WORDS, MAX_LOGIT_BIAS)
         d = {k: v for k, v in (defaults or {}).items() if getattr(self, k, None) is None}
 
         def pick(name: str, fallback):
@@ -196,6 +198,9 @@ class _SamplingRequest(_Base):
         """Token ids from the JSON keys; biases clamped to [-100, 100] as vLLM does."""
         if not self.logit_bias:
             return None
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are "
+                                 f"allowed", param="logit_bias")
         out = {}
         for key, bias in self.logit_bias.items():
             try:

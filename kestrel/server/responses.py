@@ -13,15 +13,20 @@ from typing import Any, AsyncIterator, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictStr, field_validator
 
+from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.server.chat import render_prompt
 from kestrel.server.common import ServerState, final_outputs, request_ids, stream_error, unless_disconnected
 from kestrel.server.openai_protocol import ChatCompletionRequest, Int64, _Base
 from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
                                            input_messages, message_item, new_item_id, output_items)
+from kestrel.server.response_store import response_owner
 from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, plan_tools
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
+MAX_USER_CHARS = 256
 
 
 class ResponsesRequest(_Base):
@@ -45,16 +50,39 @@ class ResponsesRequest(_Base):
     parallel_tool_calls: StrictBool = True
     stream: StrictBool = False
     store: StrictBool = True  # keep the response for previous_response_id (--responses-store-size)
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    request_id: str | None = None
+    metadata: dict[str, Any] | None = None  # OpenAI's limits: MAX_METADATA_PAIRS pairs, short string values
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # with the API key, who owns the stored response
+    request_id: str | None = None  # logged only: the response's id is the server's (response_store.py)
     priority: Int64 = 0
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v):
+        """OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_PAIRS:
+            raise InvalidRequest(f"metadata has {len(v)} pairs; at most {MAX_METADATA_PAIRS} are allowed",
+                                 param="metadata")
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise InvalidRequest(f"metadata keys must have at most {MAX_METADATA_KEY_CHARS} characters",
+                                     param="metadata")
+            if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise InvalidRequest(f"metadata values must be strings of at most {MAX_METADATA_VALUE_CHARS} "
+                                     f"characters", param="metadata")
+        return v
 
-def conversation(state: ServerState, req: ResponsesRequest) -> list[dict]:
-    """The stored conversation of previous_response_id (404 if unknown), then `input`. `instructions` are the
-    request's own: a previous response's are not carried over (as OpenAI does)."""
-    history = state.responses.get(req.previous_response_id, "previous_response_id").messages \
+
+def owner(state: ServerState, raw: Request, user: str | None) -> str:
+    """The owner of the responses this request stores or reads (response_store.response_owner)."""
+    return response_owner(raw.headers.get("authorization"), user, bool(state.api_key))
+
+
+def conversation(state: ServerState, req: ResponsesRequest, who: str) -> list[dict]:
+    """The stored conversation of previous_response_id (404 if unknown or another owner's), then `input`.
+    `instructions` are the request's own: a previous response's are not carried over (as OpenAI does)."""
+    history = state.responses.get(req.previous_response_id, "previous_response_id", who).messages \
         if req.previous_response_id is not None else []
     return history + input_messages(req.input)
 
@@ -92,38 +120,42 @@ def _status(out: RequestOutput | None) -> str:
     return "incomplete" if out is None or out.outputs[0].finish_reason == "length" else "completed"
 
 
-def _remember(state: ServerState, req: ResponsesRequest, messages: list[dict], reply: dict, body: dict) -> None:
-    if req.store:
-        state.responses.put(body["id"], messages + [assistant_message(reply)], body)
+def _remember(state: ServerState, req: ResponsesRequest, messages: list[dict], reply: dict, body: dict,
+              who: str) -> None:
+    if req.store and not state.responses.put(body["id"], messages + [assistant_message(reply)], body, who):
+        body["store"] = False  # over --responses-store-bytes on its own: not kept
 
 
 async def create_response(state: ServerState, req: ResponsesRequest, raw: Request):
     lora = state.check_model(req.model)
-    messages = conversation(state, req)
+    who = owner(state, raw, req.user)
+    messages = conversation(state, req, who)
     chat_req = _chat_request(req, messages)
     plan = plan_tools(chat_req.tools, chat_req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       chat_req.parallel_tool_calls)
     params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
     await state.grammar.check(params.structured_outputs, "tools")
-    rid, public_id = request_ids("resp", req.request_id, raw)
+    rid, public_id = request_ids("resp", req.request_id, raw, echo=False)  # a stored id is the server's
     prompt = await render_prompt(state, chat_req, plan.tools)
     gen = state.engine.generate(prompt, params, rid, req.priority, timeout=state.timeout(chat_req),
                                 lora_request=lora, stream=req.stream)
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages),
+        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages, who),
                                  media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     status = _status(out)
     reply, _ = build_message(plan, state.reasoning_parser, out.outputs[0].text, out.outputs[0].finish_reason)
     items = output_items(reply, new_item_id("msg"), "completed" if status == "completed" else "incomplete")
     body = _response(req, state, public_id, created, status, items, out)
-    _remember(state, req, messages, reply, body)
+    _remember(state, req, messages, reply, body, who)
     return JSONResponse(body)
 
 
-async def get_response(state: ServerState, response_id: str):
-    return JSONResponse(state.responses.get(response_id).body)
+async def get_response(state: ServerState, response_id: str, raw: Request):
+    """GET /v1/responses/{id}: the owner's own only (its key, and `?user=` as the request's `user` field)."""
+    user = raw.query_params.get("user")
+    return JSONResponse(state.responses.get(response_id, owner=owner(state, raw, user)).body)
 
 
 class _Events:
@@ -138,7 +170,7 @@ class _Events:
 
 
 async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: int, gen, plan: ToolPlan,
-                  messages: list[dict]) -> AsyncIterator[str]:
+                  messages: list[dict], who: str) -> AsyncIterator[str]:
     """The text streams into a message item opened at its first piece; tool calls come whole after it, each a
     function_call item with its arguments in one delta."""
     event, stream = _Events(), MessageStream(plan, state.reasoning_parser)
@@ -193,7 +225,7 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
             yield event("response.output_item.done", output_index=index, item=item)
         final = _response(req, state, rid, created, status, output, last)
         reply = {"content": text or None, "tool_calls": [calls[k] for k in sorted(calls)]}
-        _remember(state, req, messages, reply, final)
+        _remember(state, req, messages, reply, final, who)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except Exception as e:
         yield stream_error(e)

@@ -14,6 +14,7 @@ import torch
 
 from kestrel.attention.layer import ForwardContext
 from kestrel.core.device import to_device
+from kestrel.core.progress import count_forwards
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
@@ -43,6 +44,8 @@ class ModelRunner:
         self.addons = list(parts.addons)
         self.kv_cache_groups, self.backends, self.builders = parts.kv_cache_groups, parts.backends, parts.builders
         self._hooks = self.hooks = parts.hooks  # hook name -> the overriding add-ons' methods (the parts' dict)
+        if self.device.type == "cpu":  # a long CPU step reads as work in progress to the hang watchdog
+            count_forwards(self.model)
         # the LoRAManager (None without --enable-lora): adapter add/remove/list reach it through the runner
         self.lora = lora_manager(self.addons)
         self.requests: dict[str, RequestState] = {}

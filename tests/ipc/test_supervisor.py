@@ -69,6 +69,27 @@ def test_restart_with_doubling_backoff_until_the_limit():
     assert sup.state(0) == "ready"
 
 
+def test_the_restart_limit_counts_within_its_window():
+    """Issue 55: the limit was over a lifetime, so four long prompts (each taken for a hang) left the server dead
+    for good; restarts older than the window no longer count."""
+    sup, spawned, died, _ = make(restart_limit=2, restart_window=100.0, backoff=(0.0, 0.0))
+    t = time.monotonic()
+    for k in range(6):  # a death every 60 s: never more than 2 within 100 s
+        sup.procs[1].exitcode = 3
+        sup.watch(t)
+        sup.watch(t)
+        assert sup.state(1) == "starting", k
+        assert sup.ready(1)
+        t += 60
+    sup.procs[1].exitcode = 3  # a quick death: the 2nd restart within 100 s
+    sup.watch(t)
+    sup.watch(t)
+    assert sup.ready(1)
+    sup.procs[1].exitcode = 3  # and another: a 3rd would be past the limit
+    sup.watch(t + 1)
+    assert sup.state(1) == "down" and sup.children[1].restarts == 7
+
+
 def test_failing_child_is_killed_after_its_grace_and_restarted():
     sup, spawned, died, _ = make(exit_grace=5.0)
     t = time.monotonic()

@@ -98,7 +98,28 @@ def test_a_long_step_is_not_a_hang_but_a_stuck_loop_is():
     assert sup.replaced == [] and c.stalled == {}
     c._last_seen = [t + 31, t + 31]
     tick(c, t + 31)
-    assert sup.replaced == [(0, "finished no step for 31 s while it had requests (--engine-hang-timeout)")]
+    assert sup.replaced == [(0, "finished no step and did no work for 31 s while it had requests "
+                                "(--engine-hang-timeout)")]
+
+
+def test_a_long_step_that_works_is_not_a_hang():
+    """Issue 55: a 7,000-token prefill is one step of more than 30 s on the CPU; its heartbeats' work count (the
+    runner's module forwards) moves, so it is not replaced. The same step with the work standing still is."""
+    c, sup = client(timeout=30.0)
+    t = 1000.0
+    c.request_engine = {"r0": 0}
+    c._progress = [((5, 100), t), ((0, 0), t)]
+    for dt in range(1, 100):  # a 99 s step: no step finishes, the work moves every second
+        c._last_seen = [t + dt, t + dt]
+        c._on_heartbeat(0, 5, 100 + dt, t + dt)
+        c._on_heartbeat(1, 0, 0, t + dt)
+        tick(c, t + dt)
+    assert sup.replaced == [] and c.stalled == {}
+    for dt in range(100, 131):  # then stuck: heartbeats, no work
+        c._last_seen = [t + dt, t + dt]
+        c._on_heartbeat(0, 5, 199, t + dt)
+        tick(c, t + dt)
+    assert [i for i, _ in sup.replaced] == [0] and "did no work for 31 s" in sup.replaced[0][1]
 
 
 def test_a_blocked_event_loop_is_not_taken_for_silent_engines():

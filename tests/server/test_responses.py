@@ -118,3 +118,32 @@ def test_unknown_or_unstored_previous_response_is_404(client):
     body = e.value.body
     assert e.value.status_code == 404 and body["type"] == "invalid_request_error"
     assert body["param"] == "previous_response_id"
+
+
+def test_stored_responses_are_their_creators_only(server, client):
+    """Issue 55: a client-chosen request_id (body or X-Request-Id) named the stored response resp-<id>, which
+    anyone could read, continue or overwrite. Now the id is the server's and the response is bound to its creator
+    (its `user` here, the API key with --api-key): anyone else gets 404 and nothing is overwritten."""
+    url = server.url + "/v1/responses"
+    s, first = http("POST", url, {"input": "hi", "max_output_tokens": 2, "user": "alice", "request_id": "shared"})
+    assert s == 200 and first["id"] != "resp-shared" and first["id"].startswith("resp-"), first
+    s, other = http("POST", url, {"input": "bye", "max_output_tokens": 2, "user": "bob"},
+                    headers={"X-Request-Id": "shared"})
+    assert s == 200 and other["id"] not in (first["id"], "resp-shared")
+    rid = first["id"]
+    for query in ("?user=bob", ""):  # another user, or none
+        s, r = http("GET", f"{url}/{rid}{query}")
+        assert s == 404 and r["error"]["type"] == "invalid_request_error", r
+    s, r = http("POST", url, {"input": "more", "max_output_tokens": 2, "user": "bob", "previous_response_id": rid})
+    assert s == 404 and r["error"]["param"] == "previous_response_id"
+    s, r = http("GET", f"{url}/{rid}?user=alice")
+    assert s == 200 and r == first  # unchanged by bob's request with the same client id
+    s, r = http("POST", url, {"input": "more", "max_output_tokens": 2, "user": "alice", "previous_response_id": rid})
+    assert s == 200 and r["previous_response_id"] == rid
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513},
+                                      {"k": {"nested": 1}}])
+def test_metadata_within_openai_limits(server, metadata):
+    s, r = http("POST", server.url + "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata})
+    assert s == 400 and r["error"]["param"] == "metadata", r

@@ -148,3 +148,26 @@ def test_bad_tls_files_are_one_line_before_the_model_loads(server_model, tmp_pat
         run = serve(str(server_model), *flags)
         one_line_refusal(run, words)
         assert "engine core" not in run.stderr
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--api-key", ""], "--api-key is empty"),
+    (["--data-parallel-size", "1000"], "--data-parallel-size must be from 1 to"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1, got 0"),
+    (["--engine-hang-timeout", "-1"], "--engine-hang-timeout must be a positive number of seconds, got -1.0"),
+    (["--request-timeout", "nan"], "--request-timeout must be a positive number of seconds, got nan"),
+    (["--grammar-parse-timeout", "0"], "--grammar-parse-timeout must be a positive number of seconds"),
+    (["--max-model-len", "-1"], "--max-model-len must be at least 1, got -1"),
+    (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+    (["--port", "70000"], "--port must be from 0 to 65535, got 70000"),
+    (["--tokenizer", "/etc"], "--tokenizer /etc holds no tokenizer"),
+])
+def test_launch_values_are_checked_at_parse_time(flags, words, server_model):
+    """Issue 55: these started without auth, forked hundreds of engines, started and hung, started with a
+    time-out that never fires, or refused with a traceback. Now one line each, before anything starts."""
+    one_line_refusal(serve(str(server_model), *flags, timeout=30), words)
+
+
+def test_a_device_is_not_a_model():
+    one_line_refusal(serve("/dev/zero", timeout=30), "--model /dev/zero is neither a checkpoint folder nor a file")
