@@ -98,11 +98,36 @@ KDA_CONFIGS = {
 }
 
 
+# Families built from small mechanisms (tests/models/test_families.py): windows and attention chunks of 8, below
+# most prompts; 4 layers where a pattern repeats every 4 (3:1 sliding, NoPE every 4th layer)
+FAMILY_CONFIGS = {
+    "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=16)),  # q/k/v bias, no o bias (the defaults)
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2)),  # layer 3 NoPE
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8)),
+    # layer 0 dense, then 8 experts top-2 + 1 shared; pair rotary
+    "ernie4_5_moe": ("ernie4_5_moe", dict(num_hidden_layers=3, num_key_value_heads=2, moe_num_experts=8, moe_k=2,
+                                          moe_intermediate_size=32, moe_num_shared_experts=1)),
+    # NTK-alpha base (alpha 1000: a base far from rope_theta), q/k norm after the rotary
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2,
+                                              intermediate_size=32, rope_parameters={
+                                                  "rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0,
+                                                  "factor": 1.0})),
+    # half of each head rotates; all-heads q/k norm; sigmoid + correction bias
+    "minimax_m2": ("minimax_m2", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=32, rope_parameters={
+                                          "rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5})),
+}
+
+
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
-                    logit_scale: float = 1.0, **overrides) -> Path:
+                    logit_scale: float = 1.0, vary_vectors: bool = False, **overrides) -> Path:
+    """`vary_vectors`: random biases (std 0.08) and norm weights (1 + std 0.2), so that a bias or a norm weight
+    that went to the wrong place shows (transformers initialises them to 0 and 1)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS}[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS,
+                         **FAMILY_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -112,6 +137,12 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                 p.normal_(0, 0.08)
             elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
                 p.normal_(0, 0.2)
+        if vary_vectors:
+            for pname, p in model.named_parameters():
+                if p.dim() == 1 and pname.endswith(".bias"):
+                    p.normal_(0, 0.08)
+                elif p.dim() == 1 and "norm" in pname:
+                    p.normal_(1, 0.2)
         for buf_name, b in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)

@@ -23,7 +23,12 @@ from kestrel.layers.moe.router import Router, RouterConfig
 # checkpoint projection name -> (fused parameter, shard of w13 or None)
 EXPERT_PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                "down_proj": ("w2", None), "w2": ("w2", None)}
-SHARED_NAMES = ("shared_expert", "shared_experts")
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+# other checkpoints' names for the router's tensors
+ROUTER_NAMES = {"gate.wg.weight": "gate.weight",  # Hunyuan
+                "router.weight": "gate.weight",  # Llama 4
+                "moe_statics.e_score_correction_bias": "gate.e_score_correction_bias",  # ERNIE 4.5, [1, E]
+                "e_score_correction_bias": "gate.e_score_correction_bias"}  # MiniMax-M2: beside the gate
 
 
 class FusedExperts(nn.Module):
@@ -95,7 +100,7 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def shared_mlp(self) -> SharedMLP | None:
-        return getattr(self, self.shared_name, None)
+        return self._modules.get(self.shared_name)  # (Hunyuan's checkpoint name is this property's own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
@@ -111,6 +116,7 @@ class SparseMoeBlock(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, fse: FseDecision) -> None:
         """`name` relative to this block. `fse` is the decision the model recorded at construction: the loader's
         only source for where shared-expert weights go."""
+        name = ROUTER_NAMES.get(name, name)
         parts = name.split(".")
         if parts[0] == "experts" and parts[2] in EXPERT_PROJ:
             tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], tensor)
@@ -118,6 +124,8 @@ class SparseMoeBlock(nn.Module):
             tensor = materialize(tensor)
         if parts[0] == "gate":
             param = getattr(self.gate, parts[1])
+            if param is not None and param.numel() == tensor.numel():
+                tensor = tensor.reshape(param.shape)
             if param is None or param.shape != tensor.shape:
                 raise ValueError(f"{self.prefix}.{name}: unexpected tensor {tuple(tensor.shape)}")
             param.data.copy_(tensor)
