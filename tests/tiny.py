@@ -117,6 +117,10 @@ FAMILY_CONFIGS = {
                                       intermediate_size=32, rope_parameters={
                                           "rope_type": "default", "rope_theta": 10000.0,
                                           "partial_rotary_factor": 0.5})),
+    # yarn with llama-4 query scaling: the scale steps up every 16 positions (original_max_position_embeddings)
+    "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
 }
 
 

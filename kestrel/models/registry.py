@@ -15,6 +15,7 @@ _MODELS = {
     # (SmolLM3), llama-4 query scaling on top of yarn (Ministral 3)
     "SeedOssForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
     "SmolLM3ForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
+    "Ministral3ForCausalLM": ("kestrel.models.llama", "LlamaForCausalLM"),
     "Olmo2ForCausalLM": ("kestrel.models.olmo", "Olmo3ForCausalLM"),
     "Olmo3ForCausalLM": ("kestrel.models.olmo", "Olmo3ForCausalLM"),
     "GemmaForCausalLM": ("kestrel.models.gemma", "GemmaForCausalLM"),

@@ -65,7 +65,12 @@ def _check_minimax_m2(model):
     assert gate.cfg.scoring == "sigmoid" and gate.e_score_correction_bias.abs().sum() > 0
 
 
-CHECKS = {"seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
+def _check_ministral3(model):
+    scale = model.layers[0].self_attn.attn.query_scale
+    assert scale is not None and (scale.alpha, scale.period, scale.offset) == (0.5, 16.0, 0.0)
+
+
+CHECKS = {"ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
           "minimax_m2": _check_minimax_m2}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group
