@@ -13,12 +13,23 @@ from kestrel import SamplingParams
 MIXED_PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
 
 
+def hf_causal_lm(path, **load_kwargs):
+    """transformers' model of a checkpoint: AutoModelForCausalLM, or the checkpoint's own class where the auto
+    mapping lacks its config (Mistral4ForCausalLM in transformers 5.17)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    cls = AutoModelForCausalLM
+    if type(cfg) not in AutoModelForCausalLM._model_mapping:
+        cls = getattr(transformers, cfg.architectures[0])
+    return cls.from_pretrained(path, **load_kwargs)
+
+
 def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
     """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
     from_pretrained (e.g. attn_implementation)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
+    model = hf_causal_lm(path, dtype=torch.float32, **load_kwargs).eval()
     out = []
     for p in prompts:
         seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -121,7 +121,19 @@ FAMILY_CONFIGS = {
     "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # DeepSeek-V3's MLA (interleaved rotary, yarn with mscale_all_dim) + MoE routed by a softmax over groups ranked
+    # by their top-2 sum, and llama-4 query scaling; layer 0 dense
+    "mistral4": ("mistral4", dict(_MLA, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1,
+                                  n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                  norm_topk_prob=True, routed_scaling_factor=1.5, rope_interleave=True,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                   "llama_4_scaling_beta": 0.5})),
 }
+
+
+HF_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
@@ -134,7 +146,12 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                          **FAMILY_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if type(cfg) in AutoModelForCausalLM._model_mapping:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:  # not in the auto mapping (Mistral 4 in transformers 5.17): the model type's own class
+        import transformers
+
+        model = getattr(transformers, HF_CLASSES[model_type])(cfg).float()
     with torch.no_grad():  # larger weights than the default init give peakier, less tie-prone logits
         for p in model.parameters():
             if p.dim() >= 2:  # MoE experts are 3-D in memory

@@ -29,6 +29,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Mistral4ForCausalLM": ("kestrel.models.deepseek_v2", "Mistral4ForCausalLM"),
     "KimiLinearForCausalLM": ("kestrel.models.kimi_linear", "KimiLinearForCausalLM"),
     "DeepseekV32ForCausalLM": ("kestrel.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("kestrel.models.deepseek_v32", "GlmMoeDsaForCausalLM"),

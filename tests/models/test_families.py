@@ -70,7 +70,14 @@ def _check_ministral3(model):
     assert scale is not None and (scale.alpha, scale.period, scale.offset) == (0.5, 16.0, 0.0)
 
 
-CHECKS = {"ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
+def _check_mistral4(model):
+    attn = model.layers[0].self_attn
+    assert attn.query_scale is not None and attn.mla_attn.rotary.interleaved
+    gate = model.layers[1].mlp.gate
+    assert (gate.cfg.scoring, gate.cfg.num_groups, gate.cfg.group_score) == ("softmax", 2, "top2_sum")
+
+
+CHECKS = {"mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
           "minimax_m2": _check_minimax_m2}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group

@@ -4,7 +4,8 @@ MLP), with explicit constructor arguments so a model context can wrap it.
 Checkpoint names under the block's prefix (experts are per-expert tensors on disk, fused [E, 2I, H] / [E, H, I]
 in memory):
   gate.weight, gate.e_score_correction_bias
-  experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}
+  experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}, or experts.{gate_up_proj,
+  down_proj} (all experts stacked)
   {shared_expert|shared_experts}.{gate_proj, up_proj, down_proj}.{weight, ...}, shared_expert_gate.weight
 """
 from __future__ import annotations
@@ -118,6 +119,9 @@ class SparseMoeBlock(nn.Module):
         only source for where shared-expert weights go."""
         name = ROUTER_NAMES.get(name, name)
         parts = name.split(".")
+        if parts[0] == "experts" and parts[1] in ("gate_up_proj", "down_proj"):  # all experts in one tensor
+            self._load_stacked_experts(parts[1], materialize(tensor), fse)
+            return
         if parts[0] == "experts" and parts[2] in EXPERT_PROJ:
             tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], tensor)
         elif parts[0] not in SHARED_NAMES + ("shared_expert_gate",):  # Linear layers read their own part
@@ -148,6 +152,17 @@ class SparseMoeBlock(nn.Module):
                 getattr(mlp, target).load_weight(pname, tensor, shard)
         else:
             raise KeyError(f"{self.prefix}.{name}: not an MoE block tensor")
+
+    def _load_stacked_experts(self, proj: str, tensor: torch.Tensor, fse: FseDecision) -> None:
+        """transformers' in-memory layout, as some checkpoints store it (Mistral 4): gate_up_proj [E, 2I, H] (gate
+        rows first), down_proj [E, H, I]; loaded expert by expert."""
+        for j in range(tensor.shape[0]):
+            if proj == "gate_up_proj":
+                gate, up = tensor[j].chunk(2)
+                self.load_weight(f"experts.{j}.gate_proj.weight", gate, fse)
+                self.load_weight(f"experts.{j}.up_proj.weight", up, fse)
+            else:
+                self.load_weight(f"experts.{j}.down_proj.weight", tensor[j], fse)
 
     def _rank_part(self, param: str, tensor):
         """This rank's slice of an expert tensor along the intermediate dim: rows of gate/up, columns of down."""
