@@ -116,7 +116,8 @@ def decisive_routers(path, factor: float = 8.0) -> None:
     for f in path.glob("*.safetensors"):
         tensors = load_file(f)
         for name, t in tensors.items():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) and t.dim() == 2:
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight",
+                              "feed_forward.router.weight")) and t.dim() == 2:
                 tensors[name] = t * factor
         save_file(tensors, f, metadata={"format": "pt"})
 
@@ -131,3 +132,19 @@ def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
         tensors = load_file(f)
         save_file({n: t if n.endswith(keep) else t.to(torch.bfloat16).float() for n, t in tensors.items()}, f,
                   metadata={"format": "pt"})
+
+
+def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int) -> None:
+    """bf16 engines with CUDA graphs and without give the same greedy tokens, on `prompts` three times over (a
+    padded captured batch) and on its first prompt alone."""
+    from kestrel import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    graphs = LLM(str(path), dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=num_kv_blocks)
+    assert graphs.engine.core.executor.runner.graphs is not None
+    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
+                num_kv_blocks=num_kv_blocks)
+    for batch in (prompts * 3, prompts[:1]):
+        a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
+        b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+        assert a == b

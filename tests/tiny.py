@@ -103,6 +103,7 @@ KDA_CONFIGS = {
 FAMILY_CONFIGS = {
     "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=16)),  # q/k/v bias, no o bias (the defaults)
     "smollm3": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2)),  # layer 3 NoPE
+    "olmo2": ("olmo2", dict(num_key_value_heads=2)),
     "olmo3": ("olmo3", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8)),
     # layer 0 dense, then 8 experts top-2 + 1 shared; pair rotary
     "ernie4_5_moe": ("ernie4_5_moe", dict(num_hidden_layers=3, num_key_value_heads=2, moe_num_experts=8, moe_k=2,

@@ -77,7 +77,12 @@ def _check_mistral4(model):
     assert (gate.cfg.scoring, gate.cfg.num_groups, gate.cfg.group_score) == ("softmax", 2, "top2_sum")
 
 
-CHECKS = {"mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
+def _check_olmo2(model):
+    assert all(layer.self_attn.attn.qk_norm_all_heads for layer in model.layers)
+    assert not hasattr(model.layers[0], "input_layernorm")
+
+
+CHECKS = {"olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
           "minimax_m2": _check_minimax_m2}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group
@@ -96,3 +101,13 @@ def test_greedy_matches_transformers(checkpoint, kind):
                                  max_num_batched_tokens=8)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert tokens == ref
+
+
+def test_docs_list_every_architecture():
+    """docs/models.md has a row for every architecture the registry serves."""
+    from pathlib import Path
+
+    from kestrel.models.registry import supported_architectures
+
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    assert [a for a in supported_architectures() if a not in doc] == []
