@@ -34,9 +34,10 @@ class Attention(nn.Module):
         self._qk_norms = (q_norm, k_norm)  # registered by the model's attention module (checkpoint names)
         self.qk_norm_all_heads, self.qk_norm_after_rope = qk_norm_all_heads, qk_norm_after_rope
         self.query_scale = query_scale
-        # the fused prologue's order: per-head norm, then a rotary over the whole head
-        self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and query_scale is None
-                               and not qk_norm_all_heads and not qk_norm_after_rope)
+        # the fused prologue's order: per-head RMSNorm (with a weight), then a neox rotary over the whole head
+        self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and not rotary.interleaved
+                               and query_scale is None and not qk_norm_all_heads and not qk_norm_after_rope
+                               and (q_norm is None or getattr(q_norm, "weight", None) is not None))
         spec_cls = SlidingWindowSpec if self.sliding_window else FullAttentionSpec
         extra = {"sliding_window": self.sliding_window} if self.sliding_window else {}
         self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
