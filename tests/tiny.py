@@ -131,6 +131,11 @@ FAMILY_CONFIGS = {
                                                    "original_max_position_embeddings": 16, "mscale": 1.0,
                                                    "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                    "llama_4_scaling_beta": 0.5})),
+    # chunks of 8 on layers 0-2, layer 3 NoPE with temperature tuning stepping every 4 positions; top-1 MoE on
+    # layers 1 and 3 (+ a shared expert), dense MLPs (intermediate_size_mlp) on 0 and 2
+    "llama4": ("llama4_text", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                   num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
+                                   moe_layers=[1, 3], attention_chunk_size=8, floor_scale=4, attn_scale=0.5)),
 }
 
 

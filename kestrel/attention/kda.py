@@ -227,6 +227,7 @@ class DeltaAttention(nn.Module):
         # what the runner gives every impl
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_heads
         self.scale, self.sliding_window, self.logits_soft_cap = head_dim ** -0.5, 0, 0.0
+        self.attention_chunk_size = 0
         self.kv_cache_spec = KDAStateSpec(ctx.dtype, num_heads=num_heads, head_dim=head_dim, conv_width=conv_width)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix

@@ -6,6 +6,7 @@ Options of the steps between (each read from the config by the model's attention
   q/k norm: per head (Qwen3), or over all heads together (`qk_norm_all_heads`: Olmo 3, MiniMax-M2; the norm
     modules see [T, heads * head_dim]), before the rotary or after it (`qk_norm_after_rope`: Hunyuan, Llama 4);
   rotary None: no position encoding (NoPE layers: SmolLM3, Llama 4);
+  attention_chunk_size: chunked local attention (Llama 4: a ChunkedLocalAttentionSpec, the backends' mask mode);
   query_scale: a per-position factor on the queries after all of that (Llama 4's temperature tuning, Ministral 3).
 The fused prologue serves the plain order (per-head norm, full rotary); the other options run the steps in turn."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from kestrel.attention import kv_quant
 from kestrel.attention.backend import AttentionMetadata
-from kestrel.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
+from kestrel.core.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
@@ -23,7 +24,7 @@ class Attention(nn.Module):
                  scale: float | None = None, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  qk_norm_all_heads: bool = False, qk_norm_after_rope: bool = False,
-                 query_scale: nn.Module | None = None):
+                 query_scale: nn.Module | None = None, attention_chunk_size: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -38,8 +39,14 @@ class Attention(nn.Module):
         self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and not rotary.interleaved
                                and query_scale is None and not qk_norm_all_heads and not qk_norm_after_rope
                                and (q_norm is None or getattr(q_norm, "weight", None) is not None))
-        spec_cls = SlidingWindowSpec if self.sliding_window else FullAttentionSpec
-        extra = {"sliding_window": self.sliding_window} if self.sliding_window else {}
+        self.attention_chunk_size = attention_chunk_size or 0
+        if self.sliding_window and self.attention_chunk_size:
+            raise ValueError(f"{prefix}: a sliding window and chunked attention together")
+        spec_cls, extra = FullAttentionSpec, {}
+        if self.sliding_window:
+            spec_cls, extra = SlidingWindowSpec, {"sliding_window": self.sliding_window}
+        elif self.attention_chunk_size:
+            spec_cls, extra = ChunkedLocalAttentionSpec, {"attention_chunk_size": self.attention_chunk_size}
         self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix

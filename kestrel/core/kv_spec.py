@@ -104,6 +104,15 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    """Chunked local attention (Llama 4's iRoPE layers): a query at position p reads only the keys of its own
+    chunk, floor(p / attention_chunk_size) * attention_chunk_size .. p. Paged like full attention, and its layers
+    group apart; the blocks of finished chunks are kept while the request runs (the full-attention manager's
+    rule, by its MRO), which freeing them as a sliding window does would save."""
+    attention_chunk_size: int = 0
+
+
+@dataclass(frozen=True)
 class MLASpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one latent per token, the normalised kv_lora_rank part followed
     by the rotated qk_rope_head_dim key part, shared by every head; one [num_blocks, block_size, latent_dim] tensor

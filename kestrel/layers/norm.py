@@ -60,9 +60,9 @@ class ResidualAdd(nn.Module):
 
 
 class L2Norm(nn.Module):
-    """RMSNorm without a weight (Llama 4's q/k norm)."""
+    """RMSNorm without a weight (Llama 4's q/k norm); RMSNorm's constructor arguments (the size is unused)."""
 
-    def __init__(self, eps: float = 1e-6):
+    def __init__(self, hidden_size: int | None = None, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
 

@@ -70,7 +70,8 @@ class LlamaAttention(nn.Module):
       rotary: `rope_interleaved` (GPT-J pairs: ERNIE 4.5, Llama 4), a share of each head (`partial_rotary_factor`,
         or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
         layers (`no_rope_layers`)
-      sliding window per layer (sliding_window_of), query scaling by position (QueryScale: Ministral 3, Llama 4)"""
+      sliding window per layer (sliding_window_of), chunked local attention (`layer_types` "chunked_attention":
+        Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)"""
     qkv_bias_default = False
     o_bias_follows_qkv = True
     use_qk_norm = False
@@ -114,6 +115,8 @@ class LlamaAttention(nn.Module):
                 setattr(self, name, norm)
         rotary = attn_kw.pop("rotary", None) or (self.build_rotary(ctx, idx, head_dim) if rope else None)
         attn_kw.setdefault("sliding_window", sliding_window_of(cfg, idx, ctx.max_positions))
+        if layer_type_of(cfg, idx) == "chunked_attention":
+            attn_kw.setdefault("attention_chunk_size", cfg.attention_chunk_size)
         attn_kw.setdefault("query_scale", QueryScale.from_config(cfg, nope_layer=not rope))
         self.attn = Attention(ctx, f"{prefix}.attn", nq, head_dim, nkv, rotary, q_norm=q_norm, k_norm=k_norm,
                               qk_norm_all_heads=self.qk_norm_all_heads, qk_norm_after_rope=self.qk_norm_after_rope,
@@ -139,14 +142,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """gate_up (with the post-attention norm) -> SiLU-and-mul -> down."""
 
-    def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, act: nn.Module | None = None):
+    def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, act: nn.Module | None = None,
+                 intermediate_size: int | None = None):
         super().__init__()
         cfg = ctx.text
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = Linear.from_ctx(ctx, cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                            f"{prefix}.gate_up_proj", bias, "column")
-        self.down_proj = Linear.from_ctx(ctx, cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj", bias,
-                                         "row")
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear.from_ctx(ctx, cfg.hidden_size, [inter] * 2, f"{prefix}.gate_up_proj", bias, "column")
+        self.down_proj = Linear.from_ctx(ctx, inter, cfg.hidden_size, f"{prefix}.down_proj", bias, "row")
         self.act = act or SiluAndMul()
         self.gate_up = NormLinear(input_norm, self.gate_up_proj, self.act)
 

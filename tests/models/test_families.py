@@ -82,12 +82,23 @@ def _check_olmo2(model):
     assert not hasattr(model.layers[0], "input_layernorm")
 
 
-CHECKS = {"olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
+def _check_llama4(model):
+    from kestrel.core.kv_spec import ChunkedLocalAttentionSpec
+
+    attns = [layer.self_attn.attn for layer in model.layers]
+    assert [type(a.kv_cache_spec) is ChunkedLocalAttentionSpec for a in attns] == [True, True, True, False]
+    assert [a.rotary is None for a in attns] == [False, False, False, True]
+    assert attns[3].query_scale is not None and attns[0].query_scale is None
+    assert [layer.is_moe for layer in model.layers] == [False, True, False, True]
+    assert model.layers[1].feed_forward.weights_on_input
+
+
+CHECKS = {"llama4": _check_llama4, "olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
           "minimax_m2": _check_minimax_m2}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group
 # apart), the four together do not
-KV_BLOCKS = {"olmo3": 40}
+KV_BLOCKS = {"olmo3": 40, "llama4": 64}
 
 
 @pytest.mark.parametrize("kind", list(FAMILY_CONFIGS))

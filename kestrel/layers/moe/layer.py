@@ -71,17 +71,23 @@ class SparseMoeBlock(nn.Module):
                  dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
                  linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None,
-                 tp: ParallelInfo | None = None):
+                 tp: ParallelInfo | None = None, weights_on_input: bool = False):
         """With tensor parallelism (`tp`) every rank routes alike and holds its slice of every expert's
         intermediate dim (gate/up rows, down columns); the expert outputs are all-reduced. Shared experts run as a
-        separate column/row-parallel MLP then (not fused into the expert kernel)."""
+        separate column/row-parallel MLP then (not fused into the expert kernel). `weights_on_input` (Llama 4,
+        top-1 only): the routing weight scales the expert's input instead of its output (the shared experts, fed
+        the unscaled input, then run separately)."""
         super().__init__()
         self.prefix = prefix
         self.tp = tp or ParallelInfo()
         self.gate = Router(hidden_size, router, dtype)
         quant = quant_config.for_layer(f"{prefix}.experts") if quant_config is not None else None
         self.inter_range = self.tp.shard(moe_intermediate_size, f"{prefix} moe_intermediate_size")
-        if self.tp.size > 1:
+        if weights_on_input and router.top_k != 1:
+            raise ValueError(f"{prefix}: routing weights on the expert input need top-1 routing, not "
+                             f"top-{router.top_k}")
+        self.weights_on_input = weights_on_input
+        if self.tp.size > 1 or weights_on_input:
             fuse_shared_experts = "off"
         spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, self.inter_range[1],
                        dtype, "silu", quant)
@@ -106,7 +112,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
         weights, ids = self.gate(x, self.fse.slots if self.fse.fused else 0, gate_logit)
-        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        xe = x
+        if self.weights_on_input:
+            xe, weights = (x * weights.to(x.dtype)), torch.ones_like(weights)
+        out = self.tp.all_reduce(self.experts(xe, weights, ids))
         mlp = self.shared_mlp
         if mlp is not None:
             s = mlp(x)
