@@ -12,7 +12,7 @@ from tests.agreement import (MIXED_PROMPTS, assert_graph_replay_equals_eager, de
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
-PROMPTS = MIXED_PROMPTS + [list(range(40, 100))]  # past every window (8) and query-scale step (16)
+PROMPTS = MIXED_PROMPTS + [list(range(40, 100))]  # past every window or chunk (8) and query-scale step (16)
 WIDE = dict(hidden_size=256, intermediate_size=512, logit_scale=4.0)
 SIZES = {
     "seed_oss": dict(head_dim=64),
@@ -22,6 +22,7 @@ SIZES = {
     "ernie4_5_moe": dict(head_dim=64, moe_intermediate_size=128),
     "hunyuan_v1_moe": dict(head_dim=64, intermediate_size=128),
     "minimax_m2": dict(head_dim=64, intermediate_size=128),
+    "llama4": dict(head_dim=64, intermediate_size=128, intermediate_size_mlp=512),
     "mistral4": dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
                      moe_intermediate_size=128),
 }
