@@ -20,6 +20,14 @@ def _rope_params(hf_config, layer_type: str | None = None) -> dict:
     return legacy
 
 
+def partial_rotary_dim(hf_config, head_dim: int, default: float = 1.0) -> int:
+    """The rotated part of each head: head_dim x partial_rotary_factor (in rope_parameters, or the config's own
+    field in older configs; `default` where neither sets it)."""
+    factor = (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor") \
+        or getattr(hf_config, "partial_rotary_factor", None) or default
+    return int(head_dim * factor)
+
+
 def inv_freq_for(hf_config, head_dim: int, max_positions: int,
                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = _rope_params(hf_config, layer_type)

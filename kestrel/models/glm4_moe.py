@@ -5,7 +5,7 @@ and ungated shared experts (`n_shared_experts` x `moe_intermediate_size`)."""
 from __future__ import annotations
 
 from kestrel.layers.linear import Linear
-from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.layers.rotary import RotaryEmbedding, partial_rotary_dim
 from kestrel.models.context import layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router
 from kestrel.models.llama import LlamaAttention, head_dim_of
@@ -13,9 +13,7 @@ from kestrel.models.moe_base import MoEDecoderLayer, MoEForCausalLM, cfg_get
 
 
 def rotary_dim(cfg) -> int:
-    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-        or getattr(cfg, "partial_rotary_factor", None) or 0.5
-    return int(head_dim_of(cfg) * factor)
+    return partial_rotary_dim(cfg, head_dim_of(cfg), default=0.5)
 
 
 class Glm4MoeAttention(LlamaAttention):

@@ -15,6 +15,7 @@ from torch import nn
 
 from kestrel.attention.kda import DeltaAttention
 from kestrel.errors import ConfigError
+from kestrel.kernels.kda_ref import DeltaOptions
 from kestrel.layers.linear import Linear, materialize
 from kestrel.layers.norm import pre_norm
 from kestrel.models.context import ModelContext, layer_index
@@ -51,7 +52,8 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(h, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(hd, dtype=torch.float32), requires_grad=False)
         self.o_norm_weight = nn.Parameter(torch.ones(d, dtype=ctx.dtype), requires_grad=False)
-        self.kda = DeltaAttention(ctx, f"{prefix}.kda", h, d, width)
+        self.delta = DeltaOptions(h, d)  # per-channel decay, sigmoid output gate
+        self.kda = DeltaAttention(ctx, f"{prefix}.kda", self.delta, width)
 
     def forward(self, positions, hidden, residual, ctx):
         x, residual = pre_norm(self._input_norm[0], hidden, residual)

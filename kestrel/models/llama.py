@@ -36,10 +36,13 @@ def rank_heads(tp, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], 
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projection (with the input norm), attention, o_proj."""
+    """q/k/v projection (with the input norm), attention, o_proj. `output_gate` (gated attention, Qwen3-Next and
+    Qwen3.5): the projection also gives a gate per query channel (its 4th shard, `q_gate`; the checkpoint's q_proj
+    holds it after each head's queries) and the attention output is multiplied by sigmoid(gate) before o_proj."""
     qkv_bias_default = False
     use_qk_norm = False
     norm_cls = RMSNorm
+    output_gate = False
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, **attn_kw):
         super().__init__()
@@ -49,10 +52,12 @@ class LlamaAttention(nn.Module):
         head_dim = head_dim_of(cfg)
         bias = getattr(cfg, "attention_bias", False) or self.qkv_bias_default
         (q0, nq), (kv0, nkv) = rank_heads(ctx.parallel, num_heads, num_kv_heads)
-        kv_rows = (kv0 * head_dim, nkv * head_dim)
+        kv_rows, q_rows = (kv0 * head_dim, nkv * head_dim), (q0 * head_dim, nq * head_dim)
+        gate = [num_heads * head_dim] if self.output_gate else []
+        self.gate_size = nq * head_dim if self.output_gate else 0  # this rank's gate columns
         self.qkv_proj = Linear.from_ctx(ctx, cfg.hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                                               num_kv_heads * head_dim], f"{prefix}.qkv_proj", bias,
-                                        "column", [(q0 * head_dim, nq * head_dim), kv_rows, kv_rows])
+                                                               num_kv_heads * head_dim] + gate, f"{prefix}.qkv_proj",
+                                        bias, "column", [q_rows, kv_rows, kv_rows] + [q_rows] * len(gate))
         self.o_proj = Linear.from_ctx(ctx, num_heads * head_dim, cfg.hidden_size, f"{prefix}.o_proj",
                                       getattr(cfg, "attention_bias", False), "row")
         num_heads, num_kv_heads = nq, nkv  # this rank's
@@ -69,6 +74,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         """(attention output, residual stream) from the layer input and the residual stream so far."""
         qkv, residual = self.qkv(hidden, residual)
+        if self.gate_size:
+            qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
+            return self.o_proj(self.attn(qkv, positions, ctx) * torch.sigmoid(gate)), residual
         return self.o_proj(self.attn(qkv, positions, ctx)), residual
 
 

@@ -68,7 +68,7 @@ def layer_case(dtype=torch.float32, h: int = H, d: int = D, batch=BATCH, slots=S
     hd, c, t = h * d, 3 * h * d, sum(n for n, _ in batch)
     w = dict(conv_weight=torch.randn(c, K, generator=gen) * 0.5, A_log=torch.rand(h, generator=gen),
              dt_bias=torch.randn(hd, generator=gen) - 2, o_norm_weight=1 + 0.2 * torch.randn(d, generator=gen))
-    w = SimpleNamespace(**{n: x.to(device) for n, x in w.items()}, norm_eps=1e-5)
+    w = SimpleNamespace(**{n: x.to(device) for n, x in w.items()}, norm_eps=1e-5, delta=kda_ref.DeltaOptions(h, d))
     inputs = [torch.randn(t, n, generator=gen).to(device, dtype) for n in (c, hd, h, hd)]
     num_slots = max(slots) + 2
     cache = (torch.randn(num_slots, h, d, d, generator=gen).to(device) * 0.1,
