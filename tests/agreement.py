@@ -13,6 +13,29 @@ from kestrel import SamplingParams
 MIXED_PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
 
 
+def import_without_fla(module_name: str, functions: tuple[str, ...]):
+    """transformers 5.17 binds fla's Triton kernels into its linear-attention models (Kimi Linear, Qwen3-Next,
+    Qwen3.5) at import where fla is importable (the GPU machine carries fla-core for our prefill): import
+    `module_name` with fla hidden, so the reference stays its float32 PyTorch form, and check that `functions` of
+    it are not bound to fla (something imported the module before this)."""
+    import importlib
+    import inspect
+    import sys
+
+    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+    for name in functions:
+        fn = getattr(module, name)
+        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
+            f"transformers' {name} is bound to fla: something imported {module_name} before this"
+    return module
+
+
 def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
     """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
     from_pretrained (e.g. attn_implementation)."""

@@ -191,3 +191,21 @@ def qwen3_5_vl_checkpoint(root: Path, moe: bool = False, seed: int = 0, tokenize
     weights.update({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)})
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+# what a GDN hybrid engine holds in float32 whatever its dtype: the decay's parameters
+GDN_FLOAT32_PARAMS = ("A_log", "dt_bias")
+
+
+def gdn_bf16_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None) -> Path:
+    """The GPU comparisons' GDN hybrid (`kind` of GDN_CONFIGS): Qwen3.5's head sizes (GDN: 2 key heads repeated to
+    4 value heads, D_k = D_v = 128; attention heads of 256 with partial RoPE 0.25), peakier logits, decisive
+    routers, weights bf16 holds exactly (but GDN_FLOAT32_PARAMS): transformers in float32 on it is the exact model
+    of what a bf16 engine loads."""
+    from tests.agreement import bf16_representable, decisive_routers
+
+    path = make_checkpoint(kind, root, seed=seed, tokenizer=tokenizer, name=name, hidden_size=256, head_dim=256,
+                           linear_key_head_dim=128, linear_value_head_dim=128, logit_scale=4.0)
+    decisive_routers(path)
+    bf16_representable(path, keep=GDN_FLOAT32_PARAMS)
+    return path

@@ -4,37 +4,19 @@ bf16 holds exactly: the exact model) with CUDA graphs on and off and with the pr
 chunk_kda (where its gate row is open) or PyTorch's per-request form, graph replay (fused decode over the
 null-slot padding) equal to eager, and a prefix-cache hit (a state snapshot copied on the GPU, pipelined steps,
 graphs on) giving the tokens of a run that computed the whole prompt."""
-import inspect
-import sys
-
 import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.attention.kda import PREFILL_KERNEL, KDAImpl
 from kestrel.platform.testing import requires_kernel
-from tests.agreement import MIXED_PROMPTS, assert_teacher_forced
+from tests.agreement import MIXED_PROMPTS, assert_teacher_forced, import_without_fla
 
 pytestmark = [pytest.mark.gpu, requires_kernel("triton_kda_fused_decode")]
 KV_BLOCKS = 2048
 
 
-def import_kimi_reference_without_fla():
-    """transformers 5.17 binds fla's Triton kernels into its Kimi model at import where fla is importable (the
-    GPU machine carries fla-core for our prefill): import the model with fla hidden, so the reference stays its
-    float32 PyTorch form, and check that it did."""
-    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
-    sys.modules["fla"] = None  # `import fla` raises ImportError
-    try:
-        from transformers.models.kimi_linear import modeling_kimi_linear
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(hidden)
-    for fn in (modeling_kimi_linear.chunk_kimi_delta_attention, modeling_kimi_linear.recurrent_kimi_delta_attention):
-        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
-            f"transformers' {fn.__name__} is bound to fla: something imported transformers' Kimi model before this"
-
-
-import_kimi_reference_without_fla()
+import_without_fla("transformers.models.kimi_linear.modeling_kimi_linear",
+                   ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"))
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ The text part of a Qwen3.5 vision-language checkpoint: tests/models/test_qwen3_5
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.attention.backends.torch_kda import TorchKDAImpl
 from kestrel.core.kv_spec import FullAttentionSpec, GDNStateSpec
 from tests.agreement import hf_greedy
+from tests.models.test_kimi_linear import prefills  # noqa: F401  (the fixture: every prefill a GDN layer ran)
 from tests.tiny import make_checkpoint
 
 NUM_TOKENS = 24
@@ -28,20 +28,6 @@ def case(request, tmp_path_factory, tiny_tokenizer):
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tokenizer=tiny_tokenizer)
     prompts = [*PROMPTS, FIRST, SECOND]
     return path, dict(zip(map(tuple, prompts), hf_greedy(path, prompts, NUM_TOKENS)))
-
-
-@pytest.fixture
-def prefills(monkeypatch):
-    """(query length, whether it continued a state, slot) of every prefill or chunk a GDN layer ran."""
-    seen = []
-    original = TorchKDAImpl.forward_prefill
-
-    def forward_prefill(self, w, qkv, f, beta_logits, gate, cache, slot, has_initial_state):
-        seen.append((qkv.shape[0], has_initial_state, slot))
-        return original(self, w, qkv, f, beta_logits, gate, cache, slot, has_initial_state)
-
-    monkeypatch.setattr(TorchKDAImpl, "forward_prefill", forward_prefill)
-    return seen
 
 
 def params():
