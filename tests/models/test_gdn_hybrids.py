@@ -69,3 +69,25 @@ def test_prefix_hit_chunked_prefill_and_preemption(case, prefills):
     assert all(q <= 8 for q, _, _ in prefills)  # the budget cut every prompt into chunks
     fresh = sum(1 for _, init, _ in prefills if not init)  # every start from a zero state: one per GDN layer
     assert fresh >= 3 * (len(prompts) - 2)  # the prompts but SECOND (a hit) and the one-token one (a decode row)
+
+
+def test_embedding_contract_and_profile_batch(case):
+    """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)); the memory profile's dummy batch
+    (tables past the slot pool: those rows read the null slot) runs."""
+    import torch
+
+    from kestrel.config import EngineConfig
+    from kestrel.engine.core import EngineCore
+    from kestrel.worker.memory_profile import dummy_prefill_batch
+
+    cfg = EngineConfig.create(model=str(case[0]), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                              max_num_batched_tokens=600)
+    runner = EngineCore(cfg, progress=False).executor.runner
+    outs = []
+    for n, embed in ((4, False), (4, True), (600, False)):
+        ids, positions, ctx = dummy_prefill_batch(runner, n)
+        with torch.inference_mode():
+            embeds = runner.model.embed_input_ids(ids) if embed else None
+            outs.append(runner.model(ids, positions, ctx, inputs_embeds=embeds))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert torch.isfinite(outs[2]).all()
