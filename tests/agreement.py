@@ -26,6 +26,29 @@ def hf_causal_lm(path, **load_kwargs):
     return cls.from_pretrained(path, **load_kwargs)
 
 
+def import_without_fla(module_name: str, functions: tuple[str, ...]):
+    """transformers 5.17 binds fla's Triton kernels into its linear-attention models (Kimi Linear, Qwen3-Next,
+    Qwen3.5) at import where fla is importable (the GPU machine carries fla-core for our prefill): import
+    `module_name` with fla hidden, so the reference stays its float32 PyTorch form, and check that `functions` of
+    it are not bound to fla (something imported the module before this)."""
+    import importlib
+    import inspect
+    import sys
+
+    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+    for name in functions:
+        fn = getattr(module, name)
+        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
+            f"transformers' {name} is bound to fla: something imported {module_name} before this"
+    return module
+
+
 def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
     """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
     from_pretrained (e.g. attn_implementation)."""
@@ -134,16 +157,16 @@ def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
                   metadata={"format": "pt"})
 
 
-def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int) -> None:
+def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int, **engine_kw) -> None:
     """bf16 engines with CUDA graphs and without give the same greedy tokens, on `prompts` three times over (a
-    padded captured batch) and on its first prompt alone."""
+    padded captured batch) and on its first prompt alone; `engine_kw` go to both engines (e.g. max_model_len)."""
     from kestrel import LLM
 
+    kw = dict(dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=num_kv_blocks, **engine_kw)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    graphs = LLM(str(path), dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=num_kv_blocks)
+    graphs = LLM(str(path), **kw)
     assert graphs.engine.core.executor.runner.graphs is not None
-    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
-                num_kv_blocks=num_kv_blocks)
+    eager = LLM(str(path), enforce_eager=True, **kw)
     for batch in (prompts * 3, prompts[:1]):
         a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
         b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]

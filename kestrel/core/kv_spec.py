@@ -190,6 +190,20 @@ class KDAStateSpec(KVCacheSpec):
         return tuple(views_of_parts(self.state_parts(), state, type(self).__name__))
 
 
+@dataclass(frozen=True)
+class GDNStateSpec(KDAStateSpec):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5; kestrel/kernels/kda_ref.py DeltaOptions): KDA's state slots with
+    num_key_heads q/k heads (fewer than the num_heads state heads) and values of value_head_dim. Per slot: the
+    recurrent state float32 [num_heads, head_dim, value_head_dim] and the convolution's last conv_width - 1
+    inputs of q | k | v, [2 * num_key_heads * head_dim + num_heads * value_head_dim, conv_width - 1]."""
+    num_key_heads: int = 1
+    value_head_dim: int = 1
+
+    def state_parts(self):
+        h, dk, dv = self.num_heads, self.head_dim, self.value_head_dim
+        return [(torch.float32, (h, dk, dv)), (self.dtype, (2 * self.num_key_heads * dk + h * dv, self.conv_width - 1))]
+
+
 @dataclass
 class KVCacheGroup:
     """Layers (by name) sharing one spec, one block table and one manager. Layer i of every group shares cache

@@ -71,7 +71,10 @@ class LlamaAttention(nn.Module):
         or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
         layers (`no_rope_layers`)
       sliding window per layer (sliding_window_of), chunked local attention (`layer_types` "chunked_attention":
-        Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)"""
+        Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)
+      `output_gate` (gated attention: Qwen3-Next, Qwen3.5): the projection also gives a gate per query channel (its
+        4th shard, `q_gate`; the checkpoint's q_proj holds it after each head's queries) and the attention output
+        is multiplied by sigmoid(gate) before o_proj"""
     qkv_bias_default = False
     o_bias_follows_qkv = True
     use_qk_norm = False
@@ -81,6 +84,7 @@ class LlamaAttention(nn.Module):
     norm_cls = RMSNorm
     rope_interleaved = False
     rope_fraction_default = 1.0
+    output_gate = False
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, **attn_kw):
         super().__init__()
@@ -93,18 +97,19 @@ class LlamaAttention(nn.Module):
         if o_bias is None:
             o_bias = bias if self.o_bias_follows_qkv else False
         (q0, nq), (kv0, nkv) = rank_heads(ctx.parallel, num_heads, num_kv_heads)
-        kv_rows = (kv0 * head_dim, nkv * head_dim)
+        kv_rows, q_rows = (kv0 * head_dim, nkv * head_dim), (q0 * head_dim, nq * head_dim)
+        gate = [num_heads * head_dim] if self.output_gate else []
+        self.gate_size = nq * head_dim if self.output_gate else 0  # this rank's gate columns
         self.qkv_proj = Linear.from_ctx(ctx, cfg.hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                                               num_kv_heads * head_dim], f"{prefix}.qkv_proj", bias,
-                                        "column", [(q0 * head_dim, nq * head_dim), kv_rows, kv_rows])
+                                                               num_kv_heads * head_dim] + gate, f"{prefix}.qkv_proj",
+                                        bias, "column", [q_rows, kv_rows, kv_rows] + [q_rows] * len(gate))
         self.o_proj = Linear.from_ctx(ctx, num_heads * head_dim, cfg.hidden_size, f"{prefix}.o_proj", o_bias, "row")
         idx = layer_index(prefix)
         rope = uses_rope(cfg, idx)
         q_norm = k_norm = None
         if self.use_qk_norm and self.qk_norm_all_heads:
             tp = ctx.parallel
-            q_norm = AllHeadsRMSNorm(num_heads * head_dim, cfg.rms_norm_eps, ctx.dtype, tp,
-                                     (q0 * head_dim, nq * head_dim))
+            q_norm = AllHeadsRMSNorm(num_heads * head_dim, cfg.rms_norm_eps, ctx.dtype, tp, q_rows)
             k_norm = AllHeadsRMSNorm(num_kv_heads * head_dim, cfg.rms_norm_eps, ctx.dtype, tp, kv_rows,
                                      replicas=tp.size * nkv // num_kv_heads)
         elif self.use_qk_norm:
@@ -136,6 +141,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         """(attention output, residual stream) from the layer input and the residual stream so far."""
         qkv, residual = self.qkv(hidden, residual)
+        if self.gate_size:
+            qkv, gate = qkv.split([qkv.shape[-1] - self.gate_size, self.gate_size], dim=-1)
+            return self.o_proj(self.attn(qkv, positions, ctx) * torch.sigmoid(gate)), residual
         return self.o_proj(self.attn(qkv, positions, ctx)), residual
 
 

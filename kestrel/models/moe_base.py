@@ -43,12 +43,13 @@ class MoEDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_name = "mlp"
     dense_intermediate = "intermediate_size"  # the config field sizing the dense layers' MLP
+    norm_cls = RMSNorm
 
     def __init__(self, ctx: ModelContext, prefix: str):
         super().__init__()
         cfg = ctx.text
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn", self.input_layernorm)
         mlp_prefix = f"{prefix}.{self.mlp_name}"
         mlp = self.moe_block(ctx, mlp_prefix)
