@@ -15,6 +15,7 @@ class ReasoningParser:
     starts_in_reasoning = False  # deepseek_r1: the output begins inside the reasoning
     content_drops: tuple[str, ...] = ()  # wrapper tags taken out of the content (<answer>, <response>)
     keeps_special_tokens = False  # its tags are special tokens of the model's vocabulary: decode them
+    framed = False  # all output is in the format's frames (harmony): the content is unwrapped, reasoning or not
 
     def for_request(self, chat_template_kwargs: dict | None) -> "ReasoningParser | None":
         """The parser for one request (None: this request's output has no reasoning part)."""
@@ -27,7 +28,7 @@ class ReasoningParser:
         r2, c2 = s.feed("", final=True)
         reasoning, content = r1 + r2, c1 + c2
         if not s.saw_reasoning:
-            return None, text
+            return None, (content or None) if self.framed else text
         return reasoning, content or None
 
     def stream(self):

@@ -4,5 +4,5 @@ from kestrel.server.reasoning.base import ReasoningParser
 
 
 class HunyuanA13BReasoningParser(ReasoningParser):
-    starts, ends = ("<think>\n", "<think>"), ("\n</think>\n", "</think>")
-    content_drops = ("<answer>\n", "\n</answer>", "<answer>", "</answer>")
+    starts, ends = ("<think>\n",), ("\n</think>\n",)
+    content_drops = ("<answer>\n", "\n</answer>")

@@ -7,6 +7,7 @@ from kestrel.server.reasoning.base import SnapshotReasoningParser
 
 class GptOssReasoningParser(SnapshotReasoningParser):
     keeps_special_tokens = True
+    framed = True
 
     def split(self, text, final):
         reasoning, content, saw = [], [], False

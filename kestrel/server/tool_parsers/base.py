@@ -189,6 +189,7 @@ def params_region(name: str | None, params: list[tuple[str, str, bool]], complet
 class ToolParser:
     name = ""
     keeps_special_tokens = False  # its markers are special tokens of the model's vocabulary: decode them
+    framed = False  # all output is in the format's frames (harmony): content is what the spans say, calls or not
     tools: list[dict] | None = None  # the request's tools (for schema types), bound by for_request
 
     def for_request(self, tools: list[dict] | None) -> "ToolParser":
@@ -206,6 +207,8 @@ class ToolParser:
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output; text whose calls do not parse stays content."""
         spans, regions, _ = self.scan(text, final=True)
+        if not regions and self.framed:
+            return "".join(text[a:b] for a, b in spans) or None, []
         if not regions or any(not r.valid or r.name is None or r.args is None for r in regions):
             return text, []
         content = "".join(text[a:b] for a, b in spans).strip()

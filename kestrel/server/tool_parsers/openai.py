@@ -8,6 +8,7 @@ from kestrel.server.tool_parsers.base import ToolParser, raw_json_region
 class OpenAIToolParser(ToolParser):
     name = "openai"
     keeps_special_tokens = True
+    framed = True
 
     def scan(self, text, final):
         spans, regions = [], []
