@@ -1,5 +1,6 @@
-"""Text helpers the output parsers share (server/tool_parsers/, server/reasoning/): finding marker strings in text
-that is still growing, where a marker may be cut across two deltas (its beginning is held back until known)."""
+"""What the output parsers share (server/tool_parsers/, server/reasoning/): finding marker strings in text that is
+still growing, where a marker may be cut across two deltas (its beginning is held back until known); looking a
+parser up by name."""
 from __future__ import annotations
 
 
@@ -59,3 +60,13 @@ def between(text: str, open_tag: str, close_tag: str, final: bool, start: int = 
     if j < 0:
         return visible(text[i:], final, close_tag), final, len(text)
     return text[i:j], True, j + len(close_tag)
+
+
+def lookup(registry: dict, name: str | None, what: str):
+    """A new parser of the registry's class `name` (None for no name); an unknown name is a ValueError of one line
+    that names the valid ones."""
+    if not name:
+        return None
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(registry)}")
+    return registry[name]()

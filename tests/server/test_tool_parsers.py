@@ -219,23 +219,21 @@ def test_reasoning_then_tool_call_qwen3():
     assert rest is None and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
 
 
-def test_reasoning_then_tool_calls_harmony():
-    """gpt-oss: openai_gptoss takes the analysis out and leaves the call messages whole for the openai parser."""
-    text = ("<|channel|>analysis<|message|>Call the tool.<|end|><|start|>assistant<|channel|>commentary "
-            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
-    reasoning, content = get_reasoning_parser("openai_gptoss").extract(text)
-    assert reasoning == "Call the tool."
-    rest, calls = get_tool_parser("openai").extract(content)
+@pytest.mark.parametrize("reasoning_parser, tool_parser, text, reasoning, call_id", [
+    ("openai_gptoss", "openai",  # the analysis goes; the call messages stay whole for the openai parser
+     "<|channel|>analysis<|message|>Call the tool.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "Call the tool.", None),
+    ("kimi_k2", "kimi_k2",  # the tool-call section ends the reasoning and stays in the content
+     "The user wants weather.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+     "The user wants weather.", "functions.get_weather:0"),
+])
+def test_reasoning_then_tool_calls(reasoning_parser, tool_parser, text, reasoning, call_id):
+    got, content = get_reasoning_parser(reasoning_parser).extract(text)
+    assert got == reasoning
+    rest, calls = get_tool_parser(tool_parser).extract(content)
     assert rest is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-
-
-def test_reasoning_then_tool_calls_kimi():
-    text = ("The user wants weather.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
-    reasoning, content = get_reasoning_parser("kimi_k2").extract(text)
-    assert reasoning == "The user wants weather."
-    rest, calls = get_tool_parser("kimi_k2").extract(content)
-    assert rest is None and calls[0].id == "functions.get_weather:0" and calls[0].name == "get_weather"
+    assert call_id is None or calls[0].id == call_id
 
 
 def test_reasoning_per_request():

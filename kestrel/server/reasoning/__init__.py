@@ -1,6 +1,7 @@
 """Reasoning parsers (--reasoning-parser), by vLLM's names: one file each, registered here."""
 from __future__ import annotations
 
+from kestrel.server.markers import lookup
 from kestrel.server.reasoning.base import ReasoningParser
 from kestrel.server.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from kestrel.server.reasoning.deepseek_v3 import DeepSeekV3ReasoningParser
@@ -32,8 +33,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
-    if not name:
-        return None
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(REASONING_PARSERS)}")
-    return REASONING_PARSERS[name]()
+    return lookup(REASONING_PARSERS, name, "reasoning parser")

@@ -2,6 +2,7 @@
 whole or as streamed deltas. One file a format (base.py: what they share), registered here."""
 from __future__ import annotations
 
+from kestrel.server.markers import lookup
 from kestrel.server.tool_parsers.base import Region, ToolCall, ToolCallStream, ToolParser, new_call_id
 from kestrel.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from kestrel.server.tool_parsers.glm45 import Glm45ToolParser
@@ -36,8 +37,4 @@ __all__ = ["Region", "ToolCall", "ToolCallStream", "ToolParser", "new_call_id", 
 
 
 def get_tool_parser(name: str | None) -> ToolParser | None:
-    if not name:
-        return None
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()
+    return lookup(TOOL_PARSERS, name, "tool-call parser")

@@ -232,21 +232,23 @@ class BlockToolParser(ToolParser):
 
 
 class SectionToolParser(ToolParser):
-    """Calls inside a section (SECTION_OPEN ... SECTION_CLOSE), each between CALL_OPEN and CALL_CLOSE (DeepSeek,
-    Kimi K2, MiniMax M2); the content is what stands outside the sections."""
-    SECTION_OPEN = SECTION_CLOSE = CALL_OPEN = CALL_CLOSE = ""
+    """Calls inside a section, each between a call's opening and closing tags (DeepSeek, Kimi K2, MiniMax M2):
+    TAGS = (section open, section close, call open, call close); the content is what stands outside the
+    sections. Their tags are special tokens."""
+    TAGS = ("", "", "", "")
+    keeps_special_tokens = True
 
     def call(self, body: str, complete: bool) -> Region:
         raise NotImplementedError
 
     def section_open(self, text: str) -> str:
-        return self.SECTION_OPEN
+        return self.TAGS[0]
 
     def scan(self, text, final):
-        spans, sections = blocks(text, self.section_open(text), self.SECTION_CLOSE, final)
+        spans, sections = blocks(text, self.section_open(text), self.TAGS[1], final)
         regions = []
         for section, closed in sections:
-            _, calls = blocks(section, self.CALL_OPEN, self.CALL_CLOSE, closed)
+            _, calls = blocks(section, self.TAGS[2], self.TAGS[3], closed)
             regions += [self.call(body, done) for body, done in calls]
         return spans, regions, False
 

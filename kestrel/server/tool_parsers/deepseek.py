@@ -14,9 +14,8 @@ SEP = "<｜tool▁sep｜>"
 
 class DeepSeekV3ToolParser(SectionToolParser):
     name = "deepseek_v3"
-    keeps_special_tokens = True
-    SECTION_OPEN, SECTION_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-    CALL_OPEN, CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    TAGS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
 
     def call(self, body, complete):
         _, sep, rest = body.partition(SEP)
@@ -34,4 +33,4 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
         name, sep, args = body.partition(SEP)
         if not sep:
             return raw_json_region(name.strip() if complete else None, None, complete)
-        return raw_json_region(name.strip(), visible(args, complete, self.CALL_CLOSE), complete)
+        return raw_json_region(name.strip(), visible(args, complete, self.TAGS[3]), complete)

@@ -10,13 +10,12 @@ ARGS = "<|tool_call_argument_begin|>"
 
 class KimiK2ToolParser(SectionToolParser):
     name = "kimi_k2"
-    keeps_special_tokens = True
-    SECTION_OPEN, SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    CALL_OPEN, CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_end|>"
+    TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>", "<|tool_call_end|>")
 
     def section_open(self, text):
         singular = "<|tool_call_section_begin|>"  # a spelling some of its checkpoints write
-        return singular if singular in text else self.SECTION_OPEN
+        return singular if singular in text else self.TAGS[0]
 
     def call(self, body, complete):
         call_id, sep, args = body.partition(ARGS)

@@ -13,9 +13,8 @@ from kestrel.server.tool_parsers.qwen3_coder import tag_params
 
 class MiniMaxM2ToolParser(SectionToolParser):
     name = "minimax_m2"
-    keeps_special_tokens = True
-    SECTION_OPEN, SECTION_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
-    CALL_OPEN, CALL_CLOSE = "<invoke name=", "</invoke>"
+    TAGS = ("<minimax:tool_call>", "</minimax:tool_call>",
+            "<invoke name=", "</invoke>")
 
     def call(self, body, complete):
         name, gt, rest = body.partition(">")
