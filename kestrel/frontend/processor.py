@@ -429,6 +429,9 @@ class OutputProcessor:
                     out.logprobs.append(d)
                     out.logprobs_delta = (out.logprobs_delta or []) + [d]
                     out.cumulative_logprob = (out.cumulative_logprob or 0.0) + d[tok].logprob
+                if (child.detok is not None and o.finish_reason == "stop" and k == len(o.new_token_ids) - 1
+                        and not child.detok.include_stop):
+                    break  # the EOS or stop token that ended it: not text (as vLLM), even with special tokens kept
                 if child.detok is not None and child.detok.add_token(tok) is not None:
                     out.finish_reason, out.stop_reason = "stop", child.detok.stopped_by
                     to_stop.append(o.request_id)
