@@ -100,6 +100,21 @@ SHAPES["kimi-linear-48b"] = dict(
         "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32, "head_dim": 128,
         "short_conv_kernel_size": 4})
 
+# Qwen3.6-35B-A3B (the text model of Qwen/Qwen3.6-35B-A3B; Qwen3.5-35B-A3B has the same dims): 40 layers, 10 x (3
+# Gated DeltaNet + 1 gated attention); GDN 16 q/k heads read by 32 value heads, 128 x 128, conv width 4; attention
+# 16 heads / 2 KV heads of 256, partial RoPE 0.25 (64 dims); 256 experts of 512, top-8 (renormalised) + a gated
+# shared expert of 512 on every layer; vocab 248320, untied
+SHAPES["qwen3.6-35b-a3b"] = dict(
+    architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+    layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
+    tie_word_embeddings=False, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    bos_token_id=248044, eos_token_id=248046)
+
 
 def write_shape(name: str) -> Path:
     """A folder with only config.json: loaded with load_format='dummy' (random weights)."""
@@ -133,6 +148,8 @@ def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     s = SHAPES[name]
     if "linear_attn_config" in s:
         return _kimi_linear_shape_facts(s, dtype_bytes)
+    if "linear_num_value_heads" in s:
+        return _gdn_shape_facts(s, dtype_bytes)
     if "kv_lora_rank" in s:
         return _mla_shape_facts(s, dtype_bytes)
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
@@ -199,6 +216,30 @@ def _kimi_linear_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
     return ShapeFacts(all_params + emb * (1 if s["tie_word_embeddings"] else 2), (all_params + emb) * dtype_bytes,
                       n_mla * (rank + rope) * dtype_bytes, 2 * (active + emb), (L - dense) * expert * dtype_bytes,
                       e, k, state)
+
+
+def _gdn_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
+    """The Gated DeltaNet hybrids (Qwen3.5-MoE): GDN layers (q|k|v|z|b|a in-projection, out_proj, a short
+    convolution over q|k|v; a float32 recurrent state per request instead of a KV cache) and gated attention
+    layers (q_proj doubled for the gate); an MoE block with a gated shared expert on every layer."""
+    h, L, V = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"]
+    n_gdn = sum(t == "linear_attention" for t in s["layer_types"])
+    hk, hv, dk, dv = (s["linear_num_key_heads"], s["linear_num_value_heads"], s["linear_key_head_dim"],
+                      s["linear_value_head_dim"])
+    conv, width = 2 * hk * dk + hv * dv, s["linear_conv_kernel_dim"]
+    gdn = h * (conv + hv * dv + 2 * hv) + hv * dv * h + conv * width
+    nh, kvh, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    attn = h * (2 * nh + 2 * kvh) * hd + nh * hd * h
+    e, k = s["num_experts"], s["num_experts_per_tok"]
+    expert, shared = 3 * h * s["moe_intermediate_size"], 3 * h * s["shared_expert_intermediate_size"]
+    mixers = n_gdn * gdn + (L - n_gdn) * attn
+    all_params = mixers + L * (e * h + h + e * expert + shared)
+    active = mixers + L * (e * h + h + k * expert + shared)
+    emb = V * h
+    state = n_gdn * (hv * dk * dv * 4 + conv * (width - 1) * dtype_bytes)
+    return ShapeFacts(all_params + emb * (1 if s["tie_word_embeddings"] else 2), (all_params + emb) * dtype_bytes,
+                      2 * (L - n_gdn) * kvh * hd * dtype_bytes, 2 * (active + emb), L * expert * dtype_bytes, e, k,
+                      state)
 
 
 def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):

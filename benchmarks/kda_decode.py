@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common import SHAPES, write_shape
 from benchmarks.mla_decode import time_us
+from kestrel.kernels.kda_ref import DeltaOptions
 
 H, D, K = 32, 128, 4
 PROMPT_LEN = 128
@@ -37,7 +38,7 @@ def layer_case(batch: int):
     hd, dev, bf = H * D, "cuda", torch.bfloat16
     w = SimpleNamespace(conv_weight=(torch.randn(3 * hd, K, generator=gen) * 0.5).to(dev, bf),
                         A_log=torch.rand(H, generator=gen).to(dev), dt_bias=torch.randn(hd, generator=gen).to(dev),
-                        o_norm_weight=torch.ones(D, device=dev, dtype=bf), norm_eps=1e-5)
+                        o_norm_weight=torch.ones(D, device=dev, dtype=bf), norm_eps=1e-5, delta=DeltaOptions(H, D))
     proj = torch.randn(batch, 3 * hd + H, generator=gen).to(dev, bf)  # the merged projection's q|k|v|beta
     f, gate = (torch.randn(batch, hd, generator=gen).to(dev, bf) for _ in range(2))
     rec = torch.randn(batch + 1, H, D, D, generator=gen).to(dev) * 0.01

@@ -369,6 +369,18 @@ STAGES = (
           env={**NCCL, "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}),
 )
 KIMI = ("--shape", "kimi-linear-48b", "--max-model-len", "4096")
+QWEN36 = ("--shape", "qwen3.6-35b-a3b", "--max-model-len", "4096")
+
+
+def shape_pair(tag: str, shape_args: tuple[str, ...], what: str) -> tuple[Stage, Stage]:
+    """tput<tag> and lat<tag>: a random-weight shape's throughput and batch-1 latency."""
+    shape = shape_args[1]
+    return (Stage(f"tput{tag}", "wave", f"{shape} throughput ({what})",
+                  (bench("throughput", *shape_args, "--hf-requests", "0", "--json", f"{{out}}/tput_{tag}.json",
+                         timeout=560, log=f"tput_{tag}.log", show=tail(16, NO_WARNINGS)),)),
+            Stage(f"lat{tag}", "wave", f"{shape} batch-1 latency",
+                  (bench("latency", *shape_args, "--hf-output-len", "0", "--json", f"{{out}}/lat_{tag}.json",
+                         timeout=400, show=tail(8)),)))
 # issue 31's figures, both in one call (600 s): the n-gram side by side first (vLLM's half is stopped after
 # --vllm-timeout, keeping the engines it finished, so kestrel's half always runs), then the replay and EAGLE-3 rows
 SPEC_PEER = bench("spec_decode", "--ngram-peer", "--vllm-pythonpath", "{vsite}", "--vllm-timeout", "220",
@@ -401,15 +413,15 @@ STAGES += (
                   "tests/hw_platform/test_kda_gate.py", timeout=500, show=tail(30)),)),
     Stage("kdak", "wave", "the fused KDA decode vs the unfused chain: per layer, then the 48B shape at batch 1",
           (bench("kda_decode", timeout=560, log="kda_decode.txt", show=tail(40)),)),
-    Stage("tputkimi", "wave", "kimi-linear-48b throughput (KDA + MLA + MoE)",
-          (bench("throughput", *KIMI, "--hf-requests", "0", "--json", "{out}/tput_kimi.json", timeout=560,
-                 log="tput_kimi.log", show=tail(16, NO_WARNINGS)),)),
-    Stage("latkimi", "wave", "kimi-linear-48b batch-1 latency",
-          (bench("latency", *KIMI, "--hf-output-len", "0", "--json", "{out}/lat_kimi.json", timeout=400,
-                 show=tail(8)),)),
+    *shape_pair("kimi", KIMI, "KDA + MLA + MoE"),
     Stage("vllmkimi", "wave", "vLLM 0.26 on kimi-linear-48b (the peer of tputkimi/latkimi)",
           (bench("vllm_peer", "--shape", "kimi-linear-48b", "--json", "{out}/vllm_kimi.json", timeout=560,
                  log="vllm_kimi.log", show=tail(8, NO_WARNINGS), env=VSITE),)),
+    Stage("gdntests", "wave", "the GDN GPU tests: fla GDN prefill, fused GDN decode, tiny Qwen3.5/Next teacher-forced",
+          (pytest("-rs", "tests/gpu/test_gpu_kda_prefill.py", "tests/gpu/test_gpu_gdn_hybrids.py",
+                  "tests/kernels/test_kda_decode.py", "tests/hw_platform/test_kda_gate.py", timeout=560,
+                  show=tail(30)),)),
+    *shape_pair("qwen36", QWEN36, "GDN + gated attention + MoE"),
 )
 BY_NAME = {s.name: s for s in STAGES}
 DEFAULT = ("tests", "tput", "lat", "lat8b", "tput8b")  # what runs when no stage is named

@@ -143,6 +143,15 @@ def check_args(args) -> None:
         if value not in valid:
             flag = "--" + field.replace("_", "-")
             raise ConfigError(f"{flag} {value!r} is not one of {', '.join(valid)}")
+    if getattr(args, "tool_call_parser", None) or getattr(args, "reasoning_parser", None):
+        from kestrel.server.reasoning import get_reasoning_parser
+        from kestrel.server.tool_parsers import get_tool_parser
+
+        try:
+            get_tool_parser(args.tool_call_parser)
+            get_reasoning_parser(args.reasoning_parser)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     workers = getattr(args, "renderer_num_workers", None)
     if workers is not None and workers < 1:
         raise ConfigError(f"--renderer-num-workers must be at least 1, got {workers}")

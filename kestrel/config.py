@@ -354,12 +354,13 @@ class ServerConfig:
     allowed_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser (off "
                                                  "by default; '*' for any; vLLM's JSON list form too)",
                                            parse=parse_json_list)
-    tool_call_parser: str | None = _f(None, "how tool calls appear in this model's output (hermes: <tool_call> "
-                                            "JSON, also Qwen; llama3_json)", choices=[None, "hermes", "llama3_json"])
+    tool_call_parser: str | None = _f(None, "how tool calls appear in this model's output, by vLLM's names (hermes, "
+                                            "qwen3_coder, mistral, pythonic, openai, deepseek_v31, kimi_k2, glm45, "
+                                            "minimax_m2, ...: docs/serving.md lists them)")
     enable_auto_tool_choice: bool = _f(False, 'let the model decide to call tools (tool_choice "auto"; needs '
                                               '--tool-call-parser)')
-    reasoning_parser: str | None = _f(None, "put the <think>...</think> part of the output into reasoning_content",
-                                      choices=[None, "qwen3", "deepseek_r1"])
+    reasoning_parser: str | None = _f(None, "put the reasoning part of the output into reasoning_content, by vLLM's "
+                                            "names (qwen3, deepseek_r1, openai_gptoss, mistral, ...: docs/serving.md)")
     disable_log_stats: bool = _f(False, "no periodic stats line (throughput, running and waiting requests, KV-cache "
                                         "use, prefix-cache hit rate) while the server is busy")
     log_stats_interval: float = _f(10.0, "seconds between the periodic stats lines")

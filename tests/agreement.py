@@ -13,12 +13,46 @@ from kestrel import SamplingParams
 MIXED_PROMPTS = [[5, 17, 99, 3], [7] * 11 + [42, 43], list(range(10, 40)), [200, 201, 202, 203, 204, 205, 206]]
 
 
+def hf_causal_lm(path, **load_kwargs):
+    """transformers' model of a checkpoint: AutoModelForCausalLM, or the checkpoint's own class where the auto
+    mapping lacks its config (Mistral4ForCausalLM in transformers 5.17)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    cls = AutoModelForCausalLM
+    if type(cfg) not in AutoModelForCausalLM._model_mapping:
+        cls = getattr(transformers, cfg.architectures[0])
+    return cls.from_pretrained(path, **load_kwargs)
+
+
+def import_without_fla(module_name: str, functions: tuple[str, ...]):
+    """transformers 5.17 binds fla's Triton kernels into its linear-attention models (Kimi Linear, Qwen3-Next,
+    Qwen3.5) at import where fla is importable (the GPU machine carries fla-core for our prefill): import
+    `module_name` with fla hidden, so the reference stays its float32 PyTorch form, and check that `functions` of
+    it are not bound to fla (something imported the module before this)."""
+    import importlib
+    import inspect
+    import sys
+
+    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        module = importlib.import_module(module_name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+    for name in functions:
+        fn = getattr(module, name)
+        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
+            f"transformers' {name} is bound to fla: something imported {module_name} before this"
+    return module
+
+
 def hf_greedy(path, prompts: list[list[int]], n: int, **load_kwargs) -> list[list[int]]:
     """transformers' `n` greedy tokens (float32, eos ignored) after each prompt; `load_kwargs` go to
     from_pretrained (e.g. attn_implementation)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load_kwargs).eval()
+    model = hf_causal_lm(path, dtype=torch.float32, **load_kwargs).eval()
     out = []
     for p in prompts:
         seq = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -105,7 +139,8 @@ def decisive_routers(path, factor: float = 8.0) -> None:
     for f in path.glob("*.safetensors"):
         tensors = load_file(f)
         for name, t in tensors.items():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")) and t.dim() == 2:
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight",
+                              "feed_forward.router.weight")) and t.dim() == 2:
                 tensors[name] = t * factor
         save_file(tensors, f, metadata={"format": "pt"})
 
@@ -120,3 +155,19 @@ def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
         tensors = load_file(f)
         save_file({n: t if n.endswith(keep) else t.to(torch.bfloat16).float() for n, t in tensors.items()}, f,
                   metadata={"format": "pt"})
+
+
+def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int, **engine_kw) -> None:
+    """bf16 engines with CUDA graphs and without give the same greedy tokens, on `prompts` three times over (a
+    padded captured batch) and on its first prompt alone; `engine_kw` go to both engines (e.g. max_model_len)."""
+    from kestrel import LLM
+
+    kw = dict(dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=num_kv_blocks, **engine_kw)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    graphs = LLM(str(path), **kw)
+    assert graphs.engine.core.executor.runner.graphs is not None
+    eager = LLM(str(path), enforce_eager=True, **kw)
+    for batch in (prompts * 3, prompts[:1]):
+        a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
+        b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+        assert a == b

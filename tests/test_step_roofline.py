@@ -66,3 +66,44 @@ def test_kimi_linear_state_is_what_the_engine_allocates():
                     for dt, shape in spec.state_parts())
     assert facts.state_bytes_per_seq == len(lin["linear_attn_config"]["kda_layers"]) * per_layer
     assert facts.kv_bytes_per_token == 7 * (512 + 64) * 2  # the 7 MLA layers' latents
+
+
+def _tiny_qwen36() -> dict:
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    return dict(SHAPES["qwen3.6-35b-a3b"], hidden_size=64, num_hidden_layers=4, layer_types=layer_types,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, vocab_size=1000,
+                bos_token_id=1, eos_token_id=2)
+
+
+def test_gdn_facts_count_the_parameters_transformers_builds(monkeypatch):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = _tiny_qwen36()
+    monkeypatch.setitem(SHAPES, "tiny-qwen36", cfg)
+    facts = shape_facts("tiny-qwen36")
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")},
+                                  model_type=cfg["model_type"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # the facts count matmul weights and the convolution, not the norms, A_log or dt_bias
+    skip = ("norm", "A_log", "dt_bias")
+    counted = sum(p.numel() for n, p in model.named_parameters() if not any(s in n for s in skip))
+    assert facts.params == counted
+
+
+def test_gdn_state_is_what_the_engine_allocates():
+    import torch
+
+    from kestrel.core.kv_spec import GDNStateSpec
+    s = SHAPES["qwen3.6-35b-a3b"]
+    facts = shape_facts("qwen3.6-35b-a3b")
+    spec = GDNStateSpec(torch.bfloat16, num_heads=s["linear_num_value_heads"], head_dim=s["linear_key_head_dim"],
+                        conv_width=s["linear_conv_kernel_dim"], num_key_heads=s["linear_num_key_heads"],
+                        value_head_dim=s["linear_value_head_dim"])
+    per_layer = sum(torch.empty((), dtype=dt).element_size() * torch.Size(shape).numel()
+                    for dt, shape in spec.state_parts())
+    assert facts.state_bytes_per_seq == 30 * per_layer  # 30 GDN layers of 40
+    assert facts.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2  # the 10 attention layers' K and V

@@ -98,20 +98,95 @@ KDA_CONFIGS = {
 }
 
 
+# Families built from small mechanisms (tests/models/test_families.py): windows and attention chunks of 8, below
+# most prompts; 4 layers where a pattern repeats every 4 (3:1 sliding, NoPE every 4th layer)
+FAMILY_CONFIGS = {
+    "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=16)),  # q/k/v bias, no o bias (the defaults)
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2)),  # layer 3 NoPE
+    "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=8)),
+    # layer 0 dense, then 8 experts top-2 + 1 shared; pair rotary
+    "ernie4_5_moe": ("ernie4_5_moe", dict(num_hidden_layers=3, num_key_value_heads=2, moe_num_experts=8, moe_k=2,
+                                          moe_intermediate_size=32, moe_num_shared_experts=1)),
+    # NTK-alpha base (alpha 1000: a base far from rope_theta), q/k norm after the rotary
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2,
+                                              intermediate_size=32, rope_parameters={
+                                                  "rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0,
+                                                  "factor": 1.0})),
+    # half of each head rotates; all-heads q/k norm; sigmoid + correction bias
+    "minimax_m2": ("minimax_m2", dict(num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=32, rope_parameters={
+                                          "rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5})),
+    # yarn with llama-4 query scaling: the scale steps up every 16 positions (original_max_position_embeddings)
+    "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # DeepSeek-V3's MLA (interleaved rotary, yarn with mscale_all_dim) + MoE routed by a softmax over groups ranked
+    # by their top-2 sum, and llama-4 query scaling; layer 0 dense
+    "mistral4": ("mistral4", dict(_MLA, num_hidden_layers=3, q_lora_rank=24, first_k_dense_replace=1,
+                                  n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                  norm_topk_prob=True, routed_scaling_factor=1.5, rope_interleave=True,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                   "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                   "llama_4_scaling_beta": 0.5})),
+    # chunks of 8 on layers 0-2, layer 3 NoPE with temperature tuning stepping every 4 positions; top-1 MoE on
+    # layers 1 and 3 (+ a shared expert), dense MLPs (intermediate_size_mlp) on 0 and 2
+    "llama4": ("llama4_text", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                   num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
+                                   moe_layers=[1, 3], attention_chunk_size=8, floor_scale=4, attn_scale=0.5)),
+}
+
+
+HF_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
+
+
+# Gated DeltaNet hybrids (their own fixture in tests/models/test_gdn_hybrids.py): layers 0-2 GDN (2 key heads
+# repeated to 4 value heads, D_k 16, D_v 32: the state [4, 16, 32]), layer 3 gated full attention (2 KV heads of
+# 32, partial RoPE 0.25). Qwen3-Next: MoE (4 experts top-2 + a gated shared expert) but layer 1 dense; Qwen3.5:
+# dense; Qwen3.5-MoE: MoE on every layer.
+_GDN = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4)
+_GDN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+GDN_CONFIGS = {
+    "qwen3_next": ("qwen3_next", dict(_GDN, **_GDN_MOE, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen3_5": ("qwen3_5_text", dict(_GDN)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(_GDN, **_GDN_MOE)),
+}
+GDN_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None,
-                    logit_scale: float = 1.0, **overrides) -> Path:
+                    logit_scale: float = 1.0, vary_vectors: bool = False, **overrides) -> Path:
+    """`vary_vectors`: random biases (std 0.08) and norm weights (1 + std 0.2), so that a bias or a norm weight
+    that went to the wrong place shows (transformers initialises them to 0 and 1)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS}[kind]
+    model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS,
+                         **FAMILY_CONFIGS, **GDN_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if type(cfg) in AutoModelForCausalLM._model_mapping:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    else:  # not in the auto mapping (Mistral 4 in transformers 5.17): the model type's own class
+        import transformers
+
+        model = getattr(transformers, HF_CLASSES[model_type])(cfg).float()
     with torch.no_grad():  # larger weights than the default init give peakier, less tie-prone logits
         for p in model.parameters():
             if p.dim() >= 2:  # MoE experts are 3-D in memory
                 p.normal_(0, 0.08)
             elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
                 p.normal_(0, 0.2)
+            elif model_type in GDN_TYPES:  # (1 + w) norms, the gated norm, the GDN decay: perturbed around init
+                p.add_(torch.randn_like(p) * 0.2)
+        if vary_vectors:
+            for pname, p in model.named_parameters():
+                if p.dim() == 1 and pname.endswith(".bias"):
+                    p.normal_(0, 0.08)
+                elif p.dim() == 1 and "norm" in pname:
+                    p.normal_(1, 0.2)
         for buf_name, b in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)
@@ -140,4 +215,55 @@ def kimi_linear_bf16_checkpoint(root: Path, seed: int = 0, tokenizer=None, name:
                            linear_attn_config=lin, logit_scale=4.0)
     decisive_routers(path)
     bf16_representable(path, keep=KIMI_FLOAT32_PARAMS)
+    return path
+
+
+def qwen3_5_vl_checkpoint(root: Path, moe: bool = False, seed: int = 0, tokenizer=None) -> Path:
+    """A tiny Qwen3_5(Moe)ForConditionalGeneration checkpoint: the text model of GDN_CONFIGS (weights perturbed as
+    make_checkpoint does), a one-block vision tower, and two `mtp.*` tensors (the MTP head real checkpoints carry,
+    which transformers does not write), for the text-part loader."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration)
+
+    kind = "qwen3_5_moe" if moe else "qwen3_5"
+    text = {**BASE, **GDN_CONFIGS[kind][1]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=8, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    ids = dict(image_token_id=VOCAB_SIZE - 4, video_token_id=VOCAB_SIZE - 3, vision_start_token_id=VOCAB_SIZE - 2,
+               vision_end_token_id=VOCAB_SIZE - 1)
+    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe else
+                             (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+    out = root / f"{kind}_vl"
+    model.save_pretrained(out)
+    (tokenizer or make_tokenizer()).save_pretrained(out)
+    weights = load_file(out / "model.safetensors")
+    weights.update({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)})
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+# what a GDN hybrid engine holds in float32 whatever its dtype: the decay's parameters
+GDN_FLOAT32_PARAMS = ("A_log", "dt_bias")
+
+
+def gdn_bf16_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: str | None = None) -> Path:
+    """The GPU comparisons' GDN hybrid (`kind` of GDN_CONFIGS): Qwen3.5's head sizes (GDN: 2 key heads repeated to
+    4 value heads, D_k = D_v = 128; attention heads of 256 with partial RoPE 0.25), peakier logits, decisive
+    routers, weights bf16 holds exactly (but GDN_FLOAT32_PARAMS): transformers in float32 on it is the exact model
+    of what a bf16 engine loads."""
+    from tests.agreement import bf16_representable, decisive_routers
+
+    path = make_checkpoint(kind, root, seed=seed, tokenizer=tokenizer, name=name, hidden_size=256, head_dim=256,
+                           linear_key_head_dim=128, linear_value_head_dim=128, logit_scale=4.0)
+    decisive_routers(path)
+    bf16_representable(path, keep=GDN_FLOAT32_PARAMS)
     return path

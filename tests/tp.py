@@ -13,12 +13,16 @@ NUM_TOKENS = 32
 # name -> (tests/tiny.py kind, overrides). llama_linear_rope: one KV head for 2 ranks (replicated), untied LM head;
 # qwen3 with vocab 387 (odd: the vocab-parallel embedding and LM head pad their slices); qwen3_moe: every expert
 # split along its intermediate dim; qwen2_moe: shared experts (a column/row-parallel MLP) with their sigmoid gate,
-# a dense layer, tied embeddings (the vocab-parallel LM head shares the embedding's slice)
+# a dense layer, tied embeddings (the vocab-parallel LM head shares the embedding's slice); minimax_m2: the q/k
+# RMSNorm over all heads (its sum of squares all-reduced, each rank's slice of the weight), random norm weights;
+# minimax_m2_mqa: its one KV head replicated on both ranks (counted once in k's norm)
 TP_MODELS = {
     "llama": ("llama_linear_rope", {}),
     "qwen3": ("qwen3", {"vocab_size": 387}),
     "qwen3_moe": ("qwen3_moe", {}),
     "qwen2_moe": ("qwen2_moe", {"tie_word_embeddings": True}),
+    "minimax_m2": ("minimax_m2", {"vary_vectors": True}),
+    "minimax_m2_mqa": ("minimax_m2", {"vary_vectors": True, "num_key_value_heads": 1}),
 }
 
 

@@ -104,8 +104,10 @@ class AttentionMetadataBuilder:
 
 class AttentionImpl:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 attention_chunk_size: int | None = None):
         """sliding_window W: a query at position p sees keys p-W+1 .. p (None or 0: all of 0 .. p).
+        attention_chunk_size C: keys floor(p / C) * C .. p (chunked local attention; None or 0: off).
         logits_soft_cap c: scaled logits s become c * tanh(s / c) (Gemma 2; None or 0: off)."""
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 0):
@@ -114,6 +116,7 @@ class AttentionImpl:
             raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap!r}")
         self.sliding_window = int(sliding_window or 0)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.attention_chunk_size = int(attention_chunk_size or 0)
         # an FP8 cache's per-tensor scales (float32 scalar tensors of the layer; kestrel/attention/kv_quant.py)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
@@ -132,6 +135,7 @@ class AttentionBackend:
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     cache_specs: ClassVar[tuple[type, ...]] = (FullAttentionSpec,)  # spec classes it reads (subclasses included)
     supports_sliding_window: ClassVar[bool] = False
+    supports_chunked_attention: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     supports_bidirectional_prefix: ClassVar[bool] = False
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # quantised cache dtypes it reads (FP8 KV cache)
@@ -158,6 +162,8 @@ class AttentionBackend:
             return False, f"reads no {type(spec).__name__}"
         if getattr(spec, "sliding_window", 0) and not cls.supports_sliding_window:
             return False, "no sliding window"
+        if getattr(spec, "attention_chunk_size", 0) and not cls.supports_chunked_attention:
+            return False, "no chunked local attention"
         return True, ""
 
     @classmethod

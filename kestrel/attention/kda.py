@@ -13,7 +13,12 @@ requests, graph-safe; the fused Triton kernel where the gate table allows it), t
 the prefill path. Where the gate row `fla_chunk_kda` is open (CUDA, bf16/fp16, fla-core installed), all of a
 step's prefills and chunks go through one batched call (`forward_prefills`: one short convolution and one
 varlen fla chunk_kda over every request, initial states gathered from the slots and final states written back);
-elsewhere (the CPU, float32, no fla) one request at a time (`forward_prefill`, PyTorch's chunked form)."""
+elsewhere (the CPU, float32, no fla) one request at a time (`forward_prefill`, PyTorch's chunked form).
+
+Gated DeltaNet layers (Qwen3-Next, Qwen3.5) run the same paths: their weights object's `delta` options
+(kda_ref.DeltaOptions: q/k heads repeated to the state heads, D_v, one decay per head broadcast over D_k, a SiLU
+output gate) reach every path, and their spec is GDNStateSpec. Their batched prefill tries its own gate row
+`fla_chunk_gated_delta_rule` first, then fla_chunk_kda with the broadcast decay."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +31,7 @@ from torch import nn
 from kestrel.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
                                        CommonAttentionMetadata)
 from kestrel.core.device import to_device
-from kestrel.core.kv_spec import KDAStateSpec
+from kestrel.core.kv_spec import GDNStateSpec, KDAStateSpec
 from kestrel.kernels import kda_ref
 from kestrel.platform import Platform, current_platform
 from kestrel.platform.gates import kernel_available
@@ -34,8 +39,9 @@ from kestrel.platform.gates import kernel_available
 logger = logging.getLogger(__name__)
 
 PREFILL_KERNEL = "fla_chunk_kda"  # the batched prefill's gate row
+GDN_PREFILL_KERNEL = "fla_chunk_gated_delta_rule"  # its per-head-decay form (Gated DeltaNet layers), tried first
 # the gate-table rows (kestrel/platform/gates.py) of the optional KDA kernels
-KDA_KERNELS = ("triton_kda_fused_decode", PREFILL_KERNEL)
+KDA_KERNELS = ("triton_kda_fused_decode", PREFILL_KERNEL, GDN_PREFILL_KERNEL)
 _UNRESOLVED = object()
 
 
@@ -112,22 +118,31 @@ class KDAImpl(AttentionImpl):
         """The batched prefill's gate row where it is open on `platform` for `dtype`; None: per request."""
         return PREFILL_KERNEL if kernel_available(PREFILL_KERNEL, platform, dtype) else None
 
-    def resolve_prefill(self, dtype: torch.dtype) -> Callable | None:
+    @classmethod
+    def gdn_prefill_kernel(cls, platform: Platform, dtype: torch.dtype) -> str | None:
+        """A per-head-decay layer's own batched prefill row where it is open (else it takes prefill_kernel's)."""
+        return GDN_PREFILL_KERNEL if kernel_available(GDN_PREFILL_KERNEL, platform, dtype) else None
+
+    def resolve_prefill(self, dtype: torch.dtype, per_head_decay: bool = False) -> Callable | None:
         if self.varlen_delta_rule is _UNRESOLVED:
-            if self.prefill_kernel(current_platform(), dtype) is None:
+            p = current_platform()
+            kernel = (per_head_decay and self.gdn_prefill_kernel(p, dtype)) or self.prefill_kernel(p, dtype)
+            if kernel is None:
                 self.varlen_delta_rule = None
             elif compiling_only():  # the precompile's dry run: fla's autotuner must time real launches
                 return None
             else:
-                from kestrel.kernels.fla_kda import chunk_kda_varlen
-                self.varlen_delta_rule = chunk_kda_varlen
-                logger.debug("KDA prefill: fla-core chunk_kda, all of a step's prefills in one varlen call")
+                from kestrel.kernels import fla_kda
+                self.varlen_delta_rule = (fla_kda.chunk_gdn_varlen if kernel == GDN_PREFILL_KERNEL
+                                          else fla_kda.chunk_kda_varlen)
+                logger.debug("delta-rule prefill: fla-core %s, all of a step's prefills in one varlen call", kernel)
         return self.varlen_delta_rule
 
     def forward_kda(self, w, qkv, f, beta_logits, gate, cache, meta: KDAMetadata) -> torch.Tensor:
-        """w: the layer's weights (conv_weight [3HD, K], A_log [H], dt_bias [HD], o_norm_weight [D], norm_eps);
-        qkv [T, 3HD] before the convolution, f [T, HD] (forget-gate projection), beta_logits [T, H], gate [T, HD]
-        (output-gate projection) -> [T, HD], the gated-normed output."""
+        """w: the layer's weights and options (`delta`: kda_ref.DeltaOptions; conv_weight [C, K], A_log [H],
+        dt_bias [HD] (per head: [H]), o_norm_weight [D_v], norm_eps); qkv [T, C] before the convolution (C: 3HD
+        for KDA, 2 H_k D + H D_v for Gated DeltaNet), f [T, HD] (per head: [T, H]; the forget-gate projection),
+        beta_logits [T, H], gate [T, H D_v] (output-gate projection) -> [T, H D_v], the gated-normed output."""
         nd = meta.num_decodes
         if nd == qkv.shape[0]:  # decode steps, captured graphs
             return self.forward_decode(w, qkv, f, beta_logits, gate, cache, meta.state_slots, meta.seq_lens)
@@ -136,7 +151,7 @@ class KDAImpl(AttentionImpl):
             out[:nd] = self.forward_decode(w, qkv[:nd], f[:nd], beta_logits[:nd], gate[:nd], cache,
                                            meta.state_slots[:nd], meta.seq_lens[:nd])
         qsl = meta.query_start_loc_cpu
-        delta_rule = self.resolve_prefill(qkv.dtype)
+        delta_rule = self.resolve_prefill(qkv.dtype, w.delta.per_head_decay)
         if delta_rule is not None:
             s, e = qsl[nd], qsl[meta.num_reqs]
             out[s:e] = self.forward_prefills(w, qkv[s:e], f[s:e], beta_logits[s:e], gate[s:e], cache,
@@ -154,32 +169,37 @@ class KDAImpl(AttentionImpl):
         """Several requests' new tokens at once (as `prefills` lays them out), each from its slot's state (zeros
         without an initial state), as forward_prefill does for one; updates the slots."""
         recurrent, conv = cache
-        h, d = recurrent.shape[1], recurrent.shape[2]
+        opts: kda_ref.DeltaOptions = w.delta
         idx, fresh = slots.long(), prefills.fresh
         y, new_conv = kda_ref.causal_conv_varlen(qkv, prefills.conv_layout,
                                                  torch.where(fresh.view(-1, 1, 1), 0, conv[idx]), w.conv_weight)
-        q, k, v = y.view(y.shape[0], 3, h, d).unbind(1)
-        g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
+        hk, dk = opts.key_heads, opts.head_dim
+        q, k, v = y.split([hk * dk, hk * dk, opts.num_heads * opts.v_dim], dim=-1)
+        q, k = (x.reshape(-1, hk, dk) for x in (q, k))
+        if hk != opts.num_heads:  # the kernels read as many q/k heads as state heads
+            q, k = (x.repeat_interleave(opts.num_heads // hk, dim=1) for x in (q, k))
+        g = opts.decay(f, w.A_log, w.dt_bias)
         beta = torch.sigmoid(beta_logits.float())
         initial = torch.where(fresh.view(-1, 1, 1, 1), 0.0, recurrent[idx].float())
-        o, final = delta_rule(q, k, v, g, beta, initial, prefills.cu_seqlens, prefills.cu_seqlens_cpu, d ** -0.5)
+        o, final = delta_rule(q, k, v.reshape(-1, opts.num_heads, opts.v_dim), g, beta, initial,
+                              prefills.cu_seqlens, prefills.cu_seqlens_cpu, dk ** -0.5)
         recurrent[idx] = final.to(recurrent.dtype)
         conv[idx] = new_conv.to(conv.dtype)
-        return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
+        return opts.output(o, gate, w.o_norm_weight, w.norm_eps)
 
     def forward_prefill(self, w, qkv, f, beta_logits, gate, cache, slot: int, has_initial_state: bool):
         """One request's new tokens from its slot's state (zeros without an initial state); updates the slot."""
         recurrent, conv = cache
-        h, d = recurrent.shape[1], recurrent.shape[2]
+        opts: kda_ref.DeltaOptions = w.delta
         y, new_conv = kda_ref.causal_conv(qkv, conv[slot] if has_initial_state else None, w.conv_weight)
-        q, k, v = kda_ref.prepare_qkv(y, h, d)
-        g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
+        q, k, v = opts.qkv(y)
+        g = opts.decay(f, w.A_log, w.dt_bias)
         beta = torch.sigmoid(beta_logits.float())
-        state = recurrent[slot].clone() if has_initial_state else recurrent.new_zeros(h, d, d)
+        state = recurrent[slot].clone() if has_initial_state else recurrent.new_zeros(recurrent.shape[1:])
         o = kda_ref.delta_rule_chunked(q, k, v, g, beta, state)
         recurrent[slot] = state
         conv[slot] = new_conv.to(conv.dtype)
-        return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
+        return opts.output(o, gate, w.o_norm_weight, w.norm_eps)
 
     def forward_decode(self, w, qkv, f, beta_logits, gate, cache, slots: torch.Tensor,
                        seq_lens: torch.Tensor) -> torch.Tensor:
@@ -187,19 +207,19 @@ class KDAImpl(AttentionImpl):
         (no host reads). A one-token row is a decode or a request's first token (a one-token prompt, or a first
         chunk of one token): rows whose seq_len is 1 start from a zero state, the others continue their slot's."""
         recurrent, conv = cache
-        h, d = recurrent.shape[1], recurrent.shape[2]
+        opts: kda_ref.DeltaOptions = w.delta
         idx = slots.long()
         fresh = (seq_lens == 1).view(-1, 1, 1)
         prev = torch.where(fresh, 0, conv[idx]).to(qkv.dtype)
         window = torch.cat([prev, qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv[idx] = window[..., 1:].to(conv.dtype)
         y = torch.nn.functional.silu((window.float() * w.conv_weight.float()).sum(-1))  # float32, as prefill
-        q, k, v = kda_ref.prepare_qkv(y, h, d)
-        g = kda_ref.forget_gate(f, w.A_log, w.dt_bias, d)
+        q, k, v = opts.qkv(y)
+        g = opts.decay(f, w.A_log, w.dt_bias)
         state = torch.where(fresh.unsqueeze(-1), 0.0, recurrent[idx])
         o = kda_ref.delta_rule_step(q, k, v, g, torch.sigmoid(beta_logits.float()), state)
         recurrent[idx] = state
-        return kda_ref.gated_rms_norm(o, gate, w.o_norm_weight, w.norm_eps)
+        return opts.output(o, gate, w.o_norm_weight, w.norm_eps)
 
 
 def compiling_only() -> bool:
@@ -220,15 +240,25 @@ class KDABackend(AttentionBackend):
 
 
 class DeltaAttention(nn.Module):
-    """The KDA layer a model calls with its projections' outputs; owns the cache spec (registered like any
-    attention layer, so the runner binds it a backend impl and its state slots)."""
+    """The delta-rule layer (KDA or Gated DeltaNet, by its `options`) a model calls with its projections' outputs;
+    owns the cache spec (registered like any attention layer, so the runner binds it a backend impl and its state
+    slots). The model's weights object passed to forward carries the same options as `delta`."""
 
-    def __init__(self, ctx, prefix: str, num_heads: int, head_dim: int, conv_width: int):
+    def __init__(self, ctx, prefix: str, options: kda_ref.DeltaOptions, conv_width: int):
         super().__init__()
-        # what the runner gives every impl
-        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_heads
-        self.scale, self.sliding_window, self.logits_soft_cap = head_dim ** -0.5, 0, 0.0
-        self.kv_cache_spec = KDAStateSpec(ctx.dtype, num_heads=num_heads, head_dim=head_dim, conv_width=conv_width)
+        o = options
+        # what the runner gives every impl (num_kv_heads: the q/k heads before their repeat)
+        self.num_heads, self.head_dim, self.num_kv_heads = o.num_heads, o.head_dim, o.key_heads
+        self.scale, self.sliding_window, self.logits_soft_cap = o.head_dim ** -0.5, 0, 0.0
+        self.attention_chunk_size = 0
+        self.options = o
+        if o.key_heads == o.num_heads and o.v_dim == o.head_dim and not o.per_head_decay:
+            self.kv_cache_spec = KDAStateSpec(ctx.dtype, num_heads=o.num_heads, head_dim=o.head_dim,
+                                              conv_width=conv_width)
+        else:
+            self.kv_cache_spec = GDNStateSpec(ctx.dtype, num_heads=o.num_heads, head_dim=o.head_dim,
+                                              conv_width=conv_width, num_key_heads=o.key_heads,
+                                              value_head_dim=o.v_dim)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix
         self.impl: KDAImpl | None = None

@@ -206,7 +206,7 @@ class MLAAttention(nn.Module):
         self.scale, self.dtype = scale, ctx.dtype
         # what the runner gives every impl: one shared latent "head" of kv_lora_rank + rope dims
         self.head_dim, self.num_kv_heads = kv_lora_rank + qk_rope_head_dim, 1
-        self.sliding_window, self.logits_soft_cap = 0, 0.0
+        self.sliding_window, self.logits_soft_cap, self.attention_chunk_size = 0, 0.0, 0
         self._kv_b_proj = (kv_b_proj,)  # registered (and loaded) by the model's attention module
         self.rotary = rotary
         self.kv_cache_spec = kv_cache_spec or MLASpec(ctx.dtype, kv_lora_rank, qk_rope_head_dim)

@@ -104,6 +104,15 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    """Chunked local attention (Llama 4's iRoPE layers): a query at position p reads only the keys of its own
+    chunk, floor(p / attention_chunk_size) * attention_chunk_size .. p. Paged like full attention, and its layers
+    group apart; the blocks of finished chunks are kept while the request runs (the full-attention manager's
+    rule, by its MRO), which freeing them as a sliding window does would save."""
+    attention_chunk_size: int = 0
+
+
+@dataclass(frozen=True)
 class MLASpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one latent per token, the normalised kv_lora_rank part followed
     by the rotated qk_rope_head_dim key part, shared by every head; one [num_blocks, block_size, latent_dim] tensor
@@ -179,6 +188,20 @@ class KDAStateSpec(KVCacheSpec):
     def layer_view(self, rows, state=None):
         """(recurrent [num_slots, H, D, D] float32, conv [num_slots, 3 H D, conv_width - 1])."""
         return tuple(views_of_parts(self.state_parts(), state, type(self).__name__))
+
+
+@dataclass(frozen=True)
+class GDNStateSpec(KDAStateSpec):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5; kestrel/kernels/kda_ref.py DeltaOptions): KDA's state slots with
+    num_key_heads q/k heads (fewer than the num_heads state heads) and values of value_head_dim. Per slot: the
+    recurrent state float32 [num_heads, head_dim, value_head_dim] and the convolution's last conv_width - 1
+    inputs of q | k | v, [2 * num_key_heads * head_dim + num_heads * value_head_dim, conv_width - 1]."""
+    num_key_heads: int = 1
+    value_head_dim: int = 1
+
+    def state_parts(self):
+        h, dk, dv = self.num_heads, self.head_dim, self.value_head_dim
+        return [(torch.float32, (h, dk, dv)), (self.dtype, (2 * self.num_key_heads * dk + h * dv, self.conv_width - 1))]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import time
 
 import msgspec
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
@@ -88,6 +89,24 @@ def mm_model_class(config, hf_config=None):
     return (path, hf_config, model_cls) if supports_images(model_cls) else None
 
 
+NO_IMAGES = "this model does not take images"
+
+
+def images_refusal(config, hf_config=None) -> str:
+    """Why a text-only engine refuses images: the model class's own reason where it has one (a vision-language
+    checkpoint served for its text part: `images_refused`), else that the model takes none."""
+    from kestrel.loader import default_model_path, load_hf_config
+    from kestrel.models.registry import get_model_class
+
+    path = config.model.model or default_model_path()
+    if path.endswith(".gguf"):
+        return NO_IMAGES
+    hf_config = hf_config or load_hf_config(path, config.model.trust_remote_code)
+    model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
+    reason = getattr(model_cls, "images_refused", None)
+    return f"{NO_IMAGES}: {reason}" if reason else NO_IMAGES
+
+
 def make_mm_processor(config, hf_config=None):
     """The frontend's image processor for a multimodal checkpoint (None for text-only models)."""
     from kestrel.frontend.mm_processor import MultiModalProcessor
@@ -115,7 +134,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
                  mm=None, max_num_batched_tokens: int | None = None, pooling: dict | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, images_refused: Callable[[], str] = lambda: NO_IMAGES):
         """`pooling`: a pooling engine's facts (kestrel/core/pooling.py pooling_facts; None: a generative one).
         `max_prompt_tokens`: the longest prompt the engine's KV cache admits (None: not checked here)."""
         self.tokenizer = tokenizer
@@ -128,14 +147,15 @@ class InputProcessor:
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
         self.mm = mm
+        self.images_refused = images_refused  # the 400's message for images to a text-only model (asked then)
 
     @classmethod
     def for_engine(cls, config, tokenizer, max_model_len: int, vocab_size: int, max_prompt_tokens: int, mm=None,
-                   pooling: dict | None = None) -> "InputProcessor":
+                   pooling: dict | None = None, hf_config=None) -> "InputProcessor":
         """The input processor of an engine (the sync or the async one) with these facts, under its config."""
         return cls(tokenizer, max_model_len, vocab_size, config.model.max_logprobs, mm=mm,
                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens, pooling=pooling,
-                   max_prompt_tokens=max_prompt_tokens)
+                   max_prompt_tokens=max_prompt_tokens, images_refused=lambda: images_refusal(config, hf_config))
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -201,7 +221,7 @@ class InputProcessor:
                             for p in content] if imgs else "".join(t["text"] for t in text))
             conv.append({**m, "content": content if content is not None else ""})
         if images and self.mm is None:
-            raise InvalidRequest("this model does not take images", param="messages")
+            raise InvalidRequest(self.images_refused(), param="messages")
         text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools,
                                         continue_final_message)
         if not images:
@@ -223,7 +243,7 @@ class InputProcessor:
         if not images:
             return prompt
         if self.mm is None:
-            raise InvalidRequest("this model does not take images", param="multi_modal_data")
+            raise InvalidRequest(self.images_refused(), param="multi_modal_data")
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
         ids, extras = self.mm.process(text, images, add_special_tokens)
@@ -410,6 +430,9 @@ class OutputProcessor:
                     out.logprobs.append(d)
                     out.logprobs_delta = (out.logprobs_delta or []) + [d]
                     out.cumulative_logprob = (out.cumulative_logprob or 0.0) + d[tok].logprob
+                if (child.detok is not None and o.finish_reason == "stop" and k == len(o.new_token_ids) - 1
+                        and not child.detok.include_stop):
+                    break  # the EOS or stop token that ended it: not text (as vLLM), even with special tokens kept
                 if child.detok is not None and child.detok.add_token(tok) is not None:
                     out.finish_reason, out.stop_reason = "stop", child.detok.stopped_by
                     to_stop.append(o.request_id)

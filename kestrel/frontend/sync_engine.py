@@ -23,7 +23,7 @@ class LLMEngine:
         self.input_processor = InputProcessor.for_engine(
             config, self.tokenizer, self.core.max_model_len, hf.vocab_size, self.core.scheduler.max_prompt_tokens,
             mm=make_mm_processor(config, self.core.model_config.hf),
-            pooling=pooling_facts(self.core.model_config, config.model))
+            pooling=pooling_facts(self.core.model_config, config.model), hf_config=self.core.model_config.hf)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._lora_ids = itertools.count(1)  # never reused: an id salts its adapter's prefix-cache blocks

@@ -4,7 +4,12 @@ Per head, with state S [D_k, D_v] (float32), a token's normalised q, k (q scaled
 decay g [D_k] (log space, <= 0) and its scalar beta:
     S <- Diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q.
 Before it, q, k and v go through a depthwise causal convolution of width K over the current and the K - 1
-previous inputs (the conv state), then SiLU; after it, a per-head RMSNorm gated by sigmoid(gate)."""
+previous inputs (the conv state), then SiLU; after it, a per-head RMSNorm gated by sigmoid(gate).
+
+Gated DeltaNet (Qwen3-Next, Qwen3.5) is the same recurrence with one decay value per head, broadcast over the
+channels here; its q and k have fewer heads (num_key_heads, repeated to the state's heads after the convolution),
+its values their own head size, and its output gate is SiLU. `DeltaOptions` names those differences once; every path
+(this reference, the batched prefill, the fused decode) reads them from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +18,59 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.core.device import to_device
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """A delta-rule layer's mechanism options. KDA: the defaults (q/k heads = state heads, D_v = D_k, a decay per
+    channel, a sigmoid output gate). Gated DeltaNet: `num_key_heads` q/k heads, each read by num_heads /
+    num_key_heads consecutive state heads (transformers' repeat_interleave), `value_head_dim`, one decay per head
+    (its projection and dt_bias have one value per head), a SiLU output gate. The convolution runs over
+    q | k | v before the repeat: 2 * num_key_heads * D_k + num_heads * D_v channels."""
+    num_heads: int  # the state's heads (= value heads)
+    head_dim: int  # D_k
+    num_key_heads: int = 0  # 0: num_heads
+    value_head_dim: int = 0  # 0: head_dim
+    per_head_decay: bool = False
+    gate_act: str = "sigmoid"  # the output gate: sigmoid (KDA) | silu (Gated DeltaNet)
+
+    def __post_init__(self):
+        if self.num_heads % self.key_heads:
+            raise ValueError(f"{self.num_heads} state heads are not a multiple of {self.key_heads} key heads")
+        if self.gate_act not in ("sigmoid", "silu"):
+            raise ValueError(f"unknown output gate activation {self.gate_act!r}")
+
+    @property
+    def key_heads(self) -> int:
+        return self.num_key_heads or self.num_heads
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.head_dim + self.num_heads * self.v_dim
+
+    def qkv(self, y: torch.Tensor):
+        """Convolved q|k|v [T, C] -> float32 q (normalised, scaled by D_k^-1/2), k (normalised), each [T, H, D_k]
+        after the repeat to the state's heads, and v [T, H, D_v]."""
+        hk, dk = self.key_heads, self.head_dim
+        q, k, v = y.float().split([hk * dk, hk * dk, self.num_heads * self.v_dim], dim=-1)
+        q, k = l2norm(q.reshape(-1, hk, dk)) * dk ** -0.5, l2norm(k.reshape(-1, hk, dk))
+        if hk != self.num_heads:
+            q, k = (x.repeat_interleave(self.num_heads // hk, dim=1) for x in (q, k))
+        return q, k, v.reshape(-1, self.num_heads, self.v_dim)
+
+    def decay(self, f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+        """The forget gate's projection f ([T, H] per head, [T, H * D_k] per channel) -> g [T, H, D_k] float32
+        (per head: a broadcast view)."""
+        if self.per_head_decay:
+            return forget_gate(f, a_log, dt_bias, 1).expand(-1, -1, self.head_dim)
+        return forget_gate(f, a_log, dt_bias, self.head_dim)
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return gated_rms_norm(o, gate, weight, eps, self.gate_act)
 
 
 def forget_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -143,10 +201,12 @@ def delta_rule_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhkv,bhk->bhv", state, q)
 
 
-def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   act: str = "sigmoid") -> torch.Tensor:
     """o [T, H, D], gate [T, H * D] -> [T, H * D] in gate's dtype: RMSNorm over D (float32), times the weight,
-    times sigmoid(gate)."""
+    times sigmoid(gate) (KDA) or silu(gate) (Gated DeltaNet)."""
     x = o.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    x = x * torch.sigmoid(gate.float().view_as(x))
+    g = gate.float().reshape(x.shape)
+    x = x * (F.silu(g) if act == "silu" else torch.sigmoid(g))
     return x.reshape(o.shape[0], -1).to(gate.dtype)

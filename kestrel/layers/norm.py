@@ -46,3 +46,50 @@ class GemmaRMSNorm(RMSNorm):
         if not self._offset_applied:
             self.weight.data += 1.0
             self._offset_applied = True
+
+
+class ResidualAdd(nn.Module):
+    """A pre-norm slot with no norm in it (post-norm blocks, Olmo 2/3): forward(x, residual) -> (x + residual,
+    x + residual), so a layer keeps the (hidden, residual) convention of its pre-norm siblings."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return x
+        x = x + residual
+        return x, x
+
+
+class L2Norm(nn.Module):
+    """RMSNorm without a weight (Llama 4's q/k norm); RMSNorm's constructor arguments (the size is unused)."""
+
+    def __init__(self, hidden_size: int | None = None, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class AllHeadsRMSNorm(nn.Module):
+    """One RMSNorm over all heads of q (or k) together (Olmo 2/3, MiniMax-M2): x [T, heads * head_dim] of this rank.
+    Under tensor parallelism a rank holds `cols` = (first, count) of the `width` columns: the sum of squares is
+    all-reduced over the ranks (divided by `replicas`, the ranks holding each column: KV heads replicated over
+    ranks are counted once), and the rank keeps its slice of the weight (`load_weight` reads only it)."""
+
+    def __init__(self, width: int, eps: float, dtype: torch.dtype, tp=None, cols: tuple[int, int] | None = None,
+                 replicas: int = 1):
+        super().__init__()
+        self.width, self.eps, self.tp, self.replicas = width, eps, tp, replicas
+        self.cols = cols or (0, width)
+        self.weight = nn.Parameter(torch.ones(self.cols[1], dtype=dtype), requires_grad=False)
+
+    def load_weight(self, name: str, loaded) -> None:
+        self.weight.data.copy_(loaded.narrow(0, *self.cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        ss = xf.pow(2).sum(-1, keepdim=True)
+        if self.tp is not None and self.tp.size > 1:
+            ss = self.tp.all_reduce(ss) / self.replicas
+        return self.weight * (xf * torch.rsqrt(ss / self.width + self.eps)).to(x.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.layers.activation import SiluAndMul
+from kestrel.layers.norm import RMSNorm
 
 
 class NormLinear:
@@ -19,7 +20,7 @@ class NormLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None):
         linear = self.linear
-        if getattr(linear, "fusable", False):
+        if getattr(linear, "fusable", False) and isinstance(self.norm, RMSNorm):  # not a ResidualAdd
             kernel = linear.kernel
             if self.act is None:
                 fused = kernel.apply_rms_norm(linear, x, self.norm.weight, self.norm.eps, residual)

@@ -24,8 +24,9 @@ def inv_freq_for(hf_config, head_dim: int, max_positions: int,
                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = _rope_params(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params["rope_theta"]
+    if rope_type == "default" or (rope_type == "dynamic" and params.get("alpha")):
+        # Hunyuan's "dynamic" with `alpha`: NTK-alpha, a fixed base theta * alpha^(d / (d - 2)) (no per-length update)
+        base = params["rope_theta"] * params.get("alpha", 1.0) ** (head_dim / (head_dim - 2))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -89,3 +90,34 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(xs[0].dtype)
         sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(xs[0].dtype)
         return tuple(self._rotate(x, cos, sin) for x in xs)
+
+
+def rope_fraction(hf_config, default: float = 1.0) -> float:
+    """The share of each head that rotates (`partial_rotary_factor`, in rope_parameters or the config itself)."""
+    return (_rope_params(hf_config).get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", None)
+            or default)
+
+
+class QueryScale(nn.Module):
+    """Queries times 1 + alpha * log(1 + floor((position + offset) / period)): Llama 4's attention-temperature tuning
+    on its NoPE layers (alpha `attn_scale`, period `floor_scale`, offset 1) and the "llama-4 scaling" of Ministral 3
+    and Mistral Small 4 (`llama_4_scaling_beta`, period `original_max_position_embeddings`, offset 0)."""
+
+    def __init__(self, alpha: float, period: float, offset: float = 0.0):
+        super().__init__()
+        self.alpha, self.period, self.offset = float(alpha), float(period), float(offset)
+
+    @classmethod
+    def from_config(cls, hf_config, nope_layer: bool) -> "QueryScale | None":
+        params = _rope_params(hf_config)
+        beta = params.get("llama_4_scaling_beta")
+        if beta:
+            return cls(beta, params["original_max_position_embeddings"])
+        if nope_layer and getattr(hf_config, "attn_temperature_tuning", False):
+            return cls(hf_config.attn_scale, hf_config.floor_scale, 1.0)
+        return None
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] positions -> [T, 1, 1] float32 factors."""
+        p = positions.float()
+        return (1.0 + self.alpha * torch.log1p(torch.floor((p + self.offset) / self.period)))[:, None, None]

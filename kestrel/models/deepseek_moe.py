@@ -29,6 +29,15 @@ def deepseek_v2_router(cfg) -> RouterConfig:
                         float(cfg_get(cfg, "routed_scaling_factor", default=1.0)))
 
 
+def mistral4_router(cfg) -> RouterConfig:
+    """Mistral Small 4: softmax scores, groups ranked by their top-2 sum, renormalized by `norm_topk_prob`,
+    routed_scaling_factor; no correction bias."""
+    return RouterConfig(cfg_get(cfg, "n_routed_experts", "num_local_experts"), cfg.num_experts_per_tok, "softmax",
+                        bool(getattr(cfg, "norm_topk_prob", True)), cfg_get(cfg, "n_group", default=1),
+                        cfg_get(cfg, "topk_group", default=1), "top2_sum",
+                        float(cfg_get(cfg, "routed_scaling_factor", default=1.0)))
+
+
 def deepseek_moe_block(ctx: ModelContext, prefix: str, router: RouterConfig) -> SparseMoeBlock:
     cfg = ctx.text
     shared = cfg_get(cfg, "n_shared_experts", default=0) * cfg.moe_intermediate_size

@@ -16,9 +16,9 @@ from torch import nn
 from kestrel.attention.mla import MLAAttention
 from kestrel.layers.linear import Linear
 from kestrel.layers.norm import RMSNorm, pre_norm
-from kestrel.layers.rotary import RotaryEmbedding, _rope_params
+from kestrel.layers.rotary import QueryScale, RotaryEmbedding, _rope_params
 from kestrel.models.context import ModelContext, layer_index
-from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router
+from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router, deepseek_v2_router, mistral4_router
 from kestrel.models.moe_base import MoEDecoderLayer, MoEForCausalLM
 
 
@@ -40,7 +40,8 @@ def mla_softmax_scale(cfg) -> float:
 class DeepseekV2Attention(nn.Module):
     """q (direct, or compressed through q_a_proj -> q_a_layernorm -> q_b_proj), the latent kv_a_proj_with_mqa ->
     (kv_a_layernorm on the compressed part | the rope key), MLA over the latent cache, o_proj. `use_rope` False:
-    the rope dims are never rotated (Kimi Linear's NoPE MLA)."""
+    the rope dims are never rotated (Kimi Linear's NoPE MLA). Queries scaled by position where rope_parameters
+    carry llama_4_scaling_beta (Mistral Small 4: QueryScale; before the rotary, which is linear)."""
     use_rope = True
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module):
@@ -69,6 +70,7 @@ class DeepseekV2Attention(nn.Module):
                                        mla_softmax_scale(cfg))
         self.kv_b_proj = kv_b_proj
         self.o_proj = Linear.from_ctx(ctx, heads * vdim, h, f"{prefix}.o_proj", bias)
+        self.query_scale = QueryScale.from_config(cfg, nope_layer=False)
 
     def build_mla(self, ctx: ModelContext, prefix: str, *args) -> nn.Module:
         return MLAAttention(ctx, prefix, *args)
@@ -83,7 +85,10 @@ class DeepseekV2Attention(nn.Module):
             q_c, q = None, self.q_proj(x)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        out = self.attend(q.view(t, self.num_heads, self.qk_head_dim), kv_c, k_pe, positions, ctx, x, q_c)
+        q = q.view(t, self.num_heads, self.qk_head_dim)
+        if self.query_scale is not None:
+            q = (q * self.query_scale(positions)).to(q.dtype)
+        out = self.attend(q, kv_c, k_pe, positions, ctx, x, q_c)
         return self.o_proj(out), residual
 
     def attend(self, q, kv_c, k_pe, positions, ctx, x, q_c):
@@ -113,6 +118,10 @@ class DeepseekV3DecoderLayer(DeepseekV2DecoderLayer):
     router = staticmethod(deepseek_router)
 
 
+class Mistral4DecoderLayer(DeepseekV2DecoderLayer):
+    router = staticmethod(mistral4_router)
+
+
 class DeepseekV2ForCausalLM(MoEForCausalLM):
     decoder_layer_cls = DeepseekV2DecoderLayer
     packed_modules = {"gate_up_proj": ("gate_proj", "up_proj")}
@@ -126,6 +135,12 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     decoder_layer_cls = DeepseekV3DecoderLayer
+
+
+class Mistral4ForCausalLM(DeepseekV2ForCausalLM):
+    """Mistral Small 4 (Mistral Large 3's text model): DeepSeek-V3's MLA + MoE with llama-4 query scaling and a
+    softmax group router."""
+    decoder_layer_cls = Mistral4DecoderLayer
 
 
 def _beyond_last_layer(name: str, num_layers: int) -> bool:

@@ -4,29 +4,19 @@ then MoE blocks with DeepSeek-V3 routing (sigmoid + e_score_correction_bias, gro
 and ungated shared experts (`n_shared_experts` x `moe_intermediate_size`)."""
 from __future__ import annotations
 
-from kestrel.layers.linear import Linear
-from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.context import layer_index
 from kestrel.models.deepseek_moe import deepseek_moe_block, deepseek_router
-from kestrel.models.llama import LlamaAttention, head_dim_of
+from kestrel.models.llama import LlamaAttention
 from kestrel.models.moe_base import MoEDecoderLayer, MoEForCausalLM, cfg_get
 
 
-def rotary_dim(cfg) -> int:
-    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor") \
-        or getattr(cfg, "partial_rotary_factor", None) or 0.5
-    return int(head_dim_of(cfg) * factor)
-
-
 class Glm4MoeAttention(LlamaAttention):
+    o_bias_follows_qkv = False  # the bias is on q/k/v only
+    rope_fraction_default = 0.5
+
     def __init__(self, ctx, prefix, input_norm, **kw):
-        cfg = ctx.text
-        self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", False))
-        rotary = ctx.shared("rotary", lambda: RotaryEmbedding(cfg, rotary_dim(cfg), ctx.max_positions, ctx.dtype))
-        super().__init__(ctx, prefix, input_norm, rotary=rotary, **kw)
-        if getattr(cfg, "attention_bias", False):  # the bias is on q/k/v only
-            self.o_proj = Linear.from_ctx(ctx, cfg.num_attention_heads * head_dim_of(cfg), cfg.hidden_size,
-                                          f"{prefix}.o_proj", False)
+        self.use_qk_norm = bool(getattr(ctx.text, "use_qk_norm", False))
+        super().__init__(ctx, prefix, input_norm, **kw)
 
 
 class Glm4MoeDecoderLayer(MoEDecoderLayer):

@@ -15,6 +15,7 @@ from torch import nn
 
 from kestrel.attention.kda import DeltaAttention
 from kestrel.errors import ConfigError
+from kestrel.kernels.kda_ref import DeltaOptions
 from kestrel.layers.linear import Linear, materialize
 from kestrel.layers.norm import pre_norm
 from kestrel.models.context import ModelContext, layer_index
@@ -51,7 +52,8 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(h, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(hd, dtype=torch.float32), requires_grad=False)
         self.o_norm_weight = nn.Parameter(torch.ones(d, dtype=ctx.dtype), requires_grad=False)
-        self.kda = DeltaAttention(ctx, f"{prefix}.kda", h, d, width)
+        self.delta = DeltaOptions(h, d)  # per-channel decay, sigmoid output gate
+        self.kda = DeltaAttention(ctx, f"{prefix}.kda", self.delta, width)
 
     def forward(self, positions, hidden, residual, ctx):
         x, residual = pre_norm(self._input_norm[0], hidden, residual)
@@ -77,12 +79,20 @@ class KimiDeltaAttention(nn.Module):
         elif head in self._CONV:
             i, tensor = self._CONV[head], materialize(tensor)
             self.conv_weight[i * hd:(i + 1) * hd].copy_(tensor.reshape(hd, -1))
-        elif head in ("A_log", "dt_bias"):
-            getattr(self, head).copy_(materialize(tensor).reshape(-1))
-        elif head == "o_norm":
-            self.o_norm_weight.copy_(materialize(tensor))
         else:
-            raise KeyError(f"{name}: not a Kimi Delta Attention tensor")
+            load_decay_or_norm(self, name, tensor, "o_norm", "Kimi Delta Attention")
+
+
+def load_decay_or_norm(layer: nn.Module, name: str, tensor: torch.Tensor, norm_name: str, what: str) -> None:
+    """The tail of a delta-rule layer's (KDA, Gated DeltaNet) load_weight: the decay's A_log and dt_bias, the output
+    norm's weight (checkpoint name `norm_name`); any other tensor is not the layer's (a KeyError naming `what`)."""
+    head = name.partition(".")[0]
+    if head in ("A_log", "dt_bias"):
+        getattr(layer, head).copy_(materialize(tensor).reshape(-1))
+    elif head == norm_name:
+        layer.o_norm_weight.copy_(materialize(tensor))
+    else:
+        raise KeyError(f"{name}: not a {what} tensor")
 
 
 def _attention(ctx: ModelContext, prefix: str, input_norm: nn.Module) -> nn.Module:

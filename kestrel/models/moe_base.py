@@ -29,29 +29,35 @@ def cfg_get(cfg, *names, default=None):
 
 def moe_block_from_ctx(ctx: ModelContext, prefix: str, router: RouterConfig, moe_intermediate_size: int,
                        shared_intermediate_size: int = 0, shared_gated: bool = False,
-                       shared_name: str = "shared_experts") -> SparseMoeBlock:
+                       shared_name: str = "shared_experts", weights_on_input: bool = False) -> SparseMoeBlock:
     """A SparseMoeBlock with the model context's dtype, quantization and kernel options."""
     return SparseMoeBlock(prefix=prefix, hidden_size=ctx.text.hidden_size, moe_intermediate_size=moe_intermediate_size,
                           router=router, dtype=ctx.dtype, shared_intermediate_size=shared_intermediate_size,
                           shared_gated=shared_gated, shared_name=shared_name, quant_config=ctx.quant_config,
                           moe_backend=ctx.moe_backend, linear_backend=ctx.linear_backend,
-                          fuse_shared_experts=ctx.fuse_shared_experts, tp=ctx.parallel)
+                          fuse_shared_experts=ctx.fuse_shared_experts, tp=ctx.parallel,
+                          weights_on_input=weights_on_input)
 
 
 class MoEDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_name = "mlp"
+    dense_intermediate = "intermediate_size"  # the config field sizing the dense layers' MLP
+    norm_cls = RMSNorm
 
     def __init__(self, ctx: ModelContext, prefix: str):
         super().__init__()
         cfg = ctx.text
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn", self.input_layernorm)
         mlp_prefix = f"{prefix}.{self.mlp_name}"
         mlp = self.moe_block(ctx, mlp_prefix)
         self.is_moe = mlp is not None
-        setattr(self, self.mlp_name, mlp if mlp is not None else LlamaMLP(ctx, mlp_prefix, self.post_attention_layernorm))
+        if mlp is None:
+            mlp = LlamaMLP(ctx, mlp_prefix, self.post_attention_layernorm,
+                           intermediate_size=getattr(cfg, self.dense_intermediate))
+        setattr(self, self.mlp_name, mlp)
 
     def moe_block(self, ctx: ModelContext, prefix: str) -> SparseMoeBlock | None:
         raise NotImplementedError

@@ -26,13 +26,15 @@ def is_sparse_layer(cfg, i: int) -> bool:
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
     attention_cls = Qwen3Attention
     shared = False
+    norm_topk: bool | None = None  # renormalise the top-k weights; None: the config's norm_topk_prob
 
     def moe_block(self, ctx, prefix):
         cfg = ctx.text
         if not is_sparse_layer(cfg, layer_index(prefix)):
             return None
+        renorm = bool(getattr(cfg, "norm_topk_prob", False)) if self.norm_topk is None else self.norm_topk
         router = RouterConfig(cfg_get(cfg, "num_experts", "num_local_experts"), cfg.num_experts_per_tok, "softmax",
-                              bool(getattr(cfg, "norm_topk_prob", False)))
+                              renorm)
         shared = dict(shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_gated=True,
                       shared_name="shared_expert") if self.shared else {}
         return moe_block_from_ctx(ctx, prefix, router, cfg.moe_intermediate_size, **shared)

@@ -93,6 +93,9 @@ TRITON_KDA_DECODE_ARCHS = ArchRule(cuda_min_sm=80)
 # fla-core's chunked KDA (`fla.ops.kda.chunk_kda`, the batched varlen prefill): plain Triton made for Ampere and newer
 # CUDA, run by us on the H200 (sm_90). Not offered on ROCm until run there.
 FLA_CHUNK_KDA_ARCHS = ArchRule(cuda_min_sm=80)
+# fla-core's chunked Gated DeltaNet (`fla.ops.gated_delta_rule.chunk_gated_delta_rule`: one decay per head, the
+# batched varlen prefill of Qwen3-Next / Qwen3.5 layers): the same plain Triton family as chunk_kda, same archs.
+FLA_CHUNK_GDN_ARCHS = ArchRule(cuda_min_sm=80)
 # The one fla-core release the chunk_kda call is written against (its argument names and conventions were read in
 # this version's source: pyproject's `gpu` extra and scripts/device_wheels.sh pin the same).
 FLA_CORE_VERSION = "0.6.0"
@@ -184,8 +187,15 @@ def installed_fla_core() -> str | None:
 
 def check_fla_chunk_kda(platform: Platform | None = None) -> tuple[bool, str]:
     ok, why = _then(check_triton, FLA_CHUNK_KDA_ARCHS, "fla chunk_kda not validated here", platform)
-    if not ok:
-        return ok, why
+    return _fla_core_pinned() if ok else (ok, why)
+
+
+def check_fla_chunk_gdn(platform: Platform | None = None) -> tuple[bool, str]:
+    ok, why = _then(check_triton, FLA_CHUNK_GDN_ARCHS, "fla chunk_gated_delta_rule not validated here", platform)
+    return _fla_core_pinned() if ok else (ok, why)
+
+
+def _fla_core_pinned() -> tuple[bool, str]:
     version = installed_fla_core()
     if version != FLA_CORE_VERSION:
         return False, (f"fla-core {FLA_CORE_VERSION} is not installed (found {version})" if version else

@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 
 from kestrel.platform import Platform, current_platform
-from kestrel.platform.capabilities import (check_fla_chunk_kda, check_fp8_scaled_mm, check_triton, check_triton_fp8,
-                                           check_triton_kda_decode, check_triton_moe, check_triton_skinny_gemm)
+from kestrel.platform.capabilities import (check_fla_chunk_gdn, check_fla_chunk_kda, check_fp8_scaled_mm, check_triton,
+                                           check_triton_fp8, check_triton_kda_decode, check_triton_moe,
+                                           check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
 
@@ -73,6 +74,14 @@ GATES: dict[str, KernelGate] = {
         requires=(check_fla_chunk_kda,),
         act_dtypes=(torch.bfloat16, torch.float16),
         notes="fla-core at the pinned FLA_CORE_VERSION (a GPU-only extra); float32 models keep the PyTorch form",
+    ),
+    "fla_chunk_gated_delta_rule": KernelGate(
+        description="Gated DeltaNet prefill (Qwen3-Next, Qwen3.5: one decay per head): every prefill and chunk of a "
+                    "step in one fla-core chunk_gated_delta_rule call (varlen, initial states from the slots)",
+        requires=(check_fla_chunk_gdn,),
+        act_dtypes=(torch.bfloat16, torch.float16),
+        notes="fla-core at the pinned FLA_CORE_VERSION; where it is closed, GDN layers take fla_chunk_kda with the "
+              "decay broadcast over the key dim (the same recurrence), else the PyTorch form",
     ),
 }
 

@@ -69,6 +69,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     params = req.sampling_params(state.sampling_defaults, plan.structured)
+    reasoning = plan.reasoning_for(state.reasoning_parser, req.chat_template_kwargs, params)
     beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
     params = await engine.tokenize_bad_words(params)  # on a render thread
@@ -79,13 +80,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                            stream=req.stream))
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, public_id, created, gen, plan), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, reasoning),
+                                 media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     choices = []
     echoed = req.echoed()
     for c in out.outputs:
         lp = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, engine.tokenizer) if req.logprobs else None
-        message, finish_reason = build_message(plan, state.reasoning_parser, c.text, c.finish_reason)
+        message, finish_reason = build_message(plan, reasoning, c.text, c.finish_reason)
         message["role"] = req.response_role
         if echoed:
             message["content"] = echoed + (message.get("content") or "")
@@ -101,7 +103,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int, gen,
-                  plan) -> AsyncIterator[str]:
+                  plan, reasoning) -> AsyncIterator[str]:
     tok = state.engine.tokenizer
 
     def chunk(choices, usage=None):
@@ -120,7 +122,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
                     continue
                 if c.index not in started:
                     started.add(c.index)
-                    messages[c.index] = MessageStream(plan, state.reasoning_parser)
+                    messages[c.index] = MessageStream(plan, reasoning)
                     yield chunk([{"index": c.index, "delta": {"role": req.response_role, "content": ""},
                                   "logprobs": None, "finish_reason": None}])
                     if echoed:

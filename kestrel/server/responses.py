@@ -134,6 +134,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     plan = plan_tools(chat_req.tools, chat_req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       chat_req.parallel_tool_calls)
     params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
+    reasoning = plan.reasoning_for(state.reasoning_parser, chat_req.chat_template_kwargs, params)
     await state.grammar.check(params.structured_outputs, "tools")
     rid, public_id = request_ids("resp", req.request_id, raw, echo=False)  # a stored id is the server's
     prompt = await render_prompt(state, chat_req, plan.tools)
@@ -141,11 +142,11 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
                                 lora_request=lora, stream=req.stream)
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages, who),
+        return StreamingResponse(_stream(state, req, public_id, created, gen, plan, messages, who, reasoning),
                                  media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     status = _status(out)
-    reply, _ = build_message(plan, state.reasoning_parser, out.outputs[0].text, out.outputs[0].finish_reason)
+    reply, _ = build_message(plan, reasoning, out.outputs[0].text, out.outputs[0].finish_reason)
     items = output_items(reply, new_item_id("msg"), "completed" if status == "completed" else "incomplete")
     body = _response(req, state, public_id, created, status, items, out)
     _remember(state, req, messages, reply, body, who)
@@ -170,10 +171,10 @@ class _Events:
 
 
 async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: int, gen, plan: ToolPlan,
-                  messages: list[dict], who: str) -> AsyncIterator[str]:
+                  messages: list[dict], who: str, reasoning) -> AsyncIterator[str]:
     """The text streams into a message item opened at its first piece; tool calls come whole after it, each a
     function_call item with its arguments in one delta."""
-    event, stream = _Events(), MessageStream(plan, state.reasoning_parser)
+    event, stream = _Events(), MessageStream(plan, reasoning)
     msg_id, text, calls, output = new_item_id("msg"), "", {}, []
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 

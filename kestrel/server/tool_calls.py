@@ -46,6 +46,16 @@ class ToolPlan:
     def makes_calls(self) -> bool:
         return self.mode in ("auto", "required", "named")
 
+    def reasoning_for(self, parser: ReasoningParser | None, chat_template_kwargs: dict | None,
+                      params) -> ReasoningParser | None:
+        """The request's reasoning parser (or None); where this request's parsers read markers that are special
+        tokens, its output is decoded with them (params.skip_special_tokens off, as vLLM's parsers ask)."""
+        reasoning = parser.for_request(chat_template_kwargs) if parser is not None else None
+        if (self.parser is not None and self.parser.keeps_special_tokens) or (
+                reasoning is not None and reasoning.keeps_special_tokens):
+            params.skip_special_tokens = False
+        return reasoning
+
 
 def plan_tools(tools: list | None, tool_choice, parser: ToolParser | None, auto_enabled: bool,
                parallel: bool = True) -> ToolPlan:
@@ -61,7 +71,7 @@ def plan_tools(tools: list | None, tool_choice, parser: ToolParser | None, auto_
         if not auto_enabled or parser is None:
             raise InvalidRequest('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                                  '--tool-call-parser', param="tool_choice")
-        return ToolPlan("auto", tools, parser=parser)
+        return ToolPlan("auto", tools, parser=parser.for_request(tools))
     if choice == "required":
         variants = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                       "parameters": t["function"]["parameters"]},

@@ -51,7 +51,8 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                                       f"attention backend {backend.name}: {why}")
             layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                           sliding_window=layer.sliding_window,
-                                          logits_soft_cap=layer.logits_soft_cap)
+                                          logits_soft_cap=layer.logits_soft_cap,
+                                          attention_chunk_size=layer.attention_chunk_size)
             if kv_quant.is_fp8(g.spec.dtype):
                 layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
             layer.group_id = g.group_id

@@ -25,18 +25,21 @@ def paged_case(q_lens, seq_lens, page, hq, hkv, d, dtype, gen, device="cpu", spa
     return q, kc, vc, bt.to(device), qsl, sl
 
 
-def poison_outside_window(kc, vc, bt, q_lens, seq_lens, window):
+def poison_outside_window(kc, vc, bt, q_lens, seq_lens, window, chunk: int = 0):
     """What the KV manager may have done to a sliding-window request: every token slot below the window of the
     request's first query holds NaN (freed blocks reused by someone else), and the table entries of the blocks
     wholly below it point at a NaN-filled null block (the last block of the cache) on every other sequence.
+    `chunk`: the same below the first query's attention chunk (chunked local attention; window unused).
     Returns poisoned copies (kc, vc, bt)."""
+    from kestrel.attention.ops.reference import window_start
+
     kc, vc, bt = kc.clone(), vc.clone(), bt.clone()
     page = kc.shape[1]
     null = kc.shape[0] - 1
     kc[null] = float("nan")
     vc[null] = float("nan")
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        lo = max(0, seq_len - q_len - window + 1) if seq_len else 0
+        lo = window_start(seq_len - q_len, window, chunk) if seq_len else 0
         for pos in range(lo):
             blk = int(bt[b, pos // page])
             kc[blk, pos % page] = float("nan")

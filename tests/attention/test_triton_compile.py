@@ -22,6 +22,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 def compile_ok(fn, sig, constexprs, num_warps=4):
     if "PDL" in fn.arg_names:  # programmatic dependent launch: griddepcontrol needs sm_90, the target here
         constexprs = {**constexprs, "PDL": True}
+    if "CHUNKED" in fn.arg_names:  # chunked local attention: off unless asked
+        constexprs = {"CHUNKED": False, **constexprs}
     for name, value in constexprs.items():
         sig[name] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
@@ -138,6 +140,7 @@ def test_fp8_kv_cache_kernels_compile(cache, fp8_max, windowed):
 
 
 def _ptx(fn, ptrs, consts):
+    consts = {"CHUNKED": False, **consts} if "CHUNKED" in fn.arg_names else consts
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
                           options={"num_warps": 4}).asm["ptx"]
@@ -145,6 +148,7 @@ def _ptx(fn, ptrs, consts):
 
 def _reads_param(fn, consts, ptx, name):
     """Whether the kernel loads run-time argument `name` (PTX numbers the non-constexpr arguments in order)."""
+    consts = {"CHUNKED": False, **consts} if "CHUNKED" in fn.arg_names else consts
     index = [n for n in fn.arg_names if n not in consts].index(name)
     return f"_param_{index}]" in ptx
 
@@ -203,3 +207,25 @@ def test_gemv_compiles(norm, residual, silu):
     ptrs = {n: "*bf16" for n in ("X", "W", "Y", "R", "NW", "RO")}
     sig = {n: ptrs.get(n, "fp32" if n == "eps" else "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(BLOCK_N=4, BLOCK_K=1024, NORM=norm, HAS_RESIDUAL=residual, SILU_OUT=silu))
+
+
+def test_chunked_attention_kernels_compile():
+    """CHUNKED (Llama 4's chunked local attention: the window argument holds the chunk size): decode (split, with
+    the separate reduce) and prefill."""
+    fn = triton_attention._decode_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+            "PLSE": "*fp32", "CNT": "*i32", **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=True, USE_DOT=True, UPCAST=False,
+                    FUSED_REDUCE=False, MAX_SPLITS=triton_attention.MAX_SPLITS, WINDOWED=True, SOFTCAP=False,
+                    FP8_MAX=0.0, CHUNKED=True))
+    fn = triton_attention._decode_reduce_kernel
+    sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64, WINDOWED=True,
+                             CHUNKED=True))
+    fn = triton_attention._prefill_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+            **SCALES}
+    compile_ok(fn, {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names},
+               dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False, WINDOWED=True,
+                    SOFTCAP=False, Q_DIM=128, O_DIM=128, FP8_MAX=0.0, CHUNKED=True))

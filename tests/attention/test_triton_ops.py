@@ -178,13 +178,13 @@ WD = 64 if torch.cuda.is_available() else 32  # head dim (small under the interp
 PAGE_TILES = [(32, 16), (16, 32)]
 
 
-def _poisoned_equal_and_close(run, q, kc, vc, bt, q_lens, seq_lens, window, expect, dtype):
+def _poisoned_equal_and_close(run, q, kc, vc, bt, q_lens, seq_lens, window, expect, dtype, chunk=0):
     """run(kc, vc, bt) -> out. The kernel on clean inputs matches the reference; with everything below each
     request's window turned into NaN (and some table entries pointing at a NaN null block) the output is finite
     and bit-identical: nothing outside the window is loaded."""
     clean = run(kc, vc, bt)
     assert rel_err(clean, expect) < TOL[dtype]
-    pkc, pvc, pbt = poison_outside_window(kc, vc, bt, q_lens, seq_lens, window)
+    pkc, pvc, pbt = poison_outside_window(kc, vc, bt, q_lens, seq_lens, window, chunk)
     poisoned = run(pkc, pvc, pbt)
     assert torch.isfinite(poisoned).all()
     assert torch.equal(poisoned, clean)
@@ -237,6 +237,60 @@ def test_decode_sliding_window(dtype, window, page, block_n, splits):
     expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, scale, sliding_window=window)
     _poisoned_equal_and_close(run, q, kc, vc, bt, [1] * len(seq_lens), seq_lens, window, expect, dtype)
     assert torch.all(run(kc, vc, bt)[1] == 0)
+
+
+# ---- chunked local attention (Llama 4): keys floor(p / C) * C .. p -----------------------------------------
+@pytest.mark.parametrize("chunk", [8, 24, 1000])  # 1000: longer than every context
+@pytest.mark.parametrize("page,block_n", PAGE_TILES)
+def test_prefill_chunked(chunk, page, block_n):
+    """The sliding-window test's batch (fresh prompt, chunks after cached prefixes, a one-token chunk) in 16-row
+    query tiles: chunk starts inside a query tile and inside a key tile, whole chunks below the first query's."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(18)
+    q_lens, prefixes = [33, 9, 1, 20], [0, 40, 57, 18]
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    q, kc, vc, bt, qsl, sl = paged_case(q_lens, seq_lens, page, 4, 2, WD, dtype, gen, DEVICE)
+    scale = WD ** -0.5
+
+    def run(k, v, table):
+        out = torch.full_like(q, float("nan"))
+        return ta.prefill_attention(q, k, v, table, qsl, sl, scale, out=out, max_query_len=max(q_lens),
+                                    attention_chunk_size=chunk, _config={"BLOCK_M": 16, "BLOCK_N": block_n})
+
+    expect = ref.prefill_attention_ref(*f32(q, kc, vc), bt, qsl, sl, scale, chunk_size=chunk)
+    _poisoned_equal_and_close(run, q, kc, vc, bt, q_lens, seq_lens, 0, expect, dtype, chunk)
+
+
+@pytest.mark.parametrize("chunk", [16, 50])
+@pytest.mark.parametrize("page,block_n", PAGE_TILES)
+@pytest.mark.parametrize("splits", [1, "4-separate-reduce"])
+def test_decode_chunked(chunk, page, block_n, splits):
+    """Contexts that end early, mid and late in their chunk (position 299 of chunk 16: 12 keys; 36 of 50: 37);
+    the splits divide the chunk's keys only; a padding row gives zeros."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(19)
+    seq_lens = [300, 0, 1, 37, 129]
+    q, kc, vc, bt, _, sl = paged_case([1] * len(seq_lens), seq_lens, page, 8, 2, WD, dtype, gen, DEVICE)
+    scale = WD ** -0.5
+    cfg = {"BLOCK_N": block_n, "MIN_SPLIT": 16}
+    if splits == "4-separate-reduce":
+        splits, cfg = 4, {**cfg, "FUSED_REDUCE": False}
+
+    def run(k, v, table):
+        out = torch.full_like(q, float("nan"))
+        return ta.decode_attention(q, k, v, table, sl, scale, out=out, num_splits=splits,
+                                   attention_chunk_size=chunk, _config=cfg)
+
+    expect = ref.decode_attention_ref(*f32(q, kc, vc), bt, sl, scale, chunk_size=chunk)
+    _poisoned_equal_and_close(run, q, kc, vc, bt, [1] * len(seq_lens), seq_lens, 0, expect, dtype, chunk)
+    assert torch.all(run(kc, vc, bt)[1] == 0)
+
+
+def test_window_and_chunk_together_are_refused():
+    q, kc, vc, bt, _, sl = paged_case([1], [4], 16, 2, 2, WD, torch.bfloat16, torch.Generator().manual_seed(0),
+                                      DEVICE)
+    with pytest.raises(ValueError, match="sliding window and chunked"):
+        ta.decode_attention(q, kc, vc, bt, sl, 0.1, sliding_window=4, attention_chunk_size=8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,37 +4,20 @@ bf16 holds exactly: the exact model) with CUDA graphs on and off and with the pr
 chunk_kda (where its gate row is open) or PyTorch's per-request form, graph replay (fused decode over the
 null-slot padding) equal to eager, and a prefix-cache hit (a state snapshot copied on the GPU, pipelined steps,
 graphs on) giving the tokens of a run that computed the whole prompt."""
-import inspect
-import sys
-
 import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.attention.kda import PREFILL_KERNEL, KDAImpl
 from kestrel.platform.testing import requires_kernel
-from tests.agreement import MIXED_PROMPTS, assert_teacher_forced
+from tests.agreement import (MIXED_PROMPTS, assert_graph_replay_equals_eager, assert_teacher_forced,
+                             import_without_fla)
 
 pytestmark = [pytest.mark.gpu, requires_kernel("triton_kda_fused_decode")]
 KV_BLOCKS = 2048
 
 
-def import_kimi_reference_without_fla():
-    """transformers 5.17 binds fla's Triton kernels into its Kimi model at import where fla is importable (the
-    GPU machine carries fla-core for our prefill): import the model with fla hidden, so the reference stays its
-    float32 PyTorch form, and check that it did."""
-    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n == "fla" or n.startswith("fla.")}
-    sys.modules["fla"] = None  # `import fla` raises ImportError
-    try:
-        from transformers.models.kimi_linear import modeling_kimi_linear
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(hidden)
-    for fn in (modeling_kimi_linear.chunk_kimi_delta_attention, modeling_kimi_linear.recurrent_kimi_delta_attention):
-        assert not inspect.getclosurevars(fn).nonlocals.get("is_new_implementation"), \
-            f"transformers' {fn.__name__} is bound to fla: something imported transformers' Kimi model before this"
-
-
-import_kimi_reference_without_fla()
+import_without_fla("transformers.models.kimi_linear.modeling_kimi_linear",
+                   ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"))
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +55,8 @@ def test_bf16_teacher_forced(kimi, eager, prefill, monkeypatch):
 
 
 def test_cuda_graph_replay_equals_eager(kimi):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = MIXED_PROMPTS * 3  # 12 requests: graphs padded to 16 rows on the null slot
-    graphs = LLM(str(kimi), dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS,
-                 max_model_len=512)
-    assert graphs.engine.core.executor.runner.graphs is not None
-    eager = LLM(str(kimi), dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
-                num_kv_blocks=KV_BLOCKS, max_model_len=512)
-    a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
-    b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    assert a == b
+    # 12 requests: graphs padded to 16 rows on the null slot
+    assert_graph_replay_equals_eager(kimi, MIXED_PROMPTS, KV_BLOCKS, max_model_len=512)
 
 
 def test_prefix_hit_from_a_snapshot_equals_a_fresh_run(kimi):

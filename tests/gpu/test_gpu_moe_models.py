@@ -6,8 +6,8 @@ but for one (a router flip)."""
 import pytest
 import torch
 
-from kestrel import LLM, SamplingParams
-from tests.agreement import MIXED_PROMPTS, decisive_routers
+from kestrel import LLM
+from tests.agreement import MIXED_PROMPTS, assert_graph_replay_equals_eager, decisive_routers
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
@@ -62,13 +62,4 @@ def test_moe_bf16_matches_transformers(moe_models, kind):
 
 
 def test_moe_cuda_graph_replay_equals_eager(moe_models):
-    path = str(moe_models["glm4_moe"])
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    graphs = LLM(path, dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=KV_BLOCKS)
-    assert graphs.engine.core.executor.runner.graphs is not None
-    eager = LLM(path, dtype="bfloat16", enforce_eager=True, progress=False, async_scheduling="off",
-                num_kv_blocks=KV_BLOCKS)
-    for batch in (PROMPTS * 3, PROMPTS[:1]):
-        a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
-        b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
-        assert a == b
+    assert_graph_replay_equals_eager(moe_models["glm4_moe"], PROMPTS, KV_BLOCKS)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from kestrel.attention.backends.triton_kda import KERNEL, TritonKDABackend  # noqa: E402
-from kestrel.attention.kda import PREFILL_KERNEL, KDAImpl, startup_kernels  # noqa: E402
+from kestrel.attention.kda import GDN_PREFILL_KERNEL, PREFILL_KERNEL, KDAImpl, startup_kernels  # noqa: E402
 from kestrel.attention.selector import select_attention_backend  # noqa: E402
 from kestrel.core.kv_spec import KDAStateSpec  # noqa: E402
 from kestrel.platform import capabilities  # noqa: E402
@@ -28,7 +28,8 @@ def consumers(arch: str, kernel: str = KERNEL) -> dict[str, bool]:
         skip = requires_kernel(kernel).args[0]
         backend = select_attention_backend(SPEC, 16, platform=p)
         chosen = (backend.name == TritonKDABackend.name if kernel == KERNEL else
-                  backend.impl_cls.prefill_kernel(p, SPEC.dtype) == PREFILL_KERNEL)
+                  backend.impl_cls.gdn_prefill_kernel(p, SPEC.dtype) == GDN_PREFILL_KERNEL
+                  if kernel == GDN_PREFILL_KERNEL else backend.impl_cls.prefill_kernel(p, SPEC.dtype) == PREFILL_KERNEL)
         return {"start-up compile": kernel in startup_kernels(p, SPEC.dtype),
                 "runtime choice": chosen,
                 "GPU tests run": not skip}
@@ -56,11 +57,12 @@ def fla_installed(monkeypatch):
 
 # where fla-core is installed at the pinned version the batched prefill runs where the fused decode does (CUDA
 # sm_80+); without it, or at another version, nowhere
+@pytest.mark.parametrize("kernel", [PREFILL_KERNEL, GDN_PREFILL_KERNEL])  # KDA's chunk_kda; GDN's own
 @pytest.mark.parametrize("fla", [FLA_CORE_VERSION, None, "0.5.0"])
 @pytest.mark.parametrize("arch", list(EXPECTED))
-def test_prefill_consumers_agree(arch, fla, fla_installed):
+def test_prefill_consumers_agree(arch, fla, kernel, fla_installed):
     fla_installed(fla)
-    assert assert_consumers_agree(arch, PREFILL_KERNEL) is (EXPECTED[arch] and fla == FLA_CORE_VERSION)
+    assert assert_consumers_agree(arch, kernel) is (EXPECTED[arch] and fla == FLA_CORE_VERSION)
 
 
 def test_prefill_skip_reason_names_fla_core(fla_installed):

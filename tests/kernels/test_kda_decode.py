@@ -32,7 +32,8 @@ def layer_weights(h, d, k, dtype, gen):
     return SimpleNamespace(conv_weight=(torch.randn(3 * hd, k, generator=gen) * 0.5).to(DEVICE, dtype),
                            A_log=torch.rand(h, generator=gen).mul(2.7).to(DEVICE),  # exp in [1, 15]
                            dt_bias=(torch.randn(hd, generator=gen) - 3).to(DEVICE),
-                           o_norm_weight=(1 + 0.2 * torch.randn(d, generator=gen)).to(DEVICE, dtype), norm_eps=1e-5)
+                           o_norm_weight=(1 + 0.2 * torch.randn(d, generator=gen)).to(DEVICE, dtype), norm_eps=1e-5,
+                           delta=kda_ref.DeltaOptions(h, d))
 
 
 def step_inputs(b, h, d, dtype, gen):
@@ -73,6 +74,56 @@ def test_fused_decode_matches_unfused_chain(h, d, k):
         assert rel_err(rec, ref_cache[0]) < 1e-5
     untouched = [0, 2, 4]
     assert torch.equal(rec[untouched], ref_cache[0][untouched])
+
+
+def gdn_case(b, hk, h, dk, dv, k, dtype, gen, num_slots=6):
+    """Gated DeltaNet's shapes (kda_ref.DeltaOptions): hk key heads repeated to h state heads, values of dv, one
+    decay per head, a SiLU output gate; weights, one step's projections and slot caches."""
+    o = kda_ref.DeltaOptions(h, dk, hk, dv, per_head_decay=True, gate_act="silu")
+    c = o.conv_channels
+    w = SimpleNamespace(conv_weight=(torch.randn(c, k, generator=gen) * 0.5).to(DEVICE, dtype),
+                        A_log=torch.rand(h, generator=gen).mul(2.7).to(DEVICE),
+                        dt_bias=(torch.randn(h, generator=gen) - 3).to(DEVICE),
+                        o_norm_weight=(1 + 0.2 * torch.randn(dv, generator=gen)).to(DEVICE, dtype), norm_eps=1e-5,
+                        delta=o)
+    cache = ((torch.randn(num_slots, h, dk, dv, generator=gen) * 0.1).to(DEVICE),
+             torch.randn(num_slots, c, k - 1, generator=gen).to(DEVICE, dtype))
+    return w, cache
+
+
+def gdn_step(b, w, gen, dtype):
+    o = w.delta
+    # q|k|v | z | b | a in one row, as the GDN layer's merged projection leaves them (strided views)
+    proj = torch.randn(b, o.conv_channels + o.num_heads * o.v_dim + 2 * o.num_heads, generator=gen).to(DEVICE, dtype)
+    qkv, z, beta, a = proj.split([o.conv_channels, o.num_heads * o.v_dim, o.num_heads, o.num_heads], dim=-1)
+    return qkv, a, beta, z
+
+
+def fused(w, qkv, f, beta, gate, cache, slots, seq_lens):
+    o = w.delta
+    return kda_fused_decode(qkv, f, beta, gate, w.conv_weight, w.A_log, w.dt_bias, w.o_norm_weight, w.norm_eps,
+                            *cache, slots, seq_lens, o.key_heads, o.per_head_decay, o.gate_act)
+
+
+@pytest.mark.parametrize("hk,h,dk,dv,k", [(2, 4, 16, 32, 4), (1, 3, 32, 16, 3), (2, 2, 16, 16, 4)])
+def test_fused_gdn_decode_matches_unfused_chain(hk, h, dk, dv, k):
+    """Gated DeltaNet through the same kernel: each program convolves its key head's q and k once (the conv
+    state shifted once, bit-exact) for the state heads that read them."""
+    gen = torch.Generator().manual_seed(7)
+    w, (rec, conv) = gdn_case(3, hk, h, dk, dv, k, torch.float32, gen)
+    slots = torch.tensor([3, 1, 5], dtype=torch.int32, device=DEVICE)
+    ref = (rec.clone(), conv.clone())
+    for step in range(3):  # row 1 starts its request at step 0 (slot 1 is stale)
+        qkv, f, beta, gate = gdn_step(3, w, gen, torch.float32)
+        seq_lens = torch.tensor([7 + step, 1 + step, 30 + step], dtype=torch.int32, device=DEVICE)
+        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref, slots, seq_lens)
+        got = fused(w, qkv, f, beta, gate, (rec, conv), slots, seq_lens)
+        assert got.shape == (3, h * dv)
+        assert rel_err(got, want) < 1e-5, step
+        assert torch.equal(conv, ref[1])
+        assert rel_err(rec, ref[0]) < 1e-5
+    assert torch.equal(rec[[0, 2, 4]], gdn_case(3, hk, h, dk, dv, k, torch.float32,
+                                                torch.Generator().manual_seed(7))[1][0][[0, 2, 4]])
 
 
 def test_first_token_ignores_the_stale_slot():
@@ -153,3 +204,25 @@ def test_gpu_bf16_after_long_history(history):
         assert rel_err(got, want) < 1e-2, step
         assert torch.equal(conv, ref[1]), step
         assert rel_err(rec, ref[0]) < 2e-3, step
+
+
+@pytest.mark.gpu
+@requires_kernel("triton_kda_fused_decode")
+@pytest.mark.parametrize("history", [1, 4096])
+def test_gpu_bf16_gdn_decode(history):
+    """Qwen3.5 / 3.6's GDN heads (16 key heads read by 32 value heads, 128 x 128), bf16, 8 requests whose states
+    carry `history` steps (the unfused chain), then 16 decode steps fused vs unfused: relative error < 1e-2."""
+    gen = torch.Generator().manual_seed(5)
+    b, dtype = 8, torch.bfloat16
+    w, cache = gdn_case(b, 16, 32, 128, 128, 4, dtype, gen, num_slots=b + 1)
+    slots = torch.arange(1, b + 1, dtype=torch.int32, device=DEVICE)
+    cache[0].mul_(0.1 if history > 1 else 0.0)  # a history's state: small random, or none
+    ref = tuple(c.clone() for c in cache)
+    for step in range(16):
+        qkv, f, beta, gate = gdn_step(b, w, gen, dtype)
+        seq_lens = torch.full((b,), history + step + 1, dtype=torch.int32, device=DEVICE)
+        want = KDAImpl.forward_decode(None, w, qkv, f, beta, gate, ref, slots, seq_lens)
+        got = fused(w, qkv, f, beta, gate, cache, slots, seq_lens)
+        assert rel_err(got, want) < 1e-2, step
+        assert torch.equal(cache[1], ref[1]), step
+        assert rel_err(cache[0], ref[0]) < 2e-3, step

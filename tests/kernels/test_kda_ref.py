@@ -39,7 +39,8 @@ def bf16_layer_case(tokens: int, h: int = 2, d: int = 32, k: int = 4):
              o_norm_weight=1 + 0.2 * torch.randn(d, generator=gen))
     inputs = [torch.randn(tokens, n, generator=gen) for n in (3 * hd, hd, h, hd)]
     cache = [torch.randn(3, h, d, d, generator=gen) * 0.1, torch.randn(3, 3 * hd, k - 1, generator=gen)]
-    fixed = dict(A_log=torch.rand(h, generator=gen), dt_bias=torch.randn(hd, generator=gen) - 2, norm_eps=1e-5)
+    fixed = dict(A_log=torch.rand(h, generator=gen), dt_bias=torch.randn(hd, generator=gen) - 2, norm_eps=1e-5,
+                 delta=kda_ref.DeltaOptions(h, d))
 
     def as_dtype(dtype):
         def cast(t):  # through bf16 first: both cases hold the same values

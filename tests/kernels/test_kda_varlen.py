@@ -61,17 +61,26 @@ BATCH = [(1, 9), (1, 30), (12, 12), (7, 7), (9, 25), (6, 22), (2, 2), (2, 40)]
 SLOTS = [3, 5, 1, 2, 4, 6, 7, 8]
 
 
-def layer_case(dtype=torch.float32, h: int = H, d: int = D, batch=BATCH, slots=SLOTS, device="cpu"):
-    """A KDA layer's weights, a step's projections (`batch`: (query tokens, seq_len) per request, decodes first)
-    in `dtype`, slot caches and the step's metadata, built by the KDA metadata builder."""
+# Gated DeltaNet's form of a layer (kda_ref.DeltaOptions): 2 key heads read by 4 state heads, values of 32, one
+# decay per head, a SiLU output gate
+GDN = kda_ref.DeltaOptions(4, 16, 2, 32, per_head_decay=True, gate_act="silu")
+
+
+def layer_case(dtype=torch.float32, h: int = H, d: int = D, batch=BATCH, slots=SLOTS, device="cpu",
+               options: kda_ref.DeltaOptions | None = None):
+    """A KDA layer's weights (or, with `options`, a delta-rule layer of that form: h and d are then its), a step's
+    projections (`batch`: (query tokens, seq_len) per request, decodes first) in `dtype`, slot caches and the
+    step's metadata, built by the KDA metadata builder."""
+    o = options or kda_ref.DeltaOptions(h, d)
+    h, d, dv = o.num_heads, o.head_dim, o.v_dim
     gen = torch.Generator().manual_seed(11)
-    hd, c, t = h * d, 3 * h * d, sum(n for n, _ in batch)
+    decay, c, t = h if o.per_head_decay else h * d, o.conv_channels, sum(n for n, _ in batch)
     w = dict(conv_weight=torch.randn(c, K, generator=gen) * 0.5, A_log=torch.rand(h, generator=gen),
-             dt_bias=torch.randn(hd, generator=gen) - 2, o_norm_weight=1 + 0.2 * torch.randn(d, generator=gen))
-    w = SimpleNamespace(**{n: x.to(device) for n, x in w.items()}, norm_eps=1e-5)
-    inputs = [torch.randn(t, n, generator=gen).to(device, dtype) for n in (c, hd, h, hd)]
+             dt_bias=torch.randn(decay, generator=gen) - 2, o_norm_weight=1 + 0.2 * torch.randn(dv, generator=gen))
+    w = SimpleNamespace(**{n: x.to(device) for n, x in w.items()}, norm_eps=1e-5, delta=o)
+    inputs = [torch.randn(t, n, generator=gen).to(device, dtype) for n in (c, decay, h, h * dv)]
     num_slots = max(slots) + 2
-    cache = (torch.randn(num_slots, h, d, d, generator=gen).to(device) * 0.1,
+    cache = (torch.randn(num_slots, h, d, dv, generator=gen).to(device) * 0.1,
              torch.randn(num_slots, c, K - 1, generator=gen).to(device, dtype))
     spec = KDAStateSpec(dtype, num_heads=h, head_dim=d, conv_width=K, num_slots=num_slots)
     qsl = [0] + torch.tensor([n for n, _ in batch]).cumsum(0).tolist()
@@ -86,9 +95,10 @@ def layer_case(dtype=torch.float32, h: int = H, d: int = D, batch=BATCH, slots=S
     return w, inputs, cache, meta
 
 
+@pytest.mark.parametrize("options", [None, GDN], ids=["kda", "gdn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_prefill_equals_per_request(dtype):
-    w, inputs, cache, meta = layer_case(dtype)
+def test_batched_prefill_equals_per_request(dtype, options):
+    w, inputs, cache, meta = layer_case(dtype, options=options)
     assert meta.has_initial_state_cpu == [True, True, False, False, True, True, False, True]
     per_request, batched = KDAImpl(H, D, D ** -0.5, H), KDAImpl(H, D, D ** -0.5, H)
     per_request.varlen_delta_rule = None

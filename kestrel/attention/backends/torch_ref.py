@@ -19,7 +19,8 @@ class TorchRefImpl(AttentionImpl):
         paged_attention_ref(q[:n], k_cache, v_cache, meta.block_tables,
                             meta.query_start_loc_cpu or meta.query_start_loc, meta.seq_lens_cpu or meta.seq_lens,
                             self.scale, out=out[:n], sliding_window=self.sliding_window,
-                            softcap=self.logits_soft_cap, bidirectional_lens=meta.bidirectional_lens_cpu, **scales)
+                            softcap=self.logits_soft_cap, bidirectional_lens=meta.bidirectional_lens_cpu,
+                            chunk_size=self.attention_chunk_size, **scales)
         return out
 
 
@@ -28,6 +29,7 @@ class TorchRefBackend(AttentionBackend):
     devices = ("cpu", "cuda")
     dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     supports_sliding_window = True
+    supports_chunked_attention = True
     supports_bidirectional_prefix = True
     kv_cache_dtypes = FP8_KV_DTYPES
     impl_cls = TorchRefImpl

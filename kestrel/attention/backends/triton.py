@@ -39,6 +39,7 @@ class TritonImpl(AttentionImpl):
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap,
+                   "attention_chunk_size": self.attention_chunk_size,
                    "k_scale": self.k_scale, "v_scale": self.v_scale}
         if meta.num_decodes == meta.num_reqs:
             decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
@@ -57,6 +58,7 @@ class TritonBackend(AttentionBackend):
     dtypes = tuple(d for d in gates.GATES["dtypes"] if d != torch.float32)
     head_sizes = gates.GATES["head_dims"]  # the head dims checked on the GPU (64, 128, 256)
     supports_sliding_window = True
+    supports_chunked_attention = True
     supports_cuda_graphs = True
     kv_cache_dtypes = gates.GATES["kv_cache_dtypes"]
     impl_cls = TritonImpl

@@ -49,12 +49,13 @@ def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int
     return cache[block_row[first:last].long()].flatten(0, 1)[start - first * bs : end - first * bs]
 
 
-def window_start(first_query_pos: int, sliding_window: int | None) -> int:
+def window_start(first_query_pos: int, sliding_window: int | None, chunk_size: int = 0) -> int:
     """The first key position any query at >= first_query_pos can see."""
-    return max(0, first_query_pos - sliding_window + 1) if sliding_window else 0
+    lo = max(0, first_query_pos - sliding_window + 1) if sliding_window else 0
+    return max(lo, first_query_pos // chunk_size * chunk_size) if chunk_size else lo
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: int = 0):
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: int = 0, chunk_size: int = 0):
     """q [M, Hq, D] at positions q_pos [M]; k/v [N, Hkv, D] at positions k_pos [N]. float32 out."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -67,6 +68,8 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: i
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    if chunk_size:  # chunked local attention: the keys of the query's own chunk
+        visible &= k_pos[None, :] >= q_pos[:, None] // chunk_size * chunk_size
     if prefix_len:
         visible |= (k_pos[None, :] < prefix_len) & (q_pos[:, None] < prefix_len)
     s = s.masked_fill(~visible[None], float("-inf"))
@@ -76,13 +79,15 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: i
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
                         sliding_window: int | None = None, softcap: float = 0.0,
-                        bidirectional_lens: list[int] | None = None, k_scale=None, v_scale=None, **_):
+                        bidirectional_lens: list[int] | None = None, k_scale=None, v_scale=None,
+                        chunk_size: int = 0, **_):
     """Causal varlen attention over a paged cache: q [T, Hq, D] -> [T, Hq, D] (out's dtype, default q's).
 
     Sequence b's queries q[query_start_loc[b]:query_start_loc[b+1]] sit at positions seq_lens[b] - q_len_b ..
     seq_lens[b] - 1; its K/V (cached prefix and new tokens) are in the cache. A sequence with seq_len 0
     (a padding row) gives zeros. query_start_loc / seq_lens: tensors or lists. k_scale / v_scale: a float8
-    cache's scales (default 1.0).
+    cache's scales (default 1.0). chunk_size C: chunked local attention (a query at p sees keys
+    floor(p / C) * C .. p; 0 = off).
     """
     out = torch.empty_like(q) if out is None else out
     qsl = query_start_loc.tolist() if torch.is_tensor(query_start_loc) else list(query_start_loc)
@@ -94,13 +99,14 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         if seq_len == 0:
             out[s:e] = 0
             continue
-        lo = window_start(seq_len - (e - s), sliding_window)
+        lo = window_start(seq_len - (e - s), sliding_window, chunk_size)
         k = dequantize(gather_kv(k_cache, block_tables[b], lo, seq_len), 1.0 if k_scale is None else k_scale)
         v = dequantize(gather_kv(v_cache, block_tables[b], lo, seq_len), 1.0 if v_scale is None else v_scale)
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         k_pos = torch.arange(lo, seq_len, device=q.device)
         prefix = bidirectional_lens[b] if bidirectional_lens else 0
-        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix).to(out.dtype)
+        out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix,
+                             chunk_size).to(out.dtype)
     return out
 
 

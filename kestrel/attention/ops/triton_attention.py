@@ -11,7 +11,9 @@ Per-layer options (fixed for a layer, run-time values): `sliding_window` W (a qu
 p-W+1 .. p, as transformers' sliding_window_overlay; 0/None = all of 0 .. p) and `softcap` c (scaled logits s
 become c * tanh(s / c), Gemma 2; 0 = off). W and c are run-time kernel arguments; only whether they are on is a
 constexpr (WINDOWED, SOFTCAP), so a model compiles at most one more variant per kernel for its sliding layers,
-and full-attention layers run the same code as without these options. Windowed kernels never touch the K/V (or
+and full-attention layers run the same code as without these options. `attention_chunk_size` C (chunked local
+attention, Llama 4: a query at p sees keys floor(p / C) * C .. p) is the other kind of lower bound: it rides in
+the window's run-time argument, and the constexpr CHUNKED picks the bound's formula (`_row_lo`). Windowed kernels never touch the K/V (or
 the block-table entries, where a tile spans pages) of tokens below the window: those blocks may already be
 freed and reused by another request.
 
@@ -196,14 +198,20 @@ def _score_args(scale: float, softcap: float | None) -> tuple[float, float, bool
     return float(scale) * _LOG2E, 0.0, False
 
 
-def _check_options(sliding_window, softcap) -> int:
-    """The window as an int (0 = off); raises on bad values."""
+def _check_options(sliding_window, softcap, chunk_size=0) -> tuple[int, bool]:
+    """(the kernels' window argument: the window or the chunk size, 0 = neither; whether it is a chunk size);
+    raises on bad values."""
     w = 0 if sliding_window is None else sliding_window
     if int(w) != w or w < 0:
         raise ValueError(f"sliding_window must be a non-negative integer or None, got {sliding_window!r}")
+    c = chunk_size or 0
+    if int(c) != c or c < 0:
+        raise ValueError(f"attention_chunk_size must be a non-negative integer or None, got {chunk_size!r}")
+    if w and c:
+        raise ValueError("a sliding window and chunked attention together")
     if softcap is not None and not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
-    return int(w)
+    return int(c or w), bool(c)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -220,11 +228,22 @@ def _split_bounds(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_window(seq_len, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+def _row_lo(pos, window, CHUNKED: tl.constexpr):
+    """The first key a query at `pos` sees: pos - W + 1 in a sliding window W, its chunk's start with CHUNKED
+    (`window` then holds the chunk size), never below 0."""
+    if CHUNKED:
+        lo = (tl.maximum(pos, 0) // window) * window
+    else:
+        lo = tl.maximum(pos - window + 1, 0)
+    return lo
+
+
+@triton.jit
+def _decode_window(seq_len, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, CHUNKED: tl.constexpr):
     """(lo, lo_al): the first key of the decode query's window and the tile boundary at or below it. The splits
     divide lo_al .. seq_len-1 only; keys in lo_al .. lo-1 are masked (never loaded)."""
     if WINDOWED:
-        lo = tl.maximum(seq_len - window, 0)
+        lo = _row_lo(seq_len - 1, window, CHUNKED)
         lo_al = (lo // BLOCK_N) * BLOCK_N
     else:
         lo = 0
@@ -243,7 +262,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr, CHUNKED: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -251,7 +270,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SL + b)
-    lo, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED)
+    lo, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED, CHUNKED)
     per_split, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if split >= n_active:
         return  # past the context: CUDA graphs launch splits for max_model_len, most are empty at short contexts
@@ -337,13 +356,13 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     PO, PLSE, O, SL, stride_ob, stride_oh, num_splits, min_split, window,
     MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, CHUNKED: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SL + b)
-    _, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED)
+    _, lo_al = _decode_window(seq_len, window, BLOCK_N, WINDOWED, CHUNKED)
     _, n_active = _split_bounds(seq_len - lo_al, num_splits, min_split, BLOCK_N)
     if n_active == 1:
         return  # the decode kernel wrote the output itself
@@ -428,16 +447,17 @@ def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
-    sliding_window=None, softcap=0.0, k_scale=None, v_scale=None, _config=None
+    sliding_window=None, softcap=0.0, k_scale=None, v_scale=None, attention_chunk_size=0, _config=None
 ):
     """q [B, Hq, D] (one token per sequence, at position seq_lens[b]-1) -> out [B, Hq, D].
 
     num_splits: splits of the context (power of two); default from the shapes (block table width or
     max_seq_len, capped by the window), never from device values. Rows with seq_len 0 produce zeros.
-    sliding_window / softcap: see the module docstring (the splits divide the window's keys only).
+    sliding_window / softcap / attention_chunk_size: see the module docstring (the splits divide the window's or
+    the chunk's keys only).
     k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
     """
-    window = _check_options(sliding_window, softcap)
+    window, chunked = _check_options(sliding_window, softcap, attention_chunk_size)
     B, hq, d = q.shape
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, _ = k_cache.shape
@@ -475,13 +495,13 @@ def decode_attention(
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS, WINDOWED=window > 0, SOFTCAP=has_softcap,
-        FP8_MAX=fp8_max, **launch,
+        FP8_MAX=fp8_max, CHUNKED=chunked, **launch,
         **pdl_launch(B),
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(B, hq)](
             po, plse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split, window,
-            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0,
+            MAX_SPLITS=MAX_SPLITS, HEAD_DIM=d, BLOCK_N=cfg["BLOCK_N"], WINDOWED=window > 0, CHUNKED=chunked,
             **({} if interpreter_mode() else {"num_warps": 4 if d >= 128 else 2}), **pdl_launch(B),
         )
     return out
@@ -492,14 +512,16 @@ def decode_attention(
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, offs_n, pos_m, m_i, l_i, acc, qk_scale, cap_log2, window,
-                 UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+                 UPCAST: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr):
     """One online-softmax step of a windowed prefill over a tile that needs the causal and window masks. A row
     may see none of the tile's keys (windows narrower than the tiles): its running max stays -inf, and the
     exponentials are taken against 0 instead so that nothing turns into NaN."""
     k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
     s = _scores(_mm(q, tl.trans(k), UPCAST), qk_scale, cap_log2, SOFTCAP)
     visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
-    if WINDOWED:
+    if CHUNKED:
+        visible = visible & (offs_n[None, :] >= (pos_m[:, None] // window) * window)
+    elif WINDOWED:
         visible = visible & (offs_n[None, :] > pos_m[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -523,7 +545,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, Q_DIM: tl.constexpr, O_DIM: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, CHUNKED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -568,16 +590,17 @@ def _prefill_kernel(
     full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
     if WINDOWED:
-        # Keys from lo (the first row's window start) on; those >= ctx + m0 + BLOCK_M - window are inside every
-        # row's window. The tiles below that boundary (and below full_end) take the window mask.
-        lo = tl.maximum(ctx + m0 - window + 1, 0)
+        # Keys from lo (the first row's window start) on; those from the last row's window start on are inside
+        # every row's window. The tiles below that boundary (and below full_end) take the window mask.
+        lo = _row_lo(ctx + m0, window, CHUNKED)
         lo_al = (lo // BLOCK_N) * BLOCK_N
-        edge_end = tl.cdiv(tl.maximum(ctx + m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        edge_end = tl.cdiv(_row_lo(ctx + m0 + BLOCK_M - 1, window, CHUNKED), BLOCK_N) * BLOCK_N
         edge_end = tl.minimum(tl.maximum(edge_end, lo_al), full_end)
         for n0 in range(lo_al, edge_end, BLOCK_N):
             offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, True)
             m_i, l_i, acc = _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, n0 + tl.arange(0, BLOCK_N), pos_m,
-                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP)
+                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP,
+                                         CHUNKED)
         mid_start = edge_end
     else:
         lo = 0
@@ -597,7 +620,8 @@ def _prefill_kernel(
         if WINDOWED:
             offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N, lo, True)
             m_i, l_i, acc = _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, n0 + tl.arange(0, BLOCK_N), pos_m,
-                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP)
+                                         m_i, l_i, acc, qk_scale, cap_log2, window, UPCAST, True, SOFTCAP,
+                                         CHUNKED)
         else:
             offs, mask_n = _token_offsets(bt_row, n0, kv_end, stride_cb, stride_ct, PAGE, BLOCK_N)
             k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
@@ -642,7 +666,7 @@ def _search_iters(num_seqs: int) -> int:
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
     max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, k_scale=None, v_scale=None,
-    _config=None,
+    attention_chunk_size=0, _config=None,
 ):
     """Causal varlen attention for q [T, Hq, Dq]; K/V [.., D] (prefix and new tokens) are read from the paged
     cache -> out [T, Hq, Do] (default Do = D).
@@ -650,12 +674,13 @@ def prefill_attention(
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]] at absolute positions
     seq_lens[b] - q_len_b + i. The grid is sized from T and B alone (each program finds its sequence by a
     binary search over query_start_loc), so no host sync; max_query_len only picks the tile size and
-    max_seq_len is accepted for interface symmetry. sliding_window / softcap: see the module docstring.
+    max_seq_len is accepted for interface symmetry. sliding_window / softcap / attention_chunk_size: see the
+    module docstring.
     Dq, Do <= D: a query narrower than the keys (its missing lanes count as zeros) and an output of the first Do
     lanes only (MLA's padded heads: 192-dim queries and 128-dim values over 256-dim K/V, no padded copies).
     k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
     """
-    window = _check_options(sliding_window, softcap)
+    window, chunked = _check_options(sliding_window, softcap, attention_chunk_size)
     T, hq, dq = q.shape
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, d = k_cache.shape
@@ -686,6 +711,6 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
         SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype), WINDOWED=window > 0, SOFTCAP=has_softcap,
-        Q_DIM=dq, O_DIM=out.shape[-1], FP8_MAX=fp8_max, **launch,
+        Q_DIM=dq, O_DIM=out.shape[-1], FP8_MAX=fp8_max, CHUNKED=chunked, **launch,
     )
     return out

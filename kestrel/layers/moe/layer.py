@@ -4,7 +4,8 @@ MLP), with explicit constructor arguments so a model context can wrap it.
 Checkpoint names under the block's prefix (experts are per-expert tensors on disk, fused [E, 2I, H] / [E, H, I]
 in memory):
   gate.weight, gate.e_score_correction_bias
-  experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}
+  experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}, or experts.{gate_up_proj,
+  down_proj} (all experts stacked)
   {shared_expert|shared_experts}.{gate_proj, up_proj, down_proj}.{weight, ...}, shared_expert_gate.weight
 """
 from __future__ import annotations
@@ -23,7 +24,12 @@ from kestrel.layers.moe.router import Router, RouterConfig
 # checkpoint projection name -> (fused parameter, shard of w13 or None)
 EXPERT_PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                "down_proj": ("w2", None), "w2": ("w2", None)}
-SHARED_NAMES = ("shared_expert", "shared_experts")
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+# other checkpoints' names for the router's tensors
+ROUTER_NAMES = {"gate.wg.weight": "gate.weight",  # Hunyuan
+                "router.weight": "gate.weight",  # Llama 4
+                "moe_statics.e_score_correction_bias": "gate.e_score_correction_bias",  # ERNIE 4.5, [1, E]
+                "e_score_correction_bias": "gate.e_score_correction_bias"}  # MiniMax-M2: beside the gate
 
 
 class FusedExperts(nn.Module):
@@ -65,17 +71,23 @@ class SparseMoeBlock(nn.Module):
                  dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
                  linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None,
-                 tp: ParallelInfo | None = None):
+                 tp: ParallelInfo | None = None, weights_on_input: bool = False):
         """With tensor parallelism (`tp`) every rank routes alike and holds its slice of every expert's
         intermediate dim (gate/up rows, down columns); the expert outputs are all-reduced. Shared experts run as a
-        separate column/row-parallel MLP then (not fused into the expert kernel)."""
+        separate column/row-parallel MLP then (not fused into the expert kernel). `weights_on_input` (Llama 4,
+        top-1 only): the routing weight scales the expert's input instead of its output (the shared experts, fed
+        the unscaled input, then run separately)."""
         super().__init__()
         self.prefix = prefix
         self.tp = tp or ParallelInfo()
         self.gate = Router(hidden_size, router, dtype)
         quant = quant_config.for_layer(f"{prefix}.experts") if quant_config is not None else None
         self.inter_range = self.tp.shard(moe_intermediate_size, f"{prefix} moe_intermediate_size")
-        if self.tp.size > 1:
+        if weights_on_input and router.top_k != 1:
+            raise ValueError(f"{prefix}: routing weights on the expert input need top-1 routing, not "
+                             f"top-{router.top_k}")
+        self.weights_on_input = weights_on_input
+        if self.tp.size > 1 or weights_on_input:
             fuse_shared_experts = "off"
         spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, self.inter_range[1],
                        dtype, "silu", quant)
@@ -95,12 +107,15 @@ class SparseMoeBlock(nn.Module):
 
     @property
     def shared_mlp(self) -> SharedMLP | None:
-        return getattr(self, self.shared_name, None)
+        return self._modules.get(self.shared_name)  # (Hunyuan's checkpoint name is this property's own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
         weights, ids = self.gate(x, self.fse.slots if self.fse.fused else 0, gate_logit)
-        out = self.tp.all_reduce(self.experts(x, weights, ids))
+        xe = x
+        if self.weights_on_input:
+            xe, weights = (x * weights.to(x.dtype)), torch.ones_like(weights)
+        out = self.tp.all_reduce(self.experts(xe, weights, ids))
         mlp = self.shared_mlp
         if mlp is not None:
             s = mlp(x)
@@ -111,13 +126,19 @@ class SparseMoeBlock(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor, fse: FseDecision) -> None:
         """`name` relative to this block. `fse` is the decision the model recorded at construction: the loader's
         only source for where shared-expert weights go."""
+        name = ROUTER_NAMES.get(name, name)
         parts = name.split(".")
+        if parts[0] == "experts" and parts[1] in ("gate_up_proj", "down_proj"):  # all experts in one tensor
+            self._load_stacked_experts(parts[1], materialize(tensor), fse)
+            return
         if parts[0] == "experts" and parts[2] in EXPERT_PROJ:
             tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], tensor)
         elif parts[0] not in SHARED_NAMES + ("shared_expert_gate",):  # Linear layers read their own part
             tensor = materialize(tensor)
         if parts[0] == "gate":
             param = getattr(self.gate, parts[1])
+            if param is not None and param.numel() == tensor.numel():
+                tensor = tensor.reshape(param.shape)
             if param is None or param.shape != tensor.shape:
                 raise ValueError(f"{self.prefix}.{name}: unexpected tensor {tuple(tensor.shape)}")
             param.data.copy_(tensor)
@@ -140,6 +161,17 @@ class SparseMoeBlock(nn.Module):
                 getattr(mlp, target).load_weight(pname, tensor, shard)
         else:
             raise KeyError(f"{self.prefix}.{name}: not an MoE block tensor")
+
+    def _load_stacked_experts(self, proj: str, tensor: torch.Tensor, fse: FseDecision) -> None:
+        """transformers' in-memory layout, as some checkpoints store it (Mistral 4): gate_up_proj [E, 2I, H] (gate
+        rows first), down_proj [E, H, I]; loaded expert by expert."""
+        for j in range(tensor.shape[0]):
+            if proj == "gate_up_proj":
+                gate, up = tensor[j].chunk(2)
+                self.load_weight(f"experts.{j}.gate_proj.weight", gate, fse)
+                self.load_weight(f"experts.{j}.up_proj.weight", up, fse)
+            else:
+                self.load_weight(f"experts.{j}.down_proj.weight", tensor[j], fse)
 
     def _rank_part(self, param: str, tensor):
         """This rank's slice of an expert tensor along the intermediate dim: rows of gate/up, columns of down."""

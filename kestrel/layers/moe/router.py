@@ -6,7 +6,10 @@
 * sigmoid with a score-correction bias (DeepSeek-V3, GLM-4-MoE): the bias only steers which experts are chosen
   (grouped top-k: groups ranked by the sum of their two best biased scores, the best `topk_group` groups kept);
   the weights are the unbiased sigmoid scores, renormalized by `norm_topk_prob`, times `routed_scaling_factor`.
-* DeepSeek-V2's `group_limited_greedy`: groups ranked by their best softmax score.
+* DeepSeek-V2's `group_limited_greedy`: groups ranked by their best softmax score; Mistral Small 4: groups
+  ranked by the sum of their two best softmax scores.
+* softmax with a correction bias (ERNIE 4.5): the bias steers the choice as for sigmoid routers, the weights are
+  the unbiased softmax scores.
 Torch ops only: the ids are valid expert indices whatever the input (see fused_moe.py on pre-compilation).
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ class RouterConfig:
     topk_groups: int = 1
     group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3 / GLM) | "max" (DeepSeek-V2)
     routed_scaling_factor: float = 1.0
-    correction_bias: bool = False  # e_score_correction_bias (sigmoid routers)
+    correction_bias: bool = False  # e_score_correction_bias: steers the choice only
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -57,7 +60,11 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor |
         scores = logits.softmax(dim=-1)
         if cfg.num_groups > 1:
             scores = _group_mask(scores, cfg, 0.0)
-        weights, ids = scores.topk(cfg.top_k, dim=-1)
+        if bias is not None:
+            ids = (scores + bias).topk(cfg.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+        else:
+            weights, ids = scores.topk(cfg.top_k, dim=-1)
         if cfg.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     else:
@@ -95,7 +102,7 @@ class Router(nn.Module):
         logits = F.linear(x.to(self.weight.dtype), self.weight)
         cfg = self.cfg
         ops = fused_ops_for(logits)
-        if ops is not None and cfg.scoring == "softmax" and cfg.num_groups == 1:
+        if ops is not None and cfg.scoring == "softmax" and cfg.num_groups == 1 and not cfg.correction_bias:
             return ops.moe_topk_softmax(logits, cfg.top_k, cfg.renormalize, cfg.routed_scaling_factor,
                                         shared_slots, shared_gate)
         weights, ids = select_experts(logits, cfg, self.e_score_correction_bias)
