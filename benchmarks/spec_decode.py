@@ -2,12 +2,12 @@
 model shapes (weights cannot be downloaded on the GPU machine, and a real drafter is never right about random
 weights).
 
-The drafts come from the *replay* proposer (kestrel/spec_decode/replay.py): a warm-up of the speculating engine
-at alpha 0 records each prompt's greedy output, and the replay proposer then proposes those tokens, each kept with
-probability alpha and otherwise replaced by a wrong one. So a verify step costs what it costs with a real drafter of that acceptance
-(minus the drafter's own time: n-gram's is host-side and small; EAGLE-3/MTP add a draft forward, which
---eagle3-cost measures). The measured mean accepted length is printed beside each row, and `followed`: the leading tokens equal to the
-reference (`plain_followed`: to the run without speculation's)
+The drafts come from the *replay* proposer (kestrel/spec_decode/replay.py): a warm-up of the speculating engine at
+alpha 0 records each prompt's greedy output, and the replay proposer then proposes those tokens, each kept with
+probability alpha and otherwise replaced by a wrong one. So a verify step costs what it costs with a real drafter of
+that acceptance (minus the drafter's own time: n-gram's is host-side and small; EAGLE-3/MTP add a draft forward,
+which --eagle3-cost measures). The measured mean accepted length is printed beside each row, and `followed`: the
+leading tokens equal to the reference (`plain_followed`: to the run without speculation's).
 
     python -m benchmarks.spec_decode --shape llama-8b
     python -m benchmarks.spec_decode --shape qwen3-0.6b --batches 1,8,64 --alphas 0.6,0.8,0.9 --ks 2,3,4,5
