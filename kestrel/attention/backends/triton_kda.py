@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention.kda import PREFILL_KERNEL, KDABackend, KDAImpl
+from kestrel.attention.kda import GDN_PREFILL_KERNEL, PREFILL_KERNEL, KDABackend, KDAImpl
 from kestrel.kernels.triton_ops.kda_decode import kda_fused_decode
 from kestrel.platform import Platform
 from kestrel.platform.gates import GATES, KDA_DECODE_HEAD_DIMS, kernel_gate
@@ -32,7 +32,7 @@ class TritonKDABackend(KDABackend):
     head_sizes = KDA_DECODE_HEAD_DIMS
     supports_cuda_graphs = True
     impl_cls = TritonKDAImpl
-    kernels = (KERNEL, PREFILL_KERNEL)
+    kernels = (KERNEL, PREFILL_KERNEL, GDN_PREFILL_KERNEL)
 
     @classmethod
     def validate(cls, platform: Platform, dtype: torch.dtype, head_size: int, block_size: int) -> tuple[bool, str]:
