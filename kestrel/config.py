@@ -129,6 +129,12 @@ class CacheConfig:
     num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory",
                                    aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
+    kv_offloading_size: float | None = _f(None, "GiB of host memory (pinned on CUDA) for a KV tier behind the prefix "
+                                                "cache: full prefix blocks the device evicts are copied there and "
+                                                "copied back on a later hit (summed over tensor-parallel ranks); "
+                                                "full-attention layers only")
+    kv_offloading_backend: str = _f("native", "the host KV tier's implementation (native: Kestrel's own)",
+                                    choices=["native"])
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
                                                "recurrent state (Kimi Linear): states saved at block boundaries "
                                                "for prefix hits, taken from the KV-cache memory; default "
