@@ -367,6 +367,9 @@ class ServerConfig:
                                               '--tool-call-parser)')
     reasoning_parser: str | None = _f(None, "put the reasoning part of the output into reasoning_content, by vLLM's "
                                             "names (qwen3, deepseek_r1, openai_gptoss, mistral, ...: docs/serving.md)")
+    enable_prompt_tokens_details: bool = _f(False, "add usage.prompt_tokens_details.cached_tokens (prompt tokens "
+                                                   "served by the prefix cache, the host KV tier's included) to "
+                                                   "completions and chat completions where some were")
     disable_log_stats: bool = _f(False, "no periodic stats line (throughput, running and waiting requests, KV-cache "
                                         "use, prefix-cache hit rate) while the server is busy")
     log_stats_interval: float = _f(10.0, "seconds between the periodic stats lines")
