@@ -216,3 +216,28 @@ def test_the_worker_copies_saves_then_loads():
     assert all(torch.equal(c, x) for c, x in zip(caches, want))
     w.start_load_kv(KVConnectorMeta(loads=[(0, 1)]))  # block 2's rows into block 0
     assert all(torch.equal(c[0], x[2]) for c, x in zip(caches, want))
+
+
+def test_every_tensor_parallel_rank_saves_and_loads_its_shard(tp_checkpoint):
+    """TP=2, pipelined: the step metadata reaches each worker, whose host tier holds its shard of the blocks."""
+    from tests.tp import engine
+
+    def run(eng, prompt):
+        rid = eng.add_request(prompt, GREEDY)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished and o.request_id == rid:
+                    out = o
+        return out
+
+    eng = engine(tp_checkpoint("qwen3"), 2, async_scheduling="on", num_kv_blocks=8, max_model_len=128,
+                 kv_offloading_size=0.001)
+    try:
+        first = run(eng, A)
+        for p in others(3):
+            run(eng, p)
+        second = run(eng, A)
+        assert second.num_cached_tokens == 32
+        assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        eng.core.shutdown()
