@@ -241,3 +241,12 @@ def test_every_tensor_parallel_rank_saves_and_loads_its_shard(tp_checkpoint):
         assert second.outputs[0].token_ids == first.outputs[0].token_ids
     finally:
         eng.core.shutdown()
+
+
+@pytest.mark.parametrize("name, kinds", [("gemma3", "SlidingWindowSpec"), ("deepseek_v2", "MLASpec"),
+                                         ("qwen3_5", "GDNStateSpec")])
+def test_models_with_other_cache_kinds_are_refused_naming_them(tiny_models, tiny_tokenizer, tmp_path, name, kinds):
+    from tests.tiny import make_checkpoint
+    path = tiny_models.get(name) or make_checkpoint(name, tmp_path, tokenizer=tiny_tokenizer)
+    with pytest.raises(ConfigError, match=f"full-attention layers only.*{kinds}"):
+        LLM(str(path), progress=False, num_kv_blocks=16, max_model_len=64, kv_offloading_size=0.001)
