@@ -150,6 +150,9 @@ def test_llm_serves_an_evicted_prefix_from_the_host_tier(tiny_llama):
     first, second = a_twice(llm)
     assert first.num_cached_tokens == 0
     assert tier.saved_blocks >= 2 and tier.loaded_blocks == 2
+    stats = llm.engine.core.get_stats()
+    assert stats["host_kv_loaded_blocks"] == 2 and stats["host_kv_saved_blocks"] == tier.saved_blocks
+    assert 0 < stats["host_kv_blocks"] <= stats["host_kv_slots"] == tier.pool.num_slots
     assert second.num_cached_tokens == 32  # all of A's full blocks (the last token is computed)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     # /reset_prefix_cache clears the host tier too

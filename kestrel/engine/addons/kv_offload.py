@@ -57,3 +57,7 @@ class KVOffload(EngineAddon):
         logger.info("Host KV tier: %d blocks (%.2f GiB) behind the prefix cache", connector.pool.num_slots,
                     connector.pool.num_bytes / 2**30)
         return cls(connector)
+
+    def stats(self, stats) -> None:
+        for name, value in self.connector.stats().items():
+            setattr(stats, name, value)
