@@ -31,11 +31,16 @@ class KVConnectorMeta:
 class KVConnector:
     """The scheduler side. Keys are the prefix cache's: (KV-cache group id, block hash)."""
 
-    def get_num_new_matched_tokens(self, keys: list[tuple[int, bytes]]) -> int:
-        """How many of `keys` (the blocks after the device's hit, in order) the tier holds from the first on."""
-        raise NotImplementedError
+    def get_num_new_matched_tokens(self, keys: list[tuple[int, bytes]], block_size: int) -> int:
+        """Tokens of the leading blocks of `keys` (one group's blocks after the device's hit, in order) that the
+        tier holds."""
+        n = 0
+        while n < len(keys) and self.contains(keys[n]):
+            n += 1
+        return n * block_size
 
     def contains(self, key: tuple[int, bytes]) -> bool:
+        """Whether the tier holds the block `key` (the coordinator asks block by block, every group)."""
         raise NotImplementedError
 
     def update_state_after_alloc(self, keys: list[tuple[int, bytes]], block_ids: list[int] | None = None) -> None:

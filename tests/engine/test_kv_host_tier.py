@@ -76,6 +76,7 @@ def test_evicted_blocks_are_saved_and_a_host_hit_loads_them_back():
     assert not meta.loads and sorted(b for b, _ in meta.saves) == sorted(a_blocks.values())
     saved_slot = {blk: slot for blk, slot in meta.saves}
     assert all(key in tier.pool for key in a_blocks)
+    assert tier.get_num_new_matched_tokens(sorted(a_blocks, key=a_blocks.get) + [(0, b"?")], 4) == 8
 
     again = req("a2", a)
     computed, hit = kv.get_computed_blocks(again)

@@ -76,12 +76,6 @@ class HostTierConnector(KVConnector):
         self._loading: list[int] = []  # slots claimed by the allocation under way, awaiting their device blocks
         self.saved_blocks = self.loaded_blocks = 0  # counters (statistics)
 
-    def get_num_new_matched_tokens(self, keys: list[tuple[int, bytes]]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.pool:
-            n += 1
-        return n
-
     def contains(self, key) -> bool:
         return key in self.pool
 
