@@ -129,6 +129,12 @@ class CacheConfig:
     num_kv_blocks: int | None = _f(None, "fix the number of KV blocks instead of sizing from memory",
                                    aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes (hash-chained)")
+    kv_offloading_size: float | None = _f(None, "GiB of host memory (pinned on CUDA) for a KV tier behind the prefix "
+                                                "cache: full prefix blocks the device evicts are copied there and "
+                                                "copied back on a later hit (summed over tensor-parallel ranks); "
+                                                "full-attention layers only")
+    kv_offloading_backend: str = _f("native", "the host KV tier's implementation (native: Kestrel's own)",
+                                    choices=["native"])
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
                                                "recurrent state (Kimi Linear): states saved at block boundaries "
                                                "for prefix hits, taken from the KV-cache memory; default "
@@ -361,6 +367,9 @@ class ServerConfig:
                                               '--tool-call-parser)')
     reasoning_parser: str | None = _f(None, "put the reasoning part of the output into reasoning_content, by vLLM's "
                                             "names (qwen3, deepseek_r1, openai_gptoss, mistral, ...: docs/serving.md)")
+    enable_prompt_tokens_details: bool = _f(False, "add usage.prompt_tokens_details.cached_tokens (prompt tokens "
+                                                   "served by the prefix cache, the host KV tier's included) to "
+                                                   "completions and chat completions where some were")
     disable_log_stats: bool = _f(False, "no periodic stats line (throughput, running and waiting requests, KV-cache "
                                         "use, prefix-cache hit rate) while the server is busy")
     log_stats_interval: float = _f(10.0, "seconds between the periodic stats lines")

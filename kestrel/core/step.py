@@ -8,12 +8,14 @@ runner (or, with tensor parallelism, every worker rank) keeps its own batch stat
 - `finished_ids`: requests finished, aborted or preempted since the last step: the runner drops their state.
 - `state_restores` / `state_saves`: state-slot copies (group id, src slot, dst slot) of cache kinds that keep a
   per-request state: a prefix hit's snapshot into the request's slot before the forward, and a slot into a
-  snapshot after it (kestrel/engine/kv/managers.py StateSlotManager)."""
+  snapshot after it (kestrel/engine/kv/managers.py StateSlotManager).
+- `kv_connector_meta`: a KV tier's block copies (kestrel/core/kv_connector.py), made before the forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.kv_connector import KVConnectorMeta
 from kestrel.core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
@@ -97,6 +99,7 @@ class StepInput:
     finished_ids: list[str] = field(default_factory=list)
     state_restores: list[tuple[int, int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_connector_meta: KVConnectorMeta | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -58,6 +58,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # the host KV tier (--kv-offloading-size): blocks held, its slots, blocks saved and loaded (cumulative)
+    host_kv_blocks: int = 0
+    host_kv_slots: int = 0
+    host_kv_saved_blocks: int = 0
+    host_kv_loaded_blocks: int = 0
     # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
     # excluded) and tokens sampled
     step_prompt_tokens: int = 0

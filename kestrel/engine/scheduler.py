@@ -273,6 +273,7 @@ class Scheduler:
                                               new_ids, s.proposed_token_ids))
         step.chunks.sort(key=lambda c: c.num_new_tokens != 1)  # the runner's row order: decode rows first
         step.state_restores, step.state_saves = self.kv.take_state_copies()
+        step.kv_connector_meta = self.kv.build_connector_meta()
         return step
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],

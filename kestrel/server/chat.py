@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kestrel.frontend.outputs import Logprob
 from kestrel.frontend.processor import ProcessedPrompt
 from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, prompt_logprobs_json,
-                                   request_ids, sse_chunk, stream_error, unless_disconnected)
+                                   request_ids, sse_chunk, stream_error, unless_disconnected, usage_json)
 from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
@@ -96,7 +96,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     p = len(out.prompt_token_ids)
     comp = sum(len(c.token_ids) for c in out.outputs)
     body = {"id": public_id, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp}}
+            "choices": choices, "usage": usage_json(state, p, comp, out.num_cached_tokens)}
     if params.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(out)
     return JSONResponse(body)
@@ -143,7 +143,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, crea
         if req.stream_options and req.stream_options.include_usage and last is not None:
             p = len(last.prompt_token_ids)
             comp = sum(len(c.token_ids) for c in last.outputs)
-            yield chunk([], {"prompt_tokens": p, "completion_tokens": comp, "total_tokens": p + comp})
+            yield chunk([], usage_json(state, p, comp, last.num_cached_tokens))
         yield "data: [DONE]\n\n"
     except Exception as e:
         yield stream_error(e)

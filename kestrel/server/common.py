@@ -117,6 +117,15 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def usage_json(state: ServerState, prompt: int, completion: int, cached: int = 0) -> dict:
+    """A completion's usage; with --enable-prompt-tokens-details, as vLLM, the prompt tokens served from the
+    prefix cache (a host KV tier's hits included) where there were some."""
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if state.server.enable_prompt_tokens_details and cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
 def sse_chunk(rid: str, obj: str, created: int, model: str, choices: list, usage: dict | None = None) -> str:
     """One streamed chunk of a completion or chat completion."""
     d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}

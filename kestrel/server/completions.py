@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob, RequestOutput
 from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, merge,
-                                   prompt_logprobs_json, request_ids, sse_chunk, stream_error, unless_disconnected)
+                                   prompt_logprobs_json, request_ids, sse_chunk, stream_error, unless_disconnected,
+                                   usage_json)
 from kestrel.server.openai_protocol import CompletionRequest
 
 
@@ -50,10 +51,10 @@ class LegacyLogprobs:
         return d
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
+def _usage(state: ServerState, outs: list[RequestOutput]) -> dict:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return usage_json(state, p, c, sum(o.num_cached_tokens for o in outs))
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
@@ -108,7 +109,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                 choice["prompt_logprobs"] = prompt_logprobs_json(out)
             choices.append(choice)
     return JSONResponse({"id": public_id, "object": "text_completion", "created": created, "model": state.model_name,
-                         "choices": choices, "usage": _usage(outs)})
+                         "choices": choices, "usage": _usage(state, outs)})
 
 
 async def _stream(state: ServerState, req: CompletionRequest, rid: str, created: int, gens,
@@ -149,7 +150,7 @@ async def _stream(state: ServerState, req: CompletionRequest, rid: str, created:
             if out.finished:
                 finals[i] = out
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], _usage(list(finals.values())))
+            yield chunk([], _usage(state, list(finals.values())))
         yield "data: [DONE]\n\n"
     except Exception as e:
         yield stream_error(e)

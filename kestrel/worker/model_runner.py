@@ -18,6 +18,7 @@ from kestrel.core.progress import count_forwards
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
+from kestrel.worker.kv_host_tier import HostTierWorker, host_tier_slots
 from kestrel.worker.addons import StepAddon, lora_manager
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.attention_binding import step_metadata
@@ -60,6 +61,7 @@ class ModelRunner:
         self._num_fills = 0
         self.buffers = None
         self.kv_caches, self.num_blocks = [], 0
+        self.kv_connector = None  # a KV tier's worker side (kestrel/core/kv_connector.py), over kv_caches
 
     def __getattr__(self, name: str):
         """An add-on by its name (runner.<name>, e.g. runner.drafter; None where no such add-on was built)."""
@@ -69,6 +71,13 @@ class ModelRunner:
         if found is None and name not in StepAddon.names:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return found
+
+    def _bind_kv_connector(self) -> None:
+        """The host KV tier's memory (--kv-offloading-size), beside the KV cache just allocated."""
+        size = self.config.cache.kv_offloading_size
+        if size:
+            slots = host_tier_slots(size, self.kv_cache_groups, self.config.parallel.tensor_parallel_size)
+            self.kv_connector = HostTierWorker(self.kv_caches, slots)
 
     @property
     def backend(self):
@@ -102,10 +111,12 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches, self.num_blocks = self.parts.allocate_kv_cache(num_blocks), num_blocks
+        self._bind_kv_connector()
 
     def free_kv_cache(self) -> None:
         self.parts.free_kv_cache()
         self.kv_caches = []
+        self.kv_connector = None
 
     def setup_after_kv(self) -> None:
         """Persistent buffers, the kernel warm-up, then (where on) the CUDA graphs."""
@@ -115,6 +126,7 @@ class ModelRunner:
         """Take what start-up made."""
         if started.num_blocks:
             self.kv_caches, self.num_blocks = started.kv_caches, started.num_blocks
+            self._bind_kv_connector()
         self.buffers, self.graphs, self.graph_sets = started.buffers, started.graphs, started.graph_sets
         self.graph_capture_seconds = started.graph_capture_seconds
 
@@ -182,6 +194,8 @@ class ModelRunner:
         reads `prev`'s tokens: where `prev` still waits for its bitmask, the caller samples it there."""
         inf = InFlight(RunnerOutput())
         self._update_states(step)
+        if step.kv_connector_meta is not None:  # a KV tier's saves (blocks evicted this step), then its loads
+            self.kv_connector.start_load_kv(step.kv_connector_meta)
         if step.is_empty:
             return inf
         chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)

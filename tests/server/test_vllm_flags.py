@@ -76,6 +76,8 @@ ACCEPTED = [
     (["--structured-outputs-config", '{"backend": "xgrammar"}'], lambda a, c: True),
     (["--async-scheduling"], lambda a, c: c.scheduler.async_scheduling == "on"),
     (["--num-gpu-blocks-override", "64"], lambda a, c: c.cache.num_kv_blocks == 64),
+    (["--kv-offloading-size", "4", "--kv-offloading-backend", "native"],
+     lambda a, c: c.cache.kv_offloading_size == 4.0 and c.cache.kv_offloading_backend == "native"),
     (["--compilation-config", '{"level": 3}'], lambda a, c: True),
     (["-O3"], lambda a, c: True),
     (["--hf-token", "hf_x"], lambda a, c: True),
@@ -92,6 +94,7 @@ ACCEPTED = [
 # (flags, what the one line must say)
 REFUSED = [
     (["--kv-cache-dtype", "fp8_inc"], "argument --kv-cache-dtype: invalid choice: 'fp8_inc'"),
+    (["--kv-offloading-backend", "lmcache"], "argument --kv-offloading-backend: invalid choice: 'lmcache'"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kestrel.core.engine_addon import HOOKS, EngineAddon, overriding
 from kestrel.engine.addons.grammars import Grammars
+from kestrel.engine.addons.kv_offload import KVOffload
 from kestrel.engine.addons.lora import LoRAControl
 from kestrel.engine.addons.pooling import Pooling
 from kestrel.spec_decode.speculation import Speculation
@@ -13,6 +14,7 @@ ENGINE_ADDONS: list[type[EngineAddon]] = [
     Grammars,
     Speculation,
     Pooling,
+    KVOffload,
 ]
 
 

@@ -1,6 +1,11 @@
 """The coordinator: one manager per KV-cache group (managers.py) over one shared block pool (pool.py); which
 blocks each request holds in every group, prefix-cache lookups, the admission limit and statistics. It reads
-only the managers' interface: a new cache kind never edits this file."""
+only the managers' interface: a new cache kind never edits this file.
+
+A KV tier behind the prefix cache (a KV connector, kestrel/core/kv_connector.py: the host tier of
+--kv-offloading-size, host_tier.py) is an option set by its engine add-on (`set_connector`): a lookup asks it
+past the device's hit, a hit there is a `TierHit` entry that the allocation turns into a fresh device block
+loaded before the step, and the pool tells it of every registered block it reallocates (the save)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +19,14 @@ from kestrel.engine.kv.pool import BlockPool, KVBlock, hash_block
 from kestrel.engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+class TierHit(KVBlock):
+    """A prefix-hit entry that a KV tier holds, not the device: the allocation gives it a device block to load."""
+
+    def __init__(self, key: tuple[int, bytes]):
+        super().__init__(-1)
+        self.key = key
 
 
 class KVCacheManager:
@@ -62,6 +75,17 @@ class KVCacheManager:
         self.prefix_hits = 0  # of them, served from the cache
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
         self.grown: set[str] = set()
+        self.connector = None  # a KV tier behind the prefix cache (set_connector)
+
+    def set_connector(self, connector) -> None:
+        """Put a KV tier (kestrel/core/kv_connector.py KVConnector) behind the prefix cache. Its add-on refuses
+        the cache kinds it does not cover before calling this."""
+        self.connector = connector
+        self.pool.on_evict = connector.on_evict
+
+    def build_connector_meta(self):
+        """The KV tier's transfers for the step being scheduled (StepInput.kv_connector_meta), or None."""
+        return self.connector.build_connector_meta() if self.connector is not None else None
 
     # ---- capacity
     @property
@@ -144,9 +168,27 @@ class KVCacheManager:
             if shorter == n:
                 break
             n = shorter
+        hits = [m.hit_blocks(hashes, n) for m in self.managers]
+        if self.connector is not None:
+            n = self._tier_hits(hashes, n, min(len(hashes), (req.num_tokens - 1) // self.block_size), hits)
         self.prefix_queries += req.num_tokens
         self.prefix_hits += n * self.block_size
-        return [m.hit_blocks(hashes, n) for m in self.managers], n * self.block_size
+        return hits, n * self.block_size
+
+    def _tier_hits(self, hashes: list[bytes], n: int, limit: int, hits: list[list[KVBlock]]) -> int:
+        """Extend a device hit of `n` blocks (the entries `hits`, in place) with the blocks that every group
+        finds on the device or in the KV tier, in order; returns the new length. Full-attention groups only
+        (the add-on refuses the others): an entry of one group depends on no other block."""
+        connector, groups = self.connector, range(len(self.managers))
+        while n < limit:
+            keys = [(g, hashes[n]) for g in groups]
+            found = [self.pool.lookup(k) or (TierHit(k) if connector.contains(k) else None) for k in keys]
+            if any(b is None for b in found):
+                break
+            for h, b in zip(hits, found):
+                h.append(b)
+            n += 1
+        return n
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None,
                        lookahead: int = 0) -> bool:
@@ -195,17 +237,35 @@ class KVCacheManager:
         if not any(need) and not any(hits) and all(rid in m.req_block_ids for m in self._others):
             self._plan(req, total - num_new_tokens, total)
             return True  # fits in what it holds (most decode steps)
-        shared = [m.shared_pool_hits(h) for m, h in zip(self.managers, hits)]
+        shared = [[b for b in m.shared_pool_hits(h) if not isinstance(b, TierHit)] for m, h in zip(self.managers, hits)]
+        tier = [(g, i) for g, h in enumerate(hits) for i, b in enumerate(h) if isinstance(b, TierHit)]
         reclaimed = len({b.block_id for h in shared for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
-        if sum(need) + reclaimed > self.pool.num_free or not all(m.can_add(rid) for m in self._others):
+        if (sum(need) + len(tier) + reclaimed > self.pool.num_free
+                or not all(m.can_add(rid) for m in self._others)):
             return False
         for h in shared:  # every group's hits leave the free list before any new block is taken from it
             self.pool.touch(h)
+        if tier:
+            hits = self._load_tier_hits(hits, tier)
         for m, h, n in zip(self.managers, hits, need):
             m.add(rid, h, self.pool.allocate(n))
         self.grown.add(rid)
         self._plan(req, total - num_new_tokens, total)
         return True
+
+    def _load_tier_hits(self, hits: list[list[KVBlock]], tier: list[tuple[int, int]]) -> list[list[KVBlock]]:
+        """Device blocks for the KV tier's hits (entries `tier`, (group, index)): allocated (their evictions
+        may save other blocks to the tier, never the ones loaded here: the tier pins them first), registered in
+        the prefix cache under the hits' keys, and loaded by the runner before the step's forward."""
+        keys = [hits[g][i].key for g, i in tier]
+        self.connector.update_state_after_alloc(keys)
+        blocks = self.pool.allocate(len(tier))
+        hits = [list(h) for h in hits]
+        for (g, i), key, b in zip(tier, keys, blocks):
+            self.pool.cache(b, key)
+            hits[g][i] = b
+        self.connector.update_state_after_alloc(keys, [b.block_id for b in blocks])
+        return hits
 
     def _plan(self, req: Request, start: int, end: int) -> None:
         for m in self._planners:
@@ -244,6 +304,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         self.pool.reset_prefix_cache()
+        if self.connector is not None:
+            self.connector.reset()
         for m in self.managers:
             m.reset_prefix_cache()
         return True

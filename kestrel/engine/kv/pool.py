@@ -39,6 +39,8 @@ class BlockPool:
         self.null_block = self.blocks[0] if reserve_null else None
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))  # head: evict first
         self.cached: dict[tuple[int, bytes], KVBlock] = {}
+        # (key, block id) -> None: told when a registered block is reallocated (a KV tier saves it)
+        self.on_evict = None
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +64,8 @@ class BlockPool:
             if block.block_hash is not None:  # reusing a cached block for new tokens evicts its prefix
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block.block_hash, block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)

@@ -1,0 +1,75 @@
+"""The KV connector interface: KV-cache tiers behind the prefix cache (host memory now; disk or a remote store
+later), in vLLM's shape (vllm/distributed/kv_transfer/kv_connector/v1/base.py), split as vLLM splits it:
+
+- the scheduler side (`KVConnector`, driven by the KV coordinator, kestrel/engine/kv/coordinator.py): the
+  lookup of how many more prompt blocks past the device's prefix hit the tier holds
+  (`get_num_new_matched_tokens`), the binding of the device blocks allocated for them (`update_state_after_alloc`),
+  the pool's evictions of full, hashed blocks (`on_evict`, the save trigger), and each step's transfers
+  (`build_connector_meta`, sent to the runner in StepInput.kv_connector_meta);
+- the worker side (`KVConnectorWorker`, owned by the model runner over its KV-cache tensors): saves and loads of
+  whole block rows before the step's forward (`start_load_kv`); `wait_for_save` where copies run asynchronously.
+
+It lives here, below the engine and the worker, so that both read the same metadata type."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KVConnectorMeta:
+    """One step's transfers, (device block id, tier slot) each. The runner makes the saves first (device -> tier:
+    blocks the device pool evicted this step, still intact since no forward ran since), then the loads (tier ->
+    device: blocks of this step's prefix hits), all before the forward reads them. The scheduler side never hands
+    a save into a slot that a load of the same step reads (it pins the slots it loads from)."""
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+class KVConnector:
+    """The scheduler side. Keys are the prefix cache's: (KV-cache group id, block hash)."""
+
+    def get_num_new_matched_tokens(self, keys: list[tuple[int, bytes]], block_size: int) -> int:
+        """Tokens of the leading blocks of `keys` (one group's blocks after the device's hit, in order) that the
+        tier holds."""
+        n = 0
+        while n < len(keys) and self.contains(keys[n]):
+            n += 1
+        return n * block_size
+
+    def contains(self, key: tuple[int, bytes]) -> bool:
+        """Whether the tier holds the block `key` (the coordinator asks block by block, every group)."""
+        raise NotImplementedError
+
+    def update_state_after_alloc(self, keys: list[tuple[int, bytes]], block_ids: list[int] | None = None) -> None:
+        """A request's allocation takes the tier's blocks `keys`: first called without block ids, before the
+        device blocks are allocated (the tier pins what it will load: the allocation's evictions must not
+        overwrite it), then with the device blocks they load into."""
+        raise NotImplementedError
+
+    def on_evict(self, key: tuple[int, bytes], block_id: int) -> None:
+        """The device pool reallocates block `block_id`, which held the full prefix block `key`."""
+
+    def build_connector_meta(self) -> KVConnectorMeta | None:
+        """The transfers since the last call (None: nothing to do), for the next step."""
+        return None
+
+    def reset(self) -> None:
+        """Forget everything held (/reset_prefix_cache)."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+class KVConnectorWorker:
+    """The worker side: the tier's memory and the copies, over the runner's KV-cache tensors (one uint8 tensor
+    [num_blocks, row_bytes] per cache slot: kestrel/worker/kv_allocation.py)."""
+
+    def start_load_kv(self, meta: KVConnectorMeta) -> None:
+        """Make the step's saves, then its loads, before its forward."""
+        raise NotImplementedError
+
+    def wait_for_save(self) -> None:
+        """Where saves run asynchronously: wait until they are done."""

@@ -1,0 +1,112 @@
+"""The host-memory KV tier (--kv-offloading-size GiB, --kv-offloading-backend native), the first KV connector
+(kestrel/core/kv_connector.py), scheduler side: which prefix blocks the host holds, in `HostBlockPool`'s slots
+(least recently used evicted first, never more slots than the byte bound buys), keyed by the prefix cache's
+(group id, block hash). The memory and the copies are the worker's (kestrel/worker/kv_host_tier.py).
+
+- Save: the device pool reallocates a full, hashed block (BlockPool.allocate -> on_evict): the host takes a slot
+  (evicting its least recently used entry) and the step's metadata asks the runner to copy the block's rows there
+  before the next forward, which is the first that could overwrite them. A block the host holds already is only
+  touched.
+- Load: a prefix lookup that misses on the device but hits here (the coordinator asks past the device's hit)
+  allocates device blocks, registers them in the device's prefix cache and has the runner copy the slots into
+  them before the step's forward; the slots loaded in a step are pinned until its metadata is taken, so no save
+  of that step overwrites them."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kestrel.core.kv_connector import KVConnector, KVConnectorMeta
+
+
+class HostBlockPool:
+    """`num_slots` slots of `block_bytes` each (num_slots = the byte bound // block_bytes), keyed, LRU."""
+
+    def __init__(self, num_bytes: int, block_bytes: int):
+        if block_bytes <= 0:
+            raise ValueError("a host KV block needs a positive size")
+        self.block_bytes = block_bytes
+        self.num_slots = num_bytes // block_bytes
+        self.entries: OrderedDict[tuple[int, bytes], int] = OrderedDict()  # key -> slot; head: evicted first
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.pinned: set[int] = set()
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the slots take (never more than the bound)."""
+        return self.num_slots * self.block_bytes
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self.entries
+
+    def get(self, key) -> int | None:
+        """The key's slot, now the most recently used; None where absent."""
+        slot = self.entries.get(key)
+        if slot is not None:
+            self.entries.move_to_end(key)
+        return slot
+
+    def put(self, key) -> int | None:
+        """A slot for `key` (new: a free one, else the least recently used unpinned entry's), or None where every
+        slot is pinned (or there are none). A key already held keeps its slot, touched."""
+        if key in self.entries:
+            return self.get(key)
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next((k for k, s in self.entries.items() if s not in self.pinned), None)
+            if victim is None:
+                return None
+            slot = self.entries.pop(victim)
+        self.entries[key] = slot
+        return slot
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.pinned.clear()
+
+
+class HostTierConnector(KVConnector):
+    def __init__(self, num_bytes: int, block_bytes: int):
+        self.pool = HostBlockPool(num_bytes, block_bytes)
+        self.meta = KVConnectorMeta()
+        self._loading: list[int] = []  # slots claimed by the allocation under way, awaiting their device blocks
+        self.saved_blocks = self.loaded_blocks = 0  # counters (statistics)
+
+    def contains(self, key) -> bool:
+        return key in self.pool
+
+    def update_state_after_alloc(self, keys, block_ids=None) -> None:
+        if block_ids is None:
+            self._loading = [self.pool.get(k) for k in keys]
+            self.pool.pinned.update(self._loading)
+            return
+        assert len(block_ids) == len(self._loading)
+        self.meta.loads += zip(block_ids, self._loading)
+        self.loaded_blocks += len(block_ids)
+        self._loading = []
+
+    def on_evict(self, key, block_id: int) -> None:
+        if key in self.pool:
+            self.pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
+            return
+        slot = self.pool.put(key)
+        if slot is not None:
+            self.meta.saves.append((block_id, slot))
+            self.saved_blocks += 1
+
+    def build_connector_meta(self) -> KVConnectorMeta | None:
+        meta, self.meta = self.meta, KVConnectorMeta()
+        self.pool.pinned.clear()
+        return meta or None
+
+    def reset(self) -> None:
+        """Transfers already handed out stay valid (their slots are simply forgotten)."""
+        self.pool.clear()
+
+    def stats(self) -> dict:
+        return {"host_kv_blocks": len(self.pool), "host_kv_slots": self.pool.num_slots,
+                "host_kv_saved_blocks": self.saved_blocks, "host_kv_loaded_blocks": self.loaded_blocks}
