@@ -75,7 +75,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = await engine.tokenize_bad_words(params)  # on a render thread
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
-    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else
+    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs, req)[0] if beam else
            engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora,
                            stream=req.stream))
     created = int(time.time())

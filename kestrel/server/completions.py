@@ -73,7 +73,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 
     prompt_ids, prompt_texts = await engine.run_tokenizer(tokenize_all)
     window = engine.admission_window()  # the prompts' sequences share it: --max-seqs-per-request
-    gens = (beam_searches(state, beam, prompt_ids, rid, lora, req.logprobs is not None) if beam else
+    gens = (beam_searches(state, beam, prompt_ids, rid, lora, req.logprobs is not None, req) if beam else
             [engine.generate(ids, params, f"{rid}-{i}", req.priority, timeout=state.timeout(req), lora_request=lora,
                              window=window, stream=req.stream) for i, ids in enumerate(prompt_ids)])
     created = int(time.time())
