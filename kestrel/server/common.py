@@ -195,6 +195,11 @@ async def unless_disconnected(request: Request, coro):
         watcher.cancel()
 
 
+def client_of(raw) -> tuple:
+    """Who sent a request, for per-client fairness (the grammar parse queue): its peer address and credentials."""
+    return (raw.client.host if raw.client is not None else None, raw.headers.get("authorization"))
+
+
 def beam_searches(state: ServerState, beam, prompts: list, request_id: str, lora, want_logprobs: bool,
                   req=None) -> list:
     """One beam search (AsyncEngine.beam_search) per prompt of token ids; a missing max_tokens is resolved as for
