@@ -15,6 +15,8 @@ MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 1024  # bad_words: words (each tokenized twice, off the event loop)
 MAX_BAD_WORD_CHARS = 64 * 1024  # bad_words: characters of all words together
 MAX_LOGIT_BIAS = 1024  # logit_bias: entries (OpenAI's own limit is lower)
+# allowed_token_ids: at most the vocabulary size (de-duplicated); this where the vocabulary is not known
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 
 
 @dataclass
@@ -224,8 +226,15 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 bad("allowed_token_ids", "must be a non-empty list of token ids")
+            limit = vocab_size or MAX_ALLOWED_TOKEN_IDS
+            if len(self.allowed_token_ids) > limit:  # one len() before any per-id work
+                bad("allowed_token_ids", f"has {len(self.allowed_token_ids)} ids; at most {limit} (the vocabulary "
+                                         f"size) are allowed")
             if not _token_ids_ok(self.allowed_token_ids, vocab_size):
                 bad("allowed_token_ids", f"must be token ids {vocab}")
+            unique = list(dict.fromkeys(self.allowed_token_ids))  # de-duplicated, in order
+            if len(unique) != len(self.allowed_token_ids):
+                self.allowed_token_ids = unique
         check_bad_words(self.bad_words)
         if self.bad_words_token_ids is not None and (
                 not isinstance(self.bad_words_token_ids, list)

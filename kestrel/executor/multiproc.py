@@ -120,10 +120,27 @@ class MultiWorkerExecutor(Executor):
         return addr
 
     def _broadcast(self, method: bytes, payload: bytes = b"") -> None:
+        self._send_all([method, payload])
+
+    def _send_all(self, frames: list) -> None:
+        """Send `frames` to every rank. A worker that died is named now (WorkerError), never waited for: a PUSH
+        socket whose one peer is gone blocks its sender, so a step sent just after a worker died (the engine idle
+        meanwhile) waited for the engine's hang timeout (issue 55 item 12)."""
         if self.dead:
             raise WorkerError(self.dead)
+        dead = self._dead_worker()
+        if dead:
+            self._fail(dead)
         for s in self._outs:
-            s.send_multipart([method, payload], copy=False)
+            while True:
+                try:
+                    s.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:  # no peer (it died or has not connected yet) or a full queue
+                    s.poll(POLL_MS, zmq.POLLOUT)
+                    dead = self._dead_worker()
+                    if dead:
+                        self._fail(dead)
 
     def _recv(self, deadline: float | None = None) -> tuple[int, bytes, bytes] | None:
         """The next reply (rank, status, payload), None once `deadline` (monotonic) passed; raises WorkerError when a
@@ -223,10 +240,7 @@ class MultiWorkerExecutor(Executor):
         if bitmask is not None:  # a StepBitmask: the masks, then the sampling rows they constrain
             frames += [bitmask.mask.numpy().astype("int32").tobytes(),
                        np.asarray(bitmask.rows, dtype=np.int32).tobytes()]
-        if self.dead:
-            raise WorkerError(self.dead)
-        for s in self._outs:
-            s.send_multipart(frames, copy=False)
+        self._send_all(frames)
 
     def collect(self, handle: StepHandle):
         """Replies arrive in launch order (rank 0 answers every step)."""

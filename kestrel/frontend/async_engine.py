@@ -145,19 +145,26 @@ class AsyncEngine(FleetControl):
         return params.clone(bad_words_token_ids=ids)
 
     def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
-                    lora_request: LoRARequest | None = None,
-                    want_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+                    lora_request: LoRARequest | None = None, want_logprobs: bool = False,
+                    timeout: float | None = None, window: AdmissionWindow | None = None,
+                    priority: int = 0) -> AsyncIterator[RequestOutput]:
         """vLLM's beam search over this engine (kestrel/frontend/beam_search.py): validated now, then a stream of
-        one finished RequestOutput with the best `params.beam_width` beams."""
+        one finished RequestOutput with the best `params.beam_width` beams. The search is one request: its step
+        requests go in through one admission window (`window`, shared by an API request's prompts; by default its
+        own) and the engine's fair share counts them as one group; ``timeout`` (seconds from now) ends it as
+        generate()'s does, with the beams so far."""
         params.validate(self.config.model.max_logprobs)
-        return self._beam_search(prompt_ids, params, request_id, lora_request, want_logprobs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._beam_search(prompt_ids, params, request_id, lora_request, want_logprobs, deadline,
+                                 window or self.admission_window(), priority)
 
-    async def _beam_search(self, prompt_ids, params, request_id, lora_request, want_logprobs):
+    async def _beam_search(self, prompt_ids, params, request_id, lora_request, want_logprobs, deadline, window,
+                           priority):
         def generate(ids, step, rid):
-            return self.generate(ids, step, rid, lora_request=lora_request)
+            return self.generate(ids, step, rid, priority, lora_request=lora_request, window=window, stream=False)
 
         yield await search_async(generate, prompt_ids, params, getattr(self.tokenizer, "eos_token_id", None),
-                                 self.tokenizer, request_id, want_logprobs)
+                                 self.tokenizer, request_id, want_logprobs, deadline)
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, timeout: float | None = None,

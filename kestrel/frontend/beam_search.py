@@ -8,6 +8,7 @@ the best beam_width of the complete and live beams are the result. The search is
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from kestrel.core.sampling_params import SamplingParams
@@ -99,10 +100,13 @@ class BeamSearch:
 
 
 async def search_async(generate, prompt_ids: list[int], params: BeamSearchParams, eos_token_id: int | None,
-                       tokenizer, request_id: str, want_logprobs: bool = False) -> RequestOutput:
+                       tokenizer, request_id: str, want_logprobs: bool = False,
+                       deadline: float | None = None) -> RequestOutput:
     """One prompt's search over an async engine: `generate(ids, params, request_id)` is AsyncEngine.generate.
     Returns the finished RequestOutput: one CompletionOutput per beam, best first, holding its generated tokens
-    only (their text and deltas included, so that a stream sends it as one chunk)."""
+    only (their text and deltas included, so that a stream sends it as one chunk). `deadline` (time.monotonic()):
+    then the step in flight is aborted and the beams so far are the result, those still live ending as a timed-out
+    plain request does (finish_reason "abort", stop_reason "timeout")."""
     search, step = BeamSearch(prompt_ids, params, eos_token_id), params.step_params()
 
     async def next_logprobs(ids: list[int], k: int) -> dict[int, Logprob]:
@@ -111,14 +115,22 @@ async def search_async(generate, prompt_ids: list[int], params: BeamSearchParams
             pass
         return last.outputs[0].logprobs[0]
 
-    while not search.done:
-        search.advance(list(await asyncio.gather(*(next_logprobs(ids, k)
-                                                   for k, ids in enumerate(search.pending())))))
+    loop = asyncio.get_running_loop()
+    timed_out = False
+    try:
+        async with asyncio.timeout_at(None if deadline is None else loop.time() + deadline - time.monotonic()):
+            while not search.done:
+                search.advance(list(await asyncio.gather(*(next_logprobs(ids, k)
+                                                           for k, ids in enumerate(search.pending())))))
+    except TimeoutError:
+        timed_out = True  # the step's requests were aborted as their streams were cancelled
+    live = {id(b) for b in search.beams}
     outputs = []
     for i, beam in enumerate(search.result().sequences):
         new = beam.tokens[len(prompt_ids):]
         text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else ""
         lps = beam.logprobs if want_logprobs else None
-        outputs.append(CompletionOutput(i, text, new, lps, beam.cum_logprob, beam.finish_reason, text_delta=text,
+        reason, stop = ("abort", "timeout") if timed_out and id(beam) in live else (beam.finish_reason, None)
+        outputs.append(CompletionOutput(i, text, new, lps, beam.cum_logprob, reason, stop, text_delta=text,
                                         token_ids_delta=list(new), logprobs_delta=lps))
     return RequestOutput(request_id, None, list(prompt_ids), outputs, finished=True)

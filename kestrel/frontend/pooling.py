@@ -107,9 +107,11 @@ class ScorePlan:
         return [cosine(vectors[i], vectors[j]) for i, j in self.pairs]
 
 
-def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list) -> ScorePlan:
+def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, tokenize: bool = True) -> ScorePlan:
     """A cross-encoder (a one-label classifier) scores each text pair as one prompt; an embedding model scores
-    the cosine of the two texts' embeddings (vLLM's rules)."""
+    the cosine of the two texts' embeddings (vLLM's rules). `tokenize=False`: a cross-encoder's prompts are the
+    (query, document) pairs, for the caller to tokenize (pair_token_ids; the server does it in chunks on its
+    render threads)."""
     pairs = score_pairs(queries, documents)
     if facts is None:
         raise InvalidRequest("this model generates text: scores need a pooling model (kestrel serve --runner "
@@ -118,7 +120,7 @@ def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list) -
         if len(facts["labels"]) != 1:
             raise InvalidRequest(f"scores need a cross-encoder with one output label; this classifier has "
                                  f"{len(facts['labels'])} (use /classify)", param="model")
-        prompts = [pair_token_ids(tokenizer, q, d) for q, d in pairs]
+        prompts = [pair_token_ids(tokenizer, q, d) for q, d in pairs] if tokenize else pairs
         return ScorePlan(prompts, PoolingParams(task="classify"), [(i, i) for i in range(len(prompts))])
     n = len(queries)
     index = [(0 if n == 1 else k, n + k) for k in range(len(documents))]

@@ -9,8 +9,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob
 from kestrel.frontend.processor import ProcessedPrompt
-from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, prompt_logprobs_json,
-                                   request_ids, sse_chunk, stream_error, unless_disconnected, usage_json)
+from kestrel.server.common import (ServerState, beam_searches, client_of, final_outputs, json_logprob,
+                                   prompt_logprobs_json, request_ids, sse_chunk, stream_error, unless_disconnected,
+                                   usage_json)
 from kestrel.server.openai_protocol import ChatCompletionRequest
 from kestrel.server.tool_calls import MessageStream, build_message, plan_tools
 
@@ -71,11 +72,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = req.sampling_params(state.sampling_defaults, plan.structured)
     reasoning = plan.reasoning_for(state.reasoning_parser, req.chat_template_kwargs, params)
     beam = req.beam_search_params(params.max_tokens, params)
-    await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param)
+    await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param,
+                              client_of(raw))
     params = await engine.tokenize_bad_words(params)  # on a render thread
     rid, public_id = request_ids("chatcmpl", req.request_id, raw)
     prompt_ids = await render_prompt(state, req, plan.tools)
-    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs)[0] if beam else
+    gen = (beam_searches(state, beam, [prompt_ids], rid, lora, req.logprobs, req)[0] if beam else
            engine.generate(prompt_ids, params, rid, req.priority, timeout=state.timeout(req), lora_request=lora,
                            stream=req.stream))
     created = int(time.time())

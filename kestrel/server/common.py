@@ -204,10 +204,21 @@ async def unless_disconnected(request: Request, coro):
         watcher.cancel()
 
 
-def beam_searches(state: ServerState, beam, prompts: list, request_id: str, lora, want_logprobs: bool) -> list:
+def client_of(raw) -> tuple:
+    """Who sent a request, for per-client fairness (the grammar parse queue): its peer address and credentials."""
+    return (raw.client.host if raw.client is not None else None, raw.headers.get("authorization"))
+
+
+def beam_searches(state: ServerState, beam, prompts: list, request_id: str, lora, want_logprobs: bool,
+                  req=None) -> list:
     """One beam search (AsyncEngine.beam_search) per prompt of token ids; a missing max_tokens is resolved as for
-    a plain request (the context left, capped by --default-max-tokens)."""
+    a plain request (the context left, capped by --default-max-tokens). The searches are one request: one
+    admission window (--max-seqs-per-request step requests in the engine at once, fewer while others are served)
+    and one fair-share group for them all, the request's `timeout` (or --request-timeout) and `priority`."""
     engine = state.engine
+    window = engine.admission_window()
+    timeout = state.timeout(req) if req is not None else None
+    priority = getattr(req, "priority", 0) or 0
     gens = []
     for i, ids in enumerate(prompts):
         if not isinstance(ids, list):
@@ -219,5 +230,5 @@ def beam_searches(state: ServerState, beam, prompts: list, request_id: str, lora
             raise InvalidRequest(f"max_tokens ({max_tokens}) + prompt ({len(ids)} tokens) exceeds the context length "
                                  f"{engine.max_model_len}", param="max_tokens", code="context_length_exceeded")
         gens.append(engine.beam_search(ids, dataclasses.replace(beam, max_tokens=max_tokens), f"{request_id}-{i}",
-                                       lora, want_logprobs))
+                                       lora, want_logprobs, timeout, window, priority))
     return gens

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kestrel.frontend.outputs import Logprob, RequestOutput
-from kestrel.server.common import (ServerState, beam_searches, final_outputs, json_logprob, merge,
+from kestrel.server.common import (ServerState, beam_searches, client_of, final_outputs, json_logprob, merge,
                                    prompt_logprobs_json, request_ids, sse_chunk, stream_error, unless_disconnected,
                                    usage_json)
 from kestrel.server.openai_protocol import CompletionRequest
@@ -63,7 +63,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     tok = engine.tokenizer
     params = req.sampling_params(state.sampling_defaults)
     beam = req.beam_search_params(req.max_tokens, params)
-    await state.grammar.check(params.structured_outputs, req.constraint_param)
+    await state.grammar.check(params.structured_outputs, req.constraint_param, client_of(raw))
     params = await engine.tokenize_bad_words(params)  # on a render thread
     prompts = req.prompts()
     rid, public_id = request_ids("cmpl", req.request_id, raw)
@@ -74,7 +74,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 
     prompt_ids, prompt_texts = await engine.run_tokenizer(tokenize_all)
     window = engine.admission_window()  # the prompts' sequences share it: --max-seqs-per-request
-    gens = (beam_searches(state, beam, prompt_ids, rid, lora, req.logprobs is not None) if beam else
+    gens = (beam_searches(state, beam, prompt_ids, rid, lora, req.logprobs is not None, req) if beam else
             [engine.generate(ids, params, f"{rid}-{i}", req.priority, timeout=state.timeout(req), lora_request=lora,
                              window=window, stream=req.stream) for i, ids in enumerate(prompt_ids)])
     created = int(time.time())

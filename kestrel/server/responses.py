@@ -18,7 +18,8 @@ from pydantic import Field, StrictBool, StrictStr, field_validator
 from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.server.chat import render_prompt
-from kestrel.server.common import ServerState, final_outputs, request_ids, stream_error, unless_disconnected
+from kestrel.server.common import (ServerState, client_of, final_outputs, request_ids, stream_error,
+                                   unless_disconnected)
 from kestrel.server.openai_protocol import ChatCompletionRequest, Int64, _Base
 from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
                                            input_messages, message_item, new_item_id, output_items)
@@ -135,7 +136,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
                       chat_req.parallel_tool_calls)
     params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
     reasoning = plan.reasoning_for(state.reasoning_parser, chat_req.chat_template_kwargs, params)
-    await state.grammar.check(params.structured_outputs, "tools")
+    await state.grammar.check(params.structured_outputs, "tools", client_of(raw))
     rid, public_id = request_ids("resp", req.request_id, raw, echo=False)  # a stored id is the server's
     prompt = await render_prompt(state, chat_req, plan.tools)
     gen = state.engine.generate(prompt, params, rid, req.priority, timeout=state.timeout(chat_req),

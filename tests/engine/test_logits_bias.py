@@ -179,3 +179,45 @@ def test_pipelined_decode_keeps_multi_token_bans(tiny_llama, llm):
     assert want[0][:3] == o[:3] and want[0][3] != o[3]
     assert o[5] not in want[1]
     assert piped.engine.core.scheduler.num_sync_requests == 0
+
+
+def test_allowed_token_ids_over_the_vocabulary_size_and_repeats():
+    """Issue 55 item 8: at most the vocabulary size (one len() before any per-id work), repeats dropped."""
+    with pytest.raises(InvalidRequest, match=r"has 1001 ids; at most 1000") as e:
+        SamplingParams(allowed_token_ids=[1] * 1001).validate(vocab_size=1000)
+    assert e.value.param == "allowed_token_ids"
+    p = SamplingParams(allowed_token_ids=[5, 3, 5, 3, 9]).validate(vocab_size=1000)
+    assert p.allowed_token_ids == [5, 3, 9]
+
+
+def test_a_requests_sequences_share_one_allowed_list(llm):
+    """Issue 55 item 8: each of a request's n sequences arrived with its own decoded copy of allowed_token_ids
+    (2M ids x n 64 held 2.4 GB in the engine); now they share one list, and the runner builds one mask for it."""
+    from kestrel.ipc.protocol import add_decoder, encoder
+
+    ids, reqs = llm.engine.input_processor.process("share", PROMPT, SamplingParams(
+        n=4, temperature=1.0, max_tokens=2, allowed_token_ids=list(range(0, 300, 2))))
+    core = llm.engine.core
+    wired = [add_decoder.decode(encoder.encode(r)) for r in reqs]  # as the engine-core process receives them
+    assert wired[0].sampling_params.allowed_token_ids is not wired[1].sampling_params.allowed_token_ids
+    for r in wired:
+        core.add_request(r)
+    held = {id(core.scheduler.requests[r.request_id].sampling_params.allowed_token_ids) for r in wired}
+    assert len(held) == 1
+    while core.has_unfinished_requests():
+        core.step()
+    assert not core.scheduler.requests
+
+
+def test_one_mask_per_shared_list_forgotten_with_its_last_request():
+    allowed = [4, 9, 11]
+    states = [_state(f"s{i}", allowed_token_ids=allowed) for i in range(3)] + [_state("o", allowed_token_ids=[7])]
+    addon = LogitsBias()
+    for st in states:
+        addon.add_request(st)
+    assert len(addon._masks) == 2
+    logits = torch.randn(len(states), VOCAB)
+    torch.testing.assert_close(_step(addon, states, logits.clone()), _reference(logits, states), rtol=0, atol=0)
+    for st in states[:3]:
+        addon.remove_request(st)
+    assert list(addon._masks) == [id(states[3].sampling_params.allowed_token_ids)]

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): TP = 2 through the mp executor gives the greedy tokens of TP = 1 (the
 in-process runner; the references are shared with the Ray test, tests/conftest.py) for Llama, Qwen3 and Qwen3-MoE;
 each rank reads about half of the checkpoint; a worker killed mid-generation fails the step within 5 s naming its
-rank, and every worker process is gone afterwards. One TP = 2 engine per model (process start-up dominates); the
+rank, and every worker process is gone afterwards; a request that comes just after a worker died fails at once (its
+step message is never waited on: issue 55 item 12). One TP = 2 engine per model (process start-up dominates); the
 kill test reuses the Qwen3 engine last."""
 from __future__ import annotations
 
@@ -118,3 +119,34 @@ def test_unsplittable_model_is_refused_before_workers_start(tiny_models):
         engine(tiny_models["llama"], 3)
     with pytest.raises(ConfigError, match="uni runs one process"):
         engine(tiny_models["llama"], 2, distributed_executor_backend="uni")
+
+
+@pytest.mark.parametrize("pipelined", ["on", "off"])
+def test_a_request_just_after_a_worker_died_fails_at_once(qwen3_path, pipelined):
+    """Issue 55 item 12: an idle engine whose worker has just died took the next request's step to the workers:
+    the step message to the dead rank blocked (its socket has no peer left), so the request waited for the 30 s
+    hang timeout. Now the step fails at once naming the rank."""
+    eng = engine(qwen3_path, 2, async_scheduling=pipelined)
+    ex = eng.core.executor
+
+    def hung(*_):
+        raise TimeoutError("the step hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        greedy(eng, prompts()[:1], 2)
+        os.kill(ex.worker_pids[1], signal.SIGKILL)
+        time.sleep(0.5)  # the worker is gone before the next request comes
+        signal.alarm(20)
+        t0 = time.monotonic()
+        eng.add_request(prompts()[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        with pytest.raises(WorkerError, match="rank 1"):
+            for _ in range(100):
+                eng.step()
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        eng.core.shutdown()
+    for p in ex._procs:
+        assert p.poll() is not None

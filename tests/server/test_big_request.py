@@ -130,3 +130,24 @@ def test_victims_of_sequences_already_inside_the_engine_keep_their_latency(share
           f"{percentile(loaded, 99):.3f} s (ratio {ratio:.2f}); medians {statistics.median(idle):.3f} / "
           f"{statistics.median(loaded):.3f} s")
     assert ratio < 8, (idle, loaded)
+
+
+
+def test_a_beam_search_honours_its_timeout(big_server):
+    """Issue 55 item 6: a beam chat with `timeout` 1 ran 180 s. Now the timeout ends the search: its live beams so
+    far come back as a timed-out request's do (abort, timeout), and its step requests leave the engine. (The
+    window and the fair share: tests/frontend/test_beam_admission.py.)"""
+    url = big_server.url
+    for path, extra in ((C, {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                         "content": "hi"}]})):
+        t0 = time.monotonic()
+        s, r = http("POST", url + path, {**extra, "n": 2, "max_tokens": 400, "ignore_eos": True,
+                                         "use_beam_search": True, "timeout": 1}, timeout=120)
+        took = time.monotonic() - t0
+        assert s == 200, r
+        assert [(c["finish_reason"], c["stop_reason"]) for c in r["choices"]] == [("abort", "timeout")] * 2, r
+        assert took < 5, took
+    deadline = time.monotonic() + 10
+    while in_engine(url) > 0:
+        assert time.monotonic() < deadline, "the beam search's step requests stayed in the engine"
+        time.sleep(0.2)

@@ -151,3 +151,63 @@ def test_generation_server_refuses_pooling(server):
     for path, body in (("/v1/embeddings", {"input": "hi"}), ("/rerank", {"query": "q", "documents": ["d"]})):
         status, res = http("POST", server.url + path, body)
         assert status == 400 and "this model generates text" in res["error"]["message"], res
+
+
+def test_inputs_and_documents_are_capped(embed_server, rerank_server):
+    """Issue 55 item 7: the number of pooling inputs, documents and score texts is capped (a 400 naming the field
+    and the limit, before any tokenizing)."""
+    from kestrel.server.pooling import MAX_POOLING_INPUTS
+
+    over = ["x"] * (MAX_POOLING_INPUTS + 1)
+    for url, path, body, param in (
+            (embed_server.url, "/v1/embeddings", {"input": over}, "input"),
+            (rerank_server.url, "/classify", {"input": over}, "input"),
+            (rerank_server.url, "/rerank", {"query": "q", "documents": over}, "documents"),
+            (rerank_server.url, "/v1/rerank", {"query": "q", "documents": over}, "documents"),
+            (rerank_server.url, "/score", {"text_1": "q", "text_2": over}, "text_2"),
+            (embed_server.url, "/score", {"text_1": over, "text_2": over}, "text_1")):
+        status, res = http("POST", url + path, body)
+        assert status == 400 and res["error"]["param"] == param, (path, res)
+        assert f"at most {MAX_POOLING_INPUTS}" in res["error"]["message"], res
+    status, body = http("POST", embed_server.url + "/score", {"text_1": "q", "text_2": ["d"] * 40})
+    assert status == 200 and len(body["data"]) == 40, body
+
+
+@pytest.mark.serial  # health latency: make test runs it alone
+def test_health_answers_while_long_inputs_tokenize(embed_server, rerank_server):
+    """Issue 55 item 7: pooling inputs were tokenized on the event loop (and a cross-encoder's pairs in one
+    render-thread call): many long texts stalled /health. Now they are tokenized off the loop, in chunks."""
+    import threading
+    import time
+
+    text = " ".join(f"word{i}" for i in range(3000))
+    for url, path, body in ((embed_server.url, "/v1/embeddings", {"input": [text] * 256}),
+                            (rerank_server.url, "/rerank", {"query": text, "documents": [text] * 256})):
+        server = embed_server if url == embed_server.url else rerank_server
+        lat = []
+        # the client leaves after 1 s: its work stops (answered or not, health must stay quick)
+        worker = threading.Thread(target=_post_and_leave, args=(url + path, body, 1.0))
+        worker.start()
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            assert server.health()[0] == 200
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        worker.join(60)
+        lat.sort()
+        print(path, "health median", lat[len(lat) // 2], "worst", lat[-1])
+        assert lat[len(lat) // 2] < 0.1 and lat[-1] < 0.5, (path, lat[-5:])
+
+
+def _post_and_leave(url: str, body: dict, after: float) -> None:
+    import json as _json
+    import socket
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=after).read()
+    except (urllib.error.URLError, socket.timeout, TimeoutError):
+        pass

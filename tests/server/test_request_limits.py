@@ -126,3 +126,13 @@ def test_post_bodies_must_be_json(server, path, kind):
     except urllib.error.HTTPError as e:
         status, text = e.code, e.read().decode()
     assert status == 415 and _json.loads(text)["error"]["type"] == "invalid_request_error", (status, text)
+
+
+def test_allowed_token_ids_are_capped_at_the_vocabulary_size(server):
+    """Issue 55 item 8: allowed_token_ids had no cap (2M ids x n 64 grew the engine by 2.4 GB)."""
+    s, r = http("POST", server.url + C, {"prompt": "hi", "max_tokens": 1, "allowed_token_ids": [1] * 385})
+    assert s == 400 and r["error"]["param"] == "allowed_token_ids", r
+    assert "at most 384" in r["error"]["message"], r
+    s, r = http("POST", server.url + C, {"prompt": "hi", "max_tokens": 2, "n": 3, "temperature": 1,
+                                         "allowed_token_ids": [7, 7, 9] * 100})
+    assert s == 200 and all(c["text"] is not None for c in r["choices"]), r

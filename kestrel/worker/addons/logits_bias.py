@@ -2,7 +2,8 @@
 
 Each request's fixed part (its biases, its single-token bad words) is laid out once, when the request arrives; a
 step gathers the rows that use any of them into one sparse (row, token, value) list, added to the logits in one
-`index_put_` (a ban is -inf), and masks the `allowed_token_ids` rows in one pass. A step whose rows use none of
+`index_put_` (a ban is -inf), and masks the `allowed_token_ids` rows in one pass (one keep-mask a list, built at
+its first step and shared by the sequences that share the list). A step whose rows use none of
 them costs a dictionary lookup per row; with no such request live, nothing at all. A multi-token bad word bans
 its last token where the output so far ends with the rest of it (only output tokens count, as in vLLM); such
 requests never run pipelined (engine/scheduler.py needs_sync), so their previous tokens are known here."""
@@ -47,19 +48,39 @@ class _LogitChanges:
 class LogitsBias(StepAddon):
     def __init__(self):
         self.changes: dict[str, _LogitChanges] = {}  # live requests that change their logits
+        # one keep-mask per allowed_token_ids list object (a request's sequences share theirs: engine/core.py):
+        # id(list) -> [the list, its mask (built at first use) or None, live requests using it]
+        self._masks: dict[int, list] = {}
 
     def add_request(self, st: RequestState) -> None:
         if st.sampling_params.changes_logits:
-            self.changes[st.request_id] = _LogitChanges.of(st)
+            ch = self.changes[st.request_id] = _LogitChanges.of(st)
+            if ch.allowed is not None:
+                self._masks.setdefault(id(ch.allowed), [ch.allowed, None, 0])[2] += 1
 
     def remove_request(self, st: RequestState) -> None:
-        self.changes.pop(st.request_id, None)
+        ch = self.changes.pop(st.request_id, None)
+        if ch is not None and ch.allowed is not None:
+            entry = self._masks[id(ch.allowed)]
+            entry[2] -= 1
+            if not entry[2]:
+                del self._masks[id(ch.allowed)]
+
+    def _mask(self, allowed: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-wide keep-mask of one allowed_token_ids list, built once on the logits' device."""
+        entry = self._masks[id(allowed)]
+        mask = entry[1]
+        if mask is None or mask.device != logits.device or mask.shape[0] != logits.shape[1]:
+            mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+            mask[to_device(allowed, torch.int64, logits.device)] = True
+            entry[1] = mask
+        return mask
 
     def before_sample(self, logits: torch.Tensor, inf) -> None:
         if not self.changes:
             return
         rows, tokens, values = [], [], []
-        allow_rows, allow_pairs, allow_tokens = [], [], []  # restricted rows; each allowed token's restricted row
+        allow_rows, allow_masks = [], []  # restricted rows and their keep-masks
         for i, st in enumerate(inf.states):
             ch = self.changes.get(st.request_id)
             if ch is None:
@@ -69,20 +90,16 @@ class LogitsBias(StepAddon):
             tokens += ch.tokens + banned
             values += ch.values + [_BAN] * len(banned)
             if ch.allowed is not None:
-                allow_pairs += [len(allow_rows)] * len(ch.allowed)
-                allow_tokens += ch.allowed
                 allow_rows.append(i)
+                allow_masks.append(self._mask(ch.allowed, logits))
         dev = logits.device
         if allow_rows:
-            keep_only(logits, to_device(allow_rows, torch.int64, dev), to_device(allow_pairs, torch.int64, dev),
-                      to_device(allow_tokens, torch.int64, dev))
+            keep_only(logits, to_device(allow_rows, torch.int64, dev), torch.stack(allow_masks))
         if rows:
             logits.index_put_((to_device(rows, torch.int64, dev), to_device(tokens, torch.int64, dev)),
                               to_device(values, torch.float32, dev).to(logits.dtype), accumulate=True)
 
 
-def keep_only(logits: torch.Tensor, rows: torch.Tensor, pair_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Ban every token of the logits rows `rows` except, for each k, token tokens[k] in row rows[pair_rows[k]]."""
-    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-    keep[pair_rows, tokens] = True
+def keep_only(logits: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> None:
+    """Ban every token of the logits rows `rows` except those `keep` (one vocabulary-wide mask a row) marks."""
     logits[rows] = logits[rows].masked_fill(~keep, _BAN)
