@@ -5,7 +5,11 @@ from kestrel.layers.fused import fused_ops_for
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add: forward(x, residual) -> (norm(x + residual), x + residual)."""
+    """RMSNorm with an optional fused residual add: forward(x, residual) -> (norm(x + residual), x + residual).
+    Llama's rounding: the normalised x is rounded to x's dtype before the weight scales it, as the fused Triton
+    kernels (rms_norm, the GEMV's norm prologue, the q/k norm-rope prologue) compute it; `fusable` says those
+    kernels may stand in for this norm."""
+    fusable = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -34,11 +38,16 @@ def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | Non
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm scales by (1 + weight); the checkpoint stores `weight`, and after loading we keep
-    1 + weight so the plain (and fused) RMSNorm kernels apply it."""
+    """Gemma's RMSNorm (also Qwen3-Next's and Qwen3.5's) scales by (1 + weight). The checkpoint stores `weight`;
+    after loading we keep 1 + weight, in float32 whatever the model's dtype (bf16 would round 1 + w by up to 2**-9).
+    transformers' order: x normalised in float32, times (1 + w) in float32, one rounding to x's dtype. The fused
+    kernels round the normalised x first (Llama's order), so this norm runs as PyTorch ops on every device
+    (`fusable` False): in bf16 the extra roundings doubled the relative error of the first GDN layer's output on
+    tiny Qwen3.5-MoE checkpoints (CPU) and left our teacher-forced agreement below transformers' own bf16 run."""
+    fusable = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
-        super().__init__(hidden_size, eps, dtype)
+        super().__init__(hidden_size, eps, torch.float32)
         self.weight.data.zero_()
         self._offset_applied = False
 
@@ -46,6 +55,16 @@ class GemmaRMSNorm(RMSNorm):
         if not self._offset_applied:
             self.weight.data += 1.0
             self._offset_applied = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class ResidualAdd(nn.Module):

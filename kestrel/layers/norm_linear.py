@@ -20,7 +20,8 @@ class NormLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None):
         linear = self.linear
-        if getattr(linear, "fusable", False) and isinstance(self.norm, RMSNorm):  # not a ResidualAdd
+        if (getattr(linear, "fusable", False) and isinstance(self.norm, RMSNorm)  # not a ResidualAdd
+                and self.norm.fusable):  # the kernels round as Llama's RMSNorm does
             kernel = linear.kernel
             if self.act is None:
                 fused = kernel.apply_rms_norm(linear, x, self.norm.weight, self.norm.eps, residual)
