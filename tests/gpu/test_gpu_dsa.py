@@ -12,7 +12,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.attention.sparse_mla import DENSE, SPARSE, SparseMLAAttention
-from tests.agreement import MIXED_PROMPTS, teacher_forced_errors
+from tests.agreement import MIXED_PROMPTS, assert_no_worse_than_transformers_bf16, beside_transformers_bf16
 
 pytestmark = pytest.mark.gpu
 PROMPTS = MIXED_PROMPTS + [[100 + (13 * i) % 211 for i in range(48)]]
@@ -110,7 +110,7 @@ def test_every_token_selected_matches_transformers(dsa, monkeypatch, kind, layer
     kernels under the interpreter). Checked on the CPU in bf16 (torch backend): both kinds and routes pass, and an
     MLA softmax scale 1.3x off fails (21 of 32 tokens on the first prompt against transformers bf16's 32)."""
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
-    assert_no_worse_than_transformers_bf16(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS)
+    assert_no_worse_than_transformers_bf16(_llm(dsa(kind, 2048)), dsa(kind, 2048), PROMPTS, device="cuda")
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
@@ -124,53 +124,11 @@ def test_small_topk_no_worse_than_transformers_bf16(dsa, kind, chunk):
     assert ours >= 0.8 * theirs, (ours, theirs)
 
 
-def _beside_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda"):
-    """Per prompt, teacher-forced against transformers in float32 (teacher_forced_errors' tuple): ours, and
-    transformers' own bf16 run's."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    hf_bf16 = _Transformers(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval(), device)
-    for p in prompts:
-        yield p, teacher_forced_errors(llm, hf, p, n, device), teacher_forced_errors(hf_bf16, hf, p, n, device)
-
-
-def assert_no_worse_than_transformers_bf16(llm, path, prompts, n: int = 32, device: str = "cuda") -> None:
-    """Per prompt: our agreeing tokens are at least n - 2 or at least transformers' own bf16 run's less one, and
-    we have at most one position more than that run whose chosen token's logprob is off by the bf16 tolerance or
-    more."""
-    for p, (agree, errors, tol, _), (their_agree, their_errors, _, _) in _beside_transformers_bf16(
-            llm, path, prompts, n, device):
-        assert agree >= min(n - 2, their_agree - 1), (len(p), agree, their_agree)
-        off, their_off = sum(e >= tol for e in errors), sum(e >= tol for e in their_errors)
-        assert off <= their_off + 1, (len(p), sorted(errors)[-3:], sorted(their_errors)[-3:], tol)
-
-
 def _agreement_beside_transformers_bf16(llm, path) -> tuple[int, int]:
     """Teacher-forced tokens agreeing with transformers in float32 over PROMPTS x 32: ours, and transformers' own
     bf16 run's."""
-    runs = list(_beside_transformers_bf16(llm, path, PROMPTS))
+    runs = list(beside_transformers_bf16(llm, path, PROMPTS, device="cuda"))
     return sum(ours[0] for _, ours, _ in runs), sum(theirs[0] for _, _, theirs in runs)
-
-
-class _Transformers:
-    """transformers' model behind the one LLM call teacher_forced_errors makes (greedy prompt logprobs)."""
-
-    def __init__(self, model, device: str = "cuda"):
-        self.model, self.device = model, device
-
-    def generate(self, seqs, params):
-        from types import SimpleNamespace
-
-        with torch.no_grad():
-            logp = self.model(torch.tensor(seqs, device=self.device)).logits[0].float().log_softmax(-1)
-        entries = [None]
-        for j in range(1, len(seqs[0])):
-            top = int(logp[j - 1].argmax())
-            entries.append({top: SimpleNamespace(rank=1, logprob=float(logp[j - 1, top])),
-                            **({} if seqs[0][j] == top else {seqs[0][j]: SimpleNamespace(
-                                rank=2, logprob=float(logp[j - 1, seqs[0][j]]))})})
-        return [SimpleNamespace(prompt_logprobs=entries)]
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
@@ -180,7 +138,7 @@ def test_fp8_keys_every_token_selected_matches_transformers(dsa, monkeypatch, ki
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", False)
     llm = _llm(dsa(kind, 2048), indexer_key_dtype="fp8")
     assert llm.engine.core.executor.runner.kv_cache_groups[0].spec.index_dtype == torch.float8_e4m3fn
-    assert_no_worse_than_transformers_bf16(llm, dsa(kind, 2048), PROMPTS)
+    assert_no_worse_than_transformers_bf16(llm, dsa(kind, 2048), PROMPTS, device="cuda")
 
 
 def test_fp8_keys_small_topk_against_deepseek_fp8_indexer(dsa):

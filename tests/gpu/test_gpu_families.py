@@ -1,14 +1,20 @@
 """The families built from small mechanisms (tests/models/test_families.py on the CPU) on the GPU (skipped without
 CUDA): a bf16 engine against transformers in float32, teacher-forced, with CUDA graphs on and off (>= 30/32 tokens
-agree, or every disagreement but one a near-tie of the reference; chosen-token logprobs within the bf16 tolerance
-over what transformers' own bf16 run costs, at all positions but one); CUDA-graph replay equals eager. Head dim 64
-(the Triton attention's sizes; MLA: latent 64 + rope 16); routers sharpened (decisive_routers)."""
+agree, or every disagreement but one a near-tie of the reference; the MoE families held instead to transformers'
+own bf16 run: tests/agreement.py's MOE_BAR; chosen-token logprobs within the bf16 tolerance over what transformers'
+own bf16 run costs, at all positions but one); CUDA-graph replay equals eager. Head dim 64
+(the Triton attention's sizes; MLA: latent 64 + rope 16); routers sharpened (decisive_routers).
+
+Why the MoE families are held to transformers' bf16 run: on the H100 at f5c7396 MiniMax-M2 agreed 27/32 on the
+4-token prompt and Mistral 4 28/32 on the 7-token one, graphs and eager alike, and on the CPU transformers' own bf16
+run agrees 25/32 and 29/32 there (ours 25 and 30): router near-ties of the tiny checkpoints, not the engine (over
+seeds 0-3 on the CPU: MiniMax-M2 ours 600/640, transformers bf16 599; Mistral 4 589, 586)."""
 import pytest
 import torch
 
 from kestrel import LLM
-from tests.agreement import (MIXED_PROMPTS, assert_graph_replay_equals_eager, decisive_routers,
-                             hf_causal_lm)
+from tests.agreement import (MIXED_PROMPTS, MOE_BAR, TransformersAsLLM, assert_graph_replay_equals_eager,
+                             decisive_routers, hf_causal_lm, shortfalls_beside_transformers_bf16)
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
@@ -26,6 +32,7 @@ SIZES = {
     "mistral4": dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
                      moe_intermediate_size=128),
 }
+MOE = {"ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "llama4", "mistral4"}
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +61,18 @@ def test_bf16_matches_transformers(checkpoint, kind, graphs):
     assert (llm.engine.core.executor.runner.graphs is not None) == graphs
     hf = hf_causal_lm(path, dtype=torch.float32).cuda().eval()
     hf_bf16 = hf_causal_lm(path, dtype=torch.bfloat16).cuda().eval()
+    runs = []
     for p in PROMPTS:
-        agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")
+        ours = agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")
+        if kind in MOE:
+            runs.append((p, ours, teacher_forced_errors(TransformersAsLLM(hf_bf16, "cuda"), hf, p, 32, "cuda")))
+        else:
+            assert agree >= 30 or agree + ties >= 31, (kind, len(p), agree, ties)
         own = same_dtype_reference_errors(hf, hf_bf16, p, 32, "cuda")
-        assert agree >= 30 or agree + ties >= 31, (kind, len(p), agree, ties)
         over = sorted(e - (tol + r) for e, r in zip(errors, own))
         assert over[-2] < 0, (kind, len(p), [(round(e, 3), round(r, 3)) for e, r in zip(errors, own)
                                              if e >= tol + r], tol)
+    assert not (bad := shortfalls_beside_transformers_bf16(runs, **MOE_BAR)), (kind, bad)
 
 
 @pytest.mark.parametrize("kind", list(SIZES))
