@@ -43,7 +43,6 @@ class EngineCore:
         self.pipelined = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self._inflight = None
         self._rejected: list[EngineCoreOutput] = []  # finished before they could run (an add-on refused them)
-        self._last_allowed: tuple[str, list[int]] | None = None  # the last request's (group, allowed_token_ids)
         log_ready(self.executor, self.scheduler, num_blocks, config.cache.block_size, t0)
 
     def __getattr__(self, name: str):
@@ -54,7 +53,6 @@ class EngineCore:
 
     # ---- requests
     def add_request(self, r: EngineCoreRequest) -> None:
-        self._share_allowed_ids(r)
         req = Request(r.request_id, list(r.prompt_token_ids), r.sampling_params, self.eos_token_id, r.max_tokens,
                       r.priority, r.arrival_time, extras=r.extras, group_id=r.group_id)
         why = next((why for admit in self._hooks["admit"] if (why := admit(req)) is not None), None)
@@ -64,20 +62,6 @@ class EngineCore:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not any(hold(req) for hold in self._hooks["hold"]):
             self.scheduler.add_request(req)
-
-    def _share_allowed_ids(self, r: EngineCoreRequest) -> None:
-        """A request's n sequences (and prompts) arrive one after another, each with its own decoded copy of
-        allowed_token_ids (up to the vocabulary size each: 64 sequences of a large list held gigabytes): a copy equal
-        to the previous request's list of the same group becomes that list, so they share one object (the runner's
-        LogitsBias then builds one mask for them all)."""
-        ids = r.sampling_params.allowed_token_ids
-        last = self._last_allowed
-        if ids is None:
-            return
-        if last is not None and last[0] == r.group_id and last[1] is not ids and last[1] == ids:
-            r.sampling_params.allowed_token_ids = last[1]
-        else:
-            self._last_allowed = (r.group_id, ids)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         held = [rid for abort in self._hooks["abort"] for rid in abort(set(request_ids))]

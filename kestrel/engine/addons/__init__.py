@@ -3,6 +3,7 @@ engine-side feature is one file and one line of ENGINE_ADDONS; EngineCore calls 
 from __future__ import annotations
 
 from kestrel.core.engine_addon import HOOKS, EngineAddon, overriding
+from kestrel.engine.addons.allowed_ids import SharedAllowedIds
 from kestrel.engine.addons.grammars import Grammars
 from kestrel.engine.addons.kv_offload import KVOffload
 from kestrel.engine.addons.lora import LoRAControl
@@ -10,6 +11,7 @@ from kestrel.engine.addons.pooling import Pooling
 from kestrel.spec_decode.speculation import Speculation
 
 ENGINE_ADDONS: list[type[EngineAddon]] = [
+    SharedAllowedIds,
     LoRAControl,
     Grammars,
     Speculation,
