@@ -1,0 +1,80 @@
+"""Where a DSA decode step and a long prefill step go, beside the dense-MLA twin (issue 47): n requests of
+prompt_len random tokens are prefilled, then decode steps are timed one by one (no prefill in the figure) and
+profiled with torch.profiler; the first prefill steps are profiled too.
+    python -m benchmarks.profile_dsa [--prompt-len 32768] [--n 8] [--shapes deepseek-v2-lite-dsa ...]"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from benchmarks.common import write_shape
+from kestrel import LLM, SamplingParams
+
+
+def kernel_table(prof, rows: int) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def profile_shape(shape: str, prompt_len: int, n: int, key_dtype: str, rows: int) -> None:
+    rng = random.Random(0)
+    llm = LLM(str(write_shape(shape)), load_format="dummy", dtype="bfloat16", progress=False,
+              max_model_len=prompt_len + 128, indexer_key_dtype=key_dtype)
+    llm.generate([[rng.randint(0, 9999) for _ in range(64)]], SamplingParams(max_tokens=4, ignore_eos=True))
+    eng, core = llm.engine, llm.engine.core
+    for _ in range(n):
+        eng.add_request([rng.randint(0, 9999) for _ in range(prompt_len)],
+                        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+    t = time.perf_counter()
+    prefill_steps = 1
+    while core.scheduler.num_waiting or any(r.in_prefill for r in core.scheduler.running):
+        eng.step()
+        prefill_steps += 1
+    torch.cuda.synchronize()
+    rest = time.perf_counter() - t
+    runner = core.executor.runner
+    print(f"\n##### {shape} ({runner.backend.name}, {key_dtype} keys) {n} x {prompt_len}: first prefill step "
+          f"{first * 1e3:.1f} ms, {prefill_steps} prefill steps in {first + rest:.2f} s")
+    print(kernel_table(prof, rows))
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        eng.step()
+    torch.cuda.synchronize()
+    print(f"{shape}: decode step at batch {core.scheduler.num_running}: "
+          f"{(time.perf_counter() - t) / 20 * 1e3:.2f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            eng.step()
+        torch.cuda.synchronize()
+    print(kernel_table(prof, rows))
+    del runner, eng, core, prof
+    llm.shutdown()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=32768)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--shapes", nargs="+", default=["deepseek-v2-lite-dsa", "deepseek-v2-lite-dsa-dense"])
+    ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8"], default="bf16")
+    args = ap.parse_args()
+    for shape in args.shapes:
+        profile_shape(shape, args.prompt_len, args.n, args.indexer_key_dtype, args.rows)
+
+
+if __name__ == "__main__":
+    main()
