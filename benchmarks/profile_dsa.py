@@ -11,6 +11,7 @@ import time
 import torch
 
 from benchmarks.common import write_shape
+from benchmarks.engine_steps import decode_ms_per_step, prefill_all
 from kestrel import LLM, SamplingParams
 
 
@@ -34,26 +35,12 @@ def profile_shape(shape: str, prompt_len: int, n: int, key_dtype: str, rows: int
         eng.step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t
-    t = time.perf_counter()
-    prefill_steps = 1
-    while core.scheduler.num_waiting or any(r.in_prefill for r in core.scheduler.running):
-        eng.step()
-        prefill_steps += 1
-    torch.cuda.synchronize()
-    rest = time.perf_counter() - t
+    rest, prefill_steps = prefill_all(eng)
     runner = core.executor.runner
     print(f"\n##### {shape} ({runner.backend.name}, {key_dtype} keys) {n} x {prompt_len}: first prefill step "
-          f"{first * 1e3:.1f} ms, {prefill_steps} prefill steps in {first + rest:.2f} s")
+          f"{first * 1e3:.1f} ms, {prefill_steps + 1} prefill steps in {first + rest:.2f} s")
     print(kernel_table(prof, rows))
-    for _ in range(3):
-        eng.step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        eng.step()
-    torch.cuda.synchronize()
-    print(f"{shape}: decode step at batch {core.scheduler.num_running}: "
-          f"{(time.perf_counter() - t) / 20 * 1e3:.2f} ms")
+    print(f"{shape}: decode step at batch {core.scheduler.num_running}: {decode_ms_per_step(eng, 20):.2f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

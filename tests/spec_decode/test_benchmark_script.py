@@ -23,3 +23,16 @@ def test_benchmark_rows_and_acceptance(tiny_llama):
     for b in best:
         assert b["ms_per_token"] == min(r["ms_per_token"] for r in rows
                                         if r["k"] and (r["batch"], r["alpha"]) == (b["batch"], b["alpha"]))
+
+
+def test_benchmark_default_config_row_above_disable_by_batch_size(tiny_llama):
+    """A batch above the default disable_by_batch_size (32) also gets a row of the engine as a user configures it:
+    no drafts there, so nothing is accepted, and the best-k summary ignores that row."""
+    result = spec_decode.main(["--model", str(tiny_llama), "--device", "cpu", "--batches", "1,33", "--alphas",
+                                   "1.0", "--ks", "2", "--output-len", "5", "--prompt-len", "8", "--reps", "1"])
+    default = [r for r in result["rows"] if r["config"].startswith("replay, default")]
+    assert [(r["batch"], r["k"]) for r in default] == [(33, 2)]
+    assert default[0]["mean_accepted_len"] in ("", "1.00")
+    replay33 = [r for r in result["rows"] if r["config"] == "replay drafts" and r["batch"] == 33]
+    assert float(replay33[0]["mean_accepted_len"]) > 2.0
+    assert [b["ms_per_token"] for b in result["best"] if b["batch"] == 33] == [replay33[0]["ms_per_token"]]
