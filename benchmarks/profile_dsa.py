@@ -37,7 +37,8 @@ def profile_shape(shape: str, prompt_len: int, n: int, key_dtype: str, rows: int
         first = time.perf_counter() - t
     rest, prefill_steps = prefill_all(eng)
     runner = core.executor.runner
-    print(f"\n##### {shape} ({runner.backend.name}, {key_dtype} keys) {n} x {prompt_len}: first prefill step "
+    print(f"\n##### {shape} ({runner.backend.name}, {key_dtype} keys, eager top-k "
+          f"{getattr(runner.backend.impl_cls, 'eager_topk', '-')}) {n} x {prompt_len}: first prefill step "
           f"{first * 1e3:.1f} ms, {prefill_steps + 1} prefill steps in {first + rest:.2f} s")
     print(kernel_table(prof, rows))
     print(f"{shape}: decode step at batch {core.scheduler.num_running}: {decode_ms_per_step(eng, 20):.2f} ms")
@@ -58,7 +59,14 @@ def main():
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--shapes", nargs="+", default=["deepseek-v2-lite-dsa", "deepseek-v2-lite-dsa-dense"])
     ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--eager-topk", choices=["torch", "radix"], default=None,
+                    help="the sparse prefill's top-k (TritonSparseMLAImpl.eager_topk; default: the engine's)")
     args = ap.parse_args()
+    if args.eager_topk:
+        from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLAImpl
+
+        TritonSparseMLAImpl.eager_topk = args.eager_topk
+        print(f"sparse prefill top-k: {args.eager_topk}")
     for shape in args.shapes:
         profile_shape(shape, args.prompt_len, args.n, args.indexer_key_dtype, args.rows)
 

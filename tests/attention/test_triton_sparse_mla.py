@@ -239,20 +239,22 @@ def test_triton_impl_matches_torch_impl_on_a_step():
 @pytest.mark.skipif(CUDA, reason="CPU float32 under the interpreter; tests/gpu/test_gpu_dsa.py on CUDA")
 # index_topk 64 is past every context here (42 tokens at most), as 2048 is in a real model: the same routes, at a
 # fraction of the interpreter's time (the sparse kernels loop over all k slots)
-@pytest.mark.parametrize("topk,chunk,layer_dense", [(64, None, False), (64, None, True), (8, None, True),
-                                                    (8, 8, True)])
+@pytest.mark.parametrize("topk,chunk,layer_dense,eager_topk", [(64, None, False, "torch"), (64, None, True, "torch"),
+                                                               (8, None, True, "torch"), (8, 8, True, "torch"),
+                                                               (8, 8, True, "radix")])
 def test_engine_on_triton_sparse_mla_equals_reference(tmp_path, tiny_tokenizer, monkeypatch, topk, chunk,
-                                                      layer_dense):
+                                                      layer_dense, eager_topk):
     """The whole engine (tiny DeepSeek-V3.2, prompts over several cache blocks) on the Triton backend gives the
     reference backend's greedy tokens: the kernels reached through the runner's real cache views, block table
     and per-token metadata, which the kernel tests above build by hand. index_topk 64: every step sparse
     (layer_dense False) or on the dense routes; 8: the selection decides, also over chunked prefill."""
     from kestrel import LLM, SamplingParams
-    from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLABackend
+    from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLABackend, TritonSparseMLAImpl
     from kestrel.attention.sparse_mla import SparseMLAAttention
     from tests.tiny import make_checkpoint
 
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
+    monkeypatch.setattr(TritonSparseMLAImpl, "eager_topk", eager_topk)  # radix: the prefill's top-k A/B candidate
     monkeypatch.setattr(TritonSparseMLABackend, "devices", ("cuda", "cpu"))
     monkeypatch.setattr(TritonSparseMLABackend, "dtypes", (torch.float32,))
     path = make_checkpoint("deepseek_v32", tmp_path, tokenizer=tiny_tokenizer, kv_lora_rank=64, qk_rope_head_dim=16,
