@@ -38,7 +38,8 @@ class Attention(nn.Module):
         # the fused prologue's order: per-head RMSNorm (with a weight), then a neox rotary over the whole head
         self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and not rotary.interleaved
                                and query_scale is None and not qk_norm_all_heads and not qk_norm_after_rope
-                               and (q_norm is None or getattr(q_norm, "weight", None) is not None))
+                               and (q_norm is None or (getattr(q_norm, "weight", None) is not None
+                                                       and getattr(q_norm, "fusable", True))))
         self.attention_chunk_size = attention_chunk_size or 0
         if self.sliding_window and self.attention_chunk_size:
             raise ValueError(f"{prefix}: a sliding window and chunked attention together")
