@@ -47,24 +47,10 @@ class Executor:
     kv_cache_groups: list[KVCacheGroup]
     bytes_per_block: int
 
-    def precompile_kernels(self) -> None:
-        raise NotImplementedError
-
-    def determine_num_blocks(self) -> int:
-        """KV blocks that fit on every rank (the minimum over ranks)."""
-        raise NotImplementedError
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache and set up what needs it (buffers, CUDA graphs) on every rank."""
-        raise NotImplementedError
-
     def start_up(self) -> int:
-        """The start-up after the model loaded, in order: precompile, size the KV cache (the minimum over ranks),
-        allocate it and set up what needs it. Returns the number of blocks."""
-        self.precompile_kernels()
-        num_blocks = self.determine_num_blocks()
-        self.initialize_cache(num_blocks)
-        return num_blocks
+        """The start-up after the model loaded, on every rank (kestrel/worker/build.py start_up): precompile, size
+        the KV cache (the minimum over ranks), allocate it and set up what needs it. Returns the number of blocks."""
+        raise NotImplementedError
 
     def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None):
         """Start a step and return a handle for `collect` (its `samples` says whether it samples tokens). With
@@ -109,16 +95,6 @@ class UniExecutor(Executor):
     @property
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block
-
-    def precompile_kernels(self) -> None:
-        self.runner.precompile_kernels()
-
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.setup_after_kv()
 
     def start_up(self) -> int:
         from kestrel.worker.build import start_up

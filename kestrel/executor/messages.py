@@ -19,8 +19,7 @@ from kestrel.core import kv_spec
 from kestrel.core.kv_spec import KVCacheGroup
 from kestrel.core.step import RunnerOutput, StepInput
 
-STEP, DESCRIBE, NUM_BLOCKS, INIT_CACHE, PRECOMPILE, CONTROL, SHUTDOWN = (
-    b"step", b"describe", b"num_blocks", b"init_cache", b"precompile", b"control", b"shutdown")
+STEP, DESCRIBE, START_UP, CONTROL, SHUTDOWN = (b"step", b"describe", b"start_up", b"control", b"shutdown")
 OK, ERR, CTL_OK, CTL_FAIL = b"ok", b"err", b"ctl_ok", b"ctl_fail"
 
 encoder = msgspec.msgpack.Encoder()

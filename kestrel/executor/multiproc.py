@@ -205,17 +205,14 @@ class MultiWorkerExecutor(Executor):
         return results
 
     # ---- the Executor interface
-    def precompile_kernels(self) -> None:
-        self._call_all(M.PRECOMPILE)
-
-    def determine_num_blocks(self) -> int:
-        per_rank = self._call_all(M.NUM_BLOCKS)
-        if len(set(per_rank)) > 1:
-            logger.info("KV blocks per rank %s: using the minimum", per_rank)
-        return min(per_rank)
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.cuda_graph_sizes = self._call_all(M.INIT_CACHE, num_blocks)
+    def start_up(self) -> int:
+        """Every rank runs kestrel/worker/build.py's start_up, agreeing on the block count by an all-reduce."""
+        replies = self._call_all(M.START_UP)
+        blocks = {r["num_blocks"] for r in replies}
+        if len(blocks) != 1:
+            raise RuntimeError(f"tensor-parallel ranks allocated different KV block counts: {sorted(blocks)}")
+        self.cuda_graph_sizes = [r["graph_sizes"] for r in replies]
+        return blocks.pop()
 
     def launch(self, step: StepInput, prev=None, sample: bool = True, before_forward=None) -> StepHandle:
         """Steps reach the workers in launch order; one whose sampling waits for a grammar bitmask is sent by

@@ -12,7 +12,6 @@ import os
 import sys
 import traceback
 
-import msgspec
 import zmq
 
 from kestrel.core.supervisor import die_with_parent, parent_gone, wait_while_parent_lives
@@ -73,6 +72,20 @@ def run_worker(config_dict: dict, rank: int, size: int, init_method: str, input_
         ctx.term()
 
 
+def min_over_ranks(num_blocks: int) -> int:
+    """start_up's `agree`: the KV blocks every rank can hold (each rank profiled its own memory)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    n = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    agreed = int(n.item())
+    if agreed != num_blocks:
+        logger.info("KV blocks: this rank fits %d, the ranks agree on %d", num_blocks, agreed)
+    return agreed
+
+
 def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, parent_pid: int | None) -> None:
     import numpy as np
     import torch
@@ -110,15 +123,13 @@ def _serve(runner, rank: int, inp: zmq.Socket, out: zmq.Socket, me: bytes, paren
                      "bytes_per_block": runner.bytes_per_block, "device": str(runner.device),
                      "bytes_read": runner.loaded.bytes_read, "pid": os.getpid(),
                      "dist_backend": torch.distributed.get_backend()}
-        elif method == M.NUM_BLOCKS:
-            reply = runner.determine_num_blocks()
-        elif method == M.INIT_CACHE:
-            runner.allocate_kv_cache(msgspec.msgpack.decode(payload, type=int))
-            runner.setup_after_kv()
-            reply = runner.graphs.sizes if runner.graphs is not None else []  # the decode sizes captured
-        elif method == M.PRECOMPILE:
-            runner.precompile_kernels()
-            reply = None
+        elif method == M.START_UP:
+            from kestrel.worker.build import start_up
+
+            started = start_up(runner.parts, agree=min_over_ranks)  # the same order as in one process
+            runner.adopt(started)
+            reply = {"num_blocks": started.num_blocks,  # and the decode sizes captured
+                     "graph_sizes": runner.graphs.sizes if runner.graphs is not None else []}
         else:
             raise ValueError(f"unknown worker method {method[:32]!r}")
         out.send_multipart([me, M.OK, M.encoder.encode(reply)])

@@ -99,8 +99,8 @@ class ModelRunner:
     def new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
         return self.parts.new_buffers(max_tokens, max_reqs)
 
-    # ---- start-up stages (kestrel/worker/build.py start_up runs them in order; a tensor-parallel worker runs
-    # them as the engine asks, since the ranks agree on the block count in between)
+    # ---- start-up stages, one by one (kestrel/worker/build.py start_up runs them in order in every executor;
+    # these serve tests that look between the stages)
     def precompile_kernels(self) -> None:
         """Parallel Triton compilation of what start-up will launch (CUDA; --no-precompile skips it)."""
         precompile_kernels(self.parts)
