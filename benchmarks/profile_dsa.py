@@ -52,6 +52,35 @@ def profile_shape(shape: str, prompt_len: int, n: int, key_dtype: str, rows: int
     llm.shutdown()
 
 
+def prefill_ab(shape: str, prompt_len: int, n: int, key_dtype: str, variants: list[str]) -> None:
+    """The sparse prefill's candidates (TritonSparseMLAImpl.eager_topk / eager_score_rows, read at each call) on
+    one engine: n fresh prompts prefilled per variant, then aborted; each variant twice, interleaved."""
+    from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLAImpl
+
+    rng = random.Random(1)
+    llm = LLM(str(write_shape(shape)), load_format="dummy", dtype="bfloat16", progress=False,
+              max_model_len=prompt_len + 128, indexer_key_dtype=key_dtype)
+    llm.generate([[rng.randint(0, 9999) for _ in range(64)]], SamplingParams(max_tokens=4, ignore_eos=True))
+    eng = llm.engine
+    seconds = {v: [] for v in variants}
+    for _ in range(2):
+        for v in variants:
+            topk, rows = v.split("/")
+            TritonSparseMLAImpl.eager_topk, TritonSparseMLAImpl.eager_score_rows = topk, int(rows)
+            ids = [eng.add_request([rng.randint(0, 9999) for _ in range(prompt_len)],
+                                   SamplingParams(max_tokens=2, ignore_eos=True)) for _ in range(n)]
+            seconds[v].append(prefill_all(eng)[0])
+            for rid in ids:
+                eng.abort_request(rid)
+            while eng.has_unfinished_requests():
+                eng.step()
+    print(f"\n##### sparse prefill A/B, {shape} ({key_dtype} keys), {n} x {prompt_len}, best of 2:")
+    base = min(seconds[variants[0]])
+    for v in variants:
+        print(f"  top-k/rows {v:10s} {min(seconds[v]):7.2f} s  ({base / min(seconds[v]):.2f}x of {variants[0]})")
+    llm.shutdown()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=32768)
@@ -61,7 +90,12 @@ def main():
     ap.add_argument("--indexer-key-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--eager-topk", choices=["torch", "radix"], default=None,
                     help="the sparse prefill's top-k (TritonSparseMLAImpl.eager_topk; default: the engine's)")
+    ap.add_argument("--prefill-ab", default=None, help="comma-separated TOPK/ROWS variants (e.g. "
+                    "torch/1,radix/1,radix/4): only the sparse prefill A/B on the first shape")
     args = ap.parse_args()
+    if args.prefill_ab:
+        prefill_ab(args.shapes[0], args.prompt_len, args.n, args.indexer_key_dtype, args.prefill_ab.split(","))
+        return
     if args.eager_topk:
         from kestrel.attention.backends.triton_sparse_mla import TritonSparseMLAImpl
 

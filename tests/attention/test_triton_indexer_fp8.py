@@ -56,8 +56,9 @@ def test_fp8_key_write_into_the_shared_page_matches_reference():
 
 
 @pytest.mark.parametrize("fp8_dot", [False, True])  # the float8 tiles into float16 for the dot, or straight in
-@pytest.mark.parametrize("visible_only", [False, True])  # one tile a program, or two programs a row striding
-def test_fp8_indexer_scores_match_reference(fp8_dot, visible_only, monkeypatch):
+@pytest.mark.parametrize("visible_only,rows", [(False, 1), (True, 1), (False, 4)])  # one tile a program, two
+# programs a row striding, or four rows of a request a program
+def test_fp8_indexer_scores_match_reference(fp8_dot, visible_only, rows, monkeypatch):
     """The kernel's own conversion path runs here too (the interpreter's dot multiplies float16 and float8 tiles
     exactly, in float32). visible_only with two programs a token: each program converts its query once and strides
     over several tiles; the positions past each token are left as they were (-inf here)."""
@@ -68,7 +69,7 @@ def test_fp8_indexer_scores_match_reference(fp8_dot, visible_only, monkeypatch):
     monkeypatch.setattr(triton_sparse_mla, "STRIDED_PROGRAMS", 2 * qsl[-1])
     out = torch.full((qsl[-1], max(SEQ)), float("-inf"), device=DEVICE)
     got = indexer_scores(*_dev(q8, w8), tuple(_dev(k8, ks)), *_dev(bt, req.int(), pos.int()), max(SEQ), out=out,
-                         block_n=16, visible_only=visible_only, _fp8_dot=fp8_dot).cpu()
+                         block_n=16, visible_only=visible_only, _fp8_dot=fp8_dot, rows_per_program=rows).cpu()
     for t in range(qsl[-1]):
         b = req[t].item()
         blocks = bt[b, :-(-SEQ[b] // 16)].long()

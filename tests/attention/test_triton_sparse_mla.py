@@ -108,6 +108,36 @@ def test_indexer_scores_match_reference(visible_only, monkeypatch):
         assert torch.isinf(got[t, pos[t] + 1:]).all() and (got[t, pos[t] + 1:] < 0).all()
 
 
+def test_row_tiles_keep_to_one_request():
+    from kestrel.attention.ops.triton_sparse_mla import row_tiles
+
+    req = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 2, 2], dtype=torch.int32)
+    starts, ends = row_tiles(req, 2)
+    assert starts.tolist() == [0, 2, 4, 5, 6, 8] and ends.tolist() == [2, 4, 5, 6, 8, 10]
+    starts, ends = row_tiles(req, 4)
+    assert starts.tolist() == [0, 4, 5, 6] and ends.tolist() == [4, 5, 6, 10]
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_indexer_scores_rows_per_program_match_reference(rows):
+    """Several rows of one request a program (eager prefills): tiles of 4, 1 and 5 rows over three requests,
+    whole rows written (-inf past each position)."""
+    from kestrel.attention.ops.triton_sparse_mla import indexer_scores
+
+    cache, bt, qsl, req, pos, q, w = _scores_case(4)
+    width = max(SEQ) + 7  # past every context: tails of -inf
+    got = indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width, block_n=16,
+                         rows_per_program=rows).cpu()
+    for t in range(qsl[-1]):
+        b = req[t].item()
+        keys = cache[bt[b, :-(-SEQ[b] // 16)].long()].flatten(0, 1)[:pos[t] + 1].to(DTYPE)
+        want = index_scores_ref(q[t:t + 1].to(DTYPE), w[t:t + 1], keys)[0]
+        assert (got[t, :pos[t] + 1] - want).norm() / want.norm() < (1e-2 if CUDA else 1e-5)
+        assert torch.isinf(got[t, pos[t] + 1:]).all() and (got[t, pos[t] + 1:] < 0).all()
+    with pytest.raises(ValueError, match="rows_per_program"):
+        indexer_scores(*_dev(q.to(DTYPE), w, cache.to(DTYPE), bt, req.int(), pos.int()), width, rows_per_program=3)
+
+
 @pytest.mark.parametrize("topk,budget", [(8, 1), (64, 1 << 20), (2048, 1 << 20)])
 def test_select_topk_matches_reference(topk, budget):
     from kestrel.attention.ops.triton_sparse_mla import select_topk
@@ -239,11 +269,12 @@ def test_triton_impl_matches_torch_impl_on_a_step():
 @pytest.mark.skipif(CUDA, reason="CPU float32 under the interpreter; tests/gpu/test_gpu_dsa.py on CUDA")
 # index_topk 64 is past every context here (42 tokens at most), as 2048 is in a real model: the same routes, at a
 # fraction of the interpreter's time (the sparse kernels loop over all k slots)
-@pytest.mark.parametrize("topk,chunk,layer_dense,eager_topk", [(64, None, False, "torch"), (64, None, True, "torch"),
-                                                               (8, None, True, "torch"), (8, 8, True, "torch"),
-                                                               (8, 8, True, "radix")])
+# eager: the sparse prefill's top-k and rows a scores program (TritonSparseMLAImpl's A/B candidates)
+@pytest.mark.parametrize("topk,chunk,layer_dense,eager", [(64, None, False, ("torch", 1)), (64, None, True, ("torch", 1)),
+                                                          (8, None, True, ("torch", 1)), (8, 8, True, ("torch", 1)),
+                                                          (8, 8, True, ("radix", 4)), (8, None, True, ("torch", 2))])
 def test_engine_on_triton_sparse_mla_equals_reference(tmp_path, tiny_tokenizer, monkeypatch, topk, chunk,
-                                                      layer_dense, eager_topk):
+                                                      layer_dense, eager):
     """The whole engine (tiny DeepSeek-V3.2, prompts over several cache blocks) on the Triton backend gives the
     reference backend's greedy tokens: the kernels reached through the runner's real cache views, block table
     and per-token metadata, which the kernel tests above build by hand. index_topk 64: every step sparse
@@ -254,7 +285,8 @@ def test_engine_on_triton_sparse_mla_equals_reference(tmp_path, tiny_tokenizer, 
     from tests.tiny import make_checkpoint
 
     monkeypatch.setattr(SparseMLAAttention, "supports_dense_mha_prefill", layer_dense)
-    monkeypatch.setattr(TritonSparseMLAImpl, "eager_topk", eager_topk)  # radix: the prefill's top-k A/B candidate
+    monkeypatch.setattr(TritonSparseMLAImpl, "eager_topk", eager[0])
+    monkeypatch.setattr(TritonSparseMLAImpl, "eager_score_rows", eager[1])
     monkeypatch.setattr(TritonSparseMLABackend, "devices", ("cuda", "cpu"))
     monkeypatch.setattr(TritonSparseMLABackend, "dtypes", (torch.float32,))
     path = make_checkpoint("deepseek_v32", tmp_path, tokenizer=tiny_tokenizer, kv_lora_rank=64, qk_rope_head_dim=16,

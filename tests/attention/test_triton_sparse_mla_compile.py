@@ -133,3 +133,16 @@ def test_split_radix_topk_compiles(has_last, block):
         compile_ok(fn, _sig(fn, ptrs), dict(PASS=p, BLOCK=block, HAS_LAST=has_last))
     fn = triton_topk._radix_compact_kernel
     compile_ok(fn, _sig(fn, {**ptrs, "OUT": "*i32"}), dict(BLOCK=block, P_PAD=256, HAS_LAST=has_last))
+
+
+@pytest.mark.parametrize("key_fp8", [False, True])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_indexer_scores_rows_kernel_compiles_without_spills(rows, key_fp8):
+    """Several rows of one request a program (eager prefills, TritonSparseMLAImpl.eager_score_rows): 64 heads x
+    128, launched as indexer_scores launches it (8 warps at 128+ query rows, 3 stages), nothing spilled."""
+    fn = ops._indexer_scores_rows_kernel
+    dt = "*fp8e4nv" if key_fp8 else "*bf16"
+    ptrs = {"Q": dt, "W": "*fp32", "K": dt, "KS": "*fp32" if key_fp8 else dt, "BT": "*i32", "REQ": "*i32",
+            "QPOS": "*i32", "S": "*fp32", "TILE0": "*i32", "TILE_END": "*i32"}
+    constexprs = dict(D=128, H_PAD=64, ROWS=rows, PAGE=16, BLOCK_N=64, UPCAST=False, KEY_FP8=key_fp8, FP8_DOT=False)
+    assert _spill_bytes(fn, _sig(fn, ptrs), constexprs, 8, 3) == 0

@@ -26,6 +26,9 @@ class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
     # the top-k of eager steps (sparse prefills): "torch" until the H100/H200 A/B of benchmarks/profile_dsa.py
     # (--eager-topk) decides; CUDA-graph decode steps always take the radix select
     eager_topk = "torch"
+    # rows of one request sharing each indexer-key tile in eager steps' scores (1: one row a program, as in decode);
+    # 2 and 4 are the candidates of the same A/B
+    eager_score_rows = 1
 
     def write_index_keys(self, index_k, index_cache, slot_mapping) -> None:
         write_index_keys(index_k, index_cache, slot_mapping)
@@ -33,7 +36,7 @@ class TritonSparseMLAImpl(SparseMLAImpl, TritonMLAImpl):
     def select_topk(self, index_q, index_w, index_cache, meta: SparseMLAMetadata) -> torch.Tensor:
         return select_topk(index_q, index_w, index_cache, meta.block_tables, meta.token_req, meta.token_pos,
                            meta.max_seq_len, meta.index_topk, topk_impl=self.eager_topk,
-                           static_width=meta.static_width)
+                           static_width=meta.static_width, rows_per_program=self.eager_score_rows)
 
     def attend_sparse(self, q_lat, q_pe, cache, meta: SparseMLAMetadata, topk) -> torch.Tensor:
         return sparse_mla_attention(q_lat, q_pe, cache, meta.block_tables, meta.token_req, topk, self.scale)

@@ -67,6 +67,22 @@ def write_index_keys(index_k, cache, slot_mapping: torch.Tensor) -> None:
                              D_PAD=triton.next_power_of_2(d), PAGE=cache.shape[1])
 
 
+@triton.jit
+def _index_key_tile(K, KS, BT, req, offs_n, visible, offs_d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                    stride_btb, PAGE: tl.constexpr, KEY_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Positions offs_n of request req from the paged key cache: ([BLOCK_N, D] keys ready for the dot, their
+    FP8 scales [BLOCK_N] (1.0 without FP8)); invisible positions read as 0."""
+    blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
+    k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
+                mask=visible[:, None], other=0.0)
+    if KEY_FP8 and not FP8_DOT:
+        k = k.to(tl.float16)
+    scale = tl.full(offs_n.shape, 1.0, tl.float32)
+    if KEY_FP8:
+        scale = tl.load(KS + blk * stride_ksb + (offs_n % PAGE).to(tl.int64) * stride_kst, mask=visible, other=0.0)
+    return k, scale
+
+
 @triton.jit(do_not_specialize=["width", "num_heads"])
 def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, HIST, width, num_heads,
                            stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
@@ -99,17 +115,12 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, HIST, width, num_heads
         score = tl.full([BLOCK_N], float("-inf"), tl.float32)
         if n0 <= q_pos:
             req = tl.load(REQ + t).to(tl.int64)
-            blk = tl.load(BT + req * stride_btb + offs_n // PAGE, mask=visible, other=0).to(tl.int64)
-            k = tl.load(K + blk[:, None] * stride_kb + (offs_n % PAGE)[:, None] * stride_kt + offs_d[None, :],
-                        mask=visible[:, None], other=0.0)  # [BLOCK_N, D]
-            if KEY_FP8 and not FP8_DOT:
-                k = k.to(tl.float16)
+            k, k_scale = _index_key_tile(K, KS, BT, req, offs_n, visible, offs_d, stride_kb, stride_kt, stride_ksb,
+                                         stride_kst, stride_btb, PAGE, KEY_FP8, FP8_DOT)
             logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0)  # [H_PAD, BLOCK_N]
             weighted = tl.sum(logits * w[:, None], axis=0)
             if KEY_FP8:
-                offs_blk = (offs_n % PAGE).to(tl.int64)
-                weighted = weighted * tl.load(KS + blk * stride_ksb + offs_blk * stride_kst, mask=visible,
-                                              other=0.0)
+                weighted = weighted * k_scale
             score = tl.where(visible, weighted, float("-inf"))
         tl.store(S + t * stride_st + offs_n, score, mask=in_row)
         if FIRST_HIST:  # the candidates the select reads: the row, or (its last = q_pos) the visible part
@@ -122,9 +133,66 @@ def _indexer_scores_kernel(Q, W, K, KS, BT, REQ, QPOS, S, HIST, width, num_heads
         tl.atomic_add(HIST + t * 4 * 256 + bins, hist, mask=hist > 0, sem="relaxed")
 
 
+@triton.jit(do_not_specialize=["width", "num_heads"])
+def _indexer_scores_rows_kernel(Q, W, K, KS, BT, REQ, QPOS, S, TILE0, TILE_END, width, num_heads,
+                                stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_ksb, stride_kst,
+                                stride_btb, stride_st,
+                                D: tl.constexpr, H_PAD: tl.constexpr, ROWS: tl.constexpr, PAGE: tl.constexpr,
+                                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KEY_FP8: tl.constexpr,
+                                FP8_DOT: tl.constexpr):
+    """indexer_scores for up to ROWS consecutive rows of one request a program (a prefill's rows): each key tile
+    is read once for all of them, one [ROWS * H_PAD, D] x [D, BLOCK_N] dot. Whole rows, -inf past each position."""
+    tile = tl.program_id(0)
+    r0 = tl.load(TILE0 + tile).to(tl.int64)
+    r_end = tl.load(TILE_END + tile).to(tl.int64)
+    rows = r0 + tl.arange(0, ROWS)
+    in_tile = rows < r_end
+    pos = tl.load(QPOS + rows, mask=in_tile, other=-1)  # [ROWS]
+    last = tl.max(pos, axis=0)
+    req = tl.load(REQ + r0).to(tl.int64)
+    qrow = r0 + tl.arange(0, ROWS * H_PAD) // H_PAD  # [ROWS * H_PAD]: row-major (row, head)
+    heads = tl.arange(0, ROWS * H_PAD) % H_PAD
+    mask_q = (qrow < r_end) & (heads < num_heads)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + qrow[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_q[:, None],
+                other=0.0)
+    w = tl.load(W + qrow * stride_wt + heads, mask=mask_q, other=0.0).to(tl.float32)
+    if KEY_FP8 and not FP8_DOT:
+        q = q.to(tl.float16)
+    for n0 in range(tl.program_id(1) * BLOCK_N, width, tl.num_programs(1) * BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        visible = pos[:, None] >= offs_n[None, :]  # [ROWS, BLOCK_N]
+        score = tl.full([ROWS, BLOCK_N], float("-inf"), tl.float32)
+        if n0 <= last:
+            k, k_scale = _index_key_tile(K, KS, BT, req, offs_n, offs_n <= last, offs_d, stride_kb, stride_kt,
+                                         stride_ksb, stride_kst, stride_btb, PAGE, KEY_FP8, FP8_DOT)
+            logits = tl.maximum(_mm(q, tl.trans(k), UPCAST), 0.0) * w[:, None]  # [ROWS * H_PAD, BLOCK_N]
+            weighted = tl.sum(tl.reshape(logits, (ROWS, H_PAD, BLOCK_N)), axis=1)
+            if KEY_FP8:
+                weighted = weighted * k_scale[None, :]
+            score = tl.where(visible, weighted, float("-inf"))
+        tl.store(S + rows[:, None] * stride_st + offs_n[None, :], score,
+                 mask=in_tile[:, None] & (offs_n < width)[None, :])
+
+
+def row_tiles(token_req: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row, end row) int32 of each tile of at most `rows` consecutive rows of one request (the rows of a
+    request are contiguous in a step). Reads the tile count on the host."""
+    t = token_req.shape[0]
+    idx = torch.arange(t, device=token_req.device)
+    new_run = torch.ones(t, dtype=torch.bool, device=token_req.device)
+    new_run[1:] = token_req[1:] != token_req[:-1]
+    run_start = torch.cummax(torch.where(new_run, idx, torch.zeros_like(idx)), dim=0).values
+    starts = torch.nonzero(new_run | ((idx - run_start) % rows == 0)).flatten()
+    ends = torch.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1:] = t
+    return starts.to(torch.int32), torch.minimum(ends, starts + rows).to(torch.int32)
+
+
 def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, out=None,
                    block_n: int = 64, visible_only: bool = False, _fp8_dot: bool = False,
-                   hist: torch.Tensor | None = None) -> torch.Tensor:
+                   hist: torch.Tensor | None = None, rows_per_program: int = 1) -> torch.Tensor:
     """index_q [T, H, D], index_w [T, H] (float32, scales folded in), the key cache [blocks, page, D], each token's
     request (token_req [T]) and position (q_pos [T]) -> [T, width] float32 scores over positions 0..width-1,
     -inf past each token's position. D a power of two >= 16. An FP8 cache: (keys [blocks, page, D] float8, scales
@@ -136,7 +204,9 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
     the FP8 MMA (no conversion at all; Hopper's FP8 MMA accumulates with less precision than float32, as
     DeepSeek's own FP8 indexer does) instead of into float16 first (exact products, float32 sums).
     hist: a triton_topk.radix_histogram(T): each row's first radix pass over the scores the top-k will read (the
-    whole row, or with visible_only 0..q_pos) is added into hist[:, 0], for radix_topk(hist=hist)."""
+    whole row, or with visible_only 0..q_pos) is added into hist[:, 0], for radix_topk(hist=hist).
+    rows_per_program (a power of two; not with visible_only or hist): up to that many consecutive rows of one
+    request share each key tile (_indexer_scores_rows_kernel): a prefill reads its keys that many times less."""
     cache, scales = cache if isinstance(cache, tuple) else (cache, None)
     t, h, d = index_q.shape
     if d & (d - 1) or d < 16 or cache.shape[-1] != d:
@@ -152,6 +222,19 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
     fp8 = scales is not None
     ks = scales if fp8 else cache  # unread without FP8
     tiles = triton.cdiv(width, block_n)
+    if rows_per_program > 1:
+        if visible_only or hist is not None or rows_per_program & (rows_per_program - 1):
+            raise ValueError("rows_per_program > 1 (a power of two) computes whole rows, without hist")
+        starts, ends = row_tiles(token_req, rows_per_program)
+        h_pad = max(16, triton.next_power_of_2(h))
+        _indexer_scores_rows_kernel[(starts.shape[0], tiles)](
+            index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, starts, ends, width, h,
+            index_q.stride(0), index_q.stride(1), index_w.stride(0), cache.stride(0), cache.stride(1),
+            ks.stride(0), ks.stride(1), block_tables.stride(0), out.stride(0),
+            D=d, H_PAD=h_pad, ROWS=rows_per_program, PAGE=cache.shape[1], BLOCK_N=block_n,
+            UPCAST=_upcast(index_q.dtype), KEY_FP8=fp8, FP8_DOT=fp8 and _fp8_dot,
+            num_warps=8 if rows_per_program * h_pad >= 128 else 4)
+        return out
     programs = min(tiles, max(1, STRIDED_PROGRAMS // t)) if visible_only else tiles
     _indexer_scores_kernel[(t, programs)](
         index_q, index_w, cache, ks, block_tables, token_req, q_pos, out, out if hist is None else hist, width, h,
@@ -165,7 +248,8 @@ def indexer_scores(index_q, index_w, cache, block_tables, token_req, q_pos, widt
 
 def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: int, index_topk: int,
                 budget_bytes: int = SCORE_BUDGET_BYTES, topk_impl: str = "torch",
-                static_width: bool = False, first_pass_in_scores: bool = False) -> torch.Tensor:
+                static_width: bool = False, first_pass_in_scores: bool = False,
+                rows_per_program: int = 1) -> torch.Tensor:
     """Each token's min(index_topk, visible) best positions -> [T, index_topk] int32, -1 padded; the scores
     exist one row chunk at a time (rows x width x 4 bytes <= budget_bytes). `cache` as in indexer_scores.
     topk_impl: "torch" (torch.topk) or "radix" (triton_topk.radix_topk, no sort).
@@ -173,7 +257,8 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
     host: the radix select reads each row's length from q_pos on the device, and only visible scores are
     computed (indexer_scores' visible_only), so the cost follows the real contexts, not the width.
     first_pass_in_scores (with the radix select; off until GPU timings decide): the scores kernel also makes the
-    select's first histogram pass (indexer_scores' hist), so the select skips it; the same selection."""
+    select's first histogram pass (indexer_scores' hist), so the select skips it; the same selection.
+    rows_per_program: indexer_scores' (eager steps only: the CUDA-graph path keeps one row a program)."""
     if topk_impl not in ("torch", "radix"):
         raise ValueError(f"topk_impl {topk_impl!r}: torch or radix")
     t = index_q.shape[0]
@@ -187,7 +272,8 @@ def select_topk(index_q, index_w, cache, block_tables, token_req, q_pos, width: 
         r1 = min(t, r0 + rows)
         hist = radix_histogram(r1 - r0, index_q.device) if radix and first_pass_in_scores else None
         scores = indexer_scores(index_q[r0:r1], index_w[r0:r1], cache, block_tables, token_req[r0:r1],
-                                q_pos[r0:r1], width, visible_only=static_width, hist=hist)
+                                q_pos[r0:r1], width, visible_only=static_width, hist=hist,
+                                rows_per_program=1 if static_width or hist is not None else rows_per_program)
         if static_width:
             radix_topk(scores, k, out[r0:r1], last=q_pos[r0:r1], hist=hist)
         elif radix:
