@@ -272,6 +272,8 @@ class ChatMessage(_Base):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result
+    reasoning_content: str | None = None  # an assistant turn's reasoning (vLLM also reads it as `reasoning`)
+    reasoning: str | None = None
 
     def as_dict(self) -> dict:
         c = self.content
@@ -289,6 +291,9 @@ class ChatMessage(_Base):
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             d["tool_calls"] = [_template_tool_call(c.model_dump(exclude_none=True)) for c in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # Qwen3 / DeepSeek templates read reasoning_content, gpt-oss's `thinking`
+            d["reasoning_content"] = d["thinking"] = reasoning
         return d
 
     def has_non_text_parts(self) -> bool:
