@@ -58,6 +58,8 @@ class MoEKernel(KernelCandidate):
     kind: ClassVar[str] = "moe"
     supports_fused_shared_experts: ClassVar[bool] = False
     supports_mixed_fused_shared_experts: ClassVar[bool] = False  # fused and unfused layers in one model
+    # an expert tensor's checkpoint name -> the suffix of its parameter (w13 + "_scale"): the block scales
+    checkpoint_params: ClassVar[dict[str, str]] = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale"}
 
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError

@@ -180,11 +180,11 @@ class SparseMoeBlock(nn.Module):
         return tensor.narrow(1 if param == "w2" else 0, *self.inter_range)
 
     def _param_name(self, param: str, ckpt_param: str) -> str:
-        if ckpt_param == "weight":
-            return param
-        if ckpt_param in ("weight_scale_inv", "weight_scale"):
-            return f"{param}_scale"  # the block scales
-        raise KeyError(f"{self.prefix}: expert tensor {ckpt_param!r} is not supported by {self.experts.kernel_name}")
+        suffix = self.experts.kernel.checkpoint_params.get(ckpt_param)
+        if suffix is None:
+            raise KeyError(f"{self.prefix}: expert tensor {ckpt_param!r} is not supported by "
+                           f"{self.experts.kernel_name}")
+        return param + suffix
 
     def _load_shared_into_experts(self, proj: str, ckpt_param: str, tensor: torch.Tensor, slots: int) -> None:
         """Split a shared MLP tensor into `slots` expert-sized chunks along its intermediate dim: rows of
