@@ -81,3 +81,27 @@ def kimi_int4_checkpoints(root: Path, tokenizer=None, seed: int = 0, **overrides
     config["quantization_config"] = KIMI_QUANTIZATION_CONFIG
     (int4 / "config.json").write_text(json.dumps(config, indent=2))
     return int4, ref
+
+
+def kimi_k25_checkpoint(int4: Path, root: Path) -> Path:
+    """The INT4 checkpoint dressed as Kimi K2.5 ships (model_type kimi_k25): the text model's tensors under
+    `language_model.`, a vision tower and projector beside them, the DeepSeek-V3 config as its text_config."""
+    from safetensors.torch import load_file, save_file
+
+    out = root / "kimi_k25"
+    shutil.copytree(int4, out)
+    (file,) = out.glob("*.safetensors")
+    tensors = {("language_model." + n if n.startswith(("model.", "lm_head.")) else n): t
+               for n, t in load_file(file).items()}
+    tensors.update({"vision_tower.encoder.blocks.0.mlp.fc0.weight": torch.randn(8, 8),
+                    "mm_projector.proj.0.weight": torch.randn(64, 8)})
+    save_file(tensors, file, metadata={"format": "pt"})
+    text = json.loads((out / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    quant = text.pop("quantization_config")
+    quant["ignore"] = quant["ignore"] + ["re:.*vision_tower.*", "re:.*mm_projector.*"]
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": {**text, "quantization_config": quant}, "vision_config": {},
+              "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -50,3 +50,21 @@ def test_int4_dequantisation_matters(reference, tmp_path_factory, tiny_tokenizer
                             **KIMI)
     tokens, _ = kestrel_greedy(plain, MIXED_PROMPTS, NUM_TOKENS)
     assert tokens != reference
+
+
+def test_kimi_k25_text_part(checkpoints, reference, tmp_path_factory, caplog):
+    """A Kimi-K2.5-shaped checkpoint (model_type kimi_k25, text under language_model., a vision tower): its text
+    model loads and writes the same tokens; the vision tower is skipped with one log line; images are refused."""
+    from kestrel.models.interfaces import supports_images
+    from kestrel.models.kimi_k25 import KimiK25ForConditionalGeneration
+    from tests.int4_tiny import kimi_k25_checkpoint
+
+    path = kimi_k25_checkpoint(checkpoints[0], tmp_path_factory.mktemp("kimi_k25"))
+    with caplog.at_level("INFO", logger="kestrel.models.kimi_k25"):
+        tokens, llm = kestrel_greedy(path, MIXED_PROMPTS, NUM_TOKENS)
+    model = llm.engine.core.executor.runner.model
+    assert type(model) is KimiK25ForConditionalGeneration and not supports_images(model)
+    assert all(type(layer.mlp.experts.kernel) is Int4DequantMoE for layer in model.layers[1:])
+    assert tokens == reference
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kestrel.models.kimi_k25"]
+    assert "skipped the vision tower and projector (2 tensors)" in line and "text part only" in line
