@@ -68,3 +68,19 @@ def test_kimi_k25_text_part(checkpoints, reference, tmp_path_factory, caplog):
     assert tokens == reference
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kestrel.models.kimi_k25"]
     assert "skipped the vision tower and projector (2 tensors)" in line and "text part only" in line
+
+
+def test_kimi_k2_thinking_model_type(checkpoints, reference, tmp_path_factory):
+    """Kimi K2-Thinking's config.json says model_type kimi_k2 (with an auto_map to Moonshot's code), which
+    transformers does not know: read as deepseek_v3 without --trust-remote-code, its quantization_config kept."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("kimi_k2") / "kimi_k2_thinking"
+    shutil.copytree(checkpoints[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (path / "config.json").write_text(json.dumps(config))
+    tokens, llm = kestrel_greedy(path, MIXED_PROMPTS[:2], NUM_TOKENS)
+    assert type(llm.engine.core.executor.runner.model.layers[1].mlp.experts.kernel) is Int4DequantMoE
+    assert tokens == reference[:2]
