@@ -22,7 +22,7 @@ from kestrel.frontend.outputs import RequestOutput
 from kestrel.server.chat import render_prompt
 from kestrel.server.common import (ServerState, client_of, final_outputs, request_ids, stream_error,
                                    unless_disconnected)
-from kestrel.server.openai_protocol import ChatCompletionRequest, Int64, _Base
+from kestrel.server.openai_protocol import REASONING_EFFORTS, ChatCompletionRequest, Int64, _Base
 from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
                                            input_messages, message_item, new_item_id, output_items, reasoning_item)
 from kestrel.server.response_store import response_owner
@@ -30,7 +30,6 @@ from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, pl
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's metadata limits
 MAX_USER_CHARS = 256
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class ResponsesRequest(_Base):
@@ -114,11 +113,9 @@ def conversation(state: ServerState, req: ResponsesRequest, who: str) -> list[di
 
 def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    kwargs = dict(req.chat_template_kwargs or {})
-    if (req.reasoning or {}).get("effort") is not None:
-        kwargs["reasoning_effort"] = req.reasoning["effort"]
     body = {"messages": system + messages, "max_tokens": req.max_output_tokens, "priority": req.priority,
-            "chat_template_kwargs": kwargs or None, "structured_outputs": req.structured_outputs,
+            "chat_template_kwargs": req.chat_template_kwargs, "structured_outputs": req.structured_outputs,
+            "reasoning_effort": (req.reasoning or {}).get("effort"),
             "tools": chat_tools(req.tools), "parallel_tool_calls": req.parallel_tool_calls,
             # "auto" without tools is vLLM's default: nothing to choose from, so no tool plan
             "tool_choice": chat_tool_choice(None if not req.tools and req.tool_choice == "auto" else req.tool_choice)}

@@ -145,3 +145,13 @@ def test_reasoning_effort_is_the_templates():
     assert _chat_request(req, input_messages(req.input)).chat_template_kwargs == {"x": 1, "reasoning_effort": "low"}
     with pytest.raises(ValidationError, match="effort"):
         ResponsesRequest.model_validate({"input": "Hi", "reasoning": {"effort": "max"}})
+
+
+def test_chat_reasoning_effort_reaches_the_template(client):
+    """Chat completions' reasoning_effort (OpenAI's parameter) is the template's reasoning_effort too."""
+    kw = dict(model="parsers-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    high = client.chat.completions.create(reasoning_effort="high", **kw)
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(reasoning_effort="extreme", **kw)
