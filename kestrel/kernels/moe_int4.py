@@ -24,6 +24,7 @@ class _PackedInt4Experts:
     """What both INT4 kernels share: the gates, the checkpoint-layout parameters, the dequantisation."""
 
     family = "int4"
+    supports_tensor_parallel = False  # a rank's slice of the packed columns and group scales: not yet
     checkpoint_params: ClassVar[dict[str, str]] = {"weight_packed": "_packed", "weight_scale": "_scale",
                                                    "weight_shape": "_shape"}
 

@@ -120,3 +120,19 @@ def test_checkpoint_shape_checked():
     layer.kernel.load_expert(layer, "w13_packed", 0, 0, t["weight_packed"])
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.w13_shape\[expert 0, shard 0\]"):
         layer.kernel.load_expert(layer, "w13_shape", 0, 0, torch.tensor([64, 128]))
+
+
+def test_tensor_parallel_refused_by_name():
+    """A rank's slice of packed columns and group scales is not loaded yet: a clear error, not a shape mismatch."""
+    from kestrel.distributed import ParallelInfo
+    from kestrel.layers.moe import SparseMoeBlock
+    from kestrel.layers.moe.router import RouterConfig
+
+    cfg = get_quant_config({"quantization_config": KIMI_QUANTIZATION_CONFIG}, params_dtype=torch.float32)
+    kw = dict(prefix="model.layers.1.mlp", hidden_size=64, moe_intermediate_size=64,
+              router=RouterConfig(num_experts=8, top_k=2), dtype=torch.float32, quant_config=cfg,
+              platform=fake_platform("cpu"))
+    assert type(SparseMoeBlock(**kw).experts.kernel) is Int4DequantMoE
+    with pytest.raises(NotImplementedError, match="model.layers.1.mlp: int4_dequant_moe experts cannot be split "
+                                                  "across 2 tensor-parallel ranks"):
+        SparseMoeBlock(**kw, tp=ParallelInfo(rank=0, size=2))

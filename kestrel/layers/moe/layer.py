@@ -96,6 +96,9 @@ class SparseMoeBlock(nn.Module):
             sq = quant_config.for_layer(f"{prefix}.{shared_name}.gate_up_proj") if quant_config is not None else None
             shared = SharedExperts(shared_intermediate_size, shared_gated, sq)
         kernel_cls = type(kernels.select("moe", spec, moe_backend, platform))
+        if self.tp.size > 1 and not kernel_cls.supports_tensor_parallel:
+            raise NotImplementedError(f"{prefix}: {kernel_cls.name} experts cannot be split across "
+                                      f"{self.tp.size} tensor-parallel ranks yet")
         self.fse: FseDecision = resolve_fused_shared_experts(spec, shared, kernel_cls, fuse_shared_experts)
         self.experts = FusedExperts(spec.with_shared(self.fse.slots), moe_backend, platform)
         self.shared_name = shared_name
