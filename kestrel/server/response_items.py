@@ -155,8 +155,11 @@ def output_items(message: dict, message_id: str, status: str, include_reasoning:
 
 
 def assistant_message(message: dict) -> dict:
-    """The reply as the next turn's history: content and the calls it made."""
+    """The reply as the next turn's history: its reasoning, content and the calls it made (gpt-oss's template
+    keeps a calling turn's analysis until the final answer)."""
     turn = {"role": "assistant", "content": message.get("content")}
+    if message.get("reasoning_content") is not None:
+        turn["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
                               for c in message["tool_calls"]]

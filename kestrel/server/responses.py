@@ -243,6 +243,7 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
     calls come whole after them, each a function_call item with its arguments in one delta."""
     event, stream, calls, output = _Events(), MessageStream(plan, reasoning), {}, []
     thought, message = _TextItem("reasoning", event, output), _TextItem("message", event, output)
+    reasoning_text = None  # kept for the stored history even where include_reasoning leaves its item out
     try:
         yield event("response.created", response=_response(req, state, rid, created, "in_progress", [], None))
         yield event("response.in_progress", response=_response(req, state, rid, created, "in_progress", [], None))
@@ -257,9 +258,11 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
                 fn = piece.get("function", {})
                 call["function"]["name"] += fn.get("name") or ""
                 call["function"]["arguments"] += fn.get("arguments") or ""
-            for e in (thought.feed(delta["reasoning_content"]) if delta.get("reasoning_content")
-                      and req.include_reasoning else []) + (message.feed(delta["content"]) if delta.get("content")
-                                                            else []):
+            if delta.get("reasoning_content"):
+                reasoning_text = (reasoning_text or "") + delta["reasoning_content"]
+                for e in thought.feed(delta["reasoning_content"]) if req.include_reasoning else []:
+                    yield e
+            for e in message.feed(delta["content"]) if delta.get("content") else []:
                 yield e
         status = _status(last)
         done = "completed" if status == "completed" else "incomplete"
@@ -280,7 +283,8 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
             output.append(item)
             yield event("response.output_item.done", output_index=index, item=item)
         final = _response(req, state, rid, created, status, output, last)
-        reply = {"content": message.text or None, "tool_calls": [calls[k] for k in sorted(calls)]}
+        reply = {"content": message.text or None, "tool_calls": [calls[k] for k in sorted(calls)],
+                 "reasoning_content": reasoning_text}
         _remember(state, req, messages, reply, final, who)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except Exception as e:

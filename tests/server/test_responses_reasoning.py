@@ -120,6 +120,13 @@ def test_reasoning_items_round_trip(client):
                                       max_output_tokens=100, extra_body=_grammar(answer))
     assert with_it.output_text == without.output_text == "It is 21 C."
     assert with_it.usage.input_tokens > without.usage.input_tokens
+    # the stored response (whole or streamed; its reasoning item left out or not) is that same history
+    streamed = list(_ask(client, CALL, {"include_reasoning": False}, stream=True))[-1].response
+    for stored in (first, streamed):
+        cont = client.responses.create(model="parsers-tiny", previous_response_id=stored.id, tools=TOOLS,
+                                       temperature=0, max_output_tokens=100, extra_body=_grammar(answer),
+                                       input=[{**result, "call_id": stored.output[-1].call_id}])
+        assert cont.usage.input_tokens == with_it.usage.input_tokens
     effort = client.responses.create(model="parsers-tiny", input=history, tools=TOOLS, temperature=0,
                                      max_output_tokens=100, extra_body=_grammar(answer), reasoning={"effort": "high"})
     assert effort.usage.input_tokens > with_it.usage.input_tokens
