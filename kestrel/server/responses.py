@@ -1,10 +1,12 @@
 """POST /v1/responses (and GET /v1/responses/{id}): the subset of OpenAI's Responses API that vLLM serves for
 text. `instructions`, the stored conversation of `previous_response_id` and `input` (a string, or message,
-function_call and function_call_output items) become a chat conversation (kestrel/server/response_items.py),
-which runs on the chat path: the model's chat template, function `tools` and `tool_choice` through the chat
-tool-calling machinery (kestrel/server/tool_calls.py). The reply comes back as output items (a message, and one
-function_call per tool call), whole or as response.* server-sent events; with `store` (the default) it is kept in
-the bounded response store (kestrel/server/response_store.py) for the next request's previous_response_id."""
+reasoning, function_call and function_call_output items) become a chat conversation
+(kestrel/server/response_items.py), which runs on the chat path: the model's chat template (`reasoning.effort` is
+its reasoning_effort), function `tools` and `tool_choice` through the chat tool-calling machinery
+(kestrel/server/tool_calls.py), the --reasoning-parser. The reply comes back as output items (a reasoning item
+when the parser found reasoning, a message, and one function_call per tool call), whole or as response.*
+server-sent events; with `store` (the default) it is kept in the bounded response store
+(kestrel/server/response_store.py) for the next request's previous_response_id."""
 from __future__ import annotations
 
 import json
@@ -20,9 +22,9 @@ from kestrel.frontend.outputs import RequestOutput
 from kestrel.server.chat import render_prompt
 from kestrel.server.common import (ServerState, client_of, final_outputs, request_ids, stream_error,
                                    unless_disconnected)
-from kestrel.server.openai_protocol import ChatCompletionRequest, Int64, _Base
+from kestrel.server.openai_protocol import REASONING_EFFORTS, ChatCompletionRequest, Int64, _Base
 from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
-                                           input_messages, message_item, new_item_id, output_items)
+                                           input_messages, message_item, new_item_id, output_items, reasoning_item)
 from kestrel.server.response_store import response_owner
 from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, plan_tools
 
@@ -32,7 +34,7 @@ MAX_USER_CHARS = 256
 
 class ResponsesRequest(_Base):
     # not implemented: refused unless unused
-    _unsupported_here: ClassVar[dict[str, tuple]] = {"background": (None, False), "reasoning": (None,),
+    _unsupported_here: ClassVar[dict[str, tuple]] = {"background": (None, False),
                                                      "conversation": (None,), "top_logprobs": (None, 0),
                                                      "text": (None, {"format": {"type": "text"}})}
     model: str | None = None
@@ -55,6 +57,27 @@ class ResponsesRequest(_Base):
     user: str | None = Field(None, max_length=MAX_USER_CHARS)  # with the API key, who owns the stored response
     request_id: str | None = None  # logged only: the response's id is the server's (response_store.py)
     priority: Int64 = 0
+    reasoning: dict[str, Any] | None = None  # {"effort": E}: the chat template's reasoning_effort
+    include_reasoning: StrictBool = True  # false: the reasoning is generated, its item left out (vLLM's extension)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extensions, as chat completions take them
+    structured_outputs: dict | None = None
+
+    @field_validator("reasoning")
+    @classmethod
+    def _reasoning(cls, v):
+        """effort reaches the template; no summaries are written, so only summary "auto" (the model's choice)."""
+        if v is None:
+            return v
+        unknown = set(v) - {"effort", "summary", "generate_summary"}
+        if unknown:
+            raise InvalidRequest(f"reasoning.{sorted(unknown)[0]} is not supported", param="reasoning")
+        if v.get("effort") not in (None, *REASONING_EFFORTS):
+            raise InvalidRequest(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning")
+        for key in ("summary", "generate_summary"):
+            if v.get(key) not in (None, "auto"):
+                raise InvalidRequest(f"reasoning.{key} {v[key]!r} is not supported: reasoning comes back as "
+                                     f"reasoning_text, not summarised", param="reasoning")
+        return v
 
     @field_validator("metadata")
     @classmethod
@@ -91,6 +114,8 @@ def conversation(state: ServerState, req: ResponsesRequest, who: str) -> list[di
 def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body = {"messages": system + messages, "max_tokens": req.max_output_tokens, "priority": req.priority,
+            "chat_template_kwargs": req.chat_template_kwargs, "structured_outputs": req.structured_outputs,
+            "reasoning_effort": (req.reasoning or {}).get("effort"),
             "tools": chat_tools(req.tools), "parallel_tool_calls": req.parallel_tool_calls,
             # "auto" without tools is vLLM's default: nothing to choose from, so no tool plan
             "tool_choice": chat_tool_choice(None if not req.tools and req.tool_choice == "auto" else req.tool_choice)}
@@ -104,6 +129,7 @@ def _response(req: ResponsesRequest, state: ServerState, rid: str, created: int,
     usage = None
     if out is not None:
         n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        # reasoning_tokens stays 0: the parsers split text, not tokens
         usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                  "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": n_in + n_out}
@@ -148,7 +174,8 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     (out,) = await unless_disconnected(raw, final_outputs([gen]))
     status = _status(out)
     reply, _ = build_message(plan, reasoning, out.outputs[0].text, out.outputs[0].finish_reason)
-    items = output_items(reply, new_item_id("msg"), "completed" if status == "completed" else "incomplete")
+    items = output_items(reply, new_item_id("msg"), "completed" if status == "completed" else "incomplete",
+                         req.include_reasoning)
     body = _response(req, state, public_id, created, status, items, out)
     _remember(state, req, messages, reply, body, who)
     return JSONResponse(body)
@@ -171,20 +198,52 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **fields})}\n\n"
 
 
+class _TextItem:
+    """One streamed text item, opened at its first piece: the message (output_text) or the reasoning
+    (reasoning_text), each a single content part."""
+
+    def __init__(self, kind: str, event: _Events, output: list):
+        self.kind, self.event, self.output, self.text, self.index = kind, event, output, "", None
+        self.id = new_item_id("msg" if kind == "message" else "rs")
+        self.part = "output_text" if kind == "message" else "reasoning_text"
+        self.extra = {"logprobs": []} if kind == "message" else {}  # output_text's own fields
+
+    def _item(self, status: str) -> dict:
+        return (message_item if self.kind == "message" else reasoning_item)(self.id, self.text, status)
+
+    def _part(self) -> dict:
+        return {"type": self.part, "text": self.text, **({"annotations": [], "logprobs": []} if self.extra else {})}
+
+    def _where(self) -> dict:
+        return {"item_id": self.id, "output_index": self.index, "content_index": 0}
+
+    def open(self) -> list[str]:
+        self.index = len(self.output)
+        self.output.append(self._item("in_progress"))
+        return [self.event("response.output_item.added", output_index=self.index, item=self.output[self.index]),
+                self.event("response.content_part.added", **self._where(), part=self._part())]
+
+    def feed(self, piece: str) -> list[str]:
+        events = self.open() if self.index is None else []
+        self.text += piece
+        return events + [self.event(f"response.{self.part}.delta", **self._where(), delta=piece, **self.extra)]
+
+    def close(self, status: str) -> list[str]:
+        if self.index is None:
+            return []
+        self.output[self.index] = self._item(status)
+        return [self.event(f"response.{self.part}.done", **self._where(), text=self.text, **self.extra),
+                self.event("response.content_part.done", **self._where(), part=self._part()),
+                self.event("response.output_item.done", output_index=self.index, item=self.output[self.index])]
+
+
 async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: int, gen, plan: ToolPlan,
                   messages: list[dict], who: str, reasoning) -> AsyncIterator[str]:
-    """The text streams into a message item opened at its first piece; tool calls come whole after it, each a
-    function_call item with its arguments in one delta."""
-    event, stream = _Events(), MessageStream(plan, reasoning)
-    msg_id, text, calls, output = new_item_id("msg"), "", {}, []
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-
-    def open_message():
-        output.append(message_item(msg_id, "", "in_progress"))
-        return [event("response.output_item.added", output_index=0, item=output[0]),
-                event("response.content_part.added", **where,
-                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
-
+    """The reasoning and the text stream into a reasoning and a message item, each opened at its first piece; tool
+    calls come whole after them, each a function_call item with its arguments in one delta."""
+    event, stream, calls, output = _Events(), MessageStream(plan, reasoning), {}, []
+    thought, message = _TextItem("reasoning", event, output), _TextItem("message", event, output)
+    reasoning_text = None  # kept for the stored history even where include_reasoning leaves its item out
     try:
         yield event("response.created", response=_response(req, state, rid, created, "in_progress", [], None))
         yield event("response.in_progress", response=_response(req, state, rid, created, "in_progress", [], None))
@@ -199,22 +258,20 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
                 fn = piece.get("function", {})
                 call["function"]["name"] += fn.get("name") or ""
                 call["function"]["arguments"] += fn.get("arguments") or ""
-            if delta.get("content"):
-                if not output:
-                    for e in open_message():
-                        yield e
-                text += delta["content"]
-                yield event("response.output_text.delta", **where, delta=delta["content"], logprobs=[])
-        status = _status(last)
-        if not output and not calls:  # no text and no call: an empty message, still
-            for e in open_message():
+            if delta.get("reasoning_content"):
+                reasoning_text = (reasoning_text or "") + delta["reasoning_content"]
+                for e in thought.feed(delta["reasoning_content"]) if req.include_reasoning else []:
+                    yield e
+            for e in message.feed(delta["content"]) if delta.get("content") else []:
                 yield e
-        if output:
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            yield event("response.content_part.done", **where, part=part)
-            output[0] = message_item(msg_id, text, "completed" if status == "completed" else "incomplete")
-            yield event("response.output_item.done", output_index=0, item=output[0])
+        status = _status(last)
+        done = "completed" if status == "completed" else "incomplete"
+        if message.index is None and not calls:  # no text and no call: an empty message, still
+            for e in message.open():
+                yield e
+        for item in sorted((thought, message), key=lambda t: -1 if t.index is None else t.index):
+            for e in item.close(done):
+                yield e
         for k in sorted(calls):
             index, item = len(output), function_call_item(calls[k])
             yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
@@ -226,7 +283,8 @@ async def _stream(state: ServerState, req: ResponsesRequest, rid: str, created: 
             output.append(item)
             yield event("response.output_item.done", output_index=index, item=item)
         final = _response(req, state, rid, created, status, output, last)
-        reply = {"content": text or None, "tool_calls": [calls[k] for k in sorted(calls)]}
+        reply = {"content": message.text or None, "tool_calls": [calls[k] for k in sorted(calls)],
+                 "reasoning_content": reasoning_text}
         _remember(state, req, messages, reply, final, who)
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
     except Exception as e:

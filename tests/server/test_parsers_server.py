@@ -43,6 +43,7 @@ CASES = [
          'to=functions.get_time <|constrain|>json<|message|>{"tz": "CET"}<|call|>', "Both.", None, [W, T]),
         ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.",
          "Easy.", "It is sunny.", []),
+        ("<|channel|>final<|message|>It is sunny.", None, "It is sunny.", []),
     ]),
     ("mistral", "mistral", [
         ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}', None, None, [W]),

@@ -104,6 +104,10 @@ FIXTURES = [
      None, [("get_weather", {"city": "Paris"})]),
     ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
      "It is 4.", []),
+    ("openai", "<|channel|>final<|message|>It is 4.", "It is 4.", []),  # a plain final answer
+    ("openai", "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "  # a preamble
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "Checking.",
+     [("get_weather", {"city": "Paris"})]),
     ("openai", "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{\"tz\": \"CET\"}<|call|>"
      '<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "Oslo"}',
      None, [("get_time", {"tz": "CET"}), ("get_weather", {"city": "Oslo"})]),

@@ -96,6 +96,9 @@ class SparseMoeBlock(nn.Module):
             sq = quant_config.for_layer(f"{prefix}.{shared_name}.gate_up_proj") if quant_config is not None else None
             shared = SharedExperts(shared_intermediate_size, shared_gated, sq)
         kernel_cls = type(kernels.select("moe", spec, moe_backend, platform))
+        if self.tp.size > 1 and not kernel_cls.supports_tensor_parallel:
+            raise NotImplementedError(f"{prefix}: {kernel_cls.name} experts cannot be split across "
+                                      f"{self.tp.size} tensor-parallel ranks yet")
         self.fse: FseDecision = resolve_fused_shared_experts(spec, shared, kernel_cls, fuse_shared_experts)
         self.experts = FusedExperts(spec.with_shared(self.fse.slots), moe_backend, platform)
         self.shared_name = shared_name
@@ -180,11 +183,11 @@ class SparseMoeBlock(nn.Module):
         return tensor.narrow(1 if param == "w2" else 0, *self.inter_range)
 
     def _param_name(self, param: str, ckpt_param: str) -> str:
-        if ckpt_param == "weight":
-            return param
-        if ckpt_param in ("weight_scale_inv", "weight_scale"):
-            return f"{param}_scale"  # the block scales
-        raise KeyError(f"{self.prefix}: expert tensor {ckpt_param!r} is not supported by {self.experts.kernel_name}")
+        suffix = self.experts.kernel.checkpoint_params.get(ckpt_param)
+        if suffix is None:
+            raise KeyError(f"{self.prefix}: expert tensor {ckpt_param!r} is not supported by "
+                           f"{self.experts.kernel_name}")
+        return param + suffix
 
     def _load_shared_into_experts(self, proj: str, ckpt_param: str, tensor: torch.Tensor, slots: int) -> None:
         """Split a shared MLP tensor into `slots` expert-sized chunks along its intermediate dim: rows of

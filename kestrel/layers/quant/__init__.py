@@ -15,10 +15,17 @@ from kestrel.layers.quant.fp8 import (
     QuantConfigBase,
     shard_prefixes,
 )
+from kestrel.layers.quant.int4 import CompressedTensorsInt4Config, Int4Scheme
 
 QuantConfig = QuantConfigBase
 
 SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors")
+# compressed-tensors `format` -> its config (float-quantized: FP8; pack-quantized: INT4 experts)
+COMPRESSED_TENSORS_FORMATS = {
+    "float-quantized": CompressedTensorsFp8Config,
+    "naive-quantized": CompressedTensorsFp8Config,
+    "pack-quantized": CompressedTensorsInt4Config,
+}
 
 
 def _as_dict(hf_config: Any) -> dict:
@@ -78,9 +85,16 @@ def get_quant_config(
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method 'fp8'")
         config = Fp8Config.from_hf(qc)
     elif method == "compressed-tensors":
-        if quantization not in (None, "fp8", "compressed-tensors"):
-            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors format")
-        config = CompressedTensorsFp8Config.from_hf(qc)
+        fmt = qc.get("format", "float-quantized")
+        if fmt not in COMPRESSED_TENSORS_FORMATS:
+            raise NotImplementedError(f"compressed-tensors format {fmt!r} is not supported (supported: "
+                                      f"{', '.join(COMPRESSED_TENSORS_FORMATS)})")
+        config_cls = COMPRESSED_TENSORS_FORMATS[fmt]
+        if quantization not in (None, "compressed-tensors") and not (
+                quantization == "fp8" and config_cls is CompressedTensorsFp8Config):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors "
+                             f"format {fmt!r}")
+        config = config_cls.from_hf(qc)
     else:
         raise NotImplementedError(
             f"checkpoint quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATION)})"
@@ -93,8 +107,10 @@ def get_quant_config(
 __all__ = [
     "PACKED_MODULES",
     "CompressedTensorsFp8Config",
+    "CompressedTensorsInt4Config",
     "Fp8Config",
     "Fp8Scheme",
+    "Int4Scheme",
     "QuantConfig",
     "checkpoint_quant_config",
     "get_quant_config",
