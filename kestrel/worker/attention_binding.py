@@ -49,10 +49,14 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                 if not ok:
                     raise ConfigError(f"speculative_config: the draft's attention cannot run on the target's "
                                       f"attention backend {backend.name}: {why}")
+            sinks = getattr(layer, "sinks", None)
+            if sinks is not None and not backend.supports_attention_sinks:
+                raise ConfigError(f"{name}: attention backend {backend.name} does not read attention sinks")
+            extra = {"sinks": sinks} if sinks is not None else {}
             layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                           sliding_window=layer.sliding_window,
                                           logits_soft_cap=layer.logits_soft_cap,
-                                          attention_chunk_size=layer.attention_chunk_size)
+                                          attention_chunk_size=layer.attention_chunk_size, **extra)
             if kv_quant.is_fp8(g.spec.dtype):
                 layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
             layer.group_id = g.group_id
