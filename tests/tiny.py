@@ -136,6 +136,12 @@ FAMILY_CONFIGS = {
     "llama4": ("llama4_text", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                    num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
                                    moe_layers=[1, 3], attention_chunk_size=8, floor_scale=4, attn_scale=0.5)),
+    # sliding (8) and full layers alternating, both with sinks; q/k/v/o biases; 4 experts top-2 with router and
+    # expert biases, interleaved gate/up, clamped SwiGLU; YaRN over an original context of 16
+    "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=32, sliding_window=8, rope_parameters={
+                                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
 }
 
 
@@ -187,6 +193,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                     p.normal_(0, 0.08)
                 elif p.dim() == 1 and "norm" in pname:
                     p.normal_(1, 0.2)
+                elif pname.endswith(".sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                    p.normal_(0, 1.0)
         for buf_name, b in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)

@@ -5,7 +5,10 @@ Weights (registered by `create_weights`), E = routed experts + fused shared-expe
   w13: [E, 2*I, H]  gate rows first, then up rows (so a gate/up checkpoint pair loads as shards 0 and 1)
   w2:  [E, H, I]
 FP8 block-quantized kernels add w13_scale [E, 2I/bn, H/bk] and w2_scale [E, H/bn, I/bk] (fp32 block scales).
-Activation: silu(gate) * up ("silu") or gelu(gate, tanh) * up ("gelu").
+Activation: silu(gate) * up ("silu"), gelu(gate, tanh) * up ("gelu"), or gpt-oss's clamped SwiGLU ("swigluoai":
+gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
+Expert biases (`MoESpec.bias`, gpt-oss): w13_bias [E, 2I] (gate, then up) added before the activation, w2_bias
+[E, H] added to each expert's output before its routing weight.
 
 Fused shared experts: slots E_routed .. E-1 hold the shared expert(s), split into chunks of I; the layer appends
 their ids to every token's top-k (weight 1, or the Qwen2-MoE sigmoid gate). A kernel declares whether it can
@@ -25,7 +28,8 @@ from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
-MOE_ACTIVATIONS = ("silu", "gelu")
+MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -40,6 +44,7 @@ class MoESpec:
     activation: str = "silu"
     quant: Any = None  # None: dense expert weights; an Fp8Scheme for FP8 experts
     num_shared_experts: int = 0  # fused shared-expert slots appended after the routed experts (0: not fused)
+    bias: bool = False  # expert biases w13_bias / w2_bias
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -100,13 +105,31 @@ def _dense_weights(layer: nn.Module, spec: MoESpec, dtype: torch.dtype) -> None:
     e, h, i = spec.total_experts, spec.hidden_size, spec.intermediate_size
     layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
     layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+    _bias_weights(layer, spec)
+
+
+def _bias_weights(layer: nn.Module, spec: MoESpec) -> None:
+    if spec.bias:
+        e, h, i = spec.total_experts, spec.hidden_size, spec.intermediate_size
+        layer.w13_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=spec.params_dtype), requires_grad=False)
+        layer.w2_bias = nn.Parameter(torch.zeros(e, h, dtype=spec.params_dtype), requires_grad=False)
 
 
 def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "swigluoai":
+        gate, up = gate.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA) * (up + 1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def _expert(layer: nn.Module, e: int, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Expert e on the rows x (before its routing weight), with its biases where the layer has them."""
+    b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+    hidden = _activate(F.linear(x, layer.w13[e], None if b13 is None else b13[e]), activation)
+    return F.linear(hidden, layer.w2[e], None if b2 is None else b2[e])
 
 
 class TorchMoE(MoEKernel):
@@ -139,8 +162,7 @@ class TorchMoE(MoEKernel):
         for e in torch.unique(flat_ids).tolist():
             sel = (flat_ids == e).nonzero(as_tuple=True)[0]
             tokens = token_of[sel]
-            hidden = _activate(F.linear(x[tokens], layer.w13[e]), self.spec.activation)
-            y = F.linear(hidden, layer.w2[e]).float() * flat_w[sel, None]
+            y = _expert(layer, e, x[tokens], self.spec.activation).float() * flat_w[sel, None]
             out.index_add_(0, tokens, y)
         return out.to(x.dtype)
 
@@ -151,8 +173,7 @@ class TorchMoE(MoEKernel):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(layer.w13.shape[0]):
             w = (topk_weights.float() * (topk_ids == e)).sum(dim=1, keepdim=True)
-            hidden = _activate(F.linear(x, layer.w13[e]), self.spec.activation)
-            out += F.linear(hidden, layer.w2[e]).float() * w
+            out += _expert(layer, e, x, self.spec.activation).float() * w
         return out.to(x.dtype)
 
 
@@ -175,6 +196,8 @@ class TritonFusedMoE(MoEKernel):
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
         if spec.activation != "silu":
             return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.bias:
+            return False, "expert biases: the epilogues add none"
         return _check_dense(spec, (torch.bfloat16, torch.float16))
 
     def create_weights(self, layer: nn.Module) -> None:
@@ -214,6 +237,8 @@ class TritonFp8BlockMoE(TritonFusedMoE):
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
         if spec.activation != "silu":
             return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.bias:
+            return False, "expert biases: the epilogues add none"
         if spec.params_dtype not in (torch.bfloat16, torch.float16):
             return False, f"activations in {spec.params_dtype}; needs bf16 or fp16"
         return _check_fp8_block(spec)
@@ -258,6 +283,7 @@ def _fp8_block_weights(layer: nn.Module, s: MoESpec) -> None:
     layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
     layer.w13_scale = nn.Parameter(torch.ones(e, 2 * i // bn, h // bk), requires_grad=False)
     layer.w2_scale = nn.Parameter(torch.ones(e, h // bn, i // bk), requires_grad=False)
+    _bias_weights(layer, s)
 
 
 class Fp8DequantMoE(TorchMoE):
