@@ -206,6 +206,34 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
     return out
 
 
+# the released gpt-oss checkpoints' quantization_config
+GPT_OSS_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def gpt_oss_mxfp4_checkpoint(root: Path, tokenizer=None, name: str = "gpt_oss_mxfp4", **overrides) -> Path:
+    """The tiny gpt-oss checkpoint with its experts in the real checkpoints' MXFP4 format: each stacked expert
+    weight ([E, in, out] in transformers' layout) as `*_blocks` [E, out, in / 32, 16] and `*_scales`
+    [E, out, in / 32], and the released models' quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.kernels.mxfp4 import quantize_mxfp4
+
+    path = make_checkpoint("gpt_oss", root, tokenizer=tokenizer, name=name, vary_vectors=True, **overrides)
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks.contiguous(), scales.contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = GPT_OSS_MXFP4
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 # what a Kimi Linear engine holds in float32 whatever its dtype: the forget gate's parameters, the MoE router
 KIMI_FLOAT32_PARAMS = ("A_log", "dt_bias", "gate.weight", "e_score_correction_bias")
 

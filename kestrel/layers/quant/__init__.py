@@ -15,10 +15,11 @@ from kestrel.layers.quant.fp8 import (
     QuantConfigBase,
     shard_prefixes,
 )
+from kestrel.layers.quant.mxfp4 import Mxfp4Config
 
 QuantConfig = QuantConfigBase
 
-SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors")
+SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors", "mxfp4")
 
 
 def _as_dict(hf_config: Any) -> dict:
@@ -68,8 +69,8 @@ def get_quant_config(
         raise ValueError("the checkpoint's quantization_config has no quant_method")
 
     if method is None:
-        if quantization == "compressed-tensors":
-            raise ValueError("quantization='compressed-tensors' but the checkpoint has no quantization_config")
+        if quantization in ("compressed-tensors", "mxfp4"):
+            raise ValueError(f"quantization={quantization!r} but the checkpoint has no quantization_config")
         if quantization is None:
             return None
         config = Fp8Config.online()  # quantization == "fp8" on an unquantized checkpoint
@@ -81,6 +82,10 @@ def get_quant_config(
         if quantization not in (None, "fp8", "compressed-tensors"):
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors format")
         config = CompressedTensorsFp8Config.from_hf(qc)
+    elif method == "mxfp4":  # MXFP4 experts (gpt-oss); nothing else is quantized
+        if quantization not in (None, "mxfp4"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method 'mxfp4'")
+        config = Mxfp4Config.from_hf(qc)
     else:
         raise NotImplementedError(
             f"checkpoint quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATION)})"
@@ -95,6 +100,7 @@ __all__ = [
     "CompressedTensorsFp8Config",
     "Fp8Config",
     "Fp8Scheme",
+    "Mxfp4Config",
     "QuantConfig",
     "checkpoint_quant_config",
     "get_quant_config",

@@ -1,0 +1,49 @@
+"""gpt-oss with its experts in the released checkpoints' MXFP4 format (`*_blocks` / `*_scales`, quant_method
+mxfp4) against transformers, which dequantises them on the CPU with Mxfp4Config(dequantize=True): greedy tokens
+identical for 24 tokens (float32), also with chunked prefill and preemption forced."""
+import json
+
+import pytest
+import torch
+
+from tests.agreement import hf_causal_lm, hf_greedy, kestrel_greedy
+from tests.models.test_families import NUM_TOKENS, PROMPTS
+from tests.tiny import gpt_oss_mxfp4_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer):
+    return gpt_oss_mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss_mxfp4"), tokenizer=tiny_tokenizer)
+
+
+def _hf_kwargs():
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def test_checkpoint_is_in_the_real_format(checkpoint):
+    from safetensors import safe_open
+
+    assert json.loads((checkpoint / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    with safe_open(str(next(checkpoint.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+        blocks = f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
+    assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (4, 64, 2, 16)  # [E, 2I, H / 32, 16]
+    assert "model.layers.0.mlp.experts.down_proj_scales" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    # transformers reads it as MXFP4 (its experts are the dequantised values, not the float weights we quantised)
+    hf = hf_causal_lm(checkpoint, dtype=torch.float32, **_hf_kwargs())
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)
+
+
+def test_greedy_matches_transformers(checkpoint):
+    ref = hf_greedy(checkpoint, PROMPTS, NUM_TOKENS, **_hf_kwargs())
+    tokens, llm = kestrel_greedy(checkpoint, PROMPTS, NUM_TOKENS)
+    model = llm.engine.core.executor.runner.model
+    assert {b.experts.kernel_name for b in model.moe_blocks().values()} == {"mxfp4_dequant_moe"}
+    assert tokens == ref
+    tokens, llm = kestrel_greedy(checkpoint, PROMPTS, NUM_TOKENS, block_size=4, num_kv_blocks=24,
+                                 max_num_batched_tokens=8)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert tokens == ref
