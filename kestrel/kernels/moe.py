@@ -29,6 +29,7 @@ from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
 MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+TRITON_MOE_ACTIVATIONS = ("silu", "swigluoai")  # the Triton fused MoE's epilogues (triton_ops/fused_moe.py)
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -194,36 +195,39 @@ class TritonFusedMoE(MoEKernel):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        if spec.activation != "silu":
-            return False, f"activation {spec.activation!r}: the epilogue implements silu only"
-        if spec.bias:
-            return False, "expert biases: the epilogues add none"
+        if spec.activation not in TRITON_MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r}: the epilogue implements {', '.join(TRITON_MOE_ACTIVATIONS)}"
         return _check_dense(spec, (torch.bfloat16, torch.float16))
 
     def create_weights(self, layer: nn.Module) -> None:
         _dense_weights(layer, self.spec, self.spec.params_dtype)
 
-    def _scales(self, layer):
-        return {}
+    def _kernel_args(self, layer):
+        """The kernel's keyword arguments besides the weights: scales (FP8), biases and the activation."""
+        if not self.spec.bias and self.spec.activation == "silu":
+            return {}
+        return dict(w13_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
+                    activation=self.spec.activation)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Compile every batch bucket's variant now, in parallel, so no request waits for a compilation."""
         s = self.spec
         k = s.top_k + s.num_shared_experts  # a constexpr of the gate_up GEMM
-        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype)
+        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype, s.activation,
+               s.bias)
         if layer.w13.device.type != "cuda" or key in _WARMED:
             return
         _WARMED.add(key)
         from kestrel.kernels.triton_ops import fused_moe
         from kestrel.kernels.triton_ops.precompile import precompile
 
-        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384, **self._scales(layer)),
-                   f"fused MoE {s.layer_name} buckets")
+        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384,
+                                             **self._kernel_args(layer)), f"fused MoE {s.layer_name} buckets")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from kestrel.kernels.triton_ops.fused_moe import fused_moe
 
-        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._scales(layer))
+        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._kernel_args(layer))
 
 
 class TritonFp8BlockMoE(TritonFusedMoE):
@@ -254,7 +258,7 @@ class TritonFp8BlockMoE(TritonFusedMoE):
     def create_weights(self, layer: nn.Module) -> None:
         _fp8_block_weights(layer, self.spec)
 
-    def _scales(self, layer):
+    def _kernel_args(self, layer):
         return dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block_shape=tuple(self.spec.quant.block_size))
 
 

@@ -7,13 +7,15 @@ Checkpoint tensors of a projection [out, in] (all experts stacked): `*_blocks` [
 e2m1 value times a power of two is a bf16 and a float32) and then runs the reference loop."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from kestrel.kernels.moe import MOE_ACTIVATIONS, MoESpec, TorchMoE, _bias_weights
+from kestrel.kernels.moe import MOE_ACTIVATIONS, MoESpec, TorchMoE, TritonFusedMoE, _bias_weights
+from kestrel.platform import Platform
+from kestrel.platform.gates import kernel_gate
 
 BLOCK = 32  # weights per scale
 # the 16 e2m1 codes' values: code & 7 indexes the magnitude, code & 8 is the sign
@@ -86,6 +88,33 @@ class Mxfp4DequantMoE(TorchMoE):
             setattr(layer, name, nn.Parameter(w, requires_grad=False))
             delattr(layer, f"{name}_blocks")
             delattr(layer, f"{name}_scales")
+
+
+class TritonMxfp4DequantMoE(Mxfp4DequantMoE):
+    """MXFP4 experts on CUDA: dequantised once after loading (bf16/fp16 weights in memory), then the Triton fused
+    MoE, which serves the dequantised experts as it serves dense ones."""
+
+    name = "triton_mxfp4_dequant_moe"
+
+    @classmethod
+    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
+        return kernel_gate(cls.name, platform)
+
+    @classmethod
+    def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
+        ok, why = super().can_implement(spec)
+        return TritonFusedMoE.can_implement(replace(spec, quant=None)) if ok else (ok, why)
+
+    def __init__(self, spec: MoESpec, platform: Platform | None = None):
+        super().__init__(spec, platform)
+        self.dense = TritonFusedMoE(replace(spec, quant=None), self.platform)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        self.dense.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        return self.dense.apply(layer, x, topk_weights, topk_ids)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ def compile_ok(fn, sig, constexprs, num_warps=4):
         constexprs = {**constexprs, "PDL": True}
     if "CHUNKED" in fn.arg_names:  # chunked local attention: off unless asked
         constexprs = {"CHUNKED": False, **constexprs}
+    if "SINKS" in fn.arg_names:  # attention sinks: off unless asked
+        constexprs = {"SINKS": False, **constexprs}
     for name, value in constexprs.items():
         sig[name] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)

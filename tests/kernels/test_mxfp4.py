@@ -8,7 +8,10 @@ import torch
 
 from kestrel.kernels import KernelSelectionError, select
 from kestrel.kernels.moe import MoESpec
-from kestrel.kernels.mxfp4 import Mxfp4DequantMoE, Mxfp4Scheme, dequantize_mxfp4, quantize_mxfp4
+from kestrel.kernels.moe import TritonFusedMoE
+from kestrel.kernels.mxfp4 import (Mxfp4DequantMoE, Mxfp4Scheme, TritonMxfp4DequantMoE, dequantize_mxfp4,
+                                   quantize_mxfp4)
+from kestrel.platform import fake_platform
 from kestrel.layers.quant import Mxfp4Config, get_quant_config
 from tests.tiny import GPT_OSS_MXFP4
 
@@ -66,7 +69,12 @@ def _spec(**kw):
 
 
 def test_selection():
-    assert type(select("moe", _spec())) is Mxfp4DequantMoE
+    assert type(select("moe", _spec(), platform=fake_platform("cpu"))) is Mxfp4DequantMoE
+    sm90 = fake_platform("sm_90")
+    assert type(select("moe", _spec(params_dtype=torch.bfloat16), platform=sm90)) is TritonMxfp4DequantMoE
+    assert type(select("moe", _spec(), platform=sm90)) is Mxfp4DequantMoE  # float32: not the Triton MoE's
+    # gpt-oss's dense experts (biases, swigluoai) take the Triton fused MoE
+    assert type(select("moe", _spec(params_dtype=torch.bfloat16, quant=None), platform=sm90)) is TritonFusedMoE
     with pytest.raises(KernelSelectionError, match="not a multiple of the MXFP4 block 32"):
         select("moe", _spec(intermediate_size=48))
     ok, why = Mxfp4DequantMoE.can_implement(_spec(quant=None))
