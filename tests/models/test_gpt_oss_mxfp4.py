@@ -47,3 +47,16 @@ def test_greedy_matches_transformers(checkpoint):
                                  max_num_batched_tokens=8)
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert tokens == ref
+
+
+def test_another_swiglu_limit_is_refused(tmp_path, tiny_tokenizer):
+    from kestrel import LLM
+    from kestrel.errors import ConfigError
+    from tests.tiny import make_checkpoint
+
+    path = make_checkpoint("gpt_oss", tmp_path, tokenizer=tiny_tokenizer)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["swiglu_limit"] = 10.0
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="swiglu_limit 10.0 is not supported"):
+        LLM(str(path), progress=False)
