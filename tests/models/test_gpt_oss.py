@@ -1,6 +1,7 @@
-"""gpt-oss with its experts in the released checkpoints' MXFP4 format (`*_blocks` / `*_scales`, quant_method
-mxfp4) against transformers, which dequantises them on the CPU with Mxfp4Config(dequantize=True): greedy tokens
-identical for 24 tokens (float32), also with chunked prefill and preemption forced."""
+"""gpt-oss beyond the family test (tests/models/test_families.py): its experts in the released checkpoints' MXFP4
+format (`*_blocks` / `*_scales`, quant_method mxfp4) against transformers, which dequantises them on the CPU with
+Mxfp4Config(dequantize=True): greedy tokens identical for 24 tokens (float32), also with chunked prefill and
+preemption forced; what it refuses by name (another swiglu_limit, a backend without sinks)."""
 import json
 
 import pytest
@@ -60,3 +61,15 @@ def test_another_swiglu_limit_is_refused(tmp_path, tiny_tokenizer):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="swiglu_limit 10.0 is not supported"):
         LLM(str(path), progress=False)
+
+
+def test_a_backend_without_sinks_is_not_selected(checkpoint, monkeypatch):
+    """The layers' sinks are a requirement of the backend choice: with the reference backend made to lack them,
+    no backend fits on the CPU, and the error names the missing capability."""
+    from kestrel import LLM
+    from kestrel.attention.backends.torch_ref import TorchRefBackend
+    from kestrel.errors import ConfigError
+
+    monkeypatch.setattr(TorchRefBackend, "supports_attention_sinks", False)
+    with pytest.raises(ConfigError, match="torch_ref: lacks supports_attention_sinks"):
+        LLM(str(checkpoint), progress=False)
