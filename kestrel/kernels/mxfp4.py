@@ -3,8 +3,9 @@ along the input dim shares one ue8m0 scale (a byte s: 2^(s - 127)), each weight 
 exponent bits, 1 mantissa bit), two codes a byte with the lower-indexed weight in the low nibble.
 
 Checkpoint tensors of a projection [out, in] (all experts stacked): `*_blocks` [E, out, in / 32, 16] uint8 and
-`*_scales` [E, out, in / 32] uint8. The first MoE kernel for them dequantises once after loading (exactly: every
-e2m1 value times a power of two is a bf16 and a float32) and then runs the reference loop."""
+`*_scales` [E, out, in / 32] uint8. The first MoE kernels for them dequantise once after loading (exactly: every
+e2m1 value times a power of two is a bf16 and a float32), then run the reference loop (anywhere) or the Triton
+fused MoE (CUDA); a fused W4A16 kernel that reads the blocks is the next step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -50,7 +51,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 class Mxfp4DequantMoE(TorchMoE):
     """MXFP4 experts anywhere: loaded in the checkpoint's layout, dequantised once to the model's dtype after
-    loading, then the reference loop (a fused W4A16 kernel on CUDA is the next step)."""
+    loading, then the reference loop."""
 
     name = "mxfp4_dequant_moe"
     family = "mxfp4"
