@@ -52,6 +52,18 @@ SHAPES = {
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
                           tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645),
+    # gpt-oss-20b: hidden 2880, 24 layers alternating sliding (128) and full attention with sinks, 64 heads / 8 KV
+    # heads of 64, q/k/v/o bias, YaRN x32 over 4096; 32 experts of 2880 (biases, clamped SwiGLU), top-4; vocab
+    # 201088. Random weights in bf16 (the released checkpoint's MXFP4 experts are dequantised to this on load).
+    "gpt-oss-20b": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True,
+                        vocab_size=201088, tie_word_embeddings=False, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, swiglu_limit=7.0, rope_parameters={
+                            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+                        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
     # DeepSeek-V2-Lite: hidden 2048, 27 layers, 16 heads, MLA (latent 512 + rope 64 a token and layer; qk 128 + 64,
     # v 128, no q compression), YaRN x40; layer 0 dense (MLP 10944), then MoE (64 routed experts of 1408, top-6,
     # 2 shared); vocab 102400. The same config as /work/shared/peers/vllm/vllm_shapes.py's.
@@ -155,9 +167,9 @@ def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
                                    s["num_key_value_heads"], s["head_dim"], s["intermediate_size"], s["vocab_size"])
     attn = h * (nh + 2 * kvh) * hd + nh * hd * h
-    e, k = s.get("num_experts", 0), s.get("num_experts_per_tok", 0)
-    if e:  # every layer sparse (the shapes here): router + experts
-        expert = 3 * h * s["moe_intermediate_size"]
+    e, k = s.get("num_experts", s.get("num_local_experts", 0)), s.get("num_experts_per_tok", 0)
+    if e:  # every layer sparse (the shapes here): router + experts (gpt-oss: experts of intermediate_size)
+        expert = 3 * h * s.get("moe_intermediate_size", inter)
         per_layer, active_layer = attn + e * h + e * expert, attn + e * h + k * expert
     else:
         expert, per_layer, active_layer = 0, attn + 3 * h * inter, attn + 3 * h * inter

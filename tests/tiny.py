@@ -136,6 +136,12 @@ FAMILY_CONFIGS = {
     "llama4": ("llama4_text", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                                    num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
                                    moe_layers=[1, 3], attention_chunk_size=8, floor_scale=4, attn_scale=0.5)),
+    # sliding (8) and full layers alternating, both with sinks; q/k/v/o biases; 4 experts top-2 with router and
+    # expert biases, interleaved gate/up, clamped SwiGLU; YaRN over an original context of 16
+    "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                intermediate_size=32, sliding_window=8, rope_parameters={
+                                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
 }
 
 
@@ -187,6 +193,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
                     p.normal_(0, 0.08)
                 elif p.dim() == 1 and "norm" in pname:
                     p.normal_(1, 0.2)
+                elif pname.endswith(".sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                    p.normal_(0, 1.0)
         for buf_name, b in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)
@@ -196,6 +204,34 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
     model.save_pretrained(out)
     (tokenizer or make_tokenizer()).save_pretrained(out)
     return out
+
+
+# the released gpt-oss checkpoints' quantization_config
+GPT_OSS_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def gpt_oss_mxfp4_checkpoint(root: Path, tokenizer=None, name: str = "gpt_oss_mxfp4", **overrides) -> Path:
+    """The tiny gpt-oss checkpoint with its experts in the real checkpoints' MXFP4 format: each stacked expert
+    weight ([E, in, out] in transformers' layout) as `*_blocks` [E, out, in / 32, 16] and `*_scales`
+    [E, out, in / 32], and the released models' quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.kernels.mxfp4 import quantize_mxfp4
+
+    path = make_checkpoint("gpt_oss", root, tokenizer=tokenizer, name=name, vary_vectors=True, **overrides)
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(tensors.pop(key).transpose(1, 2))
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks.contiguous(), scales.contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = GPT_OSS_MXFP4
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
 
 
 # what a Kimi Linear engine holds in float32 whatever its dtype: the forget gate's parameters, the MoE router

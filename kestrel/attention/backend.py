@@ -105,8 +105,9 @@ class AttentionMetadataBuilder:
 class AttentionImpl:
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 attention_chunk_size: int | None = None):
+                 attention_chunk_size: int | None = None, sinks: torch.Tensor | None = None):
         """sliding_window W: a query at position p sees keys p-W+1 .. p (None or 0: all of 0 .. p).
+        sinks: the layer's per-head sink logits, float32 [num_heads] (gpt-oss; None: none), read at each forward.
         attention_chunk_size C: keys floor(p / C) * C .. p (chunked local attention; None or 0: off).
         logits_soft_cap c: scaled logits s become c * tanh(s / c) (Gemma 2; None or 0: off)."""
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
@@ -117,6 +118,7 @@ class AttentionImpl:
         self.sliding_window = int(sliding_window or 0)
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.attention_chunk_size = int(attention_chunk_size or 0)
+        self.sinks = sinks
         # an FP8 cache's per-tensor scales (float32 scalar tensors of the layer; kestrel/attention/kv_quant.py)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
@@ -138,6 +140,7 @@ class AttentionBackend:
     supports_chunked_attention: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     supports_bidirectional_prefix: ClassVar[bool] = False
+    supports_attention_sinks: ClassVar[bool] = False  # a per-head logit in the softmax denominator (gpt-oss)
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()  # quantised cache dtypes it reads (FP8 KV cache)
 
     impl_cls: ClassVar[type[AttentionImpl]]

@@ -7,7 +7,9 @@ Options of the steps between (each read from the config by the model's attention
     modules see [T, heads * head_dim]), before the rotary or after it (`qk_norm_after_rope`: Hunyuan, Llama 4);
   rotary None: no position encoding (NoPE layers: SmolLM3, Llama 4);
   attention_chunk_size: chunked local attention (Llama 4: a ChunkedLocalAttentionSpec, the backends' mask mode);
-  query_scale: a per-position factor on the queries after all of that (Llama 4's temperature tuning, Ministral 3).
+  query_scale: a per-position factor on the queries after all of that (Llama 4's temperature tuning, Ministral 3);
+  sinks: a learned logit per query head in the softmax denominator (gpt-oss; the `sinks` parameter, float32,
+    this rank's heads), which the backend must declare it reads (`supports_attention_sinks`).
 The fused prologue serves the plain order (per-head norm, full rotary); the other options run the steps in turn."""
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class Attention(nn.Module):
                  scale: float | None = None, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  qk_norm_all_heads: bool = False, qk_norm_after_rope: bool = False,
-                 query_scale: nn.Module | None = None, attention_chunk_size: int | None = None):
+                 query_scale: nn.Module | None = None, attention_chunk_size: int | None = None,
+                 sinks: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -35,6 +38,7 @@ class Attention(nn.Module):
         self._qk_norms = (q_norm, k_norm)  # registered by the model's attention module (checkpoint names)
         self.qk_norm_all_heads, self.qk_norm_after_rope = qk_norm_all_heads, qk_norm_after_rope
         self.query_scale = query_scale
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if sinks else None
         # the fused prologue's order: per-head RMSNorm (with a weight), then a neox rotary over the whole head
         self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and not rotary.interleaved
                                and query_scale is None and not qk_norm_all_heads and not qk_norm_after_rope

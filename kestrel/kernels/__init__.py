@@ -20,6 +20,7 @@ from kestrel.kernels.dense import TorchDenseLinear, TritonSkinnyDenseLinear
 from kestrel.kernels.fp8 import Fp8DequantFallbackLinear, TorchScaledMMLinear, TritonFp8BlockLinear
 from kestrel.kernels.moe import Fp8DequantMoE, MoEKernel, MoESpec, TorchMoE, TritonFp8BlockMoE, TritonFusedMoE
 from kestrel.kernels.moe_int4 import Int4DequantMoE, TritonInt4DequantMoE
+from kestrel.kernels.mxfp4 import Mxfp4DequantMoE, TritonMxfp4DequantMoE
 from kestrel.platform import Platform, current_platform
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,11 @@ CANDIDATES: dict[str, list[type[KernelCandidate]]] = {
     "moe": [
         TritonFp8BlockMoE,  # FP8 block-quantized experts on CUDA
         TritonFusedMoE,  # bf16/fp16 experts on CUDA: sorted grouped GEMMs
-        Fp8DequantMoE,  # FP8 block experts anywhere: dequantized once, the reference loop
+        TritonMxfp4DequantMoE,  # MXFP4 experts (gpt-oss) on CUDA: dequantized once, then the fused MoE
         TritonInt4DequantMoE,  # INT4 pack-quantized experts on CUDA: dequantized once, the Triton fused MoE
+        Fp8DequantMoE,  # FP8 block experts anywhere: dequantized once, the reference loop
         Int4DequantMoE,  # INT4 pack-quantized experts anywhere: dequantized once, the reference loop
+        Mxfp4DequantMoE,  # MXFP4 experts (gpt-oss) anywhere: dequantized once, the reference loop
         TorchMoE,  # everywhere: the reference loop
     ],
 }

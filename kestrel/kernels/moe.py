@@ -5,7 +5,10 @@ Weights (registered by `create_weights`), E = routed experts + fused shared-expe
   w13: [E, 2*I, H]  gate rows first, then up rows (so a gate/up checkpoint pair loads as shards 0 and 1)
   w2:  [E, H, I]
 FP8 block-quantized kernels add w13_scale [E, 2I/bn, H/bk] and w2_scale [E, H/bn, I/bk] (fp32 block scales).
-Activation: silu(gate) * up ("silu") or gelu(gate, tanh) * up ("gelu").
+Activation: silu(gate) * up ("silu"), gelu(gate, tanh) * up ("gelu"), or gpt-oss's clamped SwiGLU ("swigluoai":
+gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
+Expert biases (`MoESpec.bias`, gpt-oss): w13_bias [E, 2I] (gate, then up) added before the activation, w2_bias
+[E, H] added to each expert's output before its routing weight.
 
 Fused shared experts: slots E_routed .. E-1 hold the shared expert(s), split into chunks of I; the layer appends
 their ids to every token's top-k (weight 1, or the Qwen2-MoE sigmoid gate). A kernel declares whether it can
@@ -25,7 +28,9 @@ from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
-MOE_ACTIVATIONS = ("silu", "gelu")
+MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+TRITON_MOE_ACTIVATIONS = ("silu", "swigluoai")  # the Triton fused MoE's epilogues (triton_ops/fused_moe.py)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -40,6 +45,7 @@ class MoESpec:
     activation: str = "silu"
     quant: Any = None  # None: dense expert weights; an Fp8Scheme for FP8 experts
     num_shared_experts: int = 0  # fused shared-expert slots appended after the routed experts (0: not fused)
+    bias: bool = False  # expert biases w13_bias / w2_bias
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -60,7 +66,8 @@ class MoEKernel(KernelCandidate):
     supports_mixed_fused_shared_experts: ClassVar[bool] = False  # fused and unfused layers in one model
     supports_tensor_parallel: ClassVar[bool] = True  # loads a rank's slice of each expert (layers/moe/layer.py)
     # an expert tensor's checkpoint name -> the suffix of its parameter (w13 + "_scale"): the block scales
-    checkpoint_params: ClassVar[dict[str, str]] = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale"}
+    checkpoint_params: ClassVar[dict[str, str]] = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale",
+                                                   "bias": "_bias"}
 
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError
@@ -103,13 +110,31 @@ def _dense_weights(layer: nn.Module, spec: MoESpec, dtype: torch.dtype) -> None:
     e, h, i = spec.total_experts, spec.hidden_size, spec.intermediate_size
     layer.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
     layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+    _bias_weights(layer, spec)
+
+
+def _bias_weights(layer: nn.Module, spec: MoESpec) -> None:
+    if spec.bias:
+        e, h, i = spec.total_experts, spec.hidden_size, spec.intermediate_size
+        layer.w13_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=spec.params_dtype), requires_grad=False)
+        layer.w2_bias = nn.Parameter(torch.zeros(e, h, dtype=spec.params_dtype), requires_grad=False)
 
 
 def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "swigluoai":
+        gate, up = gate.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        return gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA) * (up + 1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def _expert(layer: nn.Module, e: int, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Expert e on the rows x (before its routing weight), with its biases where the layer has them."""
+    b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+    hidden = _activate(F.linear(x, layer.w13[e], None if b13 is None else b13[e]), activation)
+    return F.linear(hidden, layer.w2[e], None if b2 is None else b2[e])
 
 
 class TorchMoE(MoEKernel):
@@ -142,8 +167,7 @@ class TorchMoE(MoEKernel):
         for e in torch.unique(flat_ids).tolist():
             sel = (flat_ids == e).nonzero(as_tuple=True)[0]
             tokens = token_of[sel]
-            hidden = _activate(F.linear(x[tokens], layer.w13[e]), self.spec.activation)
-            y = F.linear(hidden, layer.w2[e]).float() * flat_w[sel, None]
+            y = _expert(layer, e, x[tokens], self.spec.activation).float() * flat_w[sel, None]
             out.index_add_(0, tokens, y)
         return out.to(x.dtype)
 
@@ -154,8 +178,7 @@ class TorchMoE(MoEKernel):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in range(layer.w13.shape[0]):
             w = (topk_weights.float() * (topk_ids == e)).sum(dim=1, keepdim=True)
-            hidden = _activate(F.linear(x, layer.w13[e]), self.spec.activation)
-            out += F.linear(hidden, layer.w2[e]).float() * w
+            out += _expert(layer, e, x, self.spec.activation).float() * w
         return out.to(x.dtype)
 
 
@@ -176,34 +199,39 @@ class TritonFusedMoE(MoEKernel):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        if spec.activation != "silu":
-            return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.activation not in TRITON_MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r}: the epilogue implements {', '.join(TRITON_MOE_ACTIVATIONS)}"
         return _check_dense(spec, (torch.bfloat16, torch.float16))
 
     def create_weights(self, layer: nn.Module) -> None:
         _dense_weights(layer, self.spec, self.spec.params_dtype)
 
-    def _scales(self, layer):
-        return {}
+    def _kernel_args(self, layer):
+        """The kernel's keyword arguments besides the weights: scales (FP8), biases and the activation."""
+        if not self.spec.bias and self.spec.activation == "silu":
+            return {}
+        return dict(w13_bias=getattr(layer, "w13_bias", None), w2_bias=getattr(layer, "w2_bias", None),
+                    activation=self.spec.activation)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Compile every batch bucket's variant now, in parallel, so no request waits for a compilation."""
         s = self.spec
         k = s.top_k + s.num_shared_experts  # a constexpr of the gate_up GEMM
-        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype)
+        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype, s.activation,
+               s.bias)
         if layer.w13.device.type != "cuda" or key in _WARMED:
             return
         _WARMED.add(key)
         from kestrel.kernels.triton_ops import fused_moe
         from kestrel.kernels.triton_ops.precompile import precompile
 
-        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384, **self._scales(layer)),
-                   f"fused MoE {s.layer_name} buckets")
+        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384,
+                                             **self._kernel_args(layer)), f"fused MoE {s.layer_name} buckets")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from kestrel.kernels.triton_ops.fused_moe import fused_moe
 
-        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._scales(layer))
+        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._kernel_args(layer))
 
 
 class TritonFp8BlockMoE(TritonFusedMoE):
@@ -217,6 +245,8 @@ class TritonFp8BlockMoE(TritonFusedMoE):
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
         if spec.activation != "silu":
             return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.bias:
+            return False, "expert biases: the epilogues add none"
         if spec.params_dtype not in (torch.bfloat16, torch.float16):
             return False, f"activations in {spec.params_dtype}; needs bf16 or fp16"
         return _check_fp8_block(spec)
@@ -232,7 +262,7 @@ class TritonFp8BlockMoE(TritonFusedMoE):
     def create_weights(self, layer: nn.Module) -> None:
         _fp8_block_weights(layer, self.spec)
 
-    def _scales(self, layer):
+    def _kernel_args(self, layer):
         return dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block_shape=tuple(self.spec.quant.block_size))
 
 
@@ -261,6 +291,7 @@ def _fp8_block_weights(layer: nn.Module, s: MoESpec) -> None:
     layer.w2 = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
     layer.w13_scale = nn.Parameter(torch.ones(e, 2 * i // bn, h // bk), requires_grad=False)
     layer.w2_scale = nn.Parameter(torch.ones(e, h // bn, i // bk), requires_grad=False)
+    _bias_weights(layer, s)
 
 
 class Fp8DequantMoE(TorchMoE):

@@ -10,7 +10,7 @@ from kestrel.attention.layer import Attention, ForwardContext
 from kestrel.errors import ConfigError
 from kestrel.layers.activation import SiluAndMul, gated_activation
 from kestrel.layers.embedding import LMHead, VocabEmbedding
-from kestrel.layers.linear import Linear
+from kestrel.layers.linear import Linear, materialize
 from kestrel.layers.norm import AllHeadsRMSNorm, ResidualAdd, RMSNorm
 from kestrel.layers.norm_linear import NormLinear
 from kestrel.layers.rotary import QueryScale, RotaryEmbedding, rope_fraction
@@ -74,7 +74,9 @@ class LlamaAttention(nn.Module):
         Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)
       `output_gate` (gated attention: Qwen3-Next, Qwen3.5): the projection also gives a gate per query channel (its
         4th shard, `q_gate`; the checkpoint's q_proj holds it after each head's queries) and the attention output
-        is multiplied by sigmoid(gate) before o_proj"""
+        is multiplied by sigmoid(gate) before o_proj
+      `attention_sinks` (gpt-oss): a learned logit per query head in the softmax denominator, the checkpoint's
+        `self_attn.sinks` (load_weight takes this rank's heads)"""
     qkv_bias_default = False
     o_bias_follows_qkv = True
     use_qk_norm = False
@@ -85,6 +87,7 @@ class LlamaAttention(nn.Module):
     rope_interleaved = False
     rope_fraction_default = 1.0
     output_gate = False
+    attention_sinks = False
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, **attn_kw):
         super().__init__()
@@ -123,9 +126,10 @@ class LlamaAttention(nn.Module):
         if layer_type_of(cfg, idx) == "chunked_attention":
             attn_kw.setdefault("attention_chunk_size", cfg.attention_chunk_size)
         attn_kw.setdefault("query_scale", QueryScale.from_config(cfg, nope_layer=not rope))
+        self.q_heads = (q0, nq)
         self.attn = Attention(ctx, f"{prefix}.attn", nq, head_dim, nkv, rotary, q_norm=q_norm, k_norm=k_norm,
                               qk_norm_all_heads=self.qk_norm_all_heads, qk_norm_after_rope=self.qk_norm_after_rope,
-                              **attn_kw)
+                              sinks=self.attention_sinks, **attn_kw)
         self.qkv = NormLinear(input_norm, self.qkv_proj)
 
     def build_rotary(self, ctx: ModelContext, idx: int, head_dim: int) -> RotaryEmbedding:
@@ -137,6 +141,12 @@ class LlamaAttention(nn.Module):
         dim = getattr(cfg, "rotary_dim", None) or int(head_dim * rope_fraction(cfg, self.rope_fraction_default))
         return ctx.shared("rotary" if kind is None else f"rotary.{kind}", lambda: RotaryEmbedding(
             cfg, dim, ctx.max_positions, ctx.dtype, layer_type=kind, interleaved=self.rope_interleaved))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """A tensor of this module itself (not of a projection): the attention sinks, this rank's heads."""
+        if not name.endswith(".sinks") or self.attn.sinks is None:
+            raise KeyError(f"{name}: not a tensor of this attention (sinks only where `attention_sinks` is on)")
+        self.attn.sinks.data.copy_(materialize(tensor).narrow(0, *self.q_heads))
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         """(attention output, residual stream) from the layer input and the residual stream so far."""

@@ -26,6 +26,7 @@ _MODELS = {
     "Ernie4_5_MoeForCausalLM": ("kestrel.models.ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("kestrel.models.hunyuan", "HunYuanMoEV1ForCausalLM"),
     "MiniMaxM2ForCausalLM": ("kestrel.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "GptOssForCausalLM": ("kestrel.models.gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("kestrel.models.llama4", "Llama4ForCausalLM"),
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),

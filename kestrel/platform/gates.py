@@ -54,7 +54,14 @@ GATES: dict[str, KernelGate] = {
                     "down (+routing weights)",
         requires=(check_triton_moe,),
         act_dtypes=(torch.bfloat16, torch.float16),
-        notes="silu experts; fused shared experts as extra always-selected experts",
+        notes="silu or swigluoai (gpt-oss) experts, expert biases; fused shared experts as extra always-selected "
+              "experts",
+    ),
+    "triton_mxfp4_dequant_moe": KernelGate(
+        description="MXFP4 experts dequantised once after loading, then the Triton fused MoE",
+        requires=(check_triton_moe,),
+        act_dtypes=(torch.bfloat16, torch.float16),
+        notes="the first MXFP4 version: bf16/fp16 expert weights in memory (a fused W4A16 kernel comes next)",
     ),
     "triton_fp8_block_moe": KernelGate(
         description="the Triton fused MoE on block-quantized FP8 experts (per-token-group activation quantization)",

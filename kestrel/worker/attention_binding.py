@@ -38,8 +38,11 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
     requires = tuple(sorted({flag for a in addons for flag in a.backend_requires}))
     for g in groups:
         what = f"KV group {g.group_id} ({type(g.spec).__name__}, {len(g.layer_names)} layers)"
-        backend = select_attention_backend(g.spec, block_size, config.kernel.attention_backend,
-                                           what=what, requires=requires, dtype=dtype)
+        # what the group's layers declare they need of the backend (attention sinks: gpt-oss)
+        sinks = any(getattr(context.attention_layers[n], "sinks", None) is not None for n in g.layer_names)
+        backend = select_attention_backend(g.spec, block_size, config.kernel.attention_backend, what=what,
+                                           requires=requires + (("supports_attention_sinks",) if sinks else ()),
+                                           dtype=dtype)
         backends.append(backend)
         builders.append(backend.builder_cls(g.spec, g.spec.block_size, device))
         for name in g.layer_names:
@@ -49,10 +52,11 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                 if not ok:
                     raise ConfigError(f"speculative_config: the draft's attention cannot run on the target's "
                                       f"attention backend {backend.name}: {why}")
+            extra = {"sinks": layer.sinks} if getattr(layer, "sinks", None) is not None else {}
             layer.impl = backend.impl_cls(layer.num_heads, layer.head_dim, layer.scale, layer.num_kv_heads,
                                           sliding_window=layer.sliding_window,
                                           logits_soft_cap=layer.logits_soft_cap,
-                                          attention_chunk_size=layer.attention_chunk_size)
+                                          attention_chunk_size=layer.attention_chunk_size, **extra)
             if kv_quant.is_fp8(g.spec.dtype):
                 layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
             layer.group_id = g.group_id

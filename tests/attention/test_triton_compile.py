@@ -24,6 +24,8 @@ def compile_ok(fn, sig, constexprs, num_warps=4):
         constexprs = {**constexprs, "PDL": True}
     if "CHUNKED" in fn.arg_names:  # chunked local attention: off unless asked
         constexprs = {"CHUNKED": False, **constexprs}
+    if "SINKS" in fn.arg_names:  # attention sinks: off unless asked
+        constexprs = {"SINKS": False, **constexprs}
     for name, value in constexprs.items():
         sig[name] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
@@ -42,7 +44,8 @@ def test_qk_norm_rope_cache_compiles(has_norm, d, hq, hkv):
 
 
 FLOAT_ARGS = ("qk_scale", "cap_log2")
-SCALES = {"KS": "*fp32", "VS": "*fp32"}  # an FP8 KV cache's per-tensor scales (unused at FP8_MAX=0.0)
+# an FP8 KV cache's per-tensor scales (unused at FP8_MAX=0.0) and the per-head sink logits (unused unless SINKS)
+SCALES = {"KS": "*fp32", "VS": "*fp32", "SINK": "*fp32"}
 # (WINDOWED, SOFTCAP): full attention, Gemma 3's sliding layers, Gemma 2 (both)
 OPTIONS = [(False, False), (True, False), (True, True)]
 
@@ -60,6 +63,26 @@ def test_decode_kernels_compile(split, fused_reduce, windowed, softcap):
     fn = triton_attention._decode_reduce_kernel
     sig = {n: {"PO": "*fp32", "PLSE": "*fp32", "O": "*bf16", "SL": "*i32"}.get(n, "i32") for n in fn.arg_names}
     compile_ok(fn, sig, dict(MAX_SPLITS=triton_attention.MAX_SPLITS, HEAD_DIM=128, BLOCK_N=64, WINDOWED=windowed))
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("split", [True, False])
+def test_sink_kernels_compile(split, windowed):
+    """gpt-oss: attention sinks on its sliding (128) and full layers, head dim 64, 8 query heads a KV head."""
+    fn = triton_attention._decode_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+            "PLSE": "*fp32", "CNT": "*i32", **SCALES}
+    sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(HEAD_DIM=64, G_PAD=16, PAGE=16, BLOCK_N=64, SPLIT=split, USE_DOT=True, UPCAST=False,
+                             FUSED_REDUCE=split, MAX_SPLITS=triton_attention.MAX_SPLITS, WINDOWED=windowed,
+                             SOFTCAP=False, FP8_MAX=0.0, SINKS=True))
+    fn = triton_attention._prefill_kernel
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+            **SCALES}
+    sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+    compile_ok(fn, sig, dict(HEAD_DIM=64, PAGE=16, BLOCK_M=64 if split else 16, BLOCK_N=64,
+                             SEARCH_ITERS=triton_attention._search_iters(256), UPCAST=False, WINDOWED=windowed,
+                             SOFTCAP=False, Q_DIM=64, O_DIM=64, FP8_MAX=0.0, SINKS=True))
 
 
 @pytest.mark.parametrize("split,num_warps", [(True, 4), (False, 8)])

@@ -31,20 +31,36 @@ SIZES = {
     "llama4": dict(head_dim=64, intermediate_size=128, intermediate_size_mlp=512),
     "mistral4": dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=64,
                      moe_intermediate_size=128),
+    "gpt_oss": dict(head_dim=64, intermediate_size=128),  # sinks in the Triton kernels, the reference MoE
+    "gpt_oss_mxfp4": dict(head_dim=64, intermediate_size=128),  # its experts in MXFP4, dequantised on load
 }
-MOE = {"ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "llama4", "mistral4"}
+MOE = {"ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "llama4", "mistral4", "gpt_oss", "gpt_oss_mxfp4"}
+
+
+def _build(kind, root, tokenizer, **kw):
+    from tests.tiny import gpt_oss_mxfp4_checkpoint, make_checkpoint
+
+    if kind == "gpt_oss_mxfp4":
+        return gpt_oss_mxfp4_checkpoint(root, tokenizer=tokenizer, **kw)
+    return make_checkpoint(kind, root, tokenizer=tokenizer, vary_vectors=True, **kw)
+
+
+def _hf_load(kind) -> dict:
+    """transformers' from_pretrained options: MXFP4 experts dequantised (as its CPU path does)."""
+    if kind != "gpt_oss_mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_tokenizer):
-    from tests.tiny import make_checkpoint
-
     root, built = tmp_path_factory.mktemp("gpu_families"), {}
 
     def get(kind):
         if kind not in built:
-            built[kind] = make_checkpoint(kind, root, tokenizer=tiny_tokenizer, vary_vectors=True,
-                                          **{**WIDE, **SIZES[kind]})
+            built[kind] = _build(kind, root, tiny_tokenizer, **{**WIDE, **SIZES[kind]})
             decisive_routers(built[kind])
         return built[kind]
 
@@ -59,8 +75,8 @@ def test_bf16_matches_transformers(checkpoint, kind, graphs):
     path = str(checkpoint(kind))
     llm = LLM(path, dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS, enforce_eager=not graphs)
     assert (llm.engine.core.executor.runner.graphs is not None) == graphs
-    hf = hf_causal_lm(path, dtype=torch.float32).cuda().eval()
-    hf_bf16 = hf_causal_lm(path, dtype=torch.bfloat16).cuda().eval()
+    hf = hf_causal_lm(path, dtype=torch.float32, **_hf_load(kind)).cuda().eval()
+    hf_bf16 = hf_causal_lm(path, dtype=torch.bfloat16, **_hf_load(kind)).cuda().eval()
     runs = []
     for p in PROMPTS:
         ours = agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")

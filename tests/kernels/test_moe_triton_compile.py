@@ -29,17 +29,34 @@ def test_grouped_gemm_compiles_for_every_default_tile(fp8):
     fn = fused_moe._moe_grouped_gemm_kernel
     dt = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {"A": dt, "B": dt, "C": "*bf16", "A_SCALE": "*fp32", "B_SCALE": "*fp32", "TOPK_W": "*fp32",
-            "SORTED_IDS": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32"}
+            "SORTED_IDS": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32", "BIAS": "*bf16"}
     for part, tile in _configs(fp8):
         tile = dict(tile)
         warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
         constexprs = dict(A_ROW_DIV=8 if part == "up" else 1, GATED=part == "up", MUL_WEIGHT=part == "down",
-                          FP8=fp8, GROUP_N=128, **tile)
+                          FP8=fp8, GROUP_N=128, ACT=0, HAS_BIAS=False, **tile)
         sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
         sig.update({n: "constexpr" for n in constexprs})
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
                                 options={"num_warps": warps, "num_stages": stages})
         assert kernel.asm.get("ptx"), (part, tile)
+
+
+def test_grouped_gemm_compiles_with_biases_and_swigluoai():
+    """gpt-oss's epilogues (expert biases, the clamped SwiGLU) at the default tiles of a 32-expert top-4 layer."""
+    fn = fused_moe._moe_grouped_gemm_kernel
+    ptrs = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "A_SCALE": "*fp32", "B_SCALE": "*fp32", "TOPK_W": "*fp32",
+            "SORTED_IDS": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32", "BIAS": "*bf16"}
+    for b in (1, 256, 8192):
+        for part, tile in fused_moe.default_config(b, 32, 4, False).items():
+            tile = dict(tile)
+            warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+            constexprs = dict(A_ROW_DIV=4 if part == "up" else 1, GATED=part == "up", MUL_WEIGHT=part == "down",
+                              FP8=False, GROUP_N=1, ACT=1, HAS_BIAS=True, **tile)
+            sig = {n: ptrs.get(n, "i32") for n in fn.arg_names} | {n: "constexpr" for n in constexprs}
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                                    options={"num_warps": warps, "num_stages": stages})
+            assert kernel.asm.get("ptx"), (part, tile)
 
 
 def test_align_kernel_compiles():

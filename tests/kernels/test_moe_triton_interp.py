@@ -140,6 +140,38 @@ def test_fused_moe_above_grid_threshold_matches_reference(monkeypatch):
     assert rel_err(out.cpu(), reference_moe(x, w13, w2, topk_w, ids)) < FP32_TOL
 
 
+@pytest.mark.parametrize("t,k", [(1, 2), (37, 4)])
+def test_fused_moe_biases_and_swigluoai_match_the_reference_kernel(t, k):
+    """gpt-oss's experts: biases before the activation and on each expert's output, the clamped SwiGLU; inputs
+    scaled up so that gate and up run past the clamp (+-7). The reference is TorchMoE, which matches transformers."""
+    from torch import nn
+
+    from kestrel.kernels.moe import MoESpec, TorchMoE
+    from kestrel.kernels.triton_ops.fused_moe import fused_moe
+
+    gen = torch.Generator().manual_seed(t + k)
+    e, h, i = 8, 96, 48
+    kernel = TorchMoE(MoESpec("experts", e, k, h, i, torch.float32, "swigluoai", bias=True))
+    layer = nn.Module()
+    kernel.create_weights(layer)
+    w13, w2 = make_experts(e, h, i, gen)
+    layer.w13.data.copy_(w13 * 4)
+    layer.w2.data.copy_(w2)
+    layer.w13_bias.data.copy_(torch.randn(e, 2 * i, generator=gen))
+    layer.w2_bias.data.copy_(torch.randn(e, h, generator=gen))
+    x = torch.randn(t, h, generator=gen)
+    topk_w, ids = random_routing(t, e, k, gen)
+    assert (x @ layer.w13[0].T).abs().max() > 7
+    expect = kernel.apply(layer, x, topk_w, ids.long())
+    dev = [v.to(DEVICE) for v in (x, layer.w13, layer.w2, topk_w, ids, layer.w13_bias, layer.w2_bias)]
+    out = fused_moe(*dev[:5], w13_bias=dev[5], w2_bias=dev[6], activation="swigluoai")
+    assert rel_err(out.cpu(), expect) < FP32_TOL
+    plain = fused_moe(*dev[:5], activation="swigluoai")
+    assert rel_err(plain.cpu(), expect) > 10 * FP32_TOL
+    with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
+        fused_moe(*dev[:5], activation="gelu")
+
+
 @pytest.mark.parametrize("k", [6, 8])
 def test_warm_up_compiles_every_variant_a_run_uses(k, monkeypatch):
     """Every (kernel, constexprs, tensor dtypes) a forward of 1..max_tokens tokens launches, with int64 (torch

@@ -198,8 +198,9 @@ def test_unknown_backend_lists_choices():
     with pytest.raises(KernelSelectionError, match="torch_scaled_mm, triton_fp8_block"):
         make_linear("block", "marlin")
     assert backend_names("linear") == ["auto", TSM, TRI, FB, SKD, "torch_dense"]
-    assert backend_names("moe") == ["auto", "triton_fp8_block_moe", "triton_fused_moe", "fp8_dequant_moe",
-                                    "triton_int4_dequant_moe", "int4_dequant_moe", "torch_moe"]
+    assert backend_names("moe") == ["auto", "triton_fp8_block_moe", "triton_fused_moe", "triton_mxfp4_dequant_moe",
+                                    "triton_int4_dequant_moe", "fp8_dequant_moe", "int4_dequant_moe",
+                                    "mxfp4_dequant_moe", "torch_moe"]
 
 
 def test_nothing_fits_lists_every_reason():

@@ -93,7 +93,19 @@ def _check_llama4(model):
     assert model.layers[1].feed_forward.weights_on_input
 
 
-CHECKS = {"llama4": _check_llama4, "olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
+def _check_gpt_oss(model):
+    from kestrel.core.kv_spec import SlidingWindowSpec
+
+    attns = [layer.self_attn.attn for layer in model.layers]
+    assert [type(a.kv_cache_spec) is SlidingWindowSpec for a in attns] == [True, False]
+    assert all(a.sinks is not None and a.sinks.abs().min() > 0 and a.impl.sinks is a.sinks for a in attns)
+    block = model.layers[0].mlp
+    assert block.experts.spec.activation == "swigluoai" and block.experts.spec.bias
+    assert block.gate.bias is not None and block.gate.bias.abs().min() > 0
+    assert block.experts.w13_bias.abs().min() > 0
+
+
+CHECKS = {"gpt_oss": _check_gpt_oss, "llama4": _check_llama4, "olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
           "minimax_m2": _check_minimax_m2}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group

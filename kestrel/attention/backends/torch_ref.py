@@ -20,7 +20,7 @@ class TorchRefImpl(AttentionImpl):
                             meta.query_start_loc_cpu or meta.query_start_loc, meta.seq_lens_cpu or meta.seq_lens,
                             self.scale, out=out[:n], sliding_window=self.sliding_window,
                             softcap=self.logits_soft_cap, bidirectional_lens=meta.bidirectional_lens_cpu,
-                            chunk_size=self.attention_chunk_size, **scales)
+                            chunk_size=self.attention_chunk_size, sinks=self.sinks, **scales)
         return out
 
 
@@ -31,5 +31,6 @@ class TorchRefBackend(AttentionBackend):
     supports_sliding_window = True
     supports_chunked_attention = True
     supports_bidirectional_prefix = True
+    supports_attention_sinks = True
     kv_cache_dtypes = FP8_KV_DTYPES
     impl_cls = TorchRefImpl

@@ -39,7 +39,7 @@ class TritonImpl(AttentionImpl):
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap,
-                   "attention_chunk_size": self.attention_chunk_size,
+                   "attention_chunk_size": self.attention_chunk_size, "sinks": self.sinks,
                    "k_scale": self.k_scale, "v_scale": self.v_scale}
         if meta.num_decodes == meta.num_reqs:
             decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, out=out,
@@ -60,6 +60,7 @@ class TritonBackend(AttentionBackend):
     supports_sliding_window = True
     supports_chunked_attention = True
     supports_cuda_graphs = True
+    supports_attention_sinks = True
     kv_cache_dtypes = gates.GATES["kv_cache_dtypes"]
     impl_cls = TritonImpl
 

@@ -8,7 +8,8 @@ Masking follows transformers (masking_utils: causal, and `sliding_window_overlay
 position p sees the keys at positions max(0, p - W + 1) .. p for a sliding window W (W keys, itself included),
 all of 0 .. p without one. Only the blocks that hold a visible key are read: blocks that fell out of the window
 may already hold another request's data. Soft-capping (Gemma 2) replaces a scaled logit s by
-cap * tanh(s / cap) before the mask. A bidirectional prefix of L tokens (PaliGemma's image + prompt) also lets
+cap * tanh(s / cap) before the mask. Attention sinks (gpt-oss): a learned logit per query head joins each
+row's softmax denominator as a key with no value (transformers' `sinks` column, dropped after the softmax). A bidirectional prefix of L tokens (PaliGemma's image + prompt) also lets
 queries at positions < L see keys at positions < L (transformers' `block_sequence_ids` over the prefix); the
 scheduler computes such a prefix in one chunk, so those keys are in the cache.
 
@@ -55,8 +56,10 @@ def window_start(first_query_pos: int, sliding_window: int | None, chunk_size: i
     return max(lo, first_query_pos // chunk_size * chunk_size) if chunk_size else lo
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: int = 0, chunk_size: int = 0):
-    """q [M, Hq, D] at positions q_pos [M]; k/v [N, Hkv, D] at positions k_pos [N]. float32 out."""
+def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: int = 0, chunk_size: int = 0,
+            sinks=None):
+    """q [M, Hq, D] at positions q_pos [M]; k/v [N, Hkv, D] at positions k_pos [N]; sinks [Hq] or None.
+    float32 out."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf = q.float().transpose(0, 1)  # [Hq, M, D]
@@ -73,21 +76,25 @@ def _attend(q, k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix_len: i
     if prefix_len:
         visible |= (k_pos[None, :] < prefix_len) & (q_pos[:, None] < prefix_len)
     s = s.masked_fill(~visible[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().to(s.device)[:, None, None].expand(-1, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     return torch.matmul(p, vf).transpose(0, 1)  # [M, Hq, D]
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None, *,
                         sliding_window: int | None = None, softcap: float = 0.0,
                         bidirectional_lens: list[int] | None = None, k_scale=None, v_scale=None,
-                        chunk_size: int = 0, **_):
+                        chunk_size: int = 0, sinks=None, **_):
     """Causal varlen attention over a paged cache: q [T, Hq, D] -> [T, Hq, D] (out's dtype, default q's).
 
     Sequence b's queries q[query_start_loc[b]:query_start_loc[b+1]] sit at positions seq_lens[b] - q_len_b ..
     seq_lens[b] - 1; its K/V (cached prefix and new tokens) are in the cache. A sequence with seq_len 0
     (a padding row) gives zeros. query_start_loc / seq_lens: tensors or lists. k_scale / v_scale: a float8
     cache's scales (default 1.0). chunk_size C: chunked local attention (a query at p sees keys
-    floor(p / C) * C .. p; 0 = off).
+    floor(p / C) * C .. p; 0 = off). sinks: a float tensor [Hq] of per-head sink logits (None: no sinks).
     """
     out = torch.empty_like(q) if out is None else out
     qsl = query_start_loc.tolist() if torch.is_tensor(query_start_loc) else list(query_start_loc)
@@ -106,7 +113,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_
         k_pos = torch.arange(lo, seq_len, device=q.device)
         prefix = bidirectional_lens[b] if bidirectional_lens else 0
         out[s:e] = _attend(q[s:e], k, v, q_pos, k_pos, scale, sliding_window, softcap, prefix,
-                             chunk_size).to(out.dtype)
+                           chunk_size, sinks).to(out.dtype)
     return out
 
 

@@ -11,7 +11,9 @@ Per-layer options (fixed for a layer, run-time values): `sliding_window` W (a qu
 p-W+1 .. p, as transformers' sliding_window_overlay; 0/None = all of 0 .. p) and `softcap` c (scaled logits s
 become c * tanh(s / c), Gemma 2; 0 = off). W and c are run-time kernel arguments; only whether they are on is a
 constexpr (WINDOWED, SOFTCAP), so a model compiles at most one more variant per kernel for its sliding layers,
-and full-attention layers run the same code as without these options. `attention_chunk_size` C (chunked local
+and full-attention layers run the same code as without these options. `sinks` (gpt-oss): a float32 tensor [Hq]
+of learned logits, one per query head, that join every row's softmax denominator as a key without a value; the
+online softmax starts from it (running max = the sink, sum = 1) instead of from -inf and 0 (constexpr SINKS). `attention_chunk_size` C (chunked local
 attention, Llama 4: a query at p sees keys floor(p / C) * C .. p) is the other kind of lower bound: it rides in
 the window's run-time argument, and the constexpr CHUNKED picks the bound's formula (`_row_lo`). Windowed kernels never touch the K/V (or
 the block-table entries, where a tile spans pages) of tokens below the window: those blocks may already be
@@ -181,6 +183,20 @@ def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _softmax_start(SINK, heads, mask, ROWS: tl.constexpr, SINKS: tl.constexpr, has_sink=True):
+    """The online softmax's (running max, running sum) before any key, per row: (-inf, 0), or with SINKS the
+    rows' sink logit in the log2 domain and 1 (where has_sink: a split decode counts the sink in one split only)."""
+    if SINKS:
+        sink = tl.load(SINK + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.where(has_sink, sink, float("-inf")) + tl.zeros([ROWS], tl.float32)
+        l = tl.where(has_sink, 1.0, 0.0) + tl.zeros([ROWS], tl.float32)
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+    return m, l
+
+
+@triton.jit
 def _kv_scale(ptr, FP8_MAX: tl.constexpr):
     """A float8 cache's per-tensor scale (FP8_MAX > 0), else 1.0. Attention folds K's into the logit scale and V's
     into the output (both linear), so tiles are only converted to the query's dtype (exact from float8)."""
@@ -212,6 +228,13 @@ def _check_options(sliding_window, softcap, chunk_size=0) -> tuple[int, bool]:
     if softcap is not None and not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
     return int(c or w), bool(c)
+
+
+def _check_sinks(sinks, num_q_heads: int) -> None:
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)
+                              or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a contiguous float32 tensor of {num_q_heads} per-head logits, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -253,7 +276,7 @@ def _decode_window(seq_len, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexp
 
 @triton.jit(do_not_specialize=["num_splits", "min_split", "window"])
 def _decode_kernel(
-    Q, K, V, BT, SL, O, PO, PLSE, CNT, KS, VS,
+    Q, K, V, BT, SL, O, PO, PLSE, CNT, KS, VS, SINK,
     qk_scale, cap_log2, G, num_q_heads, num_splits, min_split, window,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
@@ -262,7 +285,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, MAX_SPLITS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-    FP8_MAX: tl.constexpr, PDL: tl.constexpr, CHUNKED: tl.constexpr = False,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr, CHUNKED: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     b = tl.program_id(0)
@@ -286,8 +309,7 @@ def _decode_kernel(
         q = q.to(tl.float32)
     qk_scale = qk_scale * _kv_scale(KS, FP8_MAX)
 
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
+    m_i, l_i = _softmax_start(SINK, heads, mask_g, G_PAD, SINKS, split == 0)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     bt_row = BT + b64 * stride_btb
     k_base = K + kvh * stride_ch
@@ -447,7 +469,7 @@ def split_decode_setup(q: torch.Tensor, out: torch.Tensor, cfg: dict, programs: 
 
 def decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, *, max_seq_len=None,
-    sliding_window=None, softcap=0.0, k_scale=None, v_scale=None, attention_chunk_size=0, _config=None
+    sliding_window=None, softcap=0.0, k_scale=None, v_scale=None, attention_chunk_size=0, sinks=None, _config=None
 ):
     """q [B, Hq, D] (one token per sequence, at position seq_lens[b]-1) -> out [B, Hq, D].
 
@@ -456,9 +478,11 @@ def decode_attention(
     sliding_window / softcap / attention_chunk_size: see the module docstring (the splits divide the window's or
     the chunk's keys only).
     k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
+    sinks: per-head sink logits, float32 [Hq] (None: no sinks); split 0 counts them.
     """
     window, chunked = _check_options(sliding_window, softcap, attention_chunk_size)
     B, hq, d = q.shape
+    _check_sinks(sinks, hq)
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, _ = k_cache.shape
     if hq % hkv:
@@ -486,7 +510,7 @@ def decode_attention(
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _decode_kernel[(B, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt, ks, vs,
+        q, k_cache, v_cache, block_tables, seq_lens, out, po, plse, cnt, ks, vs, q if sinks is None else sinks,
         qk_scale, cap_log2, group, hq, num_splits, min_split, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -495,7 +519,7 @@ def decode_attention(
         HEAD_DIM=d, G_PAD=g_pad, PAGE=page,
         BLOCK_N=cfg["BLOCK_N"], SPLIT=num_splits > 1, USE_DOT=cfg["USE_DOT"], UPCAST=_upcast(q.dtype),
         FUSED_REDUCE=fused_reduce, MAX_SPLITS=MAX_SPLITS, WINDOWED=window > 0, SOFTCAP=has_softcap,
-        FP8_MAX=fp8_max, CHUNKED=chunked, **launch,
+        FP8_MAX=fp8_max, CHUNKED=chunked, SINKS=sinks is not None, **launch,
         **pdl_launch(B),
     )
     if num_splits > 1 and not fused_reduce:
@@ -536,7 +560,7 @@ def _masked_tile(q, k_base, v_base, offs_d, offs, mask_n, offs_n, pos_m, m_i, l_
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    Q, K, V, BT, QSL, SL, O, KS, VS,
+    Q, K, V, BT, QSL, SL, O, KS, VS, SINK,
     qk_scale, cap_log2, G, num_seqs, window,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
@@ -545,7 +569,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH_ITERS: tl.constexpr, UPCAST: tl.constexpr,
     WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, Q_DIM: tl.constexpr, O_DIM: tl.constexpr,
-    FP8_MAX: tl.constexpr, CHUNKED: tl.constexpr = False,
+    FP8_MAX: tl.constexpr, CHUNKED: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -580,8 +604,7 @@ def _prefill_kernel(
     pos_m = ctx + offs_m
     qk_scale = qk_scale * _kv_scale(KS, FP8_MAX)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_start(SINK, h + offs_m * 0, mask_m, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_btb
     k_base = K + kvh * stride_ch
@@ -666,7 +689,7 @@ def _search_iters(num_seqs: int) -> int:
 def prefill_attention(
     q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=None,
     max_query_len=None, max_seq_len=None, *, sliding_window=None, softcap=0.0, k_scale=None, v_scale=None,
-    attention_chunk_size=0, _config=None,
+    attention_chunk_size=0, sinks=None, _config=None,
 ):
     """Causal varlen attention for q [T, Hq, Dq]; K/V [.., D] (prefix and new tokens) are read from the paged
     cache -> out [T, Hq, Do] (default Do = D).
@@ -679,9 +702,11 @@ def prefill_attention(
     Dq, Do <= D: a query narrower than the keys (its missing lanes count as zeros) and an output of the first Do
     lanes only (MLA's padded heads: 192-dim queries and 128-dim values over 256-dim K/V, no padded copies).
     k_scale / v_scale: a float8 cache's per-tensor scales (float32 tensors of one value).
+    sinks: per-head sink logits, float32 [Hq] (None: no sinks).
     """
     window, chunked = _check_options(sliding_window, softcap, attention_chunk_size)
     T, hq, dq = q.shape
+    _check_sinks(sinks, hq)
     _check_cache(k_cache, v_cache, q.dtype)
     _, page, hkv, d = k_cache.shape
     if hq % hkv:
@@ -703,7 +728,7 @@ def prefill_attention(
     qk_scale, cap_log2, has_softcap = _score_args(scale, softcap)
     ks, vs, fp8_max = kv_cache_args(k_cache, k_scale, v_scale)
     _prefill_kernel[(T // bm + B, hq)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, ks, vs,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, ks, vs, q if sinks is None else sinks,
         qk_scale, cap_log2, hq // hkv, B, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -711,6 +736,6 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
         SEARCH_ITERS=_search_iters(B), UPCAST=_upcast(q.dtype), WINDOWED=window > 0, SOFTCAP=has_softcap,
-        Q_DIM=dq, O_DIM=out.shape[-1], FP8_MAX=fp8_max, CHUNKED=chunked, **launch,
+        Q_DIM=dq, O_DIM=out.shape[-1], FP8_MAX=fp8_max, CHUNKED=chunked, SINKS=sinks is not None, **launch,
     )
     return out

@@ -6,6 +6,10 @@
 
 s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
 
+Epilogue options (gpt-oss): expert biases (b13 [E, 2I] added to gate and up before the activation, b2 [E, H] to
+each expert's output before its routing weight) and the activation (constexpr ACT: 0 SiLU-and-mul, 1 the clamped
+SwiGLU "swigluoai", gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
+
 Routing stays in torch (the router's top-k ids are always valid expert indices). The layout (sort by expert, pad
 each run to BLOCK_M, the block -> expert table) is one Triton launch (prefill-sized batches: a zero-fill and two
 grid launches) whose outputs feed only the two Triton GEMMs, never a torch index, so the engine's start-up
@@ -33,6 +37,8 @@ import triton.language as tl
 
 from kestrel.kernels.triton_ops.fp8_block import per_token_group_quant_fp8
 
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # the gate_up epilogue's ACT constexpr
+
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "fused_moe.json"
 # Upper bounds of the batch buckets (tokens per forward); one config, i.e. one compiled variant, per bucket.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30)
@@ -40,15 +46,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 3
 
 @triton.jit(do_not_specialize=["num_valid"])
 def _moe_grouped_gemm_kernel(
-    A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, BLOCK_EXPERT, NUM_PADDED,
+    A, B, C, A_SCALE, B_SCALE, TOPK_W, SORTED_IDS, BLOCK_EXPERT, NUM_PADDED, BIAS,
     N, K, num_valid,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    stride_asm, stride_bse, stride_bsn, stride_bsk,
+    stride_asm, stride_bse, stride_bsn, stride_bsk, stride_biase,
     A_ROW_DIV: tl.constexpr,  # k for gate_up (a row per token), 1 for down (a row per (token, slot))
     GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return silu(gate) * up
     MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,8 +94,18 @@ def _moe_grouped_gemm_kernel(
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:  # BIAS rows: [gate; up] (2N) when GATED, else N
+        bias_row = BIAS + expert * stride_biase
+        acc += tl.load(bias_row + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if ACT == 1:  # kernels/moe.py's SWIGLU_OAI_LIMIT and SWIGLU_OAI_ALPHA
+            gate = tl.minimum(acc, 7.0)
+            up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
+            acc = gate * tl.sigmoid(gate * 1.702) * (up + 1.0)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         w = tl.load(TOPK_W + slots, mask=slot_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -296,7 +313,8 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gated, mul_weight, group_n, tile):
+def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gated, mul_weight, group_n, tile,
+            bias=None, act=0):
     sorted_ids, block_expert, num_padded = layout
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k = b.shape[2]
@@ -306,21 +324,28 @@ def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gat
     dummy = c  # never read when FP8 / MUL_WEIGHT are off
     _moe_grouped_gemm_kernel[grid](
         a, b, c, a_scale if fp8 else dummy, b_scale if fp8 else dummy, topk_w if mul_weight else dummy,
-        sorted_ids, block_expert, num_padded,
+        sorted_ids, block_expert, num_padded, dummy if bias is None else bias,
         n_out, k, num_valid,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         a_scale.stride(0) if fp8 else 0,
         b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
+        0 if bias is None else bias.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, FP8=fp8, GROUP_N=group_n,
-        **cfg,
+        ACT=act, HAS_BIAS=bias is not None, **cfg,
     )
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None, config: dict | None = None) -> torch.Tensor:
+              block_shape: tuple[int, int] | None = None, config: dict | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: str = "silu") -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's dtype.
-    FP8: w13/w2 float8_e4m3fn with block scales [E, ceil(rows / bn), ceil(cols / bk)], block_shape (bn, bk)."""
+    FP8: w13/w2 float8_e4m3fn with block scales [E, ceil(rows / bn), ceil(cols / bk)], block_shape (bn, bk).
+    w13_bias [E, 2I] / w2_bias [E, H] (rows contiguous) and `activation` (ACTIVATIONS): see the module docstring."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    act_id = ACTIVATIONS[activation]
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2
@@ -338,18 +363,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = torch.empty((num_valid, inter), dtype=x.dtype, device=x.device)
     if fp8:
         xq, xs = per_token_group_quant_fp8(x, block_shape[1])
-        _launch(xq, w13, act, xs, w13_scale, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        _launch(xq, w13, act, xs, w13_scale, None, layout, num_valid, k, True, False, group_n, cfg["up"], w13_bias,
+                act_id)
         aq, as_ = per_token_group_quant_fp8(act, block_shape[1])
     else:
-        _launch(x, w13, act, None, None, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        _launch(x, w13, act, None, None, None, layout, num_valid, k, True, False, group_n, cfg["up"], w13_bias,
+                act_id)
         aq, as_ = act, None
     y = torch.empty((num_valid, h), dtype=x.dtype, device=x.device)
-    _launch(aq, w2, y, as_, w2_scale, weights, layout, num_valid, 1, False, True, group_n, cfg["down"])
+    _launch(aq, w2, y, as_, w2_scale, weights, layout, num_valid, 1, False, True, group_n, cfg["down"], w2_bias)
     return y.view(t, k, h).sum(dim=1) if k > 1 else y  # one launch; torch accumulates bf16 sums in fp32
 
 
 def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
-            w13_scale=None, w2_scale=None, block_shape=None) -> None:
+            w13_scale=None, w2_scale=None, block_shape=None, **epilogue) -> None:
     """Launch every bucket up to max_tokens (ids spread over all experts), so every variant is compiled before
     the first request: at both ends of the bucket and past each slot count where the layout changes variant
     inside it (one-program chunk sizes, the grid path), with int64 ids (torch routers) and int32 ids (the
@@ -362,7 +389,8 @@ def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: in
         for t in sorted({lo, hi} | {p // top_k + 1 for p in edges if lo * top_k <= p < hi * top_k}):
             x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
             ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k)
-            fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
+            fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape,
+                      **epilogue)
             bm = get_config(t, e, top_k, h, two_i // 2, w13_scale is not None)["up"]["BLOCK_M"]
             align_by_expert_triton(ids.to(torch.int32), e, bm)
         if b >= max_tokens:

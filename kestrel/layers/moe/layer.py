@@ -5,10 +5,13 @@ Checkpoint names under the block's prefix (experts are per-expert tensors on dis
 in memory):
   gate.weight, gate.e_score_correction_bias
   experts.{j}.{gate_proj|w1, up_proj|w3, down_proj|w2}.{weight, weight_scale_inv}, or experts.{gate_up_proj,
-  down_proj} (all experts stacked)
+  down_proj}[_bias|_blocks|_scales] (all experts stacked, laid out as `StackedExperts` says)
   {shared_expert|shared_experts}.{gate_proj, up_proj, down_proj}.{weight, ...}, shared_expert_gate.weight
 """
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,7 +32,18 @@ SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 ROUTER_NAMES = {"gate.wg.weight": "gate.weight",  # Hunyuan
                 "router.weight": "gate.weight",  # Llama 4
                 "moe_statics.e_score_correction_bias": "gate.e_score_correction_bias",  # ERNIE 4.5, [1, E]
-                "e_score_correction_bias": "gate.e_score_correction_bias"}  # MiniMax-M2: beside the gate
+                "e_score_correction_bias": "gate.e_score_correction_bias",  # MiniMax-M2: beside the gate
+                "router.bias": "gate.bias"}  # gpt-oss
+# a stacked expert tensor's name -> (projection, what it holds)
+STACKED_NAME = re.compile(r"(gate_up_proj|down_proj)(?:_(bias|blocks|scales))?")
+# the checkpoint's per-expert tensor kinds -> the kernel parameter's suffix
+@dataclass(frozen=True)
+class StackedExperts:
+    """How a checkpoint that stores all experts in one tensor lays them out. `transposed`: weights are
+    [E, in, out] (gpt-oss's bf16 experts; block-quantized `_blocks` / `_scales` are [E, out, ...] whatever this
+    says). `interleaved`: gate_up rows alternate gate, up, gate, ... (gpt-oss) instead of all gate rows first."""
+    transposed: bool = False
+    interleaved: bool = False
 
 
 class FusedExperts(nn.Module):
@@ -71,12 +85,14 @@ class SparseMoeBlock(nn.Module):
                  dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
                  linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None,
-                 tp: ParallelInfo | None = None, weights_on_input: bool = False):
+                 tp: ParallelInfo | None = None, weights_on_input: bool = False, activation: str = "silu",
+                 expert_bias: bool = False, stacked: StackedExperts = StackedExperts()):
         """With tensor parallelism (`tp`) every rank routes alike and holds its slice of every expert's
         intermediate dim (gate/up rows, down columns); the expert outputs are all-reduced. Shared experts run as a
         separate column/row-parallel MLP then (not fused into the expert kernel). `weights_on_input` (Llama 4,
         top-1 only): the routing weight scales the expert's input instead of its output (the shared experts, fed
-        the unscaled input, then run separately)."""
+        the unscaled input, then run separately). `activation` (MOE_ACTIVATIONS) and `expert_bias` go to the
+        expert kernel; `stacked`: the layout of stacked expert tensors in the checkpoint."""
         super().__init__()
         self.prefix = prefix
         self.tp = tp or ParallelInfo()
@@ -87,10 +103,13 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"{prefix}: routing weights on the expert input need top-1 routing, not "
                              f"top-{router.top_k}")
         self.weights_on_input = weights_on_input
+        if expert_bias and self.tp.size > 1:
+            raise NotImplementedError(f"{prefix}: expert biases under tensor parallelism are not supported yet")
+        self.stacked = stacked
         if self.tp.size > 1 or weights_on_input:
             fuse_shared_experts = "off"
         spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, self.inter_range[1],
-                       dtype, "silu", quant)
+                       dtype, activation, quant, bias=expert_bias)
         shared = None
         if shared_intermediate_size:
             sq = quant_config.for_layer(f"{prefix}.{shared_name}.gate_up_proj") if quant_config is not None else None
@@ -131,11 +150,12 @@ class SparseMoeBlock(nn.Module):
         only source for where shared-expert weights go."""
         name = ROUTER_NAMES.get(name, name)
         parts = name.split(".")
-        if parts[0] == "experts" and parts[1] in ("gate_up_proj", "down_proj"):  # all experts in one tensor
-            self._load_stacked_experts(parts[1], materialize(tensor), fse)
+        stacked = STACKED_NAME.fullmatch(parts[1]) if parts[0] == "experts" and len(parts) == 2 else None
+        if stacked:  # all experts in one tensor
+            self._load_stacked_experts(stacked[1], stacked[2] or "weight", materialize(tensor), fse)
             return
         if parts[0] == "experts" and parts[2] in EXPERT_PROJ:
-            tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], tensor)
+            tensor = self._rank_part(EXPERT_PROJ[parts[2]][0], parts[3], tensor)
         elif parts[0] not in SHARED_NAMES + ("shared_expert_gate",):  # Linear layers read their own part
             tensor = materialize(tensor)
         if parts[0] == "gate":
@@ -165,21 +185,27 @@ class SparseMoeBlock(nn.Module):
         else:
             raise KeyError(f"{self.prefix}.{name}: not an MoE block tensor")
 
-    def _load_stacked_experts(self, proj: str, tensor: torch.Tensor, fse: FseDecision) -> None:
-        """transformers' in-memory layout, as some checkpoints store it (Mistral 4): gate_up_proj [E, 2I, H] (gate
-        rows first), down_proj [E, H, I]; loaded expert by expert."""
+    def _load_stacked_experts(self, proj: str, kind: str, tensor: torch.Tensor, fse: FseDecision) -> None:
+        """All experts in one tensor (Mistral 4: transformers' in-memory layout, gate_up_proj [E, 2I, H] with the
+        gate rows first, down_proj [E, H, I]; gpt-oss: see StackedExperts), `kind` weight, bias, blocks or scales;
+        loaded expert by expert."""
+        if kind == "weight" and self.stacked.transposed:
+            tensor = tensor.transpose(1, 2)
+        if proj == "gate_up_proj":
+            halves = (tensor[:, 0::2], tensor[:, 1::2]) if self.stacked.interleaved else tensor.chunk(2, dim=1)
+            names = ("gate_proj", "up_proj")
+        else:
+            halves, names = (tensor,), ("down_proj",)
         for j in range(tensor.shape[0]):
-            if proj == "gate_up_proj":
-                gate, up = tensor[j].chunk(2)
-                self.load_weight(f"experts.{j}.gate_proj.weight", gate, fse)
-                self.load_weight(f"experts.{j}.up_proj.weight", up, fse)
-            else:
-                self.load_weight(f"experts.{j}.down_proj.weight", tensor[j], fse)
+            for ckpt_proj, half in zip(names, halves):
+                self.load_weight(f"experts.{j}.{ckpt_proj}.{kind}", half[j], fse)
 
-    def _rank_part(self, param: str, tensor):
+    def _rank_part(self, param: str, kind: str, tensor):
         """This rank's slice of an expert tensor along the intermediate dim: rows of gate/up, columns of down."""
         if self.tp.size == 1:
             return materialize(tensor)
+        if kind in ("bias", "blocks", "scales"):
+            raise NotImplementedError(f"{self.prefix}: expert {kind} under tensor parallelism are not supported yet")
         return tensor.narrow(1 if param == "w2" else 0, *self.inter_range)
 
     def _param_name(self, param: str, ckpt_param: str) -> str:

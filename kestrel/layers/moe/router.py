@@ -10,6 +10,8 @@
   ranked by the sum of their two best softmax scores.
 * softmax with a correction bias (ERNIE 4.5): the bias steers the choice as for sigmoid routers, the weights are
   the unbiased softmax scores.
+* a logit bias (gpt-oss: the router is a linear layer with a bias, `gate.bias`): added to the logits before any
+  scoring; with softmax and renormalize it is gpt-oss's softmax over the top-k logits.
 Torch ops only: the ids are valid expert indices whatever the input (see fused_moe.py on pre-compilation).
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RouterConfig:
     group_score: str = "top2_sum"  # "top2_sum" (DeepSeek-V3 / GLM) | "max" (DeepSeek-V2)
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # e_score_correction_bias: steers the choice only
+    logit_bias: bool = False  # a bias of the router's linear layer: part of the logits
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -83,13 +86,15 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor |
 
 class Router(nn.Module):
     """The `gate` of an MoE block: `weight` [E, H] (fp32 for sigmoid routers, as their references compute) and,
-    for DeepSeek-V3-style routers, `e_score_correction_bias` [E]."""
+    for DeepSeek-V3-style routers, `e_score_correction_bias` [E]; with a logit bias, `bias` [E]."""
 
     def __init__(self, hidden_size: int, cfg: RouterConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
         wdtype = torch.float32 if cfg.scoring == "sigmoid" else dtype
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=wdtype), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=wdtype), requires_grad=False)
+                     if cfg.logit_bias else None)
         if cfg.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         else:
@@ -99,7 +104,7 @@ class Router(nn.Module):
                 shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights fp32 [T, k + shared_slots], ids [T, k + shared_slots]). The last `shared_slots`
         columns select the fused shared experts (ids E, E + 1, ...), weighted 1 or sigmoid(shared_gate [T, 1])."""
-        logits = F.linear(x.to(self.weight.dtype), self.weight)
+        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
         cfg = self.cfg
         ops = fused_ops_for(logits)
         if ops is not None and cfg.scoring == "softmax" and cfg.num_groups == 1 and not cfg.correction_bias:

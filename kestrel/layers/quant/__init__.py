@@ -16,10 +16,11 @@ from kestrel.layers.quant.fp8 import (
     shard_prefixes,
 )
 from kestrel.layers.quant.int4 import CompressedTensorsInt4Config, Int4Scheme
+from kestrel.layers.quant.mxfp4 import Mxfp4Config
 
 QuantConfig = QuantConfigBase
 
-SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors")
+SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors", "mxfp4")
 # compressed-tensors `format` -> its config (float-quantized: FP8; pack-quantized: INT4 experts)
 COMPRESSED_TENSORS_FORMATS = {
     "float-quantized": CompressedTensorsFp8Config,
@@ -75,8 +76,8 @@ def get_quant_config(
         raise ValueError("the checkpoint's quantization_config has no quant_method")
 
     if method is None:
-        if quantization == "compressed-tensors":
-            raise ValueError("quantization='compressed-tensors' but the checkpoint has no quantization_config")
+        if quantization in ("compressed-tensors", "mxfp4"):
+            raise ValueError(f"quantization={quantization!r} but the checkpoint has no quantization_config")
         if quantization is None:
             return None
         config = Fp8Config.online()  # quantization == "fp8" on an unquantized checkpoint
@@ -95,6 +96,10 @@ def get_quant_config(
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors "
                              f"format {fmt!r}")
         config = config_cls.from_hf(qc)
+    elif method == "mxfp4":  # MXFP4 experts (gpt-oss); nothing else is quantized
+        if quantization not in (None, "mxfp4"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method 'mxfp4'")
+        config = Mxfp4Config.from_hf(qc)
     else:
         raise NotImplementedError(
             f"checkpoint quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATION)})"
@@ -111,6 +116,7 @@ __all__ = [
     "Fp8Config",
     "Fp8Scheme",
     "Int4Scheme",
+    "Mxfp4Config",
     "QuantConfig",
     "checkpoint_quant_config",
     "get_quant_config",
