@@ -29,14 +29,15 @@ def cfg_get(cfg, *names, default=None):
 
 def moe_block_from_ctx(ctx: ModelContext, prefix: str, router: RouterConfig, moe_intermediate_size: int,
                        shared_intermediate_size: int = 0, shared_gated: bool = False,
-                       shared_name: str = "shared_experts", weights_on_input: bool = False) -> SparseMoeBlock:
+                       shared_name: str = "shared_experts", weights_on_input: bool = False,
+                       activation: str = "silu") -> SparseMoeBlock:
     """A SparseMoeBlock with the model context's dtype, quantization and kernel options."""
     return SparseMoeBlock(prefix=prefix, hidden_size=ctx.text.hidden_size, moe_intermediate_size=moe_intermediate_size,
                           router=router, dtype=ctx.dtype, shared_intermediate_size=shared_intermediate_size,
                           shared_gated=shared_gated, shared_name=shared_name, quant_config=ctx.quant_config,
                           moe_backend=ctx.moe_backend, linear_backend=ctx.linear_backend,
                           fuse_shared_experts=ctx.fuse_shared_experts, tp=ctx.parallel,
-                          weights_on_input=weights_on_input)
+                          weights_on_input=weights_on_input, activation=activation)
 
 
 class MoEDecoderLayer(nn.Module):

@@ -71,12 +71,13 @@ class SparseMoeBlock(nn.Module):
                  dtype: torch.dtype, shared_intermediate_size: int = 0, shared_gated: bool = False,
                  shared_name: str = "shared_experts", quant_config=None, moe_backend: str = "auto",
                  linear_backend: str = "auto", fuse_shared_experts: str = "auto", platform=None,
-                 tp: ParallelInfo | None = None, weights_on_input: bool = False):
+                 tp: ParallelInfo | None = None, weights_on_input: bool = False, activation: str = "silu"):
         """With tensor parallelism (`tp`) every rank routes alike and holds its slice of every expert's
         intermediate dim (gate/up rows, down columns); the expert outputs are all-reduced. Shared experts run as a
         separate column/row-parallel MLP then (not fused into the expert kernel). `weights_on_input` (Llama 4,
         top-1 only): the routing weight scales the expert's input instead of its output (the shared experts, fed
-        the unscaled input, then run separately)."""
+        the unscaled input, then run separately). `activation`: the experts' (kestrel/kernels/moe.py
+        MOE_ACTIVATIONS)."""
         super().__init__()
         self.prefix = prefix
         self.tp = tp or ParallelInfo()
@@ -90,7 +91,7 @@ class SparseMoeBlock(nn.Module):
         if self.tp.size > 1 or weights_on_input:
             fuse_shared_experts = "off"
         spec = MoESpec(f"{prefix}.experts", router.num_experts, router.top_k, hidden_size, self.inter_range[1],
-                       dtype, "silu", quant)
+                       dtype, activation, quant)
         shared = None
         if shared_intermediate_size:
             sq = quant_config.for_layer(f"{prefix}.{shared_name}.gate_up_proj") if quant_config is not None else None
@@ -109,9 +110,12 @@ class SparseMoeBlock(nn.Module):
     def shared_mlp(self) -> SharedMLP | None:
         return self._modules.get(self.shared_name)  # (Hunyuan's checkpoint name is this property's own)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_input`: what the router sees where it is not the experts' input (Gemma 4: the residual stream,
+        the experts its normed form)."""
         gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
-        weights, ids = self.gate(x, self.fse.slots if self.fse.fused else 0, gate_logit)
+        route = x if router_input is None else router_input
+        weights, ids = self.gate(route, self.fse.slots if self.fse.fused else 0, gate_logit)
         xe = x
         if self.weights_on_input:
             xe, weights = (x * weights.to(x.dtype)), torch.ones_like(weights)
