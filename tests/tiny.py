@@ -290,3 +290,32 @@ def gdn_bf16_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, na
     decisive_routers(path)
     bf16_representable(path, keep=GDN_FLOAT32_PARAMS)
     return path
+
+
+def gemma4_vl_checkpoint(root: Path, seed: int = 0, tokenizer=None) -> Path:
+    """A tiny Gemma4ForConditionalGeneration checkpoint: the E2B-like text model of GEMMA4_CONFIGS (weights perturbed
+    as make_checkpoint does), a one-layer vision tower and a one-layer audio tower, for the text-part loader."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = {**BASE, **GEMMA4_CONFIGS["gemma4_e2b"][1]}
+    text.pop("tie_word_embeddings")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=32)
+    ids = dict(boi_token_id=VOCAB_SIZE - 7, eoi_token_id=VOCAB_SIZE - 6, image_token_id=VOCAB_SIZE - 5,
+               video_token_id=VOCAB_SIZE - 4, boa_token_id=VOCAB_SIZE - 3, eoa_token_index=VOCAB_SIZE - 2,
+               audio_token_id=VOCAB_SIZE - 1)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=audio,
+                                                        **ids)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(1, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    out = root / "gemma4_vl"
+    model.save_pretrained(out)
+    (tokenizer or make_tokenizer()).save_pretrained(out)
+    return out

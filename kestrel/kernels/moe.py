@@ -5,7 +5,8 @@ Weights (registered by `create_weights`), E = routed experts + fused shared-expe
   w13: [E, 2*I, H]  gate rows first, then up rows (so a gate/up checkpoint pair loads as shards 0 and 1)
   w2:  [E, H, I]
 FP8 block-quantized kernels add w13_scale [E, 2I/bn, H/bk] and w2_scale [E, H/bn, I/bk] (fp32 block scales).
-Activation: silu(gate) * up ("silu") or gelu(gate, tanh) * up ("gelu").
+Activation: by name, MOE_ACTIVATIONS: silu(gate) * up ("silu") or gelu(gate, tanh) * up ("gelu": Gemma 4); the
+Triton kernels' epilogue implements TRITON_MOE_ACTIVATIONS of them (triton_ops/fused_moe.py EPILOGUES).
 
 Fused shared experts: slots E_routed .. E-1 hold the shared expert(s), split into chunks of I; the layer appends
 their ids to every token's top-k (weight 1, or the Qwen2-MoE sigmoid gate). A kernel declares whether it can
@@ -25,7 +26,12 @@ from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
-MOE_ACTIVATIONS = ("silu", "gelu")
+# the experts' gated activation by name: (gate, up) -> hidden
+MOE_ACTIVATIONS = {
+    "silu": lambda gate, up: F.silu(gate) * up,
+    "gelu": lambda gate, up: F.gelu(gate, approximate="tanh") * up,
+}
+TRITON_MOE_ACTIVATIONS = ("silu", "gelu")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -103,10 +109,7 @@ def _dense_weights(layer: nn.Module, spec: MoESpec, dtype: torch.dtype) -> None:
 
 
 def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
+    return MOE_ACTIVATIONS[activation](*gate_up.chunk(2, dim=-1))
 
 
 class TorchMoE(MoEKernel):
@@ -173,8 +176,8 @@ class TritonFusedMoE(MoEKernel):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        if spec.activation != "silu":
-            return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.activation not in TRITON_MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r}: the epilogue implements {', '.join(TRITON_MOE_ACTIVATIONS)}"
         return _check_dense(spec, (torch.bfloat16, torch.float16))
 
     def create_weights(self, layer: nn.Module) -> None:
@@ -187,20 +190,21 @@ class TritonFusedMoE(MoEKernel):
         """Compile every batch bucket's variant now, in parallel, so no request waits for a compilation."""
         s = self.spec
         k = s.top_k + s.num_shared_experts  # a constexpr of the gate_up GEMM
-        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype)
+        key = (self.name, s.total_experts, k, s.hidden_size, s.intermediate_size, s.params_dtype, s.activation)
         if layer.w13.device.type != "cuda" or key in _WARMED:
             return
         _WARMED.add(key)
         from kestrel.kernels.triton_ops import fused_moe
         from kestrel.kernels.triton_ops.precompile import precompile
 
-        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384, **self._scales(layer)),
-                   f"fused MoE {s.layer_name} buckets")
+        precompile(lambda: fused_moe.warm_up(s.params_dtype, layer.w13, layer.w2, k, 16384, **self._scales(layer),
+                                             activation=s.activation), f"fused MoE {s.layer_name} buckets")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         from kestrel.kernels.triton_ops.fused_moe import fused_moe
 
-        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._scales(layer))
+        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, **self._scales(layer),
+                         activation=self.spec.activation)
 
 
 class TritonFp8BlockMoE(TritonFusedMoE):
@@ -212,8 +216,8 @@ class TritonFp8BlockMoE(TritonFusedMoE):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        if spec.activation != "silu":
-            return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.activation not in TRITON_MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r}: the epilogue implements {', '.join(TRITON_MOE_ACTIVATIONS)}"
         if spec.params_dtype not in (torch.bfloat16, torch.float16):
             return False, f"activations in {spec.params_dtype}; needs bf16 or fp16"
         return _check_fp8_block(spec)
@@ -289,4 +293,4 @@ class Fp8DequantMoE(TorchMoE):
         del layer.w13_scale, layer.w2_scale
 
 
-__all__ = ["MOE_ACTIVATIONS", "Fp8DequantMoE", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]
+__all__ = ["MOE_ACTIVATIONS", "TRITON_MOE_ACTIVATIONS", "Fp8DequantMoE", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]

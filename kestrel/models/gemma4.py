@@ -152,11 +152,18 @@ class Gemma4ForCausalLM(MoEForCausalLM, Gemma3ForCausalLM):
         """[T, layers, P]: the token's row of the per-layer table (scaled by sqrt(P)) and the normed projection of
         its embedding, averaged in (a + b) / sqrt(2)."""
         t, p = embeds.shape[0], self.ple_dim
-        tokens = self.embed_tokens_per_layer(input_ids)
+        tokens = self.embed_tokens_per_layer(self.text_ids(input_ids))
         tokens = tokens * torch.tensor(p ** 0.5, dtype=tokens.dtype)
         proj = self.per_layer_model_projection(embeds) * self.config.hidden_size ** -0.5
         proj = self.per_layer_projection_norm(proj.view(t, -1, p))
         return (proj + tokens.view(t, -1, p)) * 2 ** -0.5
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_input_ids(self.text_ids(input_ids))
+
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the embedding tables see (a multimodal checkpoint's placeholders read as padding)."""
+        return input_ids
 
     def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -195,8 +202,21 @@ TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "m
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     """The text model of a Gemma 4 vision(-audio)-language checkpoint: `model.language_model.*` read as
-    `model.*`; the towers' tensors skipped with one log line; images refused with `images_refused`."""
+    `model.*`; the towers' tensors skipped with one log line; images refused with `images_refused`. An image,
+    video or audio placeholder id in the text embeds as the padding token, as transformers' model does (it never
+    gets the tower's rows here)."""
     images_refused = TEXT_ONLY
+
+    def __init__(self, ctx: ModelContext, prefix: str = "model"):
+        super().__init__(ctx, prefix)
+        hf = ctx.config.hf
+        ids = [getattr(hf, n, None) for n in ("image_token_id", "video_token_id", "audio_token_id")]
+        self.register_buffer("placeholder_ids", torch.tensor([i for i in ids if i is not None], dtype=torch.long),
+                             persistent=False)
+        self.pad_token_id = ctx.text.pad_token_id or 0
+
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.isin(input_ids, self.placeholder_ids), self.pad_token_id, input_ids)
 
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(TOWERS):

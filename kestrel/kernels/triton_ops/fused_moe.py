@@ -1,10 +1,11 @@
 """Fused mixture-of-experts in Triton: two grouped-GEMM launches over tokens sorted and padded by expert.
 
-    gate_up: act[s]  = silu(x[s // k] @ w13[e, :I]^T) * (x[s // k] @ w13[e, I:]^T)     (SiLU-and-mul in the epilogue)
+    gate_up: act[s]  = f(x[s // k] @ w13[e, :I]^T) * (x[s // k] @ w13[e, I:]^T)        (f-and-mul in the epilogue)
     down:    y[s]    = topk_weight[s] * (act[s] @ w2[e]^T)                            (routing weight in the epilogue)
     out[t]  = sum_j y[t * k + j]
 
 s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
+f is the experts' activation, a constexpr looked up by name in EPILOGUES (SiLU; GELU-tanh: Gemma 4).
 
 Routing stays in torch (the router's top-k ids are always valid expert indices). The layout (sort by expert, pad
 each run to BLOCK_M, the block -> expert table) is one Triton launch (prefill-sized batches: a zero-fill and two
@@ -33,6 +34,10 @@ import triton.language as tl
 
 from kestrel.kernels.triton_ops.fp8_block import per_token_group_quant_fp8
 
+# the gate activations of the gate_up epilogue by the MoE spec's name (kestrel/kernels/moe.py MOE_ACTIVATIONS)
+EPILOGUES = {"silu": 0, "gelu": 1}
+_GELU_TANH = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): gelu_tanh(x) = x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))
+
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "fused_moe.json"
 # Upper bounds of the batch buckets (tokens per forward); one config, i.e. one compiled variant, per bucket.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30)
@@ -45,7 +50,8 @@ def _moe_grouped_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     stride_asm, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr,  # k for gate_up (a row per token), 1 for down (a row per (token, slot))
-    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return silu(gate) * up
+    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return f(gate) * up
+    ACTIVATION: tl.constexpr,  # f: an EPILOGUES value
     MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -88,7 +94,10 @@ def _moe_grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if ACTIVATION == 1:  # tanh through the sigmoid: 1 + tanh(z) = 2 sigmoid(2z)
+            acc = acc * tl.sigmoid(_GELU_TANH * (acc + 0.044715 * acc * acc * acc)) * acc_up
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
         w = tl.load(TOPK_W + slots, mask=slot_ok, other=0.0).to(tl.float32)
         acc = acc * w[:, None]
@@ -296,7 +305,8 @@ def get_config(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter
 
 
 # ------------------------------------------------------------------------------------------------ launch
-def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gated, mul_weight, group_n, tile):
+def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gated, mul_weight, group_n, tile,
+            activation="silu"):
     sorted_ids, block_expert, num_padded = layout
     n_out = b.shape[1] // 2 if gated else b.shape[1]
     k = b.shape[2]
@@ -311,15 +321,18 @@ def _launch(a, b, c, a_scale, b_scale, topk_w, layout, num_valid, a_row_div, gat
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         a_scale.stride(0) if fp8 else 0,
         b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
-        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight, FP8=fp8, GROUP_N=group_n,
+        A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=EPILOGUES[activation], MUL_WEIGHT=mul_weight, FP8=fp8,
+        GROUP_N=group_n,
         **cfg,
     )
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None, config: dict | None = None) -> torch.Tensor:
+              block_shape: tuple[int, int] | None = None, config: dict | None = None,
+              activation: str = "silu") -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's dtype.
+    `activation`: the gate's, an EPILOGUES name.
     FP8: w13/w2 float8_e4m3fn with block scales [E, ceil(rows / bn), ceil(cols / bk)], block_shape (bn, bk)."""
     t, h = x.shape
     e, two_i, _ = w13.shape
@@ -338,10 +351,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = torch.empty((num_valid, inter), dtype=x.dtype, device=x.device)
     if fp8:
         xq, xs = per_token_group_quant_fp8(x, block_shape[1])
-        _launch(xq, w13, act, xs, w13_scale, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        _launch(xq, w13, act, xs, w13_scale, None, layout, num_valid, k, True, False, group_n, cfg["up"], activation)
         aq, as_ = per_token_group_quant_fp8(act, block_shape[1])
     else:
-        _launch(x, w13, act, None, None, None, layout, num_valid, k, True, False, group_n, cfg["up"])
+        _launch(x, w13, act, None, None, None, layout, num_valid, k, True, False, group_n, cfg["up"], activation)
         aq, as_ = act, None
     y = torch.empty((num_valid, h), dtype=x.dtype, device=x.device)
     _launch(aq, w2, y, as_, w2_scale, weights, layout, num_valid, 1, False, True, group_n, cfg["down"])
@@ -349,7 +362,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int,
-            w13_scale=None, w2_scale=None, block_shape=None) -> None:
+            w13_scale=None, w2_scale=None, block_shape=None, activation: str = "silu") -> None:
     """Launch every bucket up to max_tokens (ids spread over all experts), so every variant is compiled before
     the first request: at both ends of the bucket and past each slot count where the layout changes variant
     inside it (one-program chunk sizes, the grid path), with int64 ids (torch routers) and int32 ids (the
@@ -362,7 +375,8 @@ def warm_up(x_dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor, top_k: in
         for t in sorted({lo, hi} | {p // top_k + 1 for p in edges if lo * top_k <= p < hi * top_k}):
             x = torch.zeros(t, h, dtype=x_dtype, device=w13.device)
             ids = (torch.arange(t * top_k, device=w13.device) % e).view(t, top_k)
-            fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape)
+            fused_moe(x, w13, w2, torch.ones(t, top_k, device=w13.device), ids, w13_scale, w2_scale, block_shape,
+                      activation=activation)
             bm = get_config(t, e, top_k, h, two_i // 2, w13_scale is not None)["up"]["BLOCK_M"]
             align_by_expert_triton(ids.to(torch.int32), e, bm)
         if b >= max_tokens:
