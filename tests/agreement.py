@@ -210,7 +210,7 @@ def decisive_routers(path, factor: float = 8.0) -> None:
         tensors = load_file(f)
         for name, t in tensors.items():
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight",
-                              "feed_forward.router.weight")) and t.dim() == 2:
+                              "feed_forward.router.weight", ".router.proj.weight")) and t.dim() == 2:
                 tensors[name] = t * factor
         save_file(tensors, f, metadata={"format": "pt"})
 

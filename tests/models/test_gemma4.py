@@ -112,6 +112,8 @@ def test_vl_checkpoint_text_part(tmp_path, tiny_tokenizer, caplog):
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     reference = [hf.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    placeholders = {hf.config.image_token_id, hf.config.video_token_id, hf.config.audio_token_id}
+    assert placeholders & {t for r in reference for t in r}  # generated: the padding rule below is exercised
     with caplog.at_level(logging.INFO, logger="kestrel.models.gemma4"):
         llm = LLM(str(path), progress=False, max_model_len=256)
     logged = [r.getMessage() for r in caplog.records if r.name == "kestrel.models.gemma4"]
