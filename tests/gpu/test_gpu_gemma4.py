@@ -4,12 +4,10 @@ but one a near-tie of the reference; the MoE checkpoint held instead to transfor
 CUDA-graph replay equals eager. Heads of 64 (sliding) and 128 (global), the Triton attention's sizes, so both
 groups and the KV-shared readers run on the Triton backend; the MoE on the Triton fused kernel's GELU epilogue."""
 import pytest
-import torch
 
 from kestrel import LLM
-from tests.agreement import (MIXED_PROMPTS, MOE_BAR, TransformersAsLLM, assert_graph_replay_equals_eager,
-                             decisive_routers, hf_causal_lm, same_dtype_reference_errors,
-                             shortfalls_beside_transformers_bf16, teacher_forced_errors)
+from tests.agreement import (MIXED_PROMPTS, assert_bf16_beside_transformers, assert_graph_replay_equals_eager,
+                             decisive_routers)
 from tests.tiny import GEMMA4_CONFIGS
 
 pytestmark = pytest.mark.gpu
@@ -45,20 +43,7 @@ def test_bf16_matches_transformers(checkpoint, kind, graphs):
     assert {b.name for b in runner.backends} == {"triton"}
     if kind in MOE:
         assert runner.model.layers[0].moe.experts.kernel_name == "triton_fused_moe"
-    hf = hf_causal_lm(path, dtype=torch.float32).cuda().eval()
-    hf_bf16 = hf_causal_lm(path, dtype=torch.bfloat16).cuda().eval()
-    runs = []
-    for p in PROMPTS:
-        ours = agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")
-        if kind in MOE:
-            runs.append((p, ours, teacher_forced_errors(TransformersAsLLM(hf_bf16, "cuda"), hf, p, 32, "cuda")))
-        else:
-            assert agree >= 30 or agree + ties >= 31, (kind, len(p), agree, ties)
-        own = same_dtype_reference_errors(hf, hf_bf16, p, 32, "cuda")
-        over = sorted(e - (tol + r) for e, r in zip(errors, own))
-        assert over[-2] < 0, (kind, len(p), [(round(e, 3), round(r, 3)) for e, r in zip(errors, own)
-                                             if e >= tol + r], tol)
-    assert not (bad := shortfalls_beside_transformers_bf16(runs, **MOE_BAR)), (kind, bad)
+    assert_bf16_beside_transformers(llm, path, PROMPTS, kind in MOE, kind)
 
 
 @pytest.mark.parametrize("kind", sorted(GEMMA4_CONFIGS))

@@ -12,7 +12,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.core.kv_spec import FullAttentionSpec, SharedKVSpec, SlidingWindowSpec, group_layers
 from kestrel.errors import ConfigError, InvalidRequest
-from tests.agreement import hf_greedy
+from tests.agreement import assert_embedding_contract, hf_greedy
 from tests.tiny import GEMMA4_CONFIGS, gemma4_vl_checkpoint, make_checkpoint
 
 NUM_TOKENS = 24
@@ -87,21 +87,7 @@ def test_chunked_prefill_preemption_and_prefix_hit(case):
 def test_embedding_contract(case):
     """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)): the per-layer inputs come from the
     ids and the embeddings alike."""
-    from kestrel.config import EngineConfig
-    from kestrel.engine.core import EngineCore
-    from kestrel.worker.memory_profile import dummy_prefill_batch
-
-    _, path, _ = case
-    core = EngineCore(EngineConfig.create(model=str(path), num_kv_blocks=8), progress=False)
-    model, runner = core.executor.runner.model, core.executor.runner
-    ids = torch.tensor([3, 9, 27, 81])
-
-    def run(**kw):
-        _, positions, ctx = dummy_prefill_batch(runner, 4)
-        with torch.inference_mode():
-            return model(ids, positions, ctx, **kw)
-
-    torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
+    assert_embedding_contract(case[1])
 
 
 def test_vl_checkpoint_text_part(tmp_path, tiny_tokenizer, caplog):
