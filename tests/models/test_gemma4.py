@@ -129,3 +129,16 @@ def test_shared_kv_spec_needs_a_source_of_its_shape():
     with pytest.raises(ValueError, match="with another shape"):
         group_layers({"a": full, "b": SharedKVSpec(torch.float32, source="a",
                                                    reads=FullAttentionSpec(torch.float32, 1, 16))})
+
+
+def test_fp8_kv_cache_readers_use_their_sources_scales(tmp_path, tiny_tokenizer):
+    """--kv-cache-dtype fp8 --calculate-kv-scales: a reader dequantises its source's cache with the source's scales
+    (the same tensors, so the calibration the source does reaches the reader)."""
+    path = make_checkpoint("gemma4_kv_shared", tmp_path, tokenizer=tiny_tokenizer)
+    llm = LLM(str(path), progress=False, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    runner = llm.engine.core.executor.runner
+    attn = [layer.self_attn.attn for layer in runner.model.layers]
+    assert {g.spec.dtype for g in runner.kv_cache_groups} == {torch.float8_e4m3fn}
+    assert attn[2].impl.k_scale is attn[0].k_scale and attn[3].impl.v_scale is attn[1].v_scale
+    out = llm.generate([[5, 17, 99, 3]], params())[0].outputs[0].token_ids
+    assert len(out) == NUM_TOKENS and float(attn[2].impl.k_scale) != 1.0  # calibrated by the source's first write
