@@ -142,3 +142,27 @@ def test_fp8_kv_cache_readers_use_their_sources_scales(tmp_path, tiny_tokenizer)
     assert attn[2].impl.k_scale is attn[0].k_scale and attn[3].impl.v_scale is attn[1].v_scale
     out = llm.generate([[5, 17, 99, 3]], params())[0].outputs[0].token_ids
     assert len(out) == NUM_TOKENS and float(attn[2].impl.k_scale) != 1.0  # calibrated by the source's first write
+
+
+def test_lora_matches_transformers_peft_and_refuses_a_missing_shard(tmp_path, tiny_tokenizer):
+    """A PEFT adapter on every projection of the K = V checkpoint (v_proj on the sliding layers only, as PEFT
+    finds it) gives transformers + PEFT's greedy tokens; an adapter with a v_proj on a K = V layer is refused by
+    name."""
+    from kestrel.executor.base import ControlCallError
+    from safetensors.torch import load_file, save_file
+    from tests.lora.peft_utils import hf_greedy as peft_greedy, make_adapter
+
+    base = make_checkpoint("gemma4_k_eq_v", tmp_path, tokenizer=tiny_tokenizer)
+    adapter = make_adapter(base, tmp_path / "r8", 8, seed=1)
+    llm = LLM(str(base), progress=False, enable_lora=True, max_lora_rank=8)
+    lora = llm.load_lora("r8", str(adapter))
+    outs = llm.generate(PROMPTS[:3], params(), lora_request=[lora] * 3)
+    reference = peft_greedy(base, adapter, PROMPTS[:3], NUM_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == reference != peft_greedy(base, None, PROMPTS[:3], NUM_TOKENS)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    extra = {k.replace("layers.0.", "layers.1."): v.clone() for k, v in tensors.items()
+             if "layers.0.self_attn.v_proj" in k}
+    assert extra
+    save_file({**tensors, **extra}, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ControlCallError, match="model.layers.1.self_attn.v_proj is not a LoRA target of this model"):
+        llm.load_lora("bad", str(adapter))
