@@ -127,6 +127,18 @@ SHAPES["qwen3.6-35b-a3b"] = dict(
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     bos_token_id=248044, eos_token_id=248046)
 
+# Gemma-4-26B-A4B (google/gemma-4-26B-A4B-it's text model, from public copies of its config): 30 layers, 5 of every
+# 6 sliding (window 1024; 16 heads / 8 KV heads of 256), the others global (2 KV heads of 512, K = V, proportional
+# RoPE 0.25); a 2112 GeLU-tanh MLP beside 128 experts of 704, top-8; vocab 262144, tied, final soft-cap 30
+SHAPES["gemma4-26b-a4b"] = dict(
+    architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=2816, num_hidden_layers=30,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)],
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+    attention_k_eq_v=True, sliding_window=1024, intermediate_size=2112, enable_moe_block=True, num_experts=128,
+    top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0, vocab_size=262144,
+    tie_word_embeddings=True, max_position_embeddings=262144, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh", bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
 
 def write_shape(name: str) -> Path:
     """A folder with only config.json: loaded with load_format='dummy' (random weights)."""
@@ -164,6 +176,8 @@ def shape_facts(name: str, dtype_bytes: int = 2) -> ShapeFacts:
         return _gdn_shape_facts(s, dtype_bytes)
     if "kv_lora_rank" in s:
         return _mla_shape_facts(s, dtype_bytes)
+    if s.get("model_type") == "gemma4_text":
+        return _gemma4_shape_facts(s, dtype_bytes)
     h, L, nh, kvh, hd, inter, V = (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"],
                                    s["num_key_value_heads"], s["head_dim"], s["intermediate_size"], s["vocab_size"])
     attn = h * (nh + 2 * kvh) * hd + nh * hd * h
@@ -252,6 +266,36 @@ def _gdn_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
     return ShapeFacts(all_params + emb * (1 if s["tie_word_embeddings"] else 2), (all_params + emb) * dtype_bytes,
                       2 * (L - n_gdn) * kvh * hd * dtype_bytes, 2 * (active + emb), L * expert * dtype_bytes, e, k,
                       state)
+
+
+def _gemma4_shape_facts(s: dict, dtype_bytes: int) -> ShapeFacts:
+    """Gemma 4: head shapes per layer type (global layers: global_head_dim, num_global_key_value_heads, no v_proj
+    where K = V), the MoE block beside the dense MLP, per-layer inputs; layers that read another layer's cache
+    (num_kv_shared_layers) have no k/v projections and keep no KV. The KV bytes count every caching layer at every
+    token (the sliding layers hold at most their window: an upper bound past it)."""
+    h, L, V, nh = s["hidden_size"], s["num_hidden_layers"], s["vocab_size"], s["num_attention_heads"]
+    first_shared = L - s.get("num_kv_shared_layers", 0)
+    attn = kv = mlp = 0
+    for i, kind in enumerate(s["layer_types"]):
+        full = kind == "full_attention"
+        hd = s["global_head_dim"] if full else s["head_dim"]
+        kvh = (s.get("num_global_key_value_heads") or s["num_key_value_heads"]) if full and s.get(
+            "attention_k_eq_v") else s["num_key_value_heads"]
+        kv_parts = 0 if i >= first_shared else 1 if full and s.get("attention_k_eq_v") else 2
+        attn += h * nh * hd * 2 + h * kvh * hd * kv_parts
+        kv += 2 * kvh * hd * dtype_bytes if i < first_shared else 0
+        wide = 2 if s.get("use_double_wide_mlp") and i >= first_shared > 0 else 1
+        mlp += 3 * h * s["intermediate_size"] * wide
+    e, k = (s["num_experts"], s["top_k_experts"]) if s.get("enable_moe_block") else (0, 0)
+    expert = 3 * h * s["moe_intermediate_size"] if e else 0
+    p = s.get("hidden_size_per_layer_input", 0)
+    ple = L * 2 * h * p + h * L * p  # each layer's gate and projection; the projection of the embeddings
+    dense = attn + mlp + L * e * h + ple
+    emb = V * h
+    ple_table = s.get("vocab_size_per_layer_input", V) * L * p
+    params = dense + L * e * expert + emb * (1 if s["tie_word_embeddings"] else 2) + ple_table
+    return ShapeFacts(params, (dense + L * e * expert + emb + ple_table) * dtype_bytes, kv,
+                      2 * (dense + L * k * expert + emb), L * expert * dtype_bytes, e, k)
 
 
 def nano_workload(n: int = 256, seed: int = 0, in_range=(100, 1024), out_range=(100, 1024), vocab_cap=10000):

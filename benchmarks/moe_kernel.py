@@ -57,7 +57,8 @@ def moe_dims(shape: str) -> tuple[int, int, int, int, int]:
     s = SHAPES[shape]
     e = s.get("num_experts", s.get("n_routed_experts", 0))
     shared = s.get("n_shared_experts", 0) or 0
-    return e + shared, s["num_experts_per_tok"] + shared, s["hidden_size"], s["moe_intermediate_size"], shared
+    k = s.get("num_experts_per_tok", s.get("top_k_experts"))  # (Gemma 4's name)
+    return e + shared, k + shared, s["hidden_size"], s["moe_intermediate_size"], shared
 
 
 def experts(shape: str, fp8: bool, gen):

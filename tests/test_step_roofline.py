@@ -1,4 +1,6 @@
 """benchmarks/step_trace.py's per-step floor: the weights read once, the decode rows' KV context, the prefill FLOPs."""
+import pytest
+
 from benchmarks.common import SHAPES, shape_facts
 from benchmarks.step_trace import step_roofline_s
 
@@ -107,3 +109,28 @@ def test_gdn_state_is_what_the_engine_allocates():
                     for dt, shape in spec.state_parts())
     assert facts.state_bytes_per_seq == 30 * per_layer  # 30 GDN layers of 40
     assert facts.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2  # the 10 attention layers' K and V
+
+
+@pytest.mark.parametrize("kind", ["gemma4_moe", "gemma4_kv_shared"])
+def test_gemma4_facts_count_the_parameters_transformers_builds(monkeypatch, kind):
+    """The tiny Gemma 4 configs (MoE + K = V; per-layer inputs + KV sharing + double-wide MLPs) and the real shape's
+    facts as transformers' model counts them (matmul weights and embedding tables; not norms or scales)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.tiny import BASE, GEMMA4_CONFIGS
+
+    model_type, extra = GEMMA4_CONFIGS[kind]
+    cfg = {**SHAPES["gemma4-26b-a4b"], **BASE, **extra}
+    monkeypatch.setitem(SHAPES, "tiny-gemma4", cfg)
+    facts = shape_facts("tiny-gemma4")
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")},
+                                  model_type=model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    skip = ("norm", "scale", "layer_scalar")
+    counted = sum(p.numel() for n, p in model.named_parameters() if not any(s in n for s in skip))
+    assert facts.params == counted
+    real = shape_facts("gemma4-26b-a4b")
+    assert real.kv_bytes_per_token == (25 * 2 * 8 * 256 + 5 * 2 * 2 * 512) * 2
+    assert 25e9 < real.params < 27e9 and real.num_experts == 128 and real.top_k == 8

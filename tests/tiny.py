@@ -148,6 +148,25 @@ FAMILY_CONFIGS = {
 HF_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
+# Gemma 4 (their own fixture in tests/models/test_gemma4.py): sliding (window 8, heads of 16) and global layers
+# (heads of 32, "proportional" RoPE on a quarter of them), final soft-capping. K = V on the global layers, 1 KV head
+# there (2 on the sliding ones); the MoE block beside the MLP (4 experts, top-2); per-layer inputs of 16 (E2B);
+# the last 2 of 4 layers reading the cache of layers 0 and 1, with double-wide MLPs.
+_GEMMA4 = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=30.0,
+               tie_word_embeddings=True, hidden_size_per_layer_input=0)
+GEMMA4_CONFIGS = {
+    "gemma4_k_eq_v": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)),
+    "gemma4_moe": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                       enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                       moe_intermediate_size=32)),
+    "gemma4_e2b": ("gemma4_text", dict(_GEMMA4, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE)),
+    "gemma4_kv_shared": ("gemma4_text", dict(_GEMMA4, hidden_size_per_layer_input=16,
+                                             vocab_size_per_layer_input=VOCAB_SIZE, num_kv_shared_layers=2,
+                                             use_double_wide_mlp=True)),
+}
+
+
 # Gated DeltaNet hybrids (their own fixture in tests/models/test_gdn_hybrids.py): layers 0-2 GDN (2 key heads
 # repeated to 4 value heads, D_k 16, D_v 32: the state [4, 16, 32]), layer 3 gated full attention (2 KV heads of
 # 32, partial RoPE 0.25). Qwen3-Next: MoE (4 experts top-2 + a gated shared expert) but layer 1 dense; Qwen3.5:
@@ -170,7 +189,7 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = {**CONFIGS, **MOE_CONFIGS, **MLA_MOE_CONFIGS, **KDA_CONFIGS, **DSA_CONFIGS,
-                         **FAMILY_CONFIGS, **GDN_CONFIGS}[kind]
+                         **FAMILY_CONFIGS, **GDN_CONFIGS, **GEMMA4_CONFIGS}[kind]
     cfg = AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     if type(cfg) in AutoModelForCausalLM._model_mapping:
@@ -183,6 +202,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
         for p in model.parameters():
             if p.dim() >= 2:  # MoE experts are 3-D in memory
                 p.normal_(0, 0.08)
+            elif model_type == "gemma4_text":  # plain-weight norms, router scales: perturbed around 1
+                p.normal_(1, 0.2)
             elif model_type.startswith("gemma"):  # Gemma norms scale by 1 + weight: make the weight matter
                 p.normal_(0, 0.2)
             elif model_type in GDN_TYPES:  # (1 + w) norms, the gated norm, the GDN decay: perturbed around init
@@ -198,6 +219,8 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, name: 
         for buf_name, b in model.named_buffers():
             if buf_name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that changes the choice
                 b.normal_(0, 0.05)
+            elif buf_name.endswith("layer_scalar"):  # Gemma 4: each layer's output scaled
+                b.uniform_(0.5, 1.5)
         # peakier next-token distributions keep bf16 rounding from flipping near-tied argmaxes (GPU tests)
         model.get_output_embeddings().weight.mul_(logit_scale)
     out = root / (name or kind)
@@ -303,3 +326,32 @@ def gdn_bf16_checkpoint(kind: str, root: Path, seed: int = 0, tokenizer=None, na
     decisive_routers(path)
     bf16_representable(path, keep=GDN_FLOAT32_PARAMS)
     return path
+
+
+def gemma4_vl_checkpoint(root: Path, seed: int = 0, tokenizer=None) -> Path:
+    """A tiny Gemma4ForConditionalGeneration checkpoint: the E2B-like text model of GEMMA4_CONFIGS (weights perturbed
+    as make_checkpoint does), a one-layer vision tower and a one-layer audio tower, for the text-part loader."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = {**BASE, **GEMMA4_CONFIGS["gemma4_e2b"][1]}
+    text.pop("tie_word_embeddings")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+                 output_proj_dims=32)
+    ids = dict(boi_token_id=VOCAB_SIZE - 7, eoi_token_id=VOCAB_SIZE - 6, image_token_id=VOCAB_SIZE - 5,
+               video_token_id=VOCAB_SIZE - 4, boa_token_id=VOCAB_SIZE - 3, eoa_token_index=VOCAB_SIZE - 2,
+               audio_token_id=VOCAB_SIZE - 1)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=audio,
+                                                        **ids)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.08) if p.dim() >= 2 else p.normal_(1, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    out = root / "gemma4_vl"
+    model.save_pretrained(out)
+    (tokenizer or make_tokenizer()).save_pretrained(out)
+    return out

@@ -15,7 +15,9 @@ NUM_TOKENS = 32
 # split along its intermediate dim; qwen2_moe: shared experts (a column/row-parallel MLP) with their sigmoid gate,
 # a dense layer, tied embeddings (the vocab-parallel LM head shares the embedding's slice); minimax_m2: the q/k
 # RMSNorm over all heads (its sum of squares all-reduced, each rank's slice of the weight), random norm weights;
-# minimax_m2_mqa: its one KV head replicated on both ranks (counted once in k's norm)
+# minimax_m2_mqa: its one KV head replicated on both ranks (counted once in k's norm); gemma4_moe: per-layer head
+# shapes (the global layers' one KV head replicated), K = V, the MoE block's experts split; gemma4_kv_shared: the
+# per-layer inputs (replicated), layers reading other layers' caches on each rank
 TP_MODELS = {
     "llama": ("llama_linear_rope", {}),
     "qwen3": ("qwen3", {"vocab_size": 387}),
@@ -23,6 +25,8 @@ TP_MODELS = {
     "qwen2_moe": ("qwen2_moe", {"tie_word_embeddings": True}),
     "minimax_m2": ("minimax_m2", {"vary_vectors": True}),
     "minimax_m2_mqa": ("minimax_m2", {"vary_vectors": True, "num_key_value_heads": 1}),
+    "gemma4_moe": ("gemma4_moe", {}),
+    "gemma4_kv_shared": ("gemma4_kv_shared", {}),
 }
 
 

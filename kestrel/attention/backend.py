@@ -128,6 +128,12 @@ class AttentionImpl:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; writes k/v into the cache, returns [T, Hq, D]."""
         raise NotImplementedError
 
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """forward without the cache write: q [T, Hq, D] over what the cache holds (a layer reading another layer's
+        cache: core/kv_spec.py SharedKVSpec)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read another layer's KV cache")
+
 
 class AttentionBackend:
     name: ClassVar[str]

@@ -10,6 +10,12 @@ Options of the steps between (each read from the config by the model's attention
   query_scale: a per-position factor on the queries after all of that (Llama 4's temperature tuning, Ministral 3);
   sinks: a learned logit per query head in the softmax denominator (gpt-oss; the `sinks` parameter, float32,
     this rank's heads), which the backend must declare it reads (`supports_attention_sinks`).
+  v_norm: a per-head norm of the values before the cache write (Gemma 4: unweighted);
+  k_eq_v: the projection gives no values; V is K as projected, before K's norm and rotary (Gemma 4's global
+    layers);
+  kv_source: the name of an earlier attention layer whose cache this layer reads instead of keeping one (Gemma 4's
+    KV-shared layers): the projection gives queries only, nothing is written, and the layer registers a
+    SharedKVSpec, which puts it on that layer's KV group as a reader (core/kv_spec.py group_layers).
 The fused prologue serves the plain order (per-head norm, full rotary); the other options run the steps in turn."""
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from torch import nn
 
 from kestrel.attention import kv_quant
 from kestrel.attention.backend import AttentionMetadata
-from kestrel.core.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from kestrel.core.kv_spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SharedKVSpec, SlidingWindowSpec
 
 
 class Attention(nn.Module):
@@ -27,10 +33,14 @@ class Attention(nn.Module):
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  qk_norm_all_heads: bool = False, qk_norm_after_rope: bool = False,
                  query_scale: nn.Module | None = None, attention_chunk_size: int | None = None,
-                 sinks: bool = False):
+                 sinks: bool = False, v_norm: nn.Module | None = None, k_eq_v: bool = False,
+                 kv_source: str | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.v_norm, self.k_eq_v, self.kv_source = v_norm, k_eq_v, kv_source
+        # what the projection gives: q | k | v, q | k (K = V) or q alone (a reader of another layer's cache)
+        self.qkv_split = [self.q_size] + ([] if kv_source else [self.kv_size] * (1 if k_eq_v else 2))
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window or 0
         self.logits_soft_cap = logits_soft_cap or 0.0
@@ -42,17 +52,22 @@ class Attention(nn.Module):
         # the fused prologue's order: per-head RMSNorm (with a weight), then a neox rotary over the whole head
         self.plain_prologue = (rotary is not None and rotary.rot_dim == head_dim and not rotary.interleaved
                                and query_scale is None and not qk_norm_all_heads and not qk_norm_after_rope
+                               and v_norm is None and not k_eq_v and not kv_source
                                and (q_norm is None or (getattr(q_norm, "weight", None) is not None
                                                        and getattr(q_norm, "fusable", True))))
         self.attention_chunk_size = attention_chunk_size or 0
         if self.sliding_window and self.attention_chunk_size:
             raise ValueError(f"{prefix}: a sliding window and chunked attention together")
+        if kv_source and (qk_norm_all_heads or qk_norm_after_rope):
+            raise ValueError(f"{prefix}: a layer reading {kv_source}'s cache takes per-head q norms before the rotary")
         spec_cls, extra = FullAttentionSpec, {}
         if self.sliding_window:
             spec_cls, extra = SlidingWindowSpec, {"sliding_window": self.sliding_window}
         elif self.attention_chunk_size:
             spec_cls, extra = ChunkedLocalAttentionSpec, {"attention_chunk_size": self.attention_chunk_size}
         self.kv_cache_spec = spec_cls(ctx.dtype, num_kv_heads, head_dim, **extra)
+        if kv_source:
+            self.kv_cache_spec = SharedKVSpec(ctx.dtype, source=kv_source, reads=self.kv_cache_spec)
         ctx.register_attention(prefix, self, self.kv_cache_spec)
         self.layer_name = prefix
         # per-tensor scales of an FP8 KV cache (kestrel/attention/kv_quant.py): the checkpoint's, else 1.0
@@ -73,10 +88,14 @@ class Attention(nn.Module):
         if fuse and self.plain_prologue:
             out = self.impl.forward_qkv(qkv, positions, self.rotary.cos_sin_cache, q_norm, k_norm, self.kv_cache, meta)
             return out.reshape(t, self.q_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, *kv = qkv.split(self.qkv_split, dim=-1)
+        k = kv[0] if kv else None
+        v = kv[-1] if kv else None  # K = V: the projected keys
         if q_norm is not None and self.qk_norm_all_heads:
             q, k = q_norm(q), k_norm(k)
         q = q.reshape(t, self.num_heads, self.head_dim)
+        if k is None:  # a reader: no keys of its own
+            return self._read_shared(q, positions, meta).reshape(t, self.q_size)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         per_head_norm = q_norm is not None and not self.qk_norm_all_heads
         if per_head_norm and not self.qk_norm_after_rope:
@@ -88,11 +107,24 @@ class Attention(nn.Module):
         if self.query_scale is not None:
             q = (q * self.query_scale(positions[:t])).to(q.dtype)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         if self.calibrate_kv_scales:
             self.calibrate_kv_scales = not kv_quant.calibrate(self, k, v, meta.slot_mapping, meta.num_tokens,
                                                               self.kv_cache[0].dtype)
         out = self.impl.forward(q, k, v, self.kv_cache, meta)
         return out.reshape(t, self.q_size)
+
+    def _read_shared(self, q: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Queries only, over the source layer's cache (bound to this layer: kv_allocation.py)."""
+        q_norm = self._qk_norms[0]
+        if q_norm is not None:
+            q = q_norm(q)
+        if self.rotary is not None:
+            q, = self.rotary.rotate_copies(positions, q)
+        if self.query_scale is not None:
+            q = (q * self.query_scale(positions[:q.shape[0]])).to(q.dtype)
+        return self.impl.attend(q, self.kv_cache, meta)
 
 
 class ForwardContext:

@@ -113,6 +113,19 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class SharedKVSpec(KVCacheSpec):
+    """A layer that keeps no cache and reads an earlier layer's (`source`, that layer's name: Gemma 4's KV-shared
+    layers read the last earlier layer of their type). It takes no pages and forms no group: group_layers puts it
+    on the source's group as a reader (`KVCacheGroup.readers`), so it shares the source's block table, metadata and
+    cache view. `reads`: the spec it would have had, which must be the source's."""
+    source: str = ""
+    reads: KVCacheSpec | None = None
+
+    def page_parts(self):
+        return []
+
+
+@dataclass(frozen=True)
 class MLASpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one latent per token, the normalised kv_lora_rank part followed
     by the rotated qk_rope_head_dim key part, shared by every head; one [num_blocks, block_size, latent_dim] tensor
@@ -209,11 +222,14 @@ class KVCacheGroup:
     """Layers (by name) sharing one spec, one block table and one manager. Layer i of every group shares cache
     slot i (kestrel/worker/kv_allocation.py): one block id is then a page in every group, and all groups draw on
     one pool. `layer_specs`: layers that ride on the group's block table with a page of their own (a draft model's
-    attention: attach_riders); the runner's alone (the engine's managers read `spec`)."""
+    attention: attach_riders); `readers`: layers that read one of the group's layers' cache (reader -> source:
+    SharedKVSpec), bound to its view and metadata, with no slot of their own. Both the runner's alone (the
+    engine's managers read `spec`)."""
     group_id: int
     spec: KVCacheSpec
     layer_names: list[str]
     layer_specs: dict[str, KVCacheSpec] = field(default_factory=dict)
+    readers: dict[str, str] = field(default_factory=dict)
 
     def spec_of(self, name: str) -> KVCacheSpec:
         """The spec of one of the group's layers (its page)."""
@@ -228,9 +244,13 @@ def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
     4 layers that share 4 cache slots. Specs may differ in page size: a slot's rows are as wide as its widest.
     Kinds with a per-request state (state_parts) take no pages: all layers of one such spec form one group, and
     `max_num_seqs`, when given, sizes their slot pools (their `num_slots` field: one per request + the null slot),
-    and `num_snapshots` their snapshot slots (prefix caching: 0 keeps none)."""
+    and `num_snapshots` their snapshot slots (prefix caching: 0 keeps none). A SharedKVSpec layer joins its source's
+    group as a reader."""
     by_spec: dict[KVCacheSpec, list[str]] = {}
+    readers = {name: spec for name, spec in specs.items() if isinstance(spec, SharedKVSpec)}
     for name, spec in specs.items():
+        if name in readers:
+            continue
         if block_size is not None:
             spec = replace(spec, block_size=block_size)
         if max_num_seqs is not None and spec.state_parts():
@@ -246,6 +266,14 @@ def group_layers(specs: dict[str, KVCacheSpec], block_size: int | None = None,
         step = len(names) if spec.state_parts() or size is None else size
         for i in range(0, len(names), step):
             groups.append(KVCacheGroup(len(groups), spec, names[i:i + step]))
+    for name, spec in readers.items():
+        source = next((g for g in groups if spec.source in g.layer_names), None)
+        if source is None:
+            raise ValueError(f"{name} reads the KV cache of {spec.source!r}, which keeps none of its own")
+        if replace(spec.reads, block_size=source.spec.block_size, dtype=source.spec.dtype) != source.spec:
+            raise ValueError(f"{name} reads {spec.source}'s cache with another shape: {spec.reads} against "
+                             f"{source.spec}")
+        source.readers[name] = spec.source
     return groups
 
 

@@ -48,15 +48,18 @@ def check_divisible(text_config, size: int) -> None:
     if size == 1:
         return
     heads = getattr(text_config, "num_attention_heads", None)
-    kv = getattr(text_config, "num_key_value_heads", None) or heads
+    # per layer where transformers' per_layer_config varies it (Gemma 4), which a global read refuses
+    layers = ([text_config.per_layer_config[i] for i in range(text_config.num_hidden_layers)]
+              if getattr(text_config, "is_heterogeneous", False) else [text_config])
     checks = [("num_attention_heads", heads)] + [(k, getattr(text_config, k, None)) for k in (
         "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
     for what, n in checks:
         if n is not None and n % size:
             raise ConfigError(f"{what} = {n} is not divisible by --tensor-parallel-size {size}")
-    if kv is not None and kv % size and size % kv:
-        raise ConfigError(f"--tensor-parallel-size {size} is neither a divisor nor a multiple of "
-                          f"num_key_value_heads = {kv}")
+    for kv in sorted({getattr(c, "num_key_value_heads", None) or heads for c in layers} - {None}):
+        if kv % size and size % kv:
+            raise ConfigError(f"--tensor-parallel-size {size} is neither a divisor nor a multiple of "
+                              f"num_key_value_heads = {kv}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

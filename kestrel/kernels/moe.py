@@ -5,8 +5,10 @@ Weights (registered by `create_weights`), E = routed experts + fused shared-expe
   w13: [E, 2*I, H]  gate rows first, then up rows (so a gate/up checkpoint pair loads as shards 0 and 1)
   w2:  [E, H, I]
 FP8 block-quantized kernels add w13_scale [E, 2I/bn, H/bk] and w2_scale [E, H/bn, I/bk] (fp32 block scales).
-Activation: silu(gate) * up ("silu"), gelu(gate, tanh) * up ("gelu"), or gpt-oss's clamped SwiGLU ("swigluoai":
-gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
+Activation: by name, MOE_ACTIVATIONS: silu(gate) * up ("silu"), gelu(gate, tanh) * up ("gelu": Gemma 4), or
+gpt-oss's clamped SwiGLU ("swigluoai": gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) *
+(up + 1)); the Triton kernels' epilogue implements TRITON_MOE_ACTIVATIONS of them (triton_ops/fused_moe.py
+EPILOGUES).
 Expert biases (`MoESpec.bias`, gpt-oss): w13_bias [E, 2I] (gate, then up) added before the activation, w2_bias
 [E, H] added to each expert's output before its routing weight.
 
@@ -28,9 +30,21 @@ from kestrel.kernels.fp8_scheme import Fp8Scheme
 from kestrel.platform import Platform
 from kestrel.platform.gates import kernel_gate
 
-MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
-TRITON_MOE_ACTIVATIONS = ("silu", "swigluoai")  # the Triton fused MoE's epilogues (triton_ops/fused_moe.py)
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def _swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA) * (up + 1)
+
+
+# the experts' gated activation by name: (gate, up) -> hidden
+MOE_ACTIVATIONS = {
+    "silu": lambda gate, up: F.silu(gate) * up,
+    "gelu": lambda gate, up: F.gelu(gate, approximate="tanh") * up,
+    "swigluoai": _swiglu_oai,
+}
+TRITON_MOE_ACTIVATIONS = ("silu", "swigluoai", "gelu")  # the Triton fused MoE's epilogues (triton_ops/fused_moe.py)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -121,13 +135,7 @@ def _bias_weights(layer: nn.Module, spec: MoESpec) -> None:
 
 
 def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "swigluoai":
-        gate, up = gate.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
-        return gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA) * (up + 1)
-    return F.gelu(gate, approximate="tanh") * up
+    return MOE_ACTIVATIONS[activation](*gate_up.chunk(2, dim=-1))
 
 
 def _expert(layer: nn.Module, e: int, x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -243,8 +251,8 @@ class TritonFp8BlockMoE(TritonFusedMoE):
 
     @classmethod
     def can_implement(cls, spec: MoESpec) -> tuple[bool, str]:
-        if spec.activation != "silu":
-            return False, f"activation {spec.activation!r}: the epilogue implements silu only"
+        if spec.activation not in TRITON_MOE_ACTIVATIONS:
+            return False, f"activation {spec.activation!r}: the epilogue implements {', '.join(TRITON_MOE_ACTIVATIONS)}"
         if spec.bias:
             return False, "expert biases: the epilogues add none"
         if spec.params_dtype not in (torch.bfloat16, torch.float16):
@@ -263,7 +271,8 @@ class TritonFp8BlockMoE(TritonFusedMoE):
         _fp8_block_weights(layer, self.spec)
 
     def _kernel_args(self, layer):
-        return dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block_shape=tuple(self.spec.quant.block_size))
+        return dict(w13_scale=layer.w13_scale, w2_scale=layer.w2_scale, block_shape=tuple(self.spec.quant.block_size),
+                    activation=self.spec.activation)
 
 
 def _check_fp8_block(spec: MoESpec) -> tuple[bool, str]:
@@ -323,4 +332,4 @@ class Fp8DequantMoE(TorchMoE):
         del layer.w13_scale, layer.w2_scale
 
 
-__all__ = ["MOE_ACTIVATIONS", "Fp8DequantMoE", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]
+__all__ = ["MOE_ACTIVATIONS", "TRITON_MOE_ACTIVATIONS", "Fp8DequantMoE", "MoEKernel", "MoESpec", "TorchMoE", "TritonFp8BlockMoE", "TritonFusedMoE"]

@@ -37,24 +37,15 @@ def pre_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | Non
     return (norm(hidden), hidden) if residual is None else norm(hidden, residual)
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm (also Qwen3-Next's and Qwen3.5's) scales by (1 + weight). The checkpoint stores `weight`;
-    after loading we keep 1 + weight, in float32 whatever the model's dtype (bf16 would round 1 + w by up to 2**-9).
-    transformers' order: x normalised in float32, times (1 + w) in float32, one rounding to x's dtype. The fused
-    kernels round the normalised x first (Llama's order), so this norm runs as PyTorch ops on every device
-    (`fusable` False): in bf16 the extra roundings doubled the relative error of the first GDN layer's output on
-    tiny Qwen3.5-MoE checkpoints (CPU) and left our teacher-forced agreement below transformers' own bf16 run."""
+class Float32RMSNorm(RMSNorm):
+    """transformers' rounding for the Gemma norms: the weight held in float32 whatever the model's dtype, x
+    normalised in float32, times the weight in float32, one rounding to x's dtype (Gemma 4's plain-weight norm). The
+    fused kernels round the normalised x first (Llama's order), so this norm runs as PyTorch ops on every device
+    (`fusable` False)."""
     fusable = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
         super().__init__(hidden_size, eps, torch.float32)
-        self.weight.data.zero_()
-        self._offset_applied = False
-
-    def process_weights_after_loading(self) -> None:
-        if not self._offset_applied:
-            self.weight.data += 1.0
-            self._offset_applied = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -65,6 +56,23 @@ class GemmaRMSNorm(RMSNorm):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+class GemmaRMSNorm(Float32RMSNorm):
+    """Gemma's RMSNorm (also Qwen3-Next's and Qwen3.5's) scales by (1 + weight). The checkpoint stores `weight`;
+    after loading we keep 1 + weight, in float32 (bf16 would round 1 + w by up to 2**-9), in Float32RMSNorm's
+    order: in bf16 the fused kernels' extra roundings doubled the relative error of the first GDN layer's output on
+    tiny Qwen3.5-MoE checkpoints (CPU) and left our teacher-forced agreement below transformers' own bf16 run."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.data.zero_()
+        self._offset_applied = False
+
+    def process_weights_after_loading(self) -> None:
+        if not self._offset_applied:
+            self.weight.data += 1.0
+            self._offset_applied = True
 
 
 class ResidualAdd(nn.Module):

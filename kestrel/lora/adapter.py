@@ -156,9 +156,10 @@ def load_adapter(name: str, path: str, linears: dict, packed: dict[str, tuple[st
             raise LoRAAdapterError(f"{where}: {module} has rank {a.shape[0]}, the config says {rank}")
         if ours in linears:
             target, shard = ours, None
-        elif leaf in member_of and f"{parent}.{member_of[leaf][0]}" in linears:
+        elif (leaf in member_of and f"{parent}.{member_of[leaf][0]}" in linears
+              and member_of[leaf][1] < len(linears[f"{parent}.{member_of[leaf][0]}"].full_output_sizes)):
             target, shard = f"{parent}.{member_of[leaf][0]}", member_of[leaf][1]
-        else:
+        else:  # (a merged layer without that shard, too: Gemma 4's K = V layers have no v_proj)
             raise LoRAAdapterError(f"{where}: module {module} is not a LoRA target of this model (LoRA-capable "
                                    f"modules: {describe_targets(linears, packed)})")
         layer = linears[target]

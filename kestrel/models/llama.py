@@ -23,6 +23,12 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def layer_config(cfg, idx: int):
+    """Layer idx's view of the config: transformers' per-layer overrides (`per_layer_config`: Gemma 4's head size
+    and KV-head count on its global layers) where the config has them, else the config itself."""
+    return cfg.per_layer_config[idx] if getattr(cfg, "is_heterogeneous", False) else cfg
+
+
 def rank_heads(tp, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(first, count) of this rank's query heads and KV heads. With fewer KV heads than ranks, each KV head is
     replicated over the ranks whose query heads read it."""

@@ -20,6 +20,8 @@ _MODELS = {
     "Olmo3ForCausalLM": ("kestrel.models.olmo", "Olmo3ForCausalLM"),
     "GemmaForCausalLM": ("kestrel.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("kestrel.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma4ForCausalLM": ("kestrel.models.gemma4", "Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ("kestrel.models.gemma4", "Gemma4ForConditionalGeneration"),
     "Qwen2MoeForCausalLM": ("kestrel.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("kestrel.models.qwen_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("kestrel.models.mixtral", "MixtralForCausalLM"),

@@ -1,7 +1,7 @@
 """Binds the model's attention layers to backends: the layers grouped by cache spec (the configured KV-cache and
 indexer-key dtypes applied), a draft model's attention layers riding on the full-attention group
 (core/kv_spec.py attach_riders), one backend per group that has what the add-ons' features require, each layer
-given its backend's impl (and its FP8 scales) and its group id."""
+(and each reader of a layer's cache) given its backend's impl (and its FP8 scales) and its group id."""
 from __future__ import annotations
 
 import torch
@@ -45,7 +45,7 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                                            dtype=dtype)
         backends.append(backend)
         builders.append(backend.builder_cls(g.spec, g.spec.block_size, device))
-        for name in g.layer_names:
+        for name in [*g.layer_names, *g.readers]:
             layer = context.attention_layers[name]
             if name in g.layer_specs:  # a rider: its head size must suit the group's backend too
                 ok, why = backend.validate(current_platform(), dtype, layer.head_dim, block_size)
@@ -57,8 +57,9 @@ def bind_attention(context, config: EngineConfig, addons: list, dtype: torch.dty
                                           sliding_window=layer.sliding_window,
                                           logits_soft_cap=layer.logits_soft_cap,
                                           attention_chunk_size=layer.attention_chunk_size, **extra)
-            if kv_quant.is_fp8(g.spec.dtype):
-                layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
+            if kv_quant.is_fp8(g.spec.dtype):  # a reader reads with its source's scales
+                owner = context.attention_layers[g.readers.get(name, name)]
+                layer.impl.k_scale, layer.impl.v_scale = owner.k_scale, owner.v_scale
             layer.group_id = g.group_id
     return groups, backends, builders
 

@@ -35,7 +35,7 @@ def state_bytes(groups: list[KVCacheGroup]) -> int:
 def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
                       device: torch.device) -> list[torch.Tensor]:
     """Zeroed slots of `num_blocks` rows (and each stateful layer's state slots); sets each layer's `kv_cache`
-    to its spec's view of them (and a stateful layer's `state_rows` to its state slots, uint8 [num_state_slots,
+    to its spec's view of them (a reader's to its source's) (and a stateful layer's `state_rows` to its state slots, uint8 [num_state_slots,
     state_bytes]: what copy_state_slots copies). Returns the tensors allocated."""
     slots = [torch.zeros((num_blocks, row), dtype=torch.uint8, device=device) for row in slot_row_bytes(groups)]
     tensors = list(slots)
@@ -47,6 +47,8 @@ def allocate_kv_cache(groups: list[KVCacheGroup], layers: dict, num_blocks: int,
                 tensors.append(state)
                 layers[name].state_rows = state
             layers[name].kv_cache = g.spec_of(name).layer_view(slots[i], state)
+        for name, source in g.readers.items():
+            layers[name].kv_cache = layers[source].kv_cache
     return tensors
 
 

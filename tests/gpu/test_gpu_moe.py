@@ -38,6 +38,20 @@ def test_triton_moe_bf16_matches_reference(e, k, t):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("t", [1, 57, 4096])
+def test_triton_moe_gelu_bf16_matches_reference(t):
+    """The GELU-tanh epilogue (Gemma 4's experts: 128 experts top-8, 2816 x 704) in bf16."""
+    pytest.importorskip("triton")
+    from kestrel.kernels.triton_ops.fused_moe import fused_moe
+
+    gen = torch.Generator().manual_seed(t)
+    w13, w2 = gpu_experts(128, 2816, 704)
+    x = torch.randn(t, 2816, generator=gen).cuda().bfloat16()
+    topk_w, ids = (v.cuda() for v in random_routing(t, 128, 8, gen, skew=t % 2 == 1))
+    out = fused_moe(x, w13, w2, topk_w, ids, activation="gelu")
+    assert rel_err(out, reference_moe(x.double(), w13, w2, topk_w, ids, activation="gelu")) < 1e-2
+
+
 @pytest.mark.parametrize("e,k", [(8, 2), (64, 8), (128, 8)])
 @pytest.mark.parametrize("t", [1, 33, 512, 4096])
 def test_triton_moe_fp8_block_matches_dequantized_reference(e, k, t):

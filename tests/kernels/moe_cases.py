@@ -26,9 +26,13 @@ def make_experts(e: int, h: int, i: int, gen: torch.Generator):
     return w13, w2
 
 
-def reference_moe(x, w13, w2, topk_w, topk_ids, act_quant_group: int | None = None, act_dtype=torch.bfloat16):
+def reference_moe(x, w13, w2, topk_w, topk_ids, act_quant_group: int | None = None, act_dtype=torch.bfloat16,
+                  activation: str = "silu"):
     """float64 loop over experts. act_quant_group: quantize-dequantize the inputs of both GEMMs per token group
-    (what the FP8 kernel does to activations), so the FP8 comparison measures the kernel, not FP8 rounding."""
+    (what the FP8 kernel does to activations), so the FP8 comparison measures the kernel, not FP8 rounding.
+    `activation`: the gate's, by its kestrel/kernels/moe.py MOE_ACTIVATIONS name."""
+    from kestrel.kernels.moe import MOE_ACTIVATIONS
+
     x = x.double()
     if act_quant_group:
         x = _qdq(x, act_quant_group)
@@ -38,8 +42,7 @@ def reference_moe(x, w13, w2, topk_w, topk_ids, act_quant_group: int | None = No
     wts = topk_w.double().reshape(-1)
     for e in flat.unique().tolist():
         sel = (flat == e).nonzero(as_tuple=True)[0]
-        gate, up = (x[tok[sel]] @ w13[e].double().T).chunk(2, dim=-1)
-        a = torch.nn.functional.silu(gate) * up
+        a = MOE_ACTIVATIONS[activation](*(x[tok[sel]] @ w13[e].double().T).chunk(2, dim=-1))
         if act_quant_group:
             a = _qdq(a.to(act_dtype).double(), act_quant_group)
         out.index_add_(0, tok[sel], (a @ w2[e].double().T) * wts[sel, None])

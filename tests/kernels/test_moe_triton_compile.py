@@ -1,5 +1,6 @@
 """The fused MoE's grouped GEMM compiles for sm_90 ahead of time (no GPU needed: Triton ships ptxas), for every
-default tile config, bf16 and FP8, gate_up (SiLU-and-mul epilogue) and down (routing-weight epilogue). Catches
+default tile config, bf16 and FP8, gate_up (SiLU-and-mul epilogue; GELU-tanh too in bf16) and down (routing-weight
+epilogue). Catches
 what the interpreter cannot (MMA shapes, FP8 dot, register pressure errors). Needs triton (not in CI)."""
 from __future__ import annotations
 
@@ -24,17 +25,19 @@ def _configs(fp8: bool):
     return seen
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_grouped_gemm_compiles_for_every_default_tile(fp8):
+@pytest.mark.parametrize("fp8,activation", [(False, "silu"), (True, "silu"), (False, "gelu")])
+def test_grouped_gemm_compiles_for_every_default_tile(fp8, activation):
     fn = fused_moe._moe_grouped_gemm_kernel
     dt = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {"A": dt, "B": dt, "C": "*bf16", "A_SCALE": "*fp32", "B_SCALE": "*fp32", "TOPK_W": "*fp32",
             "SORTED_IDS": "*i32", "BLOCK_EXPERT": "*i32", "NUM_PADDED": "*i32", "BIAS": "*bf16"}
     for part, tile in _configs(fp8):
+        if activation != "silu" and part == "down":  # the activation is the gate_up epilogue's
+            continue
         tile = dict(tile)
         warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
         constexprs = dict(A_ROW_DIV=8 if part == "up" else 1, GATED=part == "up", MUL_WEIGHT=part == "down",
-                          FP8=fp8, GROUP_N=128, ACT=0, HAS_BIAS=False, **tile)
+                          FP8=fp8, GROUP_N=128, ACT=fused_moe.EPILOGUES[activation], HAS_BIAS=False, **tile)
         sig = {n: ptrs.get(n, "i32") for n in fn.arg_names}
         sig.update({n: "constexpr" for n in constexprs})
         kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,

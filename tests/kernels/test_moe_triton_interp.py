@@ -1,4 +1,4 @@
-"""The Triton fused MoE's logic (sorting/padding by expert, fused SiLU-and-mul, routing weights in the epilogue,
+"""The Triton fused MoE's logic (sorting/padding by expert, fused SiLU- or GELU-tanh-and-mul, routing weights in the epilogue,
 FP8 block scales, fused shared-expert slots) under the Triton interpreter on the CPU (make kernels-check), or on
 CUDA; skipped without triton. fp32/fp16 operands: the interpreter multiplies bf16 as raw bits."""
 from __future__ import annotations
@@ -126,6 +126,25 @@ def test_fused_moe_matches_reference(t, e, k, dtype, tol):
     assert rel_err(out.cpu(), reference_moe(x, w13, w2, topk_w, ids)) < tol
 
 
+@pytest.mark.parametrize("t,e,k", [(5, 8, 2), (37, 16, 3)])
+def test_fused_moe_gelu_epilogue_matches_reference(t, e, k):
+    """The GELU-tanh epilogue (Gemma 4's experts) against the float64 reference with F.gelu(approximate="tanh");
+    the SiLU epilogue on the same problem misses it (the activation is the one asked for)."""
+    from kestrel.kernels.moe import TRITON_MOE_ACTIVATIONS
+    from kestrel.kernels.triton_ops.fused_moe import EPILOGUES, fused_moe
+
+    assert tuple(EPILOGUES) == TRITON_MOE_ACTIVATIONS
+    gen = torch.Generator().manual_seed(t + e + k)
+    h, i = 96, 48
+    w13, w2 = make_experts(e, h, i, gen)
+    x = torch.randn(t, h, generator=gen) * 2  # gelu and silu part ways away from 0
+    topk_w, ids = random_routing(t, e, k, gen)
+    args = [v.to(DEVICE) for v in (x, w13, w2, topk_w, ids)]
+    ref = reference_moe(x, w13, w2, topk_w, ids, activation="gelu")
+    assert rel_err(fused_moe(*args, activation="gelu").cpu(), ref) < FP32_TOL
+    assert rel_err(fused_moe(*args).cpu(), ref) > 1e-2
+
+
 def test_fused_moe_above_grid_threshold_matches_reference(monkeypatch):
     """The GEMMs on the grid path's layout (threshold lowered so a small problem takes it)."""
     from kestrel.kernels.triton_ops import fused_moe as fm
@@ -168,8 +187,8 @@ def test_fused_moe_biases_and_swigluoai_match_the_reference_kernel(t, k):
     assert rel_err(out.cpu(), expect) < FP32_TOL
     plain = fused_moe(*dev[:5], activation="swigluoai")
     assert rel_err(plain.cpu(), expect) > 10 * FP32_TOL
-    with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
-        fused_moe(*dev[:5], activation="gelu")
+    with pytest.raises(ValueError, match="activation 'relu2' is not one of"):
+        fused_moe(*dev[:5], activation="relu2")
 
 
 @pytest.mark.parametrize("k", [6, 8])

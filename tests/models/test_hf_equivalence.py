@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.worker.memory_profile import dummy_prefill_batch
-from tests.agreement import MIXED_PROMPTS
+from tests.agreement import MIXED_PROMPTS, assert_embedding_contract
 
 PROMPTS = MIXED_PROMPTS
 NUM_TOKENS = 32
@@ -44,17 +43,5 @@ def test_greedy_and_logprobs_match_transformers(tiny_models, kind):
 
 def test_embedding_contract(tiny_models):
     """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)) for every model family."""
-    from kestrel.config import EngineConfig
-    from kestrel.engine.core import EngineCore
-
     for kind in ["llama", "qwen2", "qwen3", "gemma", "gemma3", "deepseek_v2_lite", "deepseek_v3"]:
-        core = EngineCore(EngineConfig.create(model=str(tiny_models[kind]), num_kv_blocks=8), progress=False)
-        model, runner = core.executor.runner.model, core.executor.runner
-        ids = torch.tensor([3, 9, 27, 81])
-
-        def run(**kw):
-            _, positions, ctx = dummy_prefill_batch(runner, 4)  # a fresh cache and one 4-token sequence
-            with torch.inference_mode():
-                return model(ids, positions, ctx, **kw)
-
-        torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
+        assert_embedding_contract(tiny_models[kind])

@@ -11,7 +11,6 @@ from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.platform.testing import requires_triton_interpreter
 from kestrel.worker.addons.images import ImageEncoderCache
-from kestrel.worker.memory_profile import dummy_prefill_batch
 from tests.mm_tiny import make_image, sample_images
 
 NUM_TOKENS = 24
@@ -148,18 +147,9 @@ def test_paligemma_prefix_attention_is_bidirectional(tiny_mm_models, images, ref
 @pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
 def test_embedding_contract(tiny_mm_models, kind):
     """forward(input_ids) == forward(inputs_embeds=embed_input_ids(input_ids)), as for every text model."""
-    from kestrel.config import EngineConfig
-    from kestrel.engine.core import EngineCore
+    from tests.agreement import assert_embedding_contract
 
-    core = EngineCore(EngineConfig.create(model=str(tiny_mm_models[kind]), num_kv_blocks=8), progress=False)
-    model, runner = core.executor.runner.model, core.executor.runner
-    ids = torch.tensor([3, 9, 27, 81])
-
-    def run(**kw):
-        _, positions, ctx = dummy_prefill_batch(runner, 4)
-        with torch.inference_mode():
-            return model(ids, positions, ctx, **kw)
-    torch.testing.assert_close(run(), run(inputs_embeds=model.embed_input_ids(ids)), rtol=0, atol=0)
+    assert_embedding_contract(tiny_mm_models[kind])
 
 
 @pytest.mark.parametrize("kind", ["paligemma", "llava_next"])

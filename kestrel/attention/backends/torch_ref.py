@@ -14,6 +14,11 @@ class TorchRefImpl(AttentionImpl):
         k_cache, v_cache = kv_cache
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         reshape_and_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         n = meta.num_tokens
         out = torch.zeros_like(q)
         paged_attention_ref(q[:n], k_cache, v_cache, meta.block_tables,

@@ -23,7 +23,7 @@ class TritonImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self._attend(q, kv_cache, meta)
+        return self.attend(q, kv_cache, meta)
 
     def forward_qkv(self, qkv, positions, cos_sin_cache, q_norm, k_norm, kv_cache, meta: AttentionMetadata):
         """From the fused qkv projection: q/k RMSNorm (if given), rotary and the cache write in one kernel."""
@@ -33,9 +33,9 @@ class TritonImpl(AttentionImpl):
                                q_norm.weight if q_norm is not None else None,
                                k_norm.weight if k_norm is not None else None,
                                q_norm.eps if q_norm is not None else 1e-6, self.k_scale, self.v_scale)
-        return self._attend(q, kv_cache, meta)
+        return self.attend(q, kv_cache, meta)
 
-    def _attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         options = {"sliding_window": self.sliding_window, "softcap": self.logits_soft_cap,

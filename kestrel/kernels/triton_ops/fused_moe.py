@@ -1,10 +1,12 @@
 """Fused mixture-of-experts in Triton: two grouped-GEMM launches over tokens sorted and padded by expert.
 
-    gate_up: act[s]  = silu(x[s // k] @ w13[e, :I]^T) * (x[s // k] @ w13[e, I:]^T)     (SiLU-and-mul in the epilogue)
+    gate_up: act[s]  = f(x[s // k] @ w13[e, :I]^T) * (x[s // k] @ w13[e, I:]^T)        (f-and-mul in the epilogue)
     down:    y[s]    = topk_weight[s] * (act[s] @ w2[e]^T)                            (routing weight in the epilogue)
     out[t]  = sum_j y[t * k + j]
 
 s indexes (token, slot) pairs: s = t * k + j, k = the slots per token (routed top-k plus fused shared experts).
+f is the experts' activation, the constexpr ACT looked up by name in EPILOGUES (SiLU; gpt-oss's clamped SwiGLU,
+where "f(gate) * up" is its own formula below; GELU-tanh: Gemma 4).
 
 Epilogue options (gpt-oss): expert biases (b13 [E, 2I] added to gate and up before the activation, b2 [E, H] to
 each expert's output before its routing weight) and the activation (constexpr ACT: 0 SiLU-and-mul, 1 the clamped
@@ -37,7 +39,9 @@ import triton.language as tl
 
 from kestrel.kernels.triton_ops.fp8_block import per_token_group_quant_fp8
 
-ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # the gate_up epilogue's ACT constexpr
+# the gate_up epilogue's ACT constexpr by the MoE spec's activation name (kestrel/kernels/moe.py MOE_ACTIVATIONS)
+EPILOGUES = {"silu": 0, "swigluoai": 1, "gelu": 2}
+_GELU_TANH = tl.constexpr(1.5957691216057308)  # 2 sqrt(2/pi): gelu_tanh(x) = x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))
 
 CONFIG_FILE = Path(__file__).resolve().parent.parent / "configs" / "fused_moe.json"
 # Upper bounds of the batch buckets (tokens per forward); one config, i.e. one compiled variant, per bucket.
@@ -51,7 +55,7 @@ def _moe_grouped_gemm_kernel(
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
     stride_asm, stride_bse, stride_bsn, stride_bsk, stride_biase,
     A_ROW_DIV: tl.constexpr,  # k for gate_up (a row per token), 1 for down (a row per (token, slot))
-    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return silu(gate) * up
+    GATED: tl.constexpr,  # B holds [gate; up] (2N rows): return f(gate) * up (ACT)
     MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -104,6 +108,8 @@ def _moe_grouped_gemm_kernel(
             gate = tl.minimum(acc, 7.0)
             up = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
             acc = gate * tl.sigmoid(gate * 1.702) * (up + 1.0)
+        elif ACT == 2:  # GELU-tanh, tanh through the sigmoid: 1 + tanh(z) = 2 sigmoid(2z)
+            acc = acc * tl.sigmoid(_GELU_TANH * (acc + 0.044715 * acc * acc * acc)) * acc_up
         else:
             acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
@@ -342,10 +348,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               activation: str = "silu") -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's dtype.
     FP8: w13/w2 float8_e4m3fn with block scales [E, ceil(rows / bn), ceil(cols / bk)], block_shape (bn, bk).
-    w13_bias [E, 2I] / w2_bias [E, H] (rows contiguous) and `activation` (ACTIVATIONS): see the module docstring."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    act_id = ACTIVATIONS[activation]
+    w13_bias [E, 2I] / w2_bias [E, H] (rows contiguous) and `activation` (EPILOGUES): see the module docstring."""
+    if activation not in EPILOGUES:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(EPILOGUES)}")
+    act_id = EPILOGUES[activation]
     t, h = x.shape
     e, two_i, _ = w13.shape
     inter = two_i // 2

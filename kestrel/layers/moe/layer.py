@@ -131,9 +131,12 @@ class SparseMoeBlock(nn.Module):
     def shared_mlp(self) -> SharedMLP | None:
         return self._modules.get(self.shared_name)  # (Hunyuan's checkpoint name is this property's own)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """`router_input`: what the router sees where it is not the experts' input (Gemma 4: the residual stream,
+        the experts its normed form)."""
         gate_logit = self.shared_expert_gate(x) if self.shared_expert_gate is not None else None
-        weights, ids = self.gate(x, self.fse.slots if self.fse.fused else 0, gate_logit)
+        route = x if router_input is None else router_input
+        weights, ids = self.gate(route, self.fse.slots if self.fse.fused else 0, gate_logit)
         xe = x
         if self.weights_on_input:
             xe, weights = (x * weights.to(x.dtype)), torch.ones_like(weights)

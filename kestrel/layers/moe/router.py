@@ -12,6 +12,8 @@
   the unbiased softmax scores.
 * a logit bias (gpt-oss: the router is a linear layer with a bias, `gate.bias`): added to the logits before any
   scoring; with softmax and renormalize it is gpt-oss's softmax over the top-k logits.
+* Gemma 4: the router sees RMSNorm(x) (unweighted) * `scale` * hidden^-1/2 (`input_norm`), and each chosen
+  expert's weight is multiplied by its `per_expert_scale` after the renormalization.
 Torch ops only: the ids are valid expert indices whatever the input (see fused_moe.py on pre-compilation).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.layers.fused import fused_ops_for
+from kestrel.layers.norm import L2Norm
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # e_score_correction_bias: steers the choice only
     logit_bias: bool = False  # a bias of the router's linear layer: part of the logits
+    input_norm: bool = False  # Gemma 4: logits of RMSNorm(x) * scale * hidden^-1/2
+    per_expert_scale: bool = False  # Gemma 4: a learned factor per expert on its routing weight
+    eps: float = 1e-6  # input_norm's
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -86,7 +92,8 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor |
 
 class Router(nn.Module):
     """The `gate` of an MoE block: `weight` [E, H] (fp32 for sigmoid routers, as their references compute) and,
-    for DeepSeek-V3-style routers, `e_score_correction_bias` [E]; with a logit bias, `bias` [E]."""
+    for DeepSeek-V3-style routers, `e_score_correction_bias` [E]; with a logit bias, `bias` [E]; Gemma 4's `scale`
+    [H] and `per_expert_scale` [E]."""
 
     def __init__(self, hidden_size: int, cfg: RouterConfig, dtype: torch.dtype):
         super().__init__()
@@ -99,12 +106,26 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         else:
             self.e_score_correction_bias = None
+        self.input_norm = L2Norm(eps=cfg.eps) if cfg.input_norm else None
+        if cfg.input_norm:
+            self.scale = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        if cfg.per_expert_scale:
+            self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, shared_slots: int = 0,
                 shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights fp32 [T, k + shared_slots], ids [T, k + shared_slots]). The last `shared_slots`
         columns select the fused shared experts (ids E, E + 1, ...), weighted 1 or sigmoid(shared_gate [T, 1])."""
+        if self.input_norm is not None:
+            x = self.input_norm(x) * self.scale * x.shape[-1] ** -0.5
         logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        weights, ids = self._route(x, logits, shared_slots, shared_gate)
+        if self.cfg.per_expert_scale:  # the routed columns (any fused shared slots follow them)
+            k = self.cfg.top_k
+            weights = torch.cat([weights[:, :k] * self.per_expert_scale.float()[ids[:, :k]], weights[:, k:]], 1)
+        return weights, ids
+
+    def _route(self, x, logits, shared_slots, shared_gate):
         cfg = self.cfg
         ops = fused_ops_for(logits)
         if ops is not None and cfg.scoring == "softmax" and cfg.num_groups == 1 and not cfg.correction_bias:
