@@ -132,7 +132,7 @@ class CacheConfig:
     kv_offloading_size: float | None = _f(None, "GiB of host memory (pinned on CUDA) for a KV tier behind the prefix "
                                                 "cache: full prefix blocks the device evicts are copied there and "
                                                 "copied back on a later hit (summed over tensor-parallel ranks); "
-                                                "full-attention layers only")
+                                                "every cache kind the prefix cache covers")
     kv_offloading_backend: str = _f("native", "the host KV tier's implementation (native: Kestrel's own)",
                                     choices=["native"])
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "

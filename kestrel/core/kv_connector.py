@@ -15,14 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# A tier stores units of device memory, each transfer naming its unit: ROWS, a block id's row in every paged
+# cache slot tensor (what every paged kind's block is: full attention, sliding window, MLA latents with their
+# indexer keys), or a state group's id, one snapshot slot of that group's layers' state tensors (recurrent-state
+# snapshots). A cache kind's manager declares its unit (KVManager.tier_unit).
+ROWS = -1
+
+
 @dataclass
 class KVConnectorMeta:
-    """One step's transfers, (device block id, tier slot) each. The runner makes the saves first (device -> tier:
-    blocks the device pool evicted this step, still intact since no forward ran since), then the loads (tier ->
-    device: blocks of this step's prefix hits), all before the forward reads them. The scheduler side never hands
-    a save into a slot that a load of the same step reads (it pins the slots it loads from)."""
-    saves: list[tuple[int, int]] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)
+    """One step's transfers, (unit, device index, tier slot) each. The runner makes the saves first (device ->
+    tier: blocks the device pool evicted this step, still intact since no forward ran since), then the loads (tier
+    -> device: blocks of this step's prefix hits), all before the forward reads them. The scheduler side never
+    hands a save into a slot that a load of the same step reads (it pins the slots it loads from)."""
+    saves: list[tuple[int, int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.saves or self.loads)
@@ -43,14 +50,15 @@ class KVConnector:
         """Whether the tier holds the block `key` (the coordinator asks block by block, every group)."""
         raise NotImplementedError
 
-    def update_state_after_alloc(self, keys: list[tuple[int, bytes]], block_ids: list[int] | None = None) -> None:
-        """A request's allocation takes the tier's blocks `keys`: first called without block ids, before the
-        device blocks are allocated (the tier pins what it will load: the allocation's evictions must not
-        overwrite it), then with the device blocks they load into."""
+    def update_state_after_alloc(self, keys: list[tuple[int, bytes]], targets: list[int] | None = None) -> None:
+        """A request's allocation takes the tier's blocks `keys`: first called without targets, before the
+        device memory is allocated (the tier pins what it will load: the allocation's evictions must not
+        overwrite it), then with the device indices (block ids, or snapshot slots) they load into."""
         raise NotImplementedError
 
-    def on_evict(self, key: tuple[int, bytes], block_id: int) -> None:
-        """The device pool reallocates block `block_id`, which held the full prefix block `key`."""
+    def on_evict(self, key: tuple[int, bytes], index: int) -> None:
+        """The device reallocates `index` (a block id, or a state snapshot slot), which held the prefix entry
+        `key` (group id, block hash)."""
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
         """The transfers since the last call (None: nothing to do), for the next step."""

@@ -63,6 +63,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     host_kv_slots: int = 0
     host_kv_saved_blocks: int = 0
     host_kv_loaded_blocks: int = 0
+    host_kv_saved_bytes: int = 0
+    host_kv_loaded_bytes: int = 0
     # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
     # excluded) and tokens sampled
     step_prompt_tokens: int = 0

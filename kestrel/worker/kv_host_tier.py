@@ -1,14 +1,16 @@
-"""The host-memory KV tier's worker side (--kv-offloading-size): one host tensor per KV-cache slot tensor
-(kestrel/worker/kv_allocation.py), [num_host_slots, row_bytes] uint8, pinned where the cache is on CUDA, and the
-copies of whole block rows between them. A block id is one row of every slot tensor, so a block's copy is its row
-in each: the same for every full-attention group, whatever the group. The scheduler side (which key sits in which
-slot, the LRU, the byte bound) is kestrel/engine/kv/host_tier.py; both size the tier with `host_tier_slots`."""
+"""The host-memory KV tier's worker side (--kv-offloading-size): host copies of the device's units
+(kestrel/core/kv_connector.py): ROWS, a block id's row in every paged cache slot tensor (kestrel/worker/
+kv_allocation.py; the same for every paged kind and group), and per state group with snapshots, one snapshot
+slot of each of its layers' state tensors. Per unit, one host tensor per device tensor, [host slots, row bytes]
+uint8, pinned where the cache is on CUDA, and the copies between them. The scheduler side (which key sits in
+which slot, the LRU, the byte bound) is kestrel/engine/kv/host_tier.py; both size the tier with `tier_units`."""
 from __future__ import annotations
 
 import torch
 
-from kestrel.core.kv_connector import KVConnectorMeta, KVConnectorWorker
-from kestrel.worker.kv_allocation import bytes_per_block
+from kestrel.core.kv_connector import ROWS, KVConnectorMeta, KVConnectorWorker
+from kestrel.core.kv_spec import KVCacheGroup
+from kestrel.worker.kv_allocation import bytes_per_block, slot_row_bytes
 
 GiB = 2**30
 
@@ -18,32 +20,79 @@ def host_tier_bytes(size_gib: float, tp_size: int = 1) -> int:
     return int(size_gib * GiB) // max(1, tp_size)
 
 
-def host_tier_slots(size_gib: float, groups, tp_size: int = 1) -> int:
-    """Host blocks the byte bound buys: a host block costs what a device block id costs (a row of every slot)."""
-    return host_tier_bytes(size_gib, tp_size) // bytes_per_block(groups)
+def unit_entry_bytes(groups: list[KVCacheGroup], num_blocks: int) -> dict[int, tuple[int, int]]:
+    """unit -> (bytes of one entry, bytes the device keeps of the unit): ROWS where a kind is paged, and each
+    state group that keeps snapshots (its layers' states in one snapshot slot)."""
+    units = {}
+    if any(g.spec.page_bytes for g in groups):
+        units[ROWS] = (bytes_per_block(groups), num_blocks * bytes_per_block(groups))
+    for g in groups:
+        if g.spec.state_bytes and g.spec.num_snapshot_slots:
+            entry = len(g.layer_names) * g.spec.state_bytes
+            units[g.group_id] = (entry, g.spec.num_snapshot_slots * entry)
+    return units
+
+
+def tier_units(groups: list[KVCacheGroup], num_blocks: int, num_bytes: int) -> dict[int, tuple[int, int]]:
+    """unit -> (host bytes, bytes of one entry): the byte bound shared among the units as the device shares its
+    KV memory among them, so the tier mirrors the device's mix (both sides compute it from the same inputs)."""
+    units = unit_entry_bytes(groups, num_blocks)
+    total = sum(dev for _, dev in units.values())
+    return {u: (num_bytes * dev // total, entry) for u, (entry, dev) in units.items()}
+
+
+def unit_tensors(groups: list[KVCacheGroup], kv_caches: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """unit -> the device tensors one entry spans (allocate_kv_cache's list: the slots, then each stateful
+    layer's state slots in group order)."""
+    num_slots = len(slot_row_bytes(groups))
+    units = {ROWS: kv_caches[:num_slots]}
+    states = iter(kv_caches[num_slots:])
+    for g in groups:
+        if g.spec.state_bytes:
+            tensors = [next(states) for _ in g.layer_names]
+            if g.spec.num_snapshot_slots:
+                units[g.group_id] = tensors
+    return units
 
 
 class HostTierWorker(KVConnectorWorker):
-    def __init__(self, kv_caches: list[torch.Tensor], num_slots: int):
-        self.kv_caches = kv_caches
-        pin = bool(kv_caches) and kv_caches[0].is_cuda
-        self.host = [torch.zeros((num_slots, t.shape[1]), dtype=t.dtype, pin_memory=pin) for t in kv_caches]
+    """`units`: unit -> its device tensors (unit_tensors); `slots`: unit -> host slots."""
+
+    def __init__(self, units: dict[int, list[torch.Tensor]], slots: dict[int, int]):
+        self.units = units
+        pin = any(t.is_cuda for ts in units.values() for t in ts)
+        self.host = {u: [torch.zeros((slots.get(u, 0), t.shape[1]), dtype=t.dtype, pin_memory=pin) for t in ts]
+                     for u, ts in units.items()}
 
     def start_load_kv(self, meta: KVConnectorMeta) -> None:
         """Synchronous copies, saves then loads (a load may write a block whose old contents a save of the same
         step reads). On CUDA these run on the current stream, in order with the forwards; the next step is an
         async copy on a side stream with an event the forward waits on (and, for saves, the block held back
         from reallocation until its copy is done), so that a step's transfers overlap the previous forward."""
-        if meta.saves:
-            blocks, slots = self._ids(meta.saves)
-            for dev, host in zip(self.kv_caches, self.host):
-                host[slots] = dev[blocks.to(dev.device)].to("cpu")
-        if meta.loads:
-            blocks, slots = self._ids(meta.loads)
-            for dev, host in zip(self.kv_caches, self.host):
-                dev[blocks.to(dev.device)] = host[slots].to(dev.device, non_blocking=True)
+        for unit, dev_ids, slots in _by_unit(meta.saves):
+            for dev, host in zip(self.units[unit], self.host[unit]):
+                host[slots] = dev[dev_ids.to(dev.device)].to("cpu")
+        for unit, dev_ids, slots in _by_unit(meta.loads):
+            for dev, host in zip(self.units[unit], self.host[unit]):
+                dev[dev_ids.to(dev.device)] = host[slots].to(dev.device, non_blocking=True)
 
-    @staticmethod
-    def _ids(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks, slots = zip(*pairs)
-        return torch.tensor(blocks, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+
+def _by_unit(transfers: list[tuple[int, int, int]]):
+    """(unit, device indices, tier slots) per unit, in first-seen order."""
+    by: dict[int, tuple[list[int], list[int]]] = {}
+    for unit, dev, slot in transfers:
+        d, s = by.setdefault(unit, ([], []))
+        d.append(dev)
+        s.append(slot)
+    for unit, (d, s) in by.items():
+        yield unit, torch.tensor(d, dtype=torch.int64), torch.tensor(s, dtype=torch.int64)
+
+
+def build_connector_worker(config, groups: list[KVCacheGroup], kv_caches: list[torch.Tensor],
+                           num_blocks: int) -> KVConnectorWorker | None:
+    """The KV tier's worker side for this config (None: no tier), over the KV cache just allocated."""
+    size = config.cache.kv_offloading_size
+    if not size:
+        return None
+    units = tier_units(groups, num_blocks, host_tier_bytes(size, config.parallel.tensor_parallel_size))
+    return HostTierWorker(unit_tensors(groups, kv_caches), {u: b // e for u, (b, e) in units.items()})

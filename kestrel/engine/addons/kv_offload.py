@@ -1,17 +1,17 @@
 """The host-memory KV tier (--kv-offloading-size GiB, --kv-offloading-backend native), an engine add-on: it puts
 the host tier's connector (kestrel/engine/kv/host_tier.py, the interface in kestrel/core/kv_connector.py) behind
 the KV coordinator's prefix cache; the runner holds the memory and makes the copies (kestrel/worker/
-kv_host_tier.py). Full-attention groups only for now: a model with other cache kinds is refused, naming them."""
+kv_host_tier.py). Every cache kind the prefix cache covers goes through it: each manager declares its unit
+(KVManager.tier_unit: a paged block's rows, or a state group's snapshot) and the byte bound is shared among the
+units as the device shares its KV memory (kestrel/worker/kv_host_tier.py tier_units)."""
 from __future__ import annotations
 
 import logging
 
 from kestrel.core.engine_addon import EngineAddon
-from kestrel.core.kv_spec import FullAttentionSpec
 from kestrel.engine.kv.host_tier import HostTierConnector
 from kestrel.errors import ConfigError
-from kestrel.worker.kv_allocation import bytes_per_block
-from kestrel.worker.kv_host_tier import host_tier_bytes
+from kestrel.worker.kv_host_tier import host_tier_bytes, tier_units
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +42,17 @@ class KVOffload(EngineAddon):
         size = core.config.cache.kv_offloading_size
         if size is None:
             return None
-        groups = core.executor.kv_cache_groups
-        others = sorted({type(g.spec).__name__ for g in groups if type(g.spec) is not FullAttentionSpec})
-        if others:
-            raise ConfigError(f"--kv-offloading-size covers full-attention layers only; this model's KV cache also "
-                              f"has {', '.join(others)} layers (not supported by the host KV tier yet)")
         if not core.kv.enable_prefix_caching:
             raise ConfigError("--kv-offloading-size needs prefix caching, which is off for this model")
-        block_bytes = bytes_per_block(groups)
-        connector = HostTierConnector(host_tier_bytes(size, core.config.parallel.tensor_parallel_size), block_bytes)
-        if connector.pool.num_slots == 0:
-            raise ConfigError(f"--kv-offloading-size {size} GiB holds no KV block of {block_bytes} bytes")
-        core.kv.set_connector(connector)
-        logger.info("Host KV tier: %d blocks (%.2f GiB) behind the prefix cache", connector.pool.num_slots,
-                    connector.pool.num_bytes / 2**30)
+        groups, kv = core.executor.kv_cache_groups, core.kv
+        units = tier_units(groups, len(kv.pool.blocks), host_tier_bytes(size, core.config.parallel.tensor_parallel_size))
+        connector = HostTierConnector(units, [m.tier_unit for m in kv.managers])
+        empty = [f"{e} bytes" for u, (_, e) in units.items() if not connector.pools[u].num_slots]
+        if empty:
+            raise ConfigError(f"--kv-offloading-size {size} GiB holds no KV-cache entry of {', '.join(empty)}")
+        kv.set_connector(connector)
+        logger.info("Host KV tier: %d entries (%.2f GiB) behind the prefix cache", connector.num_slots,
+                    connector.num_bytes / 2**30)
         return cls(connector)
 
     def stats(self, stats) -> None:

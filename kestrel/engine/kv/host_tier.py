@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kestrel.core.kv_connector import KVConnector, KVConnectorMeta
+from kestrel.core.kv_connector import ROWS, KVConnector, KVConnectorMeta
 
 
 class HostBlockPool:
@@ -70,43 +70,87 @@ class HostBlockPool:
 
 
 class HostTierConnector(KVConnector):
-    def __init__(self, num_bytes: int, block_bytes: int):
-        self.pool = HostBlockPool(num_bytes, block_bytes)
+    """`units`: unit (kestrel/core/kv_connector.py ROWS, or a state group's id) -> (bytes of this rank's host
+    memory for it, bytes of one entry); `unit_of`: each KV-cache group's unit (its manager's `tier_unit`). One
+    LRU pool per unit: a paged block and a state snapshot differ in size."""
+
+    def __init__(self, units: dict[int, tuple[int, int]], unit_of: list[int]):
+        self.pools = {u: HostBlockPool(num_bytes, entry_bytes) for u, (num_bytes, entry_bytes) in units.items()}
+        self.unit_of = unit_of
         self.meta = KVConnectorMeta()
-        self._loading: list[int] = []  # slots claimed by the allocation under way, awaiting their device blocks
+        self._loading: list[tuple[int, int]] = []  # (unit, slot) claimed by the allocation under way
         self.saved_blocks = self.loaded_blocks = 0  # counters (statistics)
+        self.saved_bytes = self.loaded_bytes = 0
+
+    @classmethod
+    def single(cls, num_bytes: int, block_bytes: int) -> "HostTierConnector":
+        """One unit of block rows for every group (tests)."""
+        return cls({ROWS: (num_bytes, block_bytes)}, _AllRows())
+
+    def _pool(self, key) -> tuple[int, HostBlockPool]:
+        unit = self.unit_of[key[0]]
+        return unit, self.pools[unit]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(p.num_slots for p in self.pools.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.pools.values())
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.pools.values())
 
     def contains(self, key) -> bool:
-        return key in self.pool
+        return key in self._pool(key)[1]
 
-    def update_state_after_alloc(self, keys, block_ids=None) -> None:
-        if block_ids is None:
-            self._loading = [self.pool.get(k) for k in keys]
-            self.pool.pinned.update(self._loading)
+    def update_state_after_alloc(self, keys, targets=None) -> None:
+        if targets is None:
+            self._loading = []
+            for k in keys:
+                unit, pool = self._pool(k)
+                slot = pool.get(k)
+                pool.pinned.add(slot)
+                self._loading.append((unit, slot))
             return
-        assert len(block_ids) == len(self._loading)
-        self.meta.loads += zip(block_ids, self._loading)
-        self.loaded_blocks += len(block_ids)
+        assert len(targets) == len(self._loading)
+        for (unit, slot), index in zip(self._loading, targets):
+            self.meta.loads.append((unit, index, slot))
+            self.loaded_bytes += self.pools[unit].block_bytes
+        self.loaded_blocks += len(targets)
         self._loading = []
 
-    def on_evict(self, key, block_id: int) -> None:
-        if key in self.pool:
-            self.pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
+    def on_evict(self, key, index: int) -> None:
+        unit, pool = self._pool(key)
+        if key in pool:
+            pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
             return
-        slot = self.pool.put(key)
+        slot = pool.put(key)
         if slot is not None:
-            self.meta.saves.append((block_id, slot))
+            self.meta.saves.append((unit, index, slot))
             self.saved_blocks += 1
+            self.saved_bytes += pool.block_bytes
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
         meta, self.meta = self.meta, KVConnectorMeta()
-        self.pool.pinned.clear()
+        for pool in self.pools.values():
+            pool.pinned.clear()
         return meta or None
 
     def reset(self) -> None:
         """Transfers already handed out stay valid (their slots are simply forgotten)."""
-        self.pool.clear()
+        for pool in self.pools.values():
+            pool.clear()
 
     def stats(self) -> dict:
-        return {"host_kv_blocks": len(self.pool), "host_kv_slots": self.pool.num_slots,
-                "host_kv_saved_blocks": self.saved_blocks, "host_kv_loaded_blocks": self.loaded_blocks}
+        return {"host_kv_blocks": len(self), "host_kv_slots": self.num_slots,
+                "host_kv_saved_blocks": self.saved_blocks, "host_kv_loaded_blocks": self.loaded_blocks,
+                "host_kv_saved_bytes": self.saved_bytes, "host_kv_loaded_bytes": self.loaded_bytes}
+
+
+class _AllRows:
+    """unit_of for a connector whose every group is paged."""
+
+    def __getitem__(self, group: int) -> int:
+        return ROWS

@@ -30,6 +30,15 @@ class KVBlock:
     block_hash: tuple[int, bytes] | None = None  # (group id, hash) while registered in the prefix cache
 
 
+class TierHit(KVBlock):
+    """A prefix-hit entry that a KV tier behind the prefix cache holds, not the device: the allocation gives it
+    device memory (a block, or a snapshot slot) to load into."""
+
+    def __init__(self, key: tuple[int, bytes]):
+        super().__init__(-1)
+        self.key = key
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, reserve_null: bool = False):
         if num_blocks < 1 + reserve_null:
