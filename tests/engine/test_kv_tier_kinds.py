@@ -133,35 +133,31 @@ def a_twice(llm):
     return first, llm.generate([A], GREEDY)[0]
 
 
-@pytest.fixture(scope="module")
-def mla_model(tmp_path_factory, tiny_tokenizer):
-    return make_checkpoint("deepseek_v2", tmp_path_factory.mktemp("tier_mla"), tokenizer=tiny_tokenizer)
+# name -> (tiny checkpoint, engine arguments: a device pool that three other prompts evict A from)
+ENGINES = {"mla": ("deepseek_v2", dict(num_kv_blocks=8)),  # MLA latents
+           "dsa": ("deepseek_v32", dict(num_kv_blocks=8)),  # latents + indexer keys in one page
+           "window": ("gemma3", dict(num_kv_blocks=40)),  # 5 sliding-window groups and 1 full-attention group
+           "kimi": ("kimi_linear", dict(num_kv_blocks=8, num_state_snapshots=1))}  # MLA + KDA state snapshots
 
 
-@pytest.fixture(scope="module")
-def kimi_model(tmp_path_factory, tiny_tokenizer):
-    return make_checkpoint("kimi_linear", tmp_path_factory.mktemp("tier_kimi"), tokenizer=tiny_tokenizer)
-
-
-ENGINES = {"mla": dict(num_kv_blocks=8), "kimi": dict(num_kv_blocks=8, num_state_snapshots=1)}
-
-
-@pytest.mark.parametrize("name", ["mla", "kimi"])
-def test_an_evicted_prefix_comes_back_from_the_host_tier(name, mla_model, kimi_model):
-    path = {"mla": mla_model, "kimi": kimi_model}[name]
-    kw = dict(progress=False, max_model_len=128, **ENGINES[name])
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_an_evicted_prefix_comes_back_from_the_host_tier(name, tmp_path, tiny_tokenizer):
+    kind, engine_kw = ENGINES[name]
+    path = make_checkpoint(kind, tmp_path, tokenizer=tiny_tokenizer)
+    kw = dict(progress=False, max_model_len=128, **engine_kw)
     plain = LLM(str(path), **kw)
     first, second = a_twice(plain)
     assert second.num_cached_tokens == 0
     llm = LLM(str(path), kv_offloading_size=0.001, **kw)
     tier = llm.engine.core.kv_offload.connector
     units = {u for u, p in tier.pools.items() if p.num_slots}
-    assert units == ({ROWS} if name == "mla" else {ROWS, next(m.group_id for m in llm.engine.core.kv.managers
-                                                               if m.tier_unit != ROWS)})
+    state_groups = {m.group_id for m in llm.engine.core.kv.managers if m.tier_unit != ROWS}
+    assert units == {ROWS} | state_groups and bool(state_groups) == (name == "kimi")
     t1, t2 = a_twice(llm)
     assert t1.num_cached_tokens == 0 and t2.num_cached_tokens == 32  # all of A's full blocks
     assert t1.outputs[0].token_ids == t2.outputs[0].token_ids == first.outputs[0].token_ids
-    assert tier.loaded_blocks == (2 if name == "mla" else 3)  # + the snapshot after block 2
+    # A's 2 full blocks; a window of 8 tokens needs only the block before the hit point; Kimi: + the snapshot
+    assert tier.loaded_blocks == {"mla": 2, "dsa": 2, "window": 2 + 5 * 1, "kimi": 2 + 1}[name]
     stats = llm.engine.core.get_stats()
     assert stats["host_kv_loaded_bytes"] == tier.loaded_bytes > 0 and stats["host_kv_saved_bytes"] > 0
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
