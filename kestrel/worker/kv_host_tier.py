@@ -6,11 +6,17 @@ uint8, pinned where the cache is on CUDA, and the copies between them. The sched
 which slot, the LRU, the byte bound) is kestrel/engine/kv/host_tier.py; both size the tier with `tier_units`."""
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
-from kestrel.core.kv_connector import ROWS, KVConnectorMeta, KVConnectorWorker
+from kestrel.core.kv_connector import ROWS, KVConnectorMeta, KVConnectorWorker, KVTransferFailures
 from kestrel.core.kv_spec import KVCacheGroup
 from kestrel.worker.kv_allocation import bytes_per_block, slot_row_bytes
+from kestrel.worker.kv_disk_tier import DiskTierWorker, tier_directory
+
+logger = logging.getLogger(__name__)
 
 GiB = 2**30
 
@@ -56,25 +62,68 @@ def unit_tensors(groups: list[KVCacheGroup], kv_caches: list[torch.Tensor]) -> d
 
 
 class HostTierWorker(KVConnectorWorker):
-    """`units`: unit -> its device tensors (unit_tensors); `slots`: unit -> host slots."""
+    """`units`: unit -> its device tensors (unit_tensors); `slots`: unit -> host slots; `lower`: a file tier
+    under this one (kestrel/worker/kv_disk_tier.py), which writes host slots and reads into the device."""
 
-    def __init__(self, units: dict[int, list[torch.Tensor]], slots: dict[int, int]):
+    def __init__(self, units: dict[int, list[torch.Tensor]], slots: dict[int, int], lower=None):
         self.units = units
+        self.lower = lower
         pin = any(t.is_cuda for ts in units.values() for t in ts)
         self.host = {u: [torch.zeros((slots.get(u, 0), t.shape[1]), dtype=t.dtype, pin_memory=pin) for t in ts]
                      for u, ts in units.items()}
 
-    def start_load_kv(self, meta: KVConnectorMeta) -> None:
+    def start_load_kv(self, meta: KVConnectorMeta) -> KVTransferFailures | None:
         """Synchronous copies, saves then loads (a load may write a block whose old contents a save of the same
-        step reads). On CUDA these run on the current stream, in order with the forwards; the next step is an
-        async copy on a side stream with an event the forward waits on (and, for saves, the block held back
-        from reallocation until its copy is done), so that a step's transfers overlap the previous forward."""
+        step reads); then the file tier's writes (of host slots just saved), reads and removals. On CUDA these
+        run on the current stream, in order with the forwards; the next step is an async copy on a side stream
+        with an event the forward waits on (and, for saves, the block held back from reallocation until its copy
+        is done), so that a step's transfers overlap the previous forward. A failed copy is reported, never
+        raised: its entries are dropped and its readers computed again."""
+        failures = KVTransferFailures()
         for unit, dev_ids, slots in _by_unit(meta.saves):
-            for dev, host in zip(self.units[unit], self.host[unit]):
-                host[slots] = dev[dev_ids.to(dev.device)].to("cpu")
+            if not self._copy("save", self.host[unit], slots, self.units[unit], dev_ids):
+                failures.saves += [(unit, s) for s in slots.tolist()]
         for unit, dev_ids, slots in _by_unit(meta.loads):
-            for dev, host in zip(self.units[unit], self.host[unit]):
-                dev[dev_ids.to(dev.device)] = host[slots].to(dev.device, non_blocking=True)
+            if not self._copy("load", self.units[unit], dev_ids, self.host[unit], slots):
+                failures.loads += [(unit, d) for d in dev_ids.tolist()]
+        if self.lower is not None:
+            self.lower.write(meta.writes, self.host, set(failures.saves))
+            failures.loads += self.lower.read(meta.reads, self.units)
+            self.lower.remove(meta.removes)
+        return failures or None
+
+    @staticmethod
+    def _copy(what: str, dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor],
+              src_ids: torch.Tensor) -> bool:
+        """Rows src_ids of each src tensor into rows dst_ids of its dst tensor; False (logged) where it fails."""
+        try:
+            for d, s in zip(dst, src):
+                d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device, non_blocking=d.is_cuda)
+            return True
+        except (RuntimeError, OSError) as e:
+            logger.warning("KV tier: %d block %ss failed (%s); their entries are dropped", len(dst_ids), what, e)
+            return False
+
+    def wait_for_save(self) -> None:
+        if self.lower is not None:
+            self.lower.wait()
+
+
+def readers_of(failures: KVTransferFailures, step, requests: dict, block_rows) -> list[str]:
+    """The requests of `step` that read a failed load: a block id in their table (paged units), or a restore
+    from a failed snapshot slot into their state slot."""
+    rows = {d for u, d in failures.loads if u == ROWS}
+    restored = {(u, d) for u, d in failures.loads if u != ROWS}
+    into = {(g, dst) for g, src, dst in step.state_restores if (g, src) in restored}
+    found = []
+    for c in step.chunks:
+        st = requests[c.request_id]
+        ids, lens = block_rows.ids[st.table_row], block_rows.lens[st.table_row]
+        held = [ids[g, :lens[g]] for g in range(len(lens))]
+        if (rows and any(np.isin(h, list(rows)).any() for h in held)
+                or any(lens[g] and (g, int(held[g][0])) in into for g in range(len(lens)))):
+            found.append(c.request_id)
+    return found
 
 
 def _by_unit(transfers: list[tuple[int, int, int]]):
@@ -95,4 +144,7 @@ def build_connector_worker(config, groups: list[KVCacheGroup], kv_caches: list[t
     if not size:
         return None
     units = tier_units(groups, num_blocks, host_tier_bytes(size, config.parallel.tensor_parallel_size))
-    return HostTierWorker(unit_tensors(groups, kv_caches), {u: b // e for u, (b, e) in units.items()})
+    lower = None
+    if config.cache.kv_offloading_disk_path:
+        lower = DiskTierWorker(tier_directory(config, groups))
+    return HostTierWorker(unit_tensors(groups, kv_caches), {u: b // e for u, (b, e) in units.items()}, lower)

@@ -66,6 +66,8 @@ class KVCacheManager:
             self._planners = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
+        self.tier_queries = 0  # prompt tokens looked up past the device's hit, with a KV tier behind it
+        self.tier_hits = 0  # of them, served from the tier (vLLM's external prefix cache)
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
         self.grown: set[str] = set()
         self.connector = None  # a KV tier behind the prefix cache (set_connector)
@@ -81,6 +83,20 @@ class KVCacheManager:
     def build_connector_meta(self):
         """The KV tier's transfers for the step being scheduled (StepInput.kv_connector_meta), or None."""
         return self.connector.build_connector_meta() if self.connector is not None else None
+
+    def drop_failed_transfers(self, failures) -> None:
+        """A KV tier's transfers failed (kestrel/core/kv_connector.py KVTransferFailures): a failed save is
+        forgotten by its tier; a failed load's device entry leaves the prefix cache and every tier forgets its
+        key, so nobody hits it again (its readers are computed again by the caller)."""
+        for unit, slot in failures.saves:
+            self.connector.on_save_failed(unit, slot)
+        owners = {}
+        for m in self.managers:
+            owners.setdefault(m.tier_unit, m)
+        for unit, index in failures.loads:
+            key = owners[unit].forget(index)
+            if key is not None:
+                self.connector.discard(key)
 
     # ---- capacity
     @property
@@ -166,7 +182,22 @@ class KVCacheManager:
         hits = [m.hit_blocks(hashes, n) for m in self.managers]
         self.prefix_queries += req.num_tokens
         self.prefix_hits += n * self.block_size
+        if self.connector is not None:
+            device = self._device_blocks(hits, n)
+            self.tier_queries += req.num_tokens - device * self.block_size
+            self.tier_hits += (n - device) * self.block_size
         return hits, n * self.block_size
+
+    @staticmethod
+    def _device_blocks(hits: list[list[KVBlock]], n: int) -> int:
+        """Of a hit of n blocks, the leading blocks the device serves (before the first a tier serves); each
+        group's entries end at block n (a state snapshot's one entry stands for block n - 1)."""
+        first = n
+        for h in hits:
+            i = next((i for i, b in enumerate(h) if isinstance(b, TierHit)), None)
+            if i is not None:
+                first = min(first, n - len(h) + i)
+        return first
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None,
                        lookahead: int = 0) -> bool:

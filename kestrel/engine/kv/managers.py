@@ -68,6 +68,11 @@ class KVManager:
             return TierHit(key)
         return found
 
+    def forget(self, index: int) -> tuple[int, bytes] | None:
+        """Take the entry at `index` of this kind's tier unit (a block id) out of the prefix cache: a KV tier's
+        load into it failed. Returns its key."""
+        return self.pool.forget(index)
+
     # ---- admission
     def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         """Most pool blocks one request of `num_tokens` tokens holds at once, computed `max_chunk` at a time."""
@@ -277,6 +282,9 @@ class StateSlotManager(KVManager):
         super().set_tier(tier)
         if self.snapshots is not None:  # a snapshot slot reallocated: the tier saves it (by its state slot)
             self.snapshots.on_evict = lambda key, snap: tier.on_evict(key, self.first_snapshot + snap)
+
+    def forget(self, index: int) -> tuple[int, bytes] | None:
+        return self.snapshots.forget(index - self.first_snapshot)
 
     def _hit(self, h: bytes) -> KVBlock | None:
         """The snapshot saved after block hash `h`: on the device, or in the KV tier where a snapshot slot is

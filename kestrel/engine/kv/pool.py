@@ -104,6 +104,15 @@ class BlockPool:
             block.block_hash = key
             self.cached[key] = block
 
+    def forget(self, block_id: int) -> tuple[int, bytes] | None:
+        """Take block `block_id` out of the prefix cache (its contents are wrong); returns the key it had."""
+        block = self.blocks[block_id]
+        key = block.block_hash
+        if key is not None and self.cached.get(key) is block:
+            del self.cached[key]
+        block.block_hash = None
+        return key
+
     def reset_prefix_cache(self) -> None:
         for b in self.cached.values():
             b.block_hash = None
