@@ -97,8 +97,7 @@ class HostTierWorker(KVConnectorWorker):
               src_ids: torch.Tensor) -> bool:
         """Rows src_ids of each src tensor into rows dst_ids of its dst tensor; False (logged) where it fails."""
         try:
-            for d, s in zip(dst, src):
-                d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device, non_blocking=d.is_cuda)
+            copy_rows(dst, dst_ids, src, src_ids)
             return True
         except (RuntimeError, OSError) as e:
             logger.warning("KV tier: %d block %ss failed (%s); their entries are dropped", len(dst_ids), what, e)
@@ -107,6 +106,11 @@ class HostTierWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         if self.lower is not None:
             self.lower.wait()
+
+
+def copy_rows(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
+    for d, s in zip(dst, src):
+        d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device, non_blocking=d.is_cuda)
 
 
 def readers_of(failures: KVTransferFailures, step, requests: dict, block_rows) -> list[str]:
