@@ -82,6 +82,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_generation_tokens: int = 0
 
     @property
+    def kv_loaded_bytes(self) -> int:
+        """Bytes loaded into the device from every KV tier."""
+        return self.host_kv_loaded_bytes + self.disk_kv_read_bytes
+
+    @property
     def step_tokens(self) -> int:
         return self.step_prompt_tokens + self.step_generation_tokens
 
