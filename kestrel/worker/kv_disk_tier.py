@@ -9,6 +9,7 @@ with one log line and reported as a failed load (its readers are computed again)
 are on disk, the size bound, LRU) is kestrel/engine/kv/disk_tier.py."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -78,6 +79,7 @@ class DiskTierWorker:
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self.thread.start()
+        atexit.register(self.wait)  # a clean exit writes what is queued (the thread is a daemon)
 
     # ---- the step's transfers (HostTierWorker.start_load_kv calls these in order)
     def write(self, writes: list[tuple[int, int, str]], host: dict[int, list[torch.Tensor]], failed: set) -> None:

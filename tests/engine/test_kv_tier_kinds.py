@@ -78,12 +78,17 @@ def test_a_sliding_window_loads_only_the_blocks_under_its_window():
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def state_tier(state_layers: list[str]):
+    """A full-attention group and a KDA state group of 3 working slots and 1 snapshot slot, with a host tier."""
+    state = KDAStateSpec(torch.float16, block_size=4, num_heads=1, head_dim=2, num_slots=3, num_snapshots=1)
+    groups = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=4), ["f"]),
+              KVCacheGroup(1, state, state_layers)]
+    entry = len(state_layers) * state.state_bytes
+    return tiered(groups, 8, {ROWS: (20 * 64, 64), 1: (4 * entry, entry)})
+
+
 def test_state_snapshots_are_saved_and_loaded_as_their_groups_unit():
-    bs = 4
-    state = KDAStateSpec(torch.float16, block_size=bs, num_heads=1, head_dim=2, num_slots=3, num_snapshots=1)
-    groups = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=bs), ["f"]),
-              KVCacheGroup(1, state, ["k0", "k1"])]
-    kv, tier = tiered(groups, 8, {ROWS: (20 * 64, 64), 1: (4 * 48, 48)})
+    kv, tier = state_tier(["k0", "k1"])
     assert [m.tier_unit for m in kv.managers] == [ROWS, 1]
     snapshot_slot = 3  # after the 3 working slots
     a = list(range(100, 109))  # 2 full blocks + 1: the snapshot after block 2
@@ -109,11 +114,7 @@ def test_state_snapshots_are_saved_and_loaded_as_their_groups_unit():
 
 
 def test_a_snapshot_in_the_tier_is_no_hit_without_a_free_snapshot_slot():
-    bs = 4
-    state = KDAStateSpec(torch.float16, block_size=bs, num_heads=1, head_dim=2, num_slots=3, num_snapshots=1)
-    groups = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=bs), ["f"]),
-              KVCacheGroup(1, state, ["k0"])]
-    kv, tier = tiered(groups, 8, {ROWS: (20 * 64, 64), 1: (4 * 24, 24)})
+    kv, tier = state_tier(["k0"])
     a = list(range(100, 109))
     run_prompt(kv, req("a", a))
     run_prompt(kv, req("b", range(200, 229)))
