@@ -104,7 +104,8 @@ class DiskTierWorker:
             offset = 0
             for t in tensors:
                 n = t.shape[1]
-                t[index] = torch.frombuffer(payload, dtype=torch.uint8, offset=offset, count=n).to(t.device)
+                if n:  # a slot no layer of the group pages into is 0 bytes wide
+                    t[index] = torch.frombuffer(payload, dtype=torch.uint8, offset=offset, count=n).to(t.device)
                 offset += n
         return failed
 

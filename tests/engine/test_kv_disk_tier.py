@@ -199,3 +199,19 @@ def test_the_step_metadata_with_file_transfers_crosses_the_worker_boundary():
     meta = KVConnectorMeta(saves=[(ROWS, 1, 0)], writes=[(ROWS, 0, "0-ab.kv")], reads=[(2, 9, "2-cd.kv")],
                            removes=["0-ef.kv"])
     assert step_decoder.decode(encoder.encode(StepInput(kv_connector_meta=meta))).kv_connector_meta == meta
+
+
+def test_state_snapshots_come_back_from_disk_after_a_restart(tmp_path, tiny_tokenizer):
+    """Kimi Linear: MLA latent blocks (ROWS) and a KDA state snapshot (its group's unit) as files."""
+    from tests.tiny import make_checkpoint
+    path = make_checkpoint("kimi_linear", tmp_path / "model", tokenizer=tiny_tokenizer)
+    kw = dict(num_state_snapshots=1)
+    llm = engine(path, tmp_path / "kv", **kw)
+    first = a_and_others(llm)
+    flushed(llm)
+    units = {u for u, _ in llm.engine.core.kv_offload.connector.lower.entry_bytes.items()}
+    assert len(units) == 2 and ROWS in units
+    again = engine(path, tmp_path / "kv", **kw)
+    out = again.generate([A], GREEDY)[0]
+    assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.engine.core.get_stats()["disk_kv_read_blocks"] == 3  # 2 latent blocks + the snapshot
