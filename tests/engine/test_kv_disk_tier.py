@@ -8,13 +8,18 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineConfig
 from kestrel.core.kv_connector import ROWS, KVConnectorMeta
+from kestrel.core.sampling_params import SamplingParams as SP
 from kestrel.engine.addons.kv_offload import KVOffload
+from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.kv.disk_tier import DiskTierConnector
+from kestrel.engine.kv.host_tier import HostTierConnector
 from kestrel.engine.kv.pool import hash_block
+from kestrel.engine.request import Request
 from kestrel.errors import ConfigError
 from kestrel.worker.kv_disk_tier import HEADER, DiskTierWorker, entry_key, entry_name, file_bytes
 
@@ -215,3 +220,69 @@ def test_state_snapshots_come_back_from_disk_after_a_restart(tmp_path, tiny_toke
     out = again.generate([A], GREEDY)[0]
     assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.engine.core.get_stats()["disk_kv_read_blocks"] == 3  # 2 latent blocks + the snapshot
+
+
+# ---- random schedules through both tiers: what a hit reads is what was computed for its hash
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans(), st.integers(0, 4)),
+                min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 8))
+def test_random_schedules_through_host_and_disk_load_what_was_saved(tmp_path_factory, ops, host_blocks, disk_files):
+    """A small device pool, a smaller host tier and a disk tier under it, the transfers applied in the worker's
+    order (saves, writes of the host slots just saved, loads, reads, removals): every block a request holds as a
+    hit contains the block its hash names, and the files never exceed their bound."""
+    bs, entry = 4, 64
+    kv = KVCacheManager(num_blocks=8, block_size=bs)
+    disk = DiskTierConnector(tmp_path_factory.mktemp("disk"), disk_files * file_bytes(entry), {ROWS: entry}, [ROWS])
+    tier = HostTierConnector({ROWS: (host_blocks * entry, entry)}, [ROWS], disk)
+    kv.set_connector(tier)
+    device, host, files = {}, {}, {}  # block id / host slot / file name -> the key whose contents it holds
+    live = []
+    stems = [[100 * s + i for i in range(14)] for s in range(6)]
+
+    def transfer():
+        meta = kv.build_connector_meta()
+        if meta is not None:
+            for _, b, s in meta.saves:
+                host[s] = device.get(b)
+            for _, s, name in meta.writes:
+                files[name] = host.get(s)
+            for _, b, s in meta.loads:
+                device[b] = host.get(s)
+            for _, b, name in meta.reads:
+                device[b] = files[name]  # a file the index lists exists (its write came first)
+            for name in meta.removes:
+                del files[name]
+            tier.steps_loading -= meta.has_loads
+        assert set(files) == {entry_name(k) for k in disk.files} and disk.used <= disk.num_bytes
+        assert all(files[entry_name(k)] == k for k in disk.files)
+
+    for n, (stem, length, hold, reset) in enumerate(ops):
+        if reset == 4 and not live:
+            kv.reset_prefix_cache()
+        r = Request(f"r{n}", stems[stem][:length], SP(max_tokens=4), max_tokens=4)
+        computed, hit = kv.get_computed_blocks(r)
+        if not kv.allocate_slots(r, r.num_tokens - hit, computed):
+            transfer()
+            while live:
+                kv.free(live.pop(0))
+            continue
+        transfer()
+        hashes, ids = r.block_hashes, kv.block_ids(r)[0]
+        for i in range(hit // bs):
+            assert device.get(ids[i]) == (0, hashes[i]), (i, ids[i])
+        for i in range(hit // bs, len(ids)):
+            device[ids[i]] = (0, hashes[i]) if i < len(hashes) else None
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_full_blocks(r)
+        if hold:
+            live.append(r)
+        else:
+            kv.free(r)
+        if len(live) > 2:
+            kv.free(live.pop(0))
+    for r in live:
+        kv.free(r)
+    transfer()
+    assert kv.num_free_blocks == kv.num_blocks and tier.steps_loading == 0

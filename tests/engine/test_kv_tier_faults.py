@@ -89,8 +89,12 @@ def arm(state, llm, what, times=1, hook=None):
                  .units[ROWS])
 
 
-def test_a_failed_load_is_recomputed_and_harms_no_other_request(tiny_llama, reference, failing):
-    llm = LLM(str(tiny_llama), kv_offloading_size=0.001, **KW)
+@pytest.mark.parametrize("pipelined", ["off", "on"])
+def test_a_failed_load_is_recomputed_and_harms_no_other_request(tiny_llama, reference, failing, pipelined):
+    """Pipelined (step N + 1 launched before step N is read), a step with loads is still read before the next
+    is scheduled, so its readers are recomputed before anything builds on them."""
+    llm = LLM(str(tiny_llama), kv_offloading_size=0.001, async_scheduling=pipelined, **KW)
+    assert llm.engine.core.pipelined == (pipelined == "on")
     evict_a(llm, reference)
     tier = llm.engine.core.kv_offload.connector
     a_keys = [(0, h) for h in a_hashes()]
