@@ -148,3 +148,12 @@ def test_a_request_aborted_while_its_blocks_load(tiny_llama, reference, failing)
     assert_nothing_leaked(llm)
     again = llm.generate([A], GREEDY)[0]  # the loaded blocks completed: registered and right
     assert again.num_cached_tokens == 32 and tokens(again) == reference[tuple(A)]
+
+
+def test_the_failures_cross_the_worker_boundary():
+    from kestrel.core.kv_connector import KVTransferFailures
+    from kestrel.core.step import RunnerOutput
+    from kestrel.executor.messages import encoder, output_decoder
+    out = RunnerOutput(kv_failures=KVTransferFailures(loads=[(ROWS, 3), (1, 9)], saves=[(ROWS, 0)], requests=["a"]))
+    assert output_decoder.decode(encoder.encode(out)).kv_failures == out.kv_failures
+    assert output_decoder.decode(encoder.encode(RunnerOutput())).kv_failures is None

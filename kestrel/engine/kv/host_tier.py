@@ -9,8 +9,10 @@
   touched.
 - Load: a prefix lookup that misses on the device but hits here (the coordinator asks past the device's hit)
   allocates device blocks, registers them in the device's prefix cache and has the runner copy the slots into
-  them before the step's forward; the slots loaded in a step are pinned until its metadata is taken, so no save
-  of that step overwrites them."""
+  them before the step's forward; the slots loaded or saved in a step are pinned until its metadata is taken,
+  so no later save of that step overwrites them (a disk write copies a slot after the step's saves).
+- Entries are grouped by unit (kestrel/core/kv_connector.py: a block's rows, or a state group's snapshot), one
+  LRU pool each; a tier under this one (the disk, disk_tier.py) is told of every save and asked for misses."""
 from __future__ import annotations
 
 from collections import OrderedDict
