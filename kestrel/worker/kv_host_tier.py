@@ -90,6 +90,10 @@ class HostTierWorker(KVConnectorWorker):
             self.lower.write(meta.writes, self.host, set(failures.saves))
             failures.loads += self.lower.read(meta.reads, self.units)
             self.lower.remove(meta.removes)
+        if failures and _other_rank():
+            # only rank 0 answers a step: a failure here would go unseen and the ranks' caches would disagree
+            raise RuntimeError(f"KV tier transfers failed on tensor-parallel rank {torch.distributed.get_rank()}: "
+                               f"{failures}")
         return failures or None
 
     @staticmethod
@@ -106,6 +110,12 @@ class HostTierWorker(KVConnectorWorker):
     def wait_for_save(self) -> None:
         if self.lower is not None:
             self.lower.wait()
+
+
+def _other_rank() -> bool:
+    """A tensor-parallel rank other than 0."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
 
 def copy_rows(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
