@@ -55,13 +55,14 @@ def fingerprint(config, groups: list[KVCacheGroup]) -> bytes:
     the block size). The block hashes cover the tokens and salts."""
     model = config.model
     path = Path(model.model)
-    weights = []
-    if path.is_dir():
-        weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()
-                         if p.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt")) \
+        if path.is_dir() else [path] if path.is_file() else []
+    weights = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    if path.exists():
         path = path.resolve()
-    facts = {"format": 1, "model": str(path), "revision": getattr(model, "revision", None), "weights": weights,
-             "dtype": str(getattr(model, "dtype", None)), "kv_cache_dtype": config.cache.kv_cache_dtype,
+    facts = {"format": 1, "model": str(path), "revision": model.revision, "weights": weights,
+             "load_format": model.load_format, "quantization": model.quantization, "dtype": model.dtype,
+             "kv_cache_dtype": config.cache.kv_cache_dtype,
              "groups": [[g.group_id, repr(g.spec), g.layer_names, sorted((k, repr(v)) for k, v in g.layer_specs.items())]
                         for g in groups]}
     return hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=16).digest()

@@ -286,3 +286,24 @@ def test_random_schedules_through_host_and_disk_load_what_was_saved(tmp_path_fac
         kv.free(r)
     transfer()
     assert kv.num_free_blocks == kv.num_blocks and tier.steps_loading == 0
+
+
+def test_the_fingerprint_follows_the_weights_and_the_layout(tmp_path):
+    from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
+    from kestrel.worker.kv_disk_tier import fingerprint
+    model = tmp_path / "m"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"x" * 10)
+    config = EngineConfig()
+    config.model.model = str(model)
+    groups = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=16, num_kv_heads=2, head_dim=8), ["l0"])]
+    base = fingerprint(config, groups)
+    assert fingerprint(config, groups) == base  # stable across engines
+    os.utime(weights, ns=(1, 1))  # the checkpoint rewritten
+    rewritten = fingerprint(config, groups)
+    assert rewritten != base
+    other = [KVCacheGroup(0, FullAttentionSpec(torch.float16, block_size=16, num_kv_heads=2, head_dim=16), ["l0"])]
+    assert fingerprint(config, other) != rewritten
+    config.cache.kv_cache_dtype = "fp8"
+    assert fingerprint(config, groups) != rewritten
