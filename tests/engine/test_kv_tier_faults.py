@@ -157,3 +157,12 @@ def test_the_failures_cross_the_worker_boundary():
     out = RunnerOutput(kv_failures=KVTransferFailures(loads=[(ROWS, 3), (1, 9)], saves=[(ROWS, 0)], requests=["a"]))
     assert output_decoder.decode(encoder.encode(out)).kv_failures == out.kv_failures
     assert output_decoder.decode(encoder.encode(RunnerOutput())).kv_failures is None
+
+
+def test_tiers_too_small_for_one_entry_are_refused(tiny_llama, tmp_path):
+    from kestrel.errors import ConfigError
+    with pytest.raises(ConfigError, match="--kv-offloading-size 1e-09 GiB holds no KV-cache entry"):
+        LLM(str(tiny_llama), kv_offloading_size=1e-9, **KW)
+    with pytest.raises(ConfigError, match="--kv-offloading-disk-size 1e-09 GiB holds no KV-cache file"):
+        LLM(str(tiny_llama), kv_offloading_size=0.001, kv_offloading_disk_path=str(tmp_path),
+            kv_offloading_disk_size=1e-9, **KW)

@@ -154,6 +154,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(name, tmp_path, tiny_to
     units = {u for u, p in tier.pools.items() if p.num_slots}
     state_groups = {m.group_id for m in llm.engine.core.kv.managers if m.tier_unit != ROWS}
     assert units == {ROWS} | state_groups and bool(state_groups) == (name == "kimi")
+    assert tier.num_bytes <= 0.001 * 2**30  # the units' shares stay within the bound
     t1, t2 = a_twice(llm)
     assert t1.num_cached_tokens == 0 and t2.num_cached_tokens == 32  # all of A's full blocks
     assert t1.outputs[0].token_ids == t2.outputs[0].token_ids == first.outputs[0].token_ids
