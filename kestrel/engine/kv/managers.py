@@ -12,7 +12,11 @@ entry (`req_block_ids[rid] = [slot]`), `free` gives it back, and `max_hit` retur
 snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one without; StateSlotManager
 below keeps them: `plan_step` saves, `take_copies` hands the runner its slot copies). Its spec declares
 `state_parts` and `num_state_slots` (the slot pool's size, null slot included) and views its state in
-`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
+`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py). Behind a KV
+tier (--kv-offloading-size), a paged kind needs nothing more (its blocks are the tier's ROWS unit); a kind whose
+hits come from a pool of its own declares its own `tier_unit` (the worker side must know its tensors:
+kestrel/worker/kv_host_tier.py unit_tensors), tells the tier of its pool's evictions (`set_tier`), loads its
+TierHit entries in `add` and takes a failed load out of its pool in `forget` (StateSlotManager does all four)."""
 from __future__ import annotations
 
 from kestrel.core.kv_spec import FullAttentionSpec, KDAStateSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
