@@ -2,7 +2,7 @@
 named by its key (group id and block hash: `entry_name`), in a directory named by the model and cache layout's
 fingerprint (`tier_directory`), so another model, dtype or layout never reads them. Written in the background
 (one thread, in order with the removals) from a copy of the host slot taken at the step; read synchronously into
-the device before the step's forward, after the writes queued before it. A file is a fixed header (magic, the
+the device before the step's forward, once no write of the same file is queued. A file is a fixed header (magic, the
 fingerprint, the key, the payload's length and its blake2b checksum) then the raw rows of the entry's tensors:
 no pickle. A file that is missing, truncated, of another fingerprint or key, or whose checksum fails is dropped
 with one log line and reported as a failed load (its readers are computed again). The scheduler side (which keys
@@ -17,6 +17,7 @@ import os
 import queue
 import struct
 import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -78,6 +79,8 @@ class DiskTierWorker:
         self.fingerprint = bytes.fromhex(directory.name)
         directory.mkdir(parents=True, exist_ok=True)
         self.jobs: queue.Queue = queue.Queue()
+        self.pending: Counter = Counter()  # file name -> queued writes and removals of it
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self.thread.start()
         atexit.register(self.wait)  # a clean exit writes what is queued (the thread is a daemon)
@@ -88,13 +91,16 @@ class DiskTierWorker:
         whose save failed this step is not written."""
         for unit, slot, name in writes:
             if (unit, slot) not in failed:
-                self.jobs.put((name, [t[slot].clone() for t in host[unit]]))
+                self._queue(name, [t[slot].clone() for t in host[unit]])
 
     def read(self, reads: list[tuple[int, int, str]], units: dict[int, list[torch.Tensor]]) -> list[tuple[int, int]]:
         """Files into device rows, each checked; returns the (unit, device index) that failed."""
         if not reads:
             return []
-        self.wait()
+        with self.lock:
+            queued = any(self.pending[name] for _, _, name in reads)
+        if queued:  # a file still being written (or removed and written again): let the queue catch up
+            self.wait()
         failed = []
         for unit, index, name in reads:
             tensors = units[unit]
@@ -112,7 +118,12 @@ class DiskTierWorker:
 
     def remove(self, names: list[str]) -> None:
         for name in names:
-            self.jobs.put((name, None))
+            self._queue(name, None)
+
+    def _queue(self, name: str, rows: list[torch.Tensor] | None) -> None:
+        with self.lock:
+            self.pending[name] += 1
+        self.jobs.put((name, rows))
 
     def wait(self) -> None:
         """Until every queued write and removal is done."""
@@ -154,6 +165,10 @@ class DiskTierWorker:
             except OSError as e:
                 logger.warning("KV disk tier: writing %s failed (%s)", name, e)
             finally:
+                with self.lock:
+                    self.pending[name] -= 1
+                    if not self.pending[name]:
+                        del self.pending[name]
                 self.jobs.task_done()
 
     def _write(self, name: str, rows: list[torch.Tensor]) -> None:

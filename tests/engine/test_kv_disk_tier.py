@@ -307,3 +307,14 @@ def test_the_fingerprint_follows_the_weights_and_the_layout(tmp_path):
     assert fingerprint(config, other) != rewritten
     config.cache.kv_cache_dtype = "fp8"
     assert fingerprint(config, groups) != rewritten
+
+
+def test_a_read_waits_for_a_queued_write_of_its_file(tmp_path):
+    worker = DiskTierWorker(tmp_path / ("33" * 16))
+    rows = [torch.arange(6, dtype=torch.uint8).reshape(2, 3)]
+    name = entry_name((0, b"\x05" * 16))
+    worker.write([(ROWS, 1, name)], {ROWS: rows}, set())
+    rows[0].zero_()  # the write copied the slot when queued
+    dev = [torch.zeros(1, 3, dtype=torch.uint8)]
+    assert worker.read([(ROWS, 0, name)], {ROWS: dev}) == []
+    assert dev[0][0].tolist() == [3, 4, 5] and not worker.pending
