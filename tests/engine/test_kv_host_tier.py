@@ -3,7 +3,6 @@ coordinator's saves on eviction and loads on a host hit, and whole-engine runs w
 device evicted is served from the host (cached tokens reported, the same greedy tokens)."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.kv_connector import ROWS
@@ -231,60 +230,3 @@ def test_every_tensor_parallel_rank_saves_and_loads_its_shard(tp_checkpoint):
         assert second.outputs[0].token_ids == first.outputs[0].token_ids
     finally:
         eng.core.shutdown()
-
-
-# ---- random schedules: what a hit reads is what was computed for its hash
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans(), st.integers(0, 3)),
-                min_size=1, max_size=40), st.integers(1, 6))
-def test_random_schedules_load_what_was_saved(ops, host_blocks):
-    """Prompts from a few shared prefixes, requests held a while (pressure), a small host tier: after each
-    step's transfers (saves, then loads, as the runner makes them), every block a request holds as a hit
-    contains the block its hash names; no block or pin leaks."""
-    bs = 4
-    kv = KVCacheManager(num_blocks=8, block_size=bs)
-    tier = HostTierConnector.single(host_blocks * 64, 64)
-    kv.set_connector(tier)
-    device, host = {}, {}  # block id / slot -> the (group, hash) whose contents it holds
-    live = []
-    stems = [[100 * s + i for i in range(14)] for s in range(6)]
-
-    def transfer():
-        meta = kv.build_connector_meta()
-        if meta is not None:
-            for _, b, s in meta.saves:
-                host[s] = device.get(b)
-            for _, b, s in meta.loads:
-                device[b] = host.get(s)
-        assert not tier.pools[ROWS].pinned
-
-    for n, (stem, length, hold, reset) in enumerate(ops):
-        if reset == 3 and not live:
-            kv.reset_prefix_cache()
-        r = req(f"r{n}", stems[stem][:length])
-        computed, hit = kv.get_computed_blocks(r)
-        if not kv.allocate_slots(r, r.num_tokens - hit, computed):
-            transfer()
-            while live:  # make room, then drop this one
-                kv.free(live.pop(0))
-            continue
-        transfer()
-        hashes, ids = r.block_hashes, kv.block_ids(r)[0]
-        for i in range(hit // bs):
-            assert device.get(ids[i]) == (0, hashes[i]), (i, ids[i])
-        for i in range(hit // bs, len(ids)):  # the forward computes the rest
-            device[ids[i]] = (0, hashes[i]) if i < len(hashes) else None
-        r.num_computed_tokens = r.num_tokens
-        kv.cache_full_blocks(r)
-        if hold:
-            live.append(r)
-        else:
-            kv.free(r)
-        if len(live) > 2:
-            kv.free(live.pop(0))
-    for r in live:
-        kv.free(r)
-    assert kv.num_free_blocks == kv.num_blocks
-    assert len(tier.pools[ROWS]) + len(tier.pools[ROWS].free_slots) == tier.pools[ROWS].num_slots
