@@ -132,9 +132,16 @@ class CacheConfig:
     kv_offloading_size: float | None = _f(None, "GiB of host memory (pinned on CUDA) for a KV tier behind the prefix "
                                                 "cache: full prefix blocks the device evicts are copied there and "
                                                 "copied back on a later hit (summed over tensor-parallel ranks); "
-                                                "full-attention layers only")
+                                                "every cache kind the prefix cache covers")
     kv_offloading_backend: str = _f("native", "the host KV tier's implementation (native: Kestrel's own)",
                                     choices=["native"])
+    kv_offloading_disk_path: str | None = _f(None, "a directory for a disk KV tier under the host tier "
+                                                   "(--kv-offloading-size): every block the host saves is also "
+                                                   "written there (one checked file per block, in a folder of the "
+                                                   "model and cache layout), so a restarted engine keeps its "
+                                                   "prefix cache")
+    kv_offloading_disk_size: float | None = _f(None, "GiB of files the disk KV tier keeps at most (least recently "
+                                                     "used removed first); needed with --kv-offloading-disk-path")
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
                                                "recurrent state (Kimi Linear): states saved at block boundaries "
                                                "for prefix hits, taken from the KV-cache memory; default "

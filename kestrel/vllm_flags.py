@@ -66,8 +66,9 @@ COMPAT_FLAGS = (
                "--enforce-eager and --cuda-graph-sizes"),
     CompatFlag(("--enable-expert-parallel",), "expert parallelism is not implemented (MoE experts are split by "
                "--tensor-parallel-size)", lambda v: not v, _FLAG),
-    CompatFlag(("--kv-transfer-config",), "disaggregated prefill (KV transfer) is not implemented",
-               lambda v: False),
+    CompatFlag(("--kv-transfer-config",), "disaggregated prefill (KV transfer) is not implemented; for "
+               "OffloadingConnector's host and file tiers use --kv-offloading-size and --kv-offloading-disk-path "
+               "with --kv-offloading-disk-size", lambda v: False),
     CompatFlag(("--hf-overrides",), "overriding config.json fields is not implemented (edit a copy of the "
                "checkpoint folder)", lambda v: False),
     CompatFlag(("--mm-processor-kwargs",), "image-processor options are not implemented", lambda v: False),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
-from kestrel.core.kv_connector import KVConnectorMeta
+from kestrel.core.kv_connector import KVConnectorMeta, KVTransferFailures
 from kestrel.core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (pipelined decode)
@@ -126,3 +126,4 @@ class RunnerOutput:
     # drafts computed by the runner (speculative_config methods "mtp", "eagle3") for the next step: req id -> (the
     # request's token count they follow, the drafts)
     next_drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    kv_failures: KVTransferFailures | None = None  # a KV tier's transfers that failed before this step's forward

@@ -63,10 +63,28 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     host_kv_slots: int = 0
     host_kv_saved_blocks: int = 0
     host_kv_loaded_blocks: int = 0
+    host_kv_saved_bytes: int = 0
+    host_kv_loaded_bytes: int = 0
+    # prompt tokens looked up in the KV tiers past the device's hit, and served from them (tokens, cumulative)
+    tier_kv_queries: int = 0
+    tier_kv_hits: int = 0
+    # the disk tier (--kv-offloading-disk-path): files held and their bytes, blocks written and read (cumulative)
+    disk_kv_blocks: int = 0
+    disk_kv_bytes: int = 0
+    disk_kv_written_blocks: int = 0
+    disk_kv_read_blocks: int = 0
+    disk_kv_written_bytes: int = 0
+    disk_kv_read_bytes: int = 0
+    kv_transfer_failures: int = 0  # KV tier copies that failed (their entries dropped, their readers recomputed)
     # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
     # excluded) and tokens sampled
     step_prompt_tokens: int = 0
     step_generation_tokens: int = 0
+
+    @property
+    def kv_loaded_bytes(self) -> int:
+        """Bytes loaded into the device from every KV tier."""
+        return self.host_kv_loaded_bytes + self.disk_kv_read_bytes
 
     @property
     def step_tokens(self) -> int:

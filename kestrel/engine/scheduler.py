@@ -137,6 +137,23 @@ class Scheduler:
             return (r.priority, r.arrival_time)
         return (0, r.arrival_time)
 
+    def recompute(self, req: Request) -> None:
+        """Compute a running request again from its first token, now: the KV it read in the step just collected
+        is wrong (a KV tier's load failed). Its blocks go back, the runner forgets it with the next step, it waits
+        at the front of the queue, and its placeholders go (the caller drops the step's tokens)."""
+        if req not in self.running:
+            return
+        self.running.remove(req)
+        self.kv.free(req)
+        while req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            req.output_token_ids.pop()
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = -1  # measured again when it is scheduled
+        req.num_sent_blocks = None
+        self.waiting.push_front(req)
+        self._finished_ids.append(req.request_id)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)

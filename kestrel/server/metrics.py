@@ -51,7 +51,17 @@ _COUNTERS = [
     ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+    ("vllm:external_prefix_cache_queries", "External prefix cache queries from the KV tiers (host memory, disk), "
+     "in terms of number of tokens.", "tier_kv_queries"),
+    ("vllm:external_prefix_cache_hits", "External prefix cache hits from the KV tiers (host memory, disk), in "
+     "terms of number of tokens.", "tier_kv_hits"),
+    ("vllm:kv_offload_store_bytes", "Bytes of KV cache stored from the device into the host tier.",
+     "host_kv_saved_bytes"),
+    ("vllm:kv_offload_load_bytes", "Bytes of KV cache loaded into the device from the KV tiers.", "kv_loaded_bytes"),
 ]
+# vLLM's offloading counter by direction: transfer_type -> SchedulerStats field
+_OFFLOAD_BYTES = [("GPU_to_CPU", "host_kv_saved_bytes"), ("CPU_to_GPU", "host_kv_loaded_bytes"),
+                  ("CPU_to_DISK", "disk_kv_written_bytes"), ("DISK_to_GPU", "disk_kv_read_bytes")]
 
 
 class _EngineCollector:
@@ -75,6 +85,8 @@ class _EngineCollector:
                                  labels=LABELS + info_labels)
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labels=LABELS + ["position"])
+        offload = CounterMetricFamily("vllm:kv_offload_total_bytes", "Bytes moved between the KV-cache tiers.",
+                                      labels=LABELS + ["transfer_type"])
         for i in range(client.num_engines):
             lv = [self.model_name, str(i)]
             live = i not in client.dead
@@ -92,10 +104,14 @@ class _EngineCollector:
                                       str(c.gpu_memory_utilization), str(s.num_kv_blocks)], 1.0)
             for pos, n in enumerate(s.spec_accepted_per_pos):
                 per_pos.add_metric([*lv, str(pos)], float(n))
+            for kind, attr in _OFFLOAD_BYTES:
+                if getattr(s, attr):
+                    offload.add_metric([*lv, kind], float(getattr(s, attr)))
         yield alive
         yield from gauges
         yield from counters
         yield per_pos
+        yield offload
         if self.cache is not None:
             yield info
 

@@ -18,7 +18,7 @@ from kestrel.core.progress import count_forwards
 from kestrel.core.step import RunnerOutput, ScheduledChunk, StepInput, logits_positions
 from kestrel.structured_output.bitmask import StepBitmask
 from kestrel.worker import kv_allocation, memory_profile
-from kestrel.worker.kv_host_tier import HostTierWorker, host_tier_slots
+from kestrel.worker.kv_host_tier import build_connector_worker, readers_of
 from kestrel.worker.addons import StepAddon, lora_manager
 from kestrel.worker.addons.pooling import POOLED_TOKEN
 from kestrel.worker.attention_binding import step_metadata
@@ -73,11 +73,8 @@ class ModelRunner:
         return found
 
     def _bind_kv_connector(self) -> None:
-        """The host KV tier's memory (--kv-offloading-size), beside the KV cache just allocated."""
-        size = self.config.cache.kv_offloading_size
-        if size:
-            slots = host_tier_slots(size, self.kv_cache_groups, self.config.parallel.tensor_parallel_size)
-            self.kv_connector = HostTierWorker(self.kv_caches, slots)
+        """A KV tier's worker side (--kv-offloading-size), beside the KV cache just allocated."""
+        self.kv_connector = build_connector_worker(self.config, self.kv_cache_groups, self.kv_caches, self.num_blocks)
 
     @property
     def backend(self):
@@ -195,7 +192,10 @@ class ModelRunner:
         inf = InFlight(RunnerOutput())
         self._update_states(step)
         if step.kv_connector_meta is not None:  # a KV tier's saves (blocks evicted this step), then its loads
-            self.kv_connector.start_load_kv(step.kv_connector_meta)
+            failures = self.kv_connector.start_load_kv(step.kv_connector_meta)
+            if failures:  # the engine drops them and recomputes the requests that read them
+                failures.requests = readers_of(failures, step, self.requests, self.block_rows)
+                inf.out.kv_failures = failures
         if step.is_empty:
             return inf
         chunks = step.chunks  # decode rows first (the scheduler's order: StepInput.chunks)

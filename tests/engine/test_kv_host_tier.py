@@ -3,10 +3,9 @@ coordinator's saves on eviction and loads on a host hit, and whole-engine runs w
 device evicted is served from the host (cached tokens reported, the same greedy tokens)."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from kestrel import LLM, SamplingParams
-from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kestrel.core.kv_connector import ROWS
 from kestrel.core.sampling_params import SamplingParams as SP
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.kv.coordinator import TierHit
@@ -64,7 +63,7 @@ def run_prompt(kv, r):
 
 def test_evicted_blocks_are_saved_and_a_host_hit_loads_them_back():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    tier = HostTierConnector(num_bytes=10 * 64, block_bytes=64)
+    tier = HostTierConnector.single(num_bytes=10 * 64, block_bytes=64)
     kv.set_connector(tier)
     a = list(range(100, 109))  # 9 tokens: 2 full blocks + 1
     assert run_prompt(kv, req("a", a)) == 0
@@ -73,9 +72,9 @@ def test_evicted_blocks_are_saved_and_a_host_hit_loads_them_back():
     assert len(a_blocks) == 2
     assert run_prompt(kv, req("b", range(200, 216))) == 0  # 4 blocks: every one of a's is reallocated
     meta = kv.build_connector_meta()
-    assert not meta.loads and sorted(b for b, _ in meta.saves) == sorted(a_blocks.values())
-    saved_slot = {blk: slot for blk, slot in meta.saves}
-    assert all(key in tier.pool for key in a_blocks)
+    assert not meta.loads and sorted(b for _, b, _ in meta.saves) == sorted(a_blocks.values())
+    saved_slot = {blk: slot for _, blk, slot in meta.saves}
+    assert all(key in tier.pools[ROWS] for key in a_blocks)
     assert tier.get_num_new_matched_tokens(sorted(a_blocks, key=a_blocks.get) + [(0, b"?")], 4) == 8
 
     again = req("a2", a)
@@ -85,13 +84,13 @@ def test_evicted_blocks_are_saved_and_a_host_hit_loads_them_back():
     meta = kv.build_connector_meta()
     # loads from the slots a's blocks were saved in, into the device blocks the request now holds
     held = kv.block_ids(again)[0]
-    assert [b for b, _ in meta.loads] == held[:2]
-    assert sorted(s for _, s in meta.loads) == sorted(saved_slot[a_blocks[k]] for k in a_blocks)
+    assert [b for _, b, _ in meta.loads] == held[:2]
+    assert sorted(s for _, _, s in meta.loads) == sorted(saved_slot[a_blocks[k]] for k in a_blocks)
     # the loaded blocks are registered in the device prefix cache again
     assert all(kv.pool.lookup(k) is not None for k in a_blocks)
     # b's blocks were evicted for them: saved to the host (never into a slot loaded in the same step)
-    loaded = {s for _, s in meta.loads}
-    assert meta.saves and not loaded & {s for _, s in meta.saves}
+    loaded = {s for _, _, s in meta.loads}
+    assert meta.saves and not loaded & {s for _, _, s in meta.saves}
 
 
 def test_no_connector_no_host_hit_and_reset_clears_the_tier():
@@ -102,19 +101,19 @@ def test_no_connector_no_host_hit_and_reset_clears_the_tier():
     assert kv.get_computed_blocks(req("a2", a))[1] == 0
 
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    tier = HostTierConnector(10 * 64, 64)
+    tier = HostTierConnector.single(10 * 64, 64)
     kv.set_connector(tier)
     run_prompt(kv, req("a", a))
     run_prompt(kv, req("b", range(200, 216)))
     kv.build_connector_meta()
-    assert len(tier.pool) == 2
+    assert len(tier.pools[ROWS]) == 2
     kv.reset_prefix_cache()
-    assert len(tier.pool) == 0 and kv.get_computed_blocks(req("a2", a))[1] == 0
+    assert len(tier.pools[ROWS]) == 0 and kv.get_computed_blocks(req("a2", a))[1] == 0
 
 
 def test_a_device_short_of_blocks_for_the_loads_changes_nothing():
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    tier = HostTierConnector(10 * 64, 64)
+    tier = HostTierConnector.single(10 * 64, 64)
     kv.set_connector(tier)
     a = list(range(100, 109))
     run_prompt(kv, req("a", a))
@@ -127,7 +126,7 @@ def test_a_device_short_of_blocks_for_the_loads_changes_nothing():
     computed, hit = kv.get_computed_blocks(again)
     assert hit == 8
     assert not kv.allocate_slots(again, 1, computed)  # 2 loads + 1 new > 1 free
-    assert kv.build_connector_meta() is None and len(tier.pool) == 5 and not tier.pool.pinned
+    assert kv.build_connector_meta() is None and len(tier.pools[ROWS]) == 5 and not tier.pools[ROWS].pinned
 
 
 # ---- the engine
@@ -153,15 +152,15 @@ def test_llm_serves_an_evicted_prefix_from_the_host_tier(tiny_llama):
     assert tier.saved_blocks >= 2 and tier.loaded_blocks == 2
     stats = llm.engine.core.get_stats()
     assert stats["host_kv_loaded_blocks"] == 2 and stats["host_kv_saved_blocks"] == tier.saved_blocks
-    assert 0 < stats["host_kv_blocks"] <= stats["host_kv_slots"] == tier.pool.num_slots
+    assert 0 < stats["host_kv_blocks"] <= stats["host_kv_slots"] == tier.pools[ROWS].num_slots
     assert second.num_cached_tokens == 32  # all of A's full blocks (the last token is computed)
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     # /reset_prefix_cache clears the host tier too
     for p in others(3):
         llm.generate([p], GREEDY)
-    assert len(tier.pool) > 0
+    assert len(tier.pools[ROWS]) > 0
     llm.engine.core.reset_prefix_cache()
-    assert len(tier.pool) == 0
+    assert len(tier.pools[ROWS]) == 0
     assert llm.generate([A], GREEDY)[0].num_cached_tokens == 0
 
 
@@ -171,21 +170,6 @@ def test_llm_without_the_tier_recomputes_the_evicted_prefix(tiny_llama):
     first, second = a_twice(llm)
     assert second.num_cached_tokens == 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-
-
-def test_other_cache_kinds_are_refused_by_name():
-    from kestrel.engine.addons.kv_offload import KVOffload
-
-    from kestrel.config import EngineConfig
-
-    core = type("Core", (), {})()
-    core.config = EngineConfig()
-    core.config.cache.kv_offloading_size = 1.0
-    specs = [FullAttentionSpec(torch.float16, block_size=16), SlidingWindowSpec(torch.float16, block_size=16,
-                                                                               sliding_window=64)]
-    core.executor = type("E", (), {"kv_cache_groups": [KVCacheGroup(i, s, []) for i, s in enumerate(specs)]})()
-    with pytest.raises(ConfigError, match="SlidingWindowSpec"):
-        KVOffload.build(core)
 
 
 def test_bad_sizes_are_refused():
@@ -204,7 +188,7 @@ def test_the_step_metadata_crosses_the_worker_boundary():
     from kestrel.core.kv_connector import KVConnectorMeta
     from kestrel.core.step import StepInput
     from kestrel.executor.messages import encoder, step_decoder
-    step = StepInput(kv_connector_meta=KVConnectorMeta(saves=[(3, 0)], loads=[(5, 1), (6, 2)]))
+    step = StepInput(kv_connector_meta=KVConnectorMeta(saves=[(ROWS, 3, 0)], loads=[(ROWS, 5, 1), (0, 6, 2)]))
     back = step_decoder.decode(encoder.encode(step))
     assert back.kv_connector_meta == step.kv_connector_meta
     assert step_decoder.decode(encoder.encode(StepInput())).kv_connector_meta is None
@@ -215,11 +199,11 @@ def test_the_worker_copies_saves_then_loads():
     from kestrel.worker.kv_host_tier import HostTierWorker
     caches = [torch.arange(24, dtype=torch.uint8).reshape(4, 6), torch.arange(12, dtype=torch.uint8).reshape(4, 3)]
     want = [c.clone() for c in caches]
-    w = HostTierWorker(caches, num_slots=2)
+    w = HostTierWorker({ROWS: caches}, {ROWS: 2})
     # block 1 is evicted (saved to slot 0) and reused by a load of slot 0: it ends as it was
-    w.start_load_kv(KVConnectorMeta(saves=[(1, 0), (2, 1)], loads=[(1, 0)]))
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 1, 0), (ROWS, 2, 1)], loads=[(ROWS, 1, 0)]))
     assert all(torch.equal(c, x) for c, x in zip(caches, want))
-    w.start_load_kv(KVConnectorMeta(loads=[(0, 1)]))  # block 2's rows into block 0
+    w.start_load_kv(KVConnectorMeta(loads=[(ROWS, 0, 1)]))  # block 2's rows into block 0
     assert all(torch.equal(c[0], x[2]) for c, x in zip(caches, want))
 
 
@@ -246,69 +230,3 @@ def test_every_tensor_parallel_rank_saves_and_loads_its_shard(tp_checkpoint):
         assert second.outputs[0].token_ids == first.outputs[0].token_ids
     finally:
         eng.core.shutdown()
-
-
-@pytest.mark.parametrize("name, kinds", [("gemma3", "SlidingWindowSpec"), ("deepseek_v2", "MLASpec"),
-                                         ("qwen3_5", "GDNStateSpec")])
-def test_models_with_other_cache_kinds_are_refused_naming_them(tiny_models, tiny_tokenizer, tmp_path, name, kinds):
-    from tests.tiny import make_checkpoint
-    path = tiny_models.get(name) or make_checkpoint(name, tmp_path, tokenizer=tiny_tokenizer)
-    with pytest.raises(ConfigError, match=f"full-attention layers only.*{kinds}"):
-        LLM(str(path), progress=False, num_kv_blocks=16, max_model_len=64, kv_offloading_size=0.001)
-
-
-# ---- random schedules: what a hit reads is what was computed for its hash
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 14), st.booleans(), st.integers(0, 3)),
-                min_size=1, max_size=40), st.integers(1, 6))
-def test_random_schedules_load_what_was_saved(ops, host_blocks):
-    """Prompts from a few shared prefixes, requests held a while (pressure), a small host tier: after each
-    step's transfers (saves, then loads, as the runner makes them), every block a request holds as a hit
-    contains the block its hash names; no block or pin leaks."""
-    bs = 4
-    kv = KVCacheManager(num_blocks=8, block_size=bs)
-    tier = HostTierConnector(host_blocks * 64, 64)
-    kv.set_connector(tier)
-    device, host = {}, {}  # block id / slot -> the (group, hash) whose contents it holds
-    live = []
-    stems = [[100 * s + i for i in range(14)] for s in range(6)]
-
-    def transfer():
-        meta = kv.build_connector_meta()
-        if meta is not None:
-            for b, s in meta.saves:
-                host[s] = device.get(b)
-            for b, s in meta.loads:
-                device[b] = host.get(s)
-        assert not tier.pool.pinned
-
-    for n, (stem, length, hold, reset) in enumerate(ops):
-        if reset == 3 and not live:
-            kv.reset_prefix_cache()
-        r = req(f"r{n}", stems[stem][:length])
-        computed, hit = kv.get_computed_blocks(r)
-        if not kv.allocate_slots(r, r.num_tokens - hit, computed):
-            transfer()
-            while live:  # make room, then drop this one
-                kv.free(live.pop(0))
-            continue
-        transfer()
-        hashes, ids = r.block_hashes, kv.block_ids(r)[0]
-        for i in range(hit // bs):
-            assert device.get(ids[i]) == (0, hashes[i]), (i, ids[i])
-        for i in range(hit // bs, len(ids)):  # the forward computes the rest
-            device[ids[i]] = (0, hashes[i]) if i < len(hashes) else None
-        r.num_computed_tokens = r.num_tokens
-        kv.cache_full_blocks(r)
-        if hold:
-            live.append(r)
-        else:
-            kv.free(r)
-        if len(live) > 2:
-            kv.free(live.pop(0))
-    for r in live:
-        kv.free(r)
-    assert kv.num_free_blocks == kv.num_blocks
-    assert len(tier.pool) + len(tier.pool.free_slots) == tier.pool.num_slots

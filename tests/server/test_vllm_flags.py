@@ -78,6 +78,8 @@ ACCEPTED = [
     (["--num-gpu-blocks-override", "64"], lambda a, c: c.cache.num_kv_blocks == 64),
     (["--kv-offloading-size", "4", "--kv-offloading-backend", "native"],
      lambda a, c: c.cache.kv_offloading_size == 4.0 and c.cache.kv_offloading_backend == "native"),
+    (["--kv-offloading-size", "4", "--kv-offloading-disk-path", "/tmp/kv", "--kv-offloading-disk-size", "8"],
+     lambda a, c: c.cache.kv_offloading_disk_path == "/tmp/kv" and c.cache.kv_offloading_disk_size == 8.0),
     (["--compilation-config", '{"level": 3}'], lambda a, c: True),
     (["-O3"], lambda a, c: True),
     (["--hf-token", "hf_x"], lambda a, c: True),
@@ -112,7 +114,8 @@ REFUSED = [
     (["--enable-expert-parallel"], "--enable-expert-parallel: expert parallelism is not implemented"),
     (["--api-server-count", "4"], "--api-server-count 4: one HTTP server process"),
     (["--cpu-offload-gb", "10"], "--cpu-offload-gb 10.0: offloading weights"),
-    (["--kv-transfer-config", "{}"], "--kv-transfer-config {}: disaggregated prefill"),
+    (["--kv-transfer-config", "{}"], "--kv-transfer-config {}: disaggregated prefill (KV transfer) is not "
+     "implemented; for OffloadingConnector's host and file tiers use --kv-offloading-size"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral"),
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "just-a-name"], "--lora-modules expects name=path or {"),

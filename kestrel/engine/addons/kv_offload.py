@@ -1,17 +1,26 @@
 """The host-memory KV tier (--kv-offloading-size GiB, --kv-offloading-backend native), an engine add-on: it puts
 the host tier's connector (kestrel/engine/kv/host_tier.py, the interface in kestrel/core/kv_connector.py) behind
 the KV coordinator's prefix cache; the runner holds the memory and makes the copies (kestrel/worker/
-kv_host_tier.py). Full-attention groups only for now: a model with other cache kinds is refused, naming them."""
+kv_host_tier.py). Every cache kind the prefix cache covers goes through it: each manager declares its unit
+(KVManager.tier_unit: a paged block's rows, or a state group's snapshot) and the byte bound is shared among the
+units as the device shares its KV memory (kestrel/worker/kv_host_tier.py tier_units).
+
+With --kv-offloading-disk-path, a disk tier (kestrel/engine/kv/disk_tier.py, worker side kestrel/worker/
+kv_disk_tier.py) sits under the host tier: the second KV connector, composed under the first.
+
+A step whose transfers failed (a copy raising, a corrupt file) never yields wrong tokens: a step with loads is
+collected before the next is scheduled (no pipelining over it), and once collected, the failed entries leave the
+prefix cache and the tiers, and the requests that read them drop the step's tokens and are computed again."""
 from __future__ import annotations
 
 import logging
 
 from kestrel.core.engine_addon import EngineAddon
-from kestrel.core.kv_spec import FullAttentionSpec
+from kestrel.engine.kv.disk_tier import DiskTierConnector
 from kestrel.engine.kv.host_tier import HostTierConnector
 from kestrel.errors import ConfigError
-from kestrel.worker.kv_allocation import bytes_per_block
-from kestrel.worker.kv_host_tier import host_tier_bytes
+from kestrel.worker.kv_disk_tier import file_bytes, tier_directory
+from kestrel.worker.kv_host_tier import GiB, host_tier_bytes, tier_units
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +30,10 @@ BACKENDS = ("native",)
 class KVOffload(EngineAddon):
     name = "kv_offload"
 
-    def __init__(self, connector: HostTierConnector):
+    def __init__(self, connector: HostTierConnector, core):
         self.connector = connector
+        self.core = core
+        self.failures = 0
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -30,7 +41,19 @@ class KVOffload(EngineAddon):
         if cache.kv_offloading_backend not in BACKENDS:
             raise ConfigError(f"--kv-offloading-backend {cache.kv_offloading_backend}: only {', '.join(BACKENDS)}")
         if cache.kv_offloading_size is None:
+            if cache.kv_offloading_disk_path or cache.kv_offloading_disk_size is not None:
+                raise ConfigError("--kv-offloading-disk-path/--kv-offloading-disk-size: the disk KV tier sits under "
+                                  "the host tier, which needs --kv-offloading-size")
             return
+        if cache.kv_offloading_disk_path:
+            if cache.kv_offloading_disk_size is None or cache.kv_offloading_disk_size <= 0:
+                raise ConfigError("--kv-offloading-disk-path needs --kv-offloading-disk-size, a positive number of "
+                                  f"GiB (not {cache.kv_offloading_disk_size})")
+            if config.parallel.tensor_parallel_size > 1:
+                raise ConfigError("--kv-offloading-disk-path with --tensor-parallel-size > 1 is not supported (the "
+                                  "disk tier reads and checks its files on one rank)")
+        elif cache.kv_offloading_disk_size is not None:
+            raise ConfigError("--kv-offloading-disk-size needs --kv-offloading-disk-path (the directory)")
         if cache.kv_offloading_size <= 0:
             raise ConfigError(f"--kv-offloading-size must be a positive number of GiB, not {cache.kv_offloading_size}")
         if not cache.enable_prefix_caching:
@@ -42,22 +65,59 @@ class KVOffload(EngineAddon):
         size = core.config.cache.kv_offloading_size
         if size is None:
             return None
-        groups = core.executor.kv_cache_groups
-        others = sorted({type(g.spec).__name__ for g in groups if type(g.spec) is not FullAttentionSpec})
-        if others:
-            raise ConfigError(f"--kv-offloading-size covers full-attention layers only; this model's KV cache also "
-                              f"has {', '.join(others)} layers (not supported by the host KV tier yet)")
         if not core.kv.enable_prefix_caching:
             raise ConfigError("--kv-offloading-size needs prefix caching, which is off for this model")
-        block_bytes = bytes_per_block(groups)
-        connector = HostTierConnector(host_tier_bytes(size, core.config.parallel.tensor_parallel_size), block_bytes)
-        if connector.pool.num_slots == 0:
-            raise ConfigError(f"--kv-offloading-size {size} GiB holds no KV block of {block_bytes} bytes")
-        core.kv.set_connector(connector)
-        logger.info("Host KV tier: %d blocks (%.2f GiB) behind the prefix cache", connector.pool.num_slots,
-                    connector.pool.num_bytes / 2**30)
-        return cls(connector)
+        groups, kv = core.executor.kv_cache_groups, core.kv
+        units = tier_units(groups, len(kv.pool.blocks), host_tier_bytes(size, core.config.parallel.tensor_parallel_size))
+        unit_of = [m.tier_unit for m in kv.managers]
+        connector = HostTierConnector(units, unit_of, cls._disk_tier(core.config, groups, units, unit_of))
+        empty = [f"{e} bytes" for u, (_, e) in units.items() if not connector.pools[u].num_slots]
+        if empty:
+            raise ConfigError(f"--kv-offloading-size {size} GiB holds no KV-cache entry of {', '.join(empty)}")
+        kv.set_connector(connector)
+        logger.info("Host KV tier: %d entries (%.2f GiB) behind the prefix cache", connector.num_slots,
+                    connector.num_bytes / 2**30)
+        return cls(connector, core)
+
+    @staticmethod
+    def _disk_tier(config, groups, units, unit_of) -> DiskTierConnector | None:
+        cache = config.cache
+        if not cache.kv_offloading_disk_path:
+            return None
+        entry = {u: e for u, (_, e) in units.items()}
+        limit = int(cache.kv_offloading_disk_size * GiB)
+        if file_bytes(max(entry.values())) > limit:
+            raise ConfigError(f"--kv-offloading-disk-size {cache.kv_offloading_disk_size} GiB holds no KV-cache "
+                              f"file of {file_bytes(max(entry.values()))} bytes")
+        disk = DiskTierConnector(tier_directory(config, groups), limit, entry, unit_of)
+        logger.info("Disk KV tier under the host tier: %s (%d files, %.2f of %.2f GiB)", disk.directory,
+                    len(disk.files), disk.used / GiB, limit / GiB)
+        return disk
+
+    def allows_pipelining(self) -> bool:
+        """Not over a step with loads: its failures are handled before the next step is scheduled."""
+        return not self.connector.steps_loading
+
+    def after_collect(self, sched, result, pending) -> None:
+        meta = sched.step.kv_connector_meta
+        if meta is not None and meta.has_loads:
+            self.connector.steps_loading -= 1
+        failures = result.kv_failures
+        if not failures:
+            return
+        self.failures += len(failures.loads) + len(failures.saves)
+        self.core.kv.drop_failed_transfers(failures)
+        scheduler = self.core.scheduler
+        for rid in failures.requests:
+            for outputs in (result.sampled, result.logprobs, result.prompt_logprobs, result.more_sampled,
+                            result.more_logprobs):
+                outputs.pop(rid, None)
+            req = scheduler.requests.get(rid)
+            if req is not None and not req.is_finished:
+                scheduler.recompute(req)
 
     def stats(self, stats) -> None:
         for name, value in self.connector.stats().items():
             setattr(stats, name, value)
+        stats.tier_kv_queries, stats.tier_kv_hits = self.core.kv.tier_queries, self.core.kv.tier_hits
+        stats.kv_transfer_failures = self.failures

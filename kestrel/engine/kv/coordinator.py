@@ -3,9 +3,10 @@ blocks each request holds in every group, prefix-cache lookups, the admission li
 only the managers' interface: a new cache kind never edits this file.
 
 A KV tier behind the prefix cache (a KV connector, kestrel/core/kv_connector.py: the host tier of
---kv-offloading-size, host_tier.py) is an option set by its engine add-on (`set_connector`): a lookup asks it
-past the device's hit, a hit there is a `TierHit` entry that the allocation turns into a fresh device block
-loaded before the step, and the pool tells it of every registered block it reallocates (the save)."""
+--kv-offloading-size, host_tier.py) is an option set by its engine add-on (`set_connector`): every manager's
+lookup asks it where the device misses (KVManager.find), a hit there is a `TierHit` entry that the allocation
+turns into a fresh device block loaded before the step (a manager whose hits come from a pool of its own, state
+snapshots, loads its own in add()), and the pools tell it of every registered entry they reallocate (the save)."""
 from __future__ import annotations
 
 import logging
@@ -15,18 +16,10 @@ import torch
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
 from kestrel.core.step import PLACEHOLDER
 from kestrel.engine.kv.managers import KVManager, manager_class
-from kestrel.engine.kv.pool import BlockPool, KVBlock, hash_block
+from kestrel.engine.kv.pool import BlockPool, KVBlock, TierHit, hash_block
 from kestrel.engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-class TierHit(KVBlock):
-    """A prefix-hit entry that a KV tier holds, not the device: the allocation gives it a device block to load."""
-
-    def __init__(self, key: tuple[int, bytes]):
-        super().__init__(-1)
-        self.key = key
 
 
 class KVCacheManager:
@@ -73,19 +66,37 @@ class KVCacheManager:
             self._planners = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of them, served from the cache
+        self.tier_queries = 0  # prompt tokens looked up past the device's hit, with a KV tier behind it
+        self.tier_hits = 0  # of them, served from the tier (vLLM's external prefix cache)
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
         self.grown: set[str] = set()
         self.connector = None  # a KV tier behind the prefix cache (set_connector)
 
     def set_connector(self, connector) -> None:
-        """Put a KV tier (kestrel/core/kv_connector.py KVConnector) behind the prefix cache. Its add-on refuses
-        the cache kinds it does not cover before calling this."""
+        """Put a KV tier (kestrel/core/kv_connector.py KVConnector) behind the prefix cache, behind every
+        manager's lookups and every pool's evictions."""
         self.connector = connector
-        self.pool.on_evict = connector.on_evict
+        self.pool.on_evict = connector.on_evict  # a block id is its index in the ROWS unit
+        for m in self.managers:
+            m.set_tier(connector)
 
     def build_connector_meta(self):
         """The KV tier's transfers for the step being scheduled (StepInput.kv_connector_meta), or None."""
         return self.connector.build_connector_meta() if self.connector is not None else None
+
+    def drop_failed_transfers(self, failures) -> None:
+        """A KV tier's transfers failed (kestrel/core/kv_connector.py KVTransferFailures): a failed save is
+        forgotten by its tier; a failed load's device entry leaves the prefix cache and every tier forgets its
+        key, so nobody hits it again (its readers are computed again by the caller)."""
+        for unit, slot in failures.saves:
+            self.connector.on_save_failed(unit, slot)
+        owners = {}
+        for m in self.managers:
+            owners.setdefault(m.tier_unit, m)
+        for unit, index in failures.loads:
+            key = owners[unit].forget(index)
+            if key is not None:
+                self.connector.discard(key)
 
     # ---- capacity
     @property
@@ -169,26 +180,24 @@ class KVCacheManager:
                 break
             n = shorter
         hits = [m.hit_blocks(hashes, n) for m in self.managers]
-        if self.connector is not None:
-            n = self._tier_hits(hashes, n, min(len(hashes), (req.num_tokens - 1) // self.block_size), hits)
         self.prefix_queries += req.num_tokens
         self.prefix_hits += n * self.block_size
+        if self.connector is not None:
+            device = self._device_blocks(hits, n)
+            self.tier_queries += req.num_tokens - device * self.block_size
+            self.tier_hits += (n - device) * self.block_size
         return hits, n * self.block_size
 
-    def _tier_hits(self, hashes: list[bytes], n: int, limit: int, hits: list[list[KVBlock]]) -> int:
-        """Extend a device hit of `n` blocks (the entries `hits`, in place) with the blocks that every group
-        finds on the device or in the KV tier, in order; returns the new length. Full-attention groups only
-        (the add-on refuses the others): an entry of one group depends on no other block."""
-        connector, groups = self.connector, range(len(self.managers))
-        while n < limit:
-            keys = [(g, hashes[n]) for g in groups]
-            found = [self.pool.lookup(k) or (TierHit(k) if connector.contains(k) else None) for k in keys]
-            if any(b is None for b in found):
-                break
-            for h, b in zip(hits, found):
-                h.append(b)
-            n += 1
-        return n
+    @staticmethod
+    def _device_blocks(hits: list[list[KVBlock]], n: int) -> int:
+        """Of a hit of n blocks, the leading blocks the device serves (before the first a tier serves); each
+        group's entries end at block n (a state snapshot's one entry stands for block n - 1)."""
+        first = n
+        for h in hits:
+            i = next((i for i, b in enumerate(h) if isinstance(b, TierHit)), None)
+            if i is not None:
+                first = min(first, n - len(h) + i)
+        return first
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[KVBlock]] | None = None,
                        lookahead: int = 0) -> bool:
@@ -237,8 +246,9 @@ class KVCacheManager:
         if not any(need) and not any(hits) and all(rid in m.req_block_ids for m in self._others):
             self._plan(req, total - num_new_tokens, total)
             return True  # fits in what it holds (most decode steps)
-        shared = [[b for b in m.shared_pool_hits(h) if not isinstance(b, TierHit)] for m, h in zip(self.managers, hits)]
-        tier = [(g, i) for g, h in enumerate(hits) for i, b in enumerate(h) if isinstance(b, TierHit)]
+        own = [m.shared_pool_hits(h) for m, h in zip(self.managers, hits)]  # all of a group's hits, or none
+        shared = [[b for b in o if not isinstance(b, TierHit)] for o in own]
+        tier = [(g, i) for g, o in enumerate(own) for i, b in enumerate(o) if isinstance(b, TierHit)]
         reclaimed = len({b.block_id for h in shared for b in h if b.ref_cnt == 0 and b is not self.pool.null_block})
         if (sum(need) + len(tier) + reclaimed > self.pool.num_free
                 or not all(m.can_add(rid) for m in self._others)):

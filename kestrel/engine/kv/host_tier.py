@@ -9,13 +9,15 @@
   touched.
 - Load: a prefix lookup that misses on the device but hits here (the coordinator asks past the device's hit)
   allocates device blocks, registers them in the device's prefix cache and has the runner copy the slots into
-  them before the step's forward; the slots loaded in a step are pinned until its metadata is taken, so no save
-  of that step overwrites them."""
+  them before the step's forward; the slots loaded or saved in a step are pinned until its metadata is taken,
+  so no later save of that step overwrites them (a disk write copies a slot after the step's saves).
+- Entries are grouped by unit (kestrel/core/kv_connector.py: a block's rows, or a state group's snapshot), one
+  LRU pool each; a tier under this one (the disk, disk_tier.py) is told of every save and asked for misses."""
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from kestrel.core.kv_connector import KVConnector, KVConnectorMeta
+from kestrel.core.kv_connector import ROWS, KVConnector, KVConnectorMeta
 
 
 class HostBlockPool:
@@ -63,6 +65,14 @@ class HostBlockPool:
         self.entries[key] = slot
         return slot
 
+    def remove(self, key) -> None:
+        slot = self.entries.pop(key, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def key_of(self, slot: int):
+        return next((k for k, s in self.entries.items() if s == slot), None)
+
     def clear(self) -> None:
         self.entries.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
@@ -70,43 +80,122 @@ class HostBlockPool:
 
 
 class HostTierConnector(KVConnector):
-    def __init__(self, num_bytes: int, block_bytes: int):
-        self.pool = HostBlockPool(num_bytes, block_bytes)
+    """`units`: unit (kestrel/core/kv_connector.py ROWS, or a state group's id) -> (bytes of this rank's host
+    memory for it, bytes of one entry); `unit_of`: each KV-cache group's unit (its manager's `tier_unit`). One
+    LRU pool per unit: a paged block and a state snapshot differ in size. `lower`: a tier under this one (the
+    disk tier, disk_tier.py), told of every entry saved here and asked for what the host misses."""
+
+    def __init__(self, units: dict[int, tuple[int, int]], unit_of: list[int], lower: KVConnector | None = None):
+        self.pools = {u: HostBlockPool(num_bytes, entry_bytes) for u, (num_bytes, entry_bytes) in units.items()}
+        self.unit_of = unit_of
+        self.lower = lower
         self.meta = KVConnectorMeta()
-        self._loading: list[int] = []  # slots claimed by the allocation under way, awaiting their device blocks
+        self._loading: list[tuple[int, int]] = []  # (unit, slot) claimed by the allocation under way
+        self._from_lower: list[bool] = []  # per key of the allocation under way: the lower tier loads it
+        self.steps_loading = 0  # steps handed out with loads and not yet collected (the add-on counts them down)
         self.saved_blocks = self.loaded_blocks = 0  # counters (statistics)
+        self.saved_bytes = self.loaded_bytes = 0
+
+    @classmethod
+    def single(cls, num_bytes: int, block_bytes: int) -> "HostTierConnector":
+        """One unit of block rows for every group (tests)."""
+        return cls({ROWS: (num_bytes, block_bytes)}, _AllRows())
+
+    def _pool(self, key) -> tuple[int, HostBlockPool]:
+        unit = self.unit_of[key[0]]
+        return unit, self.pools[unit]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(p.num_slots for p in self.pools.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.pools.values())
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.pools.values())
 
     def contains(self, key) -> bool:
-        return key in self.pool
+        return key in self._pool(key)[1] or self.lower is not None and self.lower.contains(key)
 
-    def update_state_after_alloc(self, keys, block_ids=None) -> None:
-        if block_ids is None:
-            self._loading = [self.pool.get(k) for k in keys]
-            self.pool.pinned.update(self._loading)
+    def update_state_after_alloc(self, keys, targets=None) -> None:
+        if targets is None:
+            self._loading = []
+            self._from_lower = [key not in self._pool(key)[1] for key in keys]
+            for k, lower in zip(keys, self._from_lower):
+                if not lower:
+                    unit, pool = self._pool(k)
+                    slot = pool.get(k)
+                    pool.pinned.add(slot)
+                    self._loading.append((unit, slot))
+            if any(self._from_lower):
+                self.lower.update_state_after_alloc([k for k, lower in zip(keys, self._from_lower) if lower])
             return
-        assert len(block_ids) == len(self._loading)
-        self.meta.loads += zip(block_ids, self._loading)
-        self.loaded_blocks += len(block_ids)
-        self._loading = []
+        assert len(targets) == len(self._from_lower)
+        mine = [t for t, lower in zip(targets, self._from_lower) if not lower]
+        for (unit, slot), index in zip(self._loading, mine):
+            self.meta.loads.append((unit, index, slot))
+            self.loaded_bytes += self.pools[unit].block_bytes
+        self.loaded_blocks += len(mine)
+        if len(mine) < len(targets):
+            picks = [(k, t) for k, t, lower in zip(keys, targets, self._from_lower) if lower]
+            self.lower.update_state_after_alloc([k for k, _ in picks], [t for _, t in picks])
+        self._loading, self._from_lower = [], []
 
-    def on_evict(self, key, block_id: int) -> None:
-        if key in self.pool:
-            self.pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
+    def on_evict(self, key, index: int) -> None:
+        unit, pool = self._pool(key)
+        if key in pool:
+            pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
             return
-        slot = self.pool.put(key)
+        slot = pool.put(key)
         if slot is not None:
-            self.meta.saves.append((block_id, slot))
+            pool.pinned.add(slot)  # no later save of this step takes it (a write to disk copies it after them)
+            self.meta.saves.append((unit, index, slot))
             self.saved_blocks += 1
+            self.saved_bytes += pool.block_bytes
+            if self.lower is not None:
+                self.lower.on_evict(key, slot)
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
         meta, self.meta = self.meta, KVConnectorMeta()
-        self.pool.pinned.clear()
+        for pool in self.pools.values():
+            pool.pinned.clear()
+        lower = self.lower.build_connector_meta() if self.lower is not None else None
+        if lower is not None:
+            meta.extend(lower)
+        if meta.has_loads:
+            self.steps_loading += 1
         return meta or None
+
+    def discard(self, key) -> None:
+        self._pool(key)[1].remove(key)
+        if self.lower is not None:
+            self.lower.discard(key)
+
+    def on_save_failed(self, unit: int, slot: int) -> None:
+        key = self.pools[unit].key_of(slot)
+        if key is not None:
+            self.discard(key)
 
     def reset(self) -> None:
         """Transfers already handed out stay valid (their slots are simply forgotten)."""
-        self.pool.clear()
+        for pool in self.pools.values():
+            pool.clear()
+        if self.lower is not None:
+            self.lower.reset()
 
     def stats(self) -> dict:
-        return {"host_kv_blocks": len(self.pool), "host_kv_slots": self.pool.num_slots,
-                "host_kv_saved_blocks": self.saved_blocks, "host_kv_loaded_blocks": self.loaded_blocks}
+        stats = {"host_kv_blocks": len(self), "host_kv_slots": self.num_slots,
+                 "host_kv_saved_blocks": self.saved_blocks, "host_kv_loaded_blocks": self.loaded_blocks,
+                 "host_kv_saved_bytes": self.saved_bytes, "host_kv_loaded_bytes": self.loaded_bytes}
+        if self.lower is not None:
+            stats.update(self.lower.stats())
+        return stats
+
+
+class _AllRows:
+    """unit_of for a connector whose every group is paged."""
+
+    def __getitem__(self, group: int) -> int:
+        return ROWS

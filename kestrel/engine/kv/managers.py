@@ -12,11 +12,16 @@ entry (`req_block_ids[rid] = [slot]`), `free` gives it back, and `max_hit` retur
 snapshots at block boundaries (tests/engine/test_kv_coordinator.py has a tiny one without; StateSlotManager
 below keeps them: `plan_step` saves, `take_copies` hands the runner its slot copies). Its spec declares
 `state_parts` and `num_state_slots` (the slot pool's size, null slot included) and views its state in
-`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py)."""
+`layer_view`; the runner allocates the slots beside the pool (kestrel/worker/kv_allocation.py). Behind a KV
+tier (--kv-offloading-size), a paged kind needs nothing more (its blocks are the tier's ROWS unit); a kind whose
+hits come from a pool of its own declares its own `tier_unit` (the worker side must know its tensors:
+kestrel/worker/kv_host_tier.py unit_tensors), tells the tier of its pool's evictions (`set_tier`), loads its
+TierHit entries in `add` and takes a failed load out of its pool in `forget` (StateSlotManager does all four)."""
 from __future__ import annotations
 
 from kestrel.core.kv_spec import FullAttentionSpec, KDAStateSpec, KVCacheSpec, MLASpec, SlidingWindowSpec, cdiv
-from kestrel.engine.kv.pool import BlockPool, KVBlock
+from kestrel.core.kv_connector import ROWS
+from kestrel.engine.kv.pool import BlockPool, KVBlock, TierHit
 
 
 class KVManager:
@@ -35,8 +40,13 @@ class KVManager:
       snapshots at block boundaries): the coordinator then turns prefix caching off for the model, saying so once.
       (Read from the instance: a kind may decide it from its spec.)
     * align_chunks: its hits exist only where a chunk ended on a block boundary (state snapshots): the scheduler
-      cuts a chunk that crosses a block boundary at the last one it crosses (KVCacheManager.aligned_chunk)."""
+      cuts a chunk that crosses a block boundary at the last one it crosses (KVCacheManager.aligned_chunk).
+    * tier_unit: what a KV tier behind the prefix cache (kestrel/core/kv_connector.py) stores of one prefix entry:
+      ROWS (a block id's row in every paged cache slot: any paged kind), or a unit of the kind's own (a state
+      group's snapshot slots). Lookups go through `find`, which asks the tier where the device misses."""
     needs_null_block = False
+    tier_unit = ROWS
+    tier = None
     supports_prefix_caching = True
     align_chunks = False
     hit_order = 0
@@ -48,6 +58,24 @@ class KVManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same, as ids (kept in step: read every step)
         self.num_cached: dict[str, int] = {}  # leading blocks already registered in the prefix cache
+
+    def set_tier(self, tier) -> None:
+        """A KV tier (KVConnector) behind the prefix cache: `find` asks it where the device misses."""
+        self.tier = tier
+
+    def find(self, h: bytes, pool: BlockPool | None = None) -> KVBlock | None:
+        """The prefix entry of block hash `h` in `pool` (the shared one by default), else a TierHit where the KV
+        tier holds it, else None."""
+        key = (self.group_id, h)
+        found = (self.pool if pool is None else pool).lookup(key)
+        if found is None and self.tier is not None and self.tier.contains(key):
+            return TierHit(key)
+        return found
+
+    def forget(self, index: int) -> tuple[int, bytes] | None:
+        """Take the entry at `index` of this kind's tier unit (a block id) out of the prefix cache: a KV tier's
+        load into it failed. Returns its key."""
+        return self.pool.forget(index)
 
     # ---- admission
     def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
@@ -116,12 +144,12 @@ class FullAttentionManager(KVManager):
 
     def max_hit(self, hashes: list[bytes], limit: int) -> int:
         n = 0
-        while n < limit and self.pool.lookup((self.group_id, hashes[n])) is not None:
+        while n < limit and self.find(hashes[n]) is not None:
             n += 1
         return n
 
     def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
-        return [self.pool.lookup((self.group_id, h)) for h in hashes[:n]]
+        return [self.find(h) for h in hashes[:n]]
 
     def num_new_blocks(self, rid: str, total_tokens: int, hits: list[KVBlock]) -> int:
         have = len(self.req_blocks.get(rid, ())) + len(hits)
@@ -177,8 +205,7 @@ class SlidingWindowManager(FullAttentionManager):
         n = limit
         while n > 0:
             start = max(0, n - self.window_blocks)
-            miss = next((i for i in range(n - 1, start - 1, -1)
-                         if self.pool.lookup((self.group_id, hashes[i])) is None), None)
+            miss = next((i for i in range(n - 1, start - 1, -1) if self.find(hashes[i]) is None), None)
             if miss is None:
                 return n
             n = miss  # no window ending after a miss can be complete
@@ -186,7 +213,7 @@ class SlidingWindowManager(FullAttentionManager):
 
     def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
         start = max(0, n - self.window_blocks)
-        return [self.pool.null_block] * start + [self.pool.lookup((self.group_id, h)) for h in hashes[start:n]]
+        return [self.pool.null_block] * start + [self.find(h) for h in hashes[start:n]]
 
     def first_needed(self, num_computed: int) -> int:
         """The first block a query after `num_computed` tokens still reads."""
@@ -252,19 +279,36 @@ class StateSlotManager(KVManager):
         self.pending: dict[str, list[tuple[int, KVBlock]]] = {}  # rid -> (blocks it ends, snapshot) to register
         self.restores: list[tuple[int, int]] = []  # (snapshot slot, request slot): before the next forward
         self.saves: list[tuple[int, int]] = []  # (request slot, snapshot slot): after the next forward
+        self.loading: list[KVBlock] = []  # snapshots a KV tier loads this step: held until its copies are taken
+        self.tier_unit = group_id  # a KV tier keeps this group's snapshots (all its layers' states) as one unit
+
+    def set_tier(self, tier) -> None:
+        super().set_tier(tier)
+        if self.snapshots is not None:  # a snapshot slot reallocated: the tier saves it (by its state slot)
+            self.snapshots.on_evict = lambda key, snap: tier.on_evict(key, self.first_snapshot + snap)
+
+    def forget(self, index: int) -> tuple[int, bytes] | None:
+        return self.snapshots.forget(index - self.first_snapshot)
+
+    def _hit(self, h: bytes) -> KVBlock | None:
+        """The snapshot saved after block hash `h`: on the device, or in the KV tier where a snapshot slot is
+        free to load it into."""
+        found = self.find(h, self.snapshots)
+        return None if isinstance(found, TierHit) and not self.snapshots.num_free else found
 
     def blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         return 0
 
     def max_hit(self, hashes: list[bytes], limit: int) -> int:
         n = limit if self.snapshots else 0
-        while n > 0 and self.snapshots.lookup((self.group_id, hashes[n - 1])) is None:
+        while n > 0 and self._hit(hashes[n - 1]) is None:
             n -= 1
         return n
 
     def hit_blocks(self, hashes: list[bytes], n: int) -> list[KVBlock]:
-        """The one snapshot a hit of n blocks restores (from the snapshot pool, not the shared one)."""
-        return [self.snapshots.lookup((self.group_id, hashes[n - 1]))] if n else []
+        """The one snapshot a hit of n blocks restores (from the snapshot pool, not the shared one, or the KV
+        tier's)."""
+        return [self._hit(hashes[n - 1])] if n else []
 
     def shared_pool_hits(self, hits: list[KVBlock]) -> list[KVBlock]:
         return []
@@ -279,9 +323,23 @@ class StateSlotManager(KVManager):
         if rid not in self.req_block_ids:
             self.req_block_ids[rid] = [self.free_slots.pop()]
         for snap in hits:  # a request's first step: it starts from the snapshot's state
-            self.snapshots.touch([snap])
-            self.snapshots.release([snap])  # to the free list's tail: the most recently used
+            if isinstance(snap, TierHit):
+                snap = self._load(snap.key)
+            else:
+                self.snapshots.touch([snap])
+                self.snapshots.release([snap])  # to the free list's tail: the most recently used
             self.restores.append((self.first_snapshot + snap.block_id, self.req_block_ids[rid][0]))
+
+    def _load(self, key: tuple[int, bytes]) -> KVBlock:
+        """A snapshot slot for the KV tier's snapshot `key`, registered, loaded before the step's restores (the
+        runner makes the tier's loads first) and held until the step's copies are taken, so no other load or
+        save of the step reuses it."""
+        self.tier.update_state_after_alloc([key])
+        snap = self.snapshots.allocate(1)[0]  # may evict another snapshot: the tier saves it first
+        self.snapshots.cache(snap, key)
+        self.tier.update_state_after_alloc([key], [self.first_snapshot + snap.block_id])
+        self.loading.append(snap)
+        return snap
 
     def plan_step(self, req, start: int, end: int) -> None:
         """A prefill chunk computing tokens start..end that ends on a block boundary saves the state there (the
@@ -300,6 +358,9 @@ class StateSlotManager(KVManager):
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         restores, saves = self.restores, self.saves
         self.restores, self.saves = [], []
+        if self.loading:  # registered and unreferenced now: the most recently used
+            self.snapshots.release(self.loading)
+            self.loading = []
         return restores, saves
 
     def cache_blocks(self, rid: str, hashes: list[bytes], num_full: int) -> None:

@@ -30,6 +30,15 @@ class KVBlock:
     block_hash: tuple[int, bytes] | None = None  # (group id, hash) while registered in the prefix cache
 
 
+class TierHit(KVBlock):
+    """A prefix-hit entry that a KV tier behind the prefix cache holds, not the device: the allocation gives it
+    device memory (a block, or a snapshot slot) to load into."""
+
+    def __init__(self, key: tuple[int, bytes]):
+        super().__init__(-1)
+        self.key = key
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, reserve_null: bool = False):
         if num_blocks < 1 + reserve_null:
@@ -94,6 +103,15 @@ class BlockPool:
         if block.block_hash is None and key not in self.cached and block is not self.null_block:
             block.block_hash = key
             self.cached[key] = block
+
+    def forget(self, block_id: int) -> tuple[int, bytes] | None:
+        """Take block `block_id` out of the prefix cache (its contents are wrong); returns the key it had."""
+        block = self.blocks[block_id]
+        key = block.block_hash
+        if key is not None and self.cached.get(key) is block:
+            del self.cached[key]
+        block.block_hash = None
+        return key
 
     def reset_prefix_cache(self) -> None:
         for b in self.cached.values():
