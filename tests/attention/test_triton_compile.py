@@ -252,3 +252,31 @@ def test_chunked_attention_kernels_compile():
     compile_ok(fn, {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names},
                dict(HEAD_DIM=128, PAGE=16, BLOCK_M=64, BLOCK_N=64, SEARCH_ITERS=8, UPCAST=False, WINDOWED=True,
                     SOFTCAP=False, Q_DIM=128, O_DIM=128, FP8_MAX=0.0, CHUNKED=True))
+
+
+def test_head_dim_512_default_tiles_do_not_spill():
+    """Heads of 512 (Gemma 4's global layers) at the launchers' default tiles compile for sm_90 without spills:
+    prefill 32 x 32 on 8 warps (32 x 32 on 4 warps spilled 180 bytes a thread, 64 x 32 on 8 warps 132), decode
+    32-token tiles on 4 warps, the split merge."""
+    from tests.attention.test_triton_sparse_mla_compile import _spill_bytes
+
+    def spills(fn, ptrs, constexprs, warps, stages):
+        sig = {n: ptrs.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in fn.arg_names}
+        defaults = {"PDL": True} if "PDL" in fn.arg_names else {}
+        defaults.update({k: False for k in ("CHUNKED", "SINKS") if k in fn.arg_names})
+        return _spill_bytes(fn, sig, {**defaults, **constexprs}, warps, stages)
+
+    pf = triton_attention._default_prefill_config(512, None)
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "QSL": "*i32", "SL": "*i32", "O": "*bf16",
+            **SCALES}
+    assert spills(triton_attention._prefill_kernel, ptrs,
+                  dict(HEAD_DIM=512, PAGE=16, BLOCK_M=pf["BLOCK_M"], BLOCK_N=pf["BLOCK_N"], SEARCH_ITERS=8,
+                       UPCAST=False, WINDOWED=False, SOFTCAP=False, Q_DIM=512, O_DIM=512, FP8_MAX=0.0),
+                  pf["num_warps"], pf["num_stages"]) == 0
+    dc = triton_attention._default_decode_config(512, 8, 16)
+    ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i32", "SL": "*i32", "O": "*bf16", "PO": "*fp32",
+            "PLSE": "*fp32", "CNT": "*i32", **SCALES}
+    assert spills(triton_attention._decode_kernel, ptrs,
+                  dict(HEAD_DIM=512, G_PAD=16, PAGE=16, BLOCK_N=dc["BLOCK_N"], SPLIT=True, USE_DOT=True,
+                       UPCAST=False, FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, WINDOWED=False,
+                       SOFTCAP=False, FP8_MAX=0.0), dc["num_warps"], dc["num_stages"]) == 0

@@ -99,6 +99,28 @@ def test_prefill_attention(dtype, d, group, prefix, page):
     assert rel_err(out, expect) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_head_dim_512_prefill_and_decode(dtype, splits):
+    """Heads of 512 (Gemma 4's global layers, 8 query heads a KV head): on the GPU the default tiles of that size
+    (prefill 32 x 32 on 8 warps, decode 32-token tiles), the same kernels as every head size."""
+    gen = torch.Generator().manual_seed(7)
+    d, hkv, hq, page = 512, 1, 8, 16
+    q_lens, seq_lens = [9, 20], [30, 20]
+    bt, nb = make_block_tables(seq_lens, page, gen)
+    kc, vc = make_cache(nb, page, hkv, d, dtype, gen)
+    qsl = torch.tensor([0, 9, 29], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(29, hq, d, generator=gen).to(DEVICE, dtype)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16} if DEVICE == "cpu" else None
+    out = ta.prefill_attention(q, kc, vc, bt, qsl, sl, 1.0 / d, max_query_len=20, _config=cfg)
+    assert rel_err(out, ref.prefill_attention_ref(*f32(q, kc, vc), bt, qsl, sl, 1.0 / d)) < TOL[dtype]
+    qd = q[[8, 28]]  # each sequence's last token, as a decode step
+    dcfg = {"BLOCK_N": 16, "MIN_SPLIT": 16} if DEVICE == "cpu" else {"MIN_SPLIT": 16}
+    out = ta.decode_attention(qd, kc, vc, bt, sl, 1.0 / d, num_splits=splits, _config=dcfg)
+    assert rel_err(out, ref.decode_attention_ref(*f32(qd, kc, vc), bt, sl, 1.0 / d)) < TOL[dtype]
+
+
 def test_prefill_attention_narrow_query_and_output():
     """MLA's dense prefill: a query narrower than K/V (a view whose following lanes hold NaN: none may be read)
     and an output of the first lanes only (a view of a NaN buffer: nothing else written) equal the padded run.

@@ -49,3 +49,16 @@ def test_bf16_matches_transformers(checkpoint, kind, graphs):
 @pytest.mark.parametrize("kind", sorted(GEMMA4_CONFIGS))
 def test_cuda_graph_replay_equals_eager(checkpoint, kind):
     assert_graph_replay_equals_eager(checkpoint(kind), PROMPTS, KV_BLOCKS)
+
+
+def test_global_heads_of_512_on_triton(tmp_path, tiny_tokenizer):
+    """Gemma 4's real global head size (512, K = V) on the Triton backend with CUDA graphs: the tiles the
+    launchers choose for heads of 512 (triton_attention's default configs), teacher-forced beside transformers."""
+    from tests.tiny import make_checkpoint
+
+    path = make_checkpoint("gemma4_k_eq_v", tmp_path, tokenizer=tiny_tokenizer, **{**SIZES, "global_head_dim": 512})
+    llm = LLM(str(path), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS)
+    runner = llm.engine.core.executor.runner
+    assert runner.graphs is not None and {b.name for b in runner.backends} == {"triton"}
+    assert 512 in {layer.head_dim for layer in runner.model.modules() if hasattr(layer, "kv_cache_spec")}
+    assert_bf16_beside_transformers(llm, str(path), PROMPTS, False, "gemma4 heads of 512")

@@ -56,7 +56,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     devices = ("cuda",)
     dtypes = tuple(d for d in gates.GATES["dtypes"] if d != torch.float32)
-    head_sizes = gates.GATES["head_dims"]  # the head dims checked on the GPU (64, 128, 256)
+    head_sizes = gates.GATES["head_dims"]  # the head dims checked (64, 128, 256, 512)
     supports_sliding_window = True
     supports_chunked_attention = True
     supports_cuda_graphs = True
