@@ -66,7 +66,7 @@ class Attention(nn.Module):
         q_norm, k_norm = self._qk_norms
         fuse = getattr(self.impl, "fuses_qkv_prologue", False) and not self.calibrate_kv_scales
         if fuse and self.plain_prologue:
-            out = self.impl.forward_qkv(qkv, positions, self.rotary.cos_sin_cache, q_norm, k_norm, self.kv_cache, meta)
+            out = self.impl.forward_qkv(qkv, *self.rotary.cos_sin_for(positions), q_norm, k_norm, self.kv_cache, meta)
             return out.reshape(t, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if q_norm is not None and self.qk_norm_all_heads:

@@ -13,7 +13,7 @@ from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import Linear
 from kestrel.layers.norm import AllHeadsRMSNorm, ResidualAdd, RMSNorm
 from kestrel.layers.norm_linear import NormLinear
-from kestrel.layers.rotary import QueryScale, RotaryEmbedding, rope_fraction
+from kestrel.layers.rotary import QueryScale, RotaryEmbedding, mrope_option, rope_fraction
 from kestrel.models.interfaces import SupportsLoRA
 from kestrel.models.context import ModelContext, layer_index
 from kestrel.models.weights import load_named_weights
@@ -67,8 +67,9 @@ class LlamaAttention(nn.Module):
       q/k norm: `use_qk_norm` per head (Qwen3), `qk_norm_all_heads` (one norm over all heads: Olmo 3, MiniMax-M2;
         all-reduced under tensor parallelism), `qk_norm_after_rope` (Hunyuan), `norm_cls` (an unweighted L2Norm:
         Llama 4), `qk_norm_names` (the checkpoint's module names)
-      rotary: `rope_interleaved` (GPT-J pairs: ERNIE 4.5, Llama 4), a share of each head (`partial_rotary_factor`,
-        or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
+      rotary: `rope_interleaved` (GPT-J pairs: ERNIE 4.5, Llama 4), M-RoPE where rope_parameters carry
+        `mrope_section` or the family has `mrope_default` (sections, interleaved), a share of each head
+        (`partial_rotary_factor`, or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
         layers (`no_rope_layers`)
       sliding window per layer (sliding_window_of), chunked local attention (`layer_types` "chunked_attention":
         Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)
@@ -84,6 +85,7 @@ class LlamaAttention(nn.Module):
     norm_cls = RMSNorm
     rope_interleaved = False
     rope_fraction_default = 1.0
+    mrope_default: tuple[list[int], bool] | None = None
     output_gate = False
 
     def __init__(self, ctx: ModelContext, prefix: str, input_norm: nn.Module, **attn_kw):
@@ -136,7 +138,8 @@ class LlamaAttention(nn.Module):
         kind = kind if kind in params else None
         dim = getattr(cfg, "rotary_dim", None) or int(head_dim * rope_fraction(cfg, self.rope_fraction_default))
         return ctx.shared("rotary" if kind is None else f"rotary.{kind}", lambda: RotaryEmbedding(
-            cfg, dim, ctx.max_positions, ctx.dtype, layer_type=kind, interleaved=self.rope_interleaved))
+            cfg, dim, ctx.max_positions, ctx.dtype, layer_type=kind, interleaved=self.rope_interleaved,
+            mrope=mrope_option(cfg, self.mrope_default)))
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
         """(attention output, residual stream) from the layer input and the residual stream so far."""
