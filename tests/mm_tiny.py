@@ -103,3 +103,73 @@ IMAGE_SIZES = [(90, 40), (33, 70), (64, 60)]
 
 def sample_images():
     return [make_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SIZES)]
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl") -> Path:
+    """Tiny Qwen2.5-VL: a 4-block ViT (blocks 1 and 3 full attention, the others in windows of 2x2 merged tokens),
+    the 2x2 merger, a 2-layer decoder with sectioned M-RoPE. The processor's parts are saved one by one (its video
+    processor needs torchvision, which the CPU image may lack); qwen_vl_processor() rebuilds transformers' own
+    processor over them for image prompts."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t in QWEN_VL_TOKENS]})
+    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    image_proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 30, patch_size=14,
+                                          temporal_patch_size=2, merge_size=2)
+    vocab = len(tok)
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=48, num_heads=4,
+                  out_hidden_size=64, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  hidden_act="silu")
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "self_attn" in pname or "merger" in pname:
+                p.normal_(0, 0.3)  # sharp attention and loud image rows: the outputs depend on the images
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+    out = root / name
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_proc.save_pretrained(out)
+    return out
+
+
+def qwen_vl_processor(path: Path):
+    """transformers' Qwen2_5_VLProcessor over the checkpoint's tokenizer and image processor, without its video
+    processor (torchvision): its own text expansion and outputs for image prompts."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    proc = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+    tok = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)
+    proc.chat_template = None
+    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
+    proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
+    proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    return proc

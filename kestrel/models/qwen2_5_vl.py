@@ -1,0 +1,107 @@
+"""Qwen2.5-VL: the native-resolution ViT (kestrel/models/vision/qwen_vit.py) -> a Qwen2 decoder whose rotary is
+sectioned M-RoPE ([16, 24, 24] unless the config says otherwise). Its positions are the MRoPE scheme
+(kestrel/core/positions.py): each image's tokens at its merged grid's coordinates."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from kestrel.core.positions import MRoPE
+from kestrel.models.context import ModelContext
+from kestrel.models.interfaces import HasPositionScheme
+from kestrel.models.multimodal import ImageTextModel, tie_output_embeddings
+from kestrel.models.qwen import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
+from kestrel.models.vision.qwen_vit import Qwen2_5VisionTransformer
+from kestrel.models.weights import load_named_weights
+
+
+class Qwen2_5_VLAttention(Qwen2Attention):
+    mrope_default = ([16, 24, 24], False)
+
+
+class Qwen2_5_VLDecoderLayer(Qwen2DecoderLayer):
+    attention_cls = Qwen2_5_VLAttention
+
+
+class Qwen2_5_VLTextModel(Qwen2ForCausalLM):
+    decoder_layer_cls = Qwen2_5_VLDecoderLayer
+
+
+def image_grid(image: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """An image's patch grid (t, h, w) from its processed inputs."""
+    t, h, w = image["image_grid_thw"].reshape(3).tolist()
+    return int(t), int(h), int(w)
+
+
+class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
+    lora_stages = (("language_model.", "decoder"),)  # the tower and merger take no adapters
+    text_model_cls = Qwen2_5_VLTextModel
+
+    def __init__(self, ctx: ModelContext, prefix: str = "model"):
+        super().__init__()
+        hf = ctx.config.hf
+        self.hf, self.config = hf, ctx.text
+        self.packed_modules = self.text_model_cls.packed_modules
+        self.visual = Qwen2_5VisionTransformer(ctx, "visual", hf.vision_config)
+        self.language_model = self.text_model_cls(ctx, "language_model")
+        self.tied = tie_output_embeddings(self, hf)
+
+    @classmethod
+    def position_scheme(cls, hf_config) -> MRoPE:
+        merge = hf_config.vision_config.spatial_merge_size
+
+        def grid(feature) -> tuple[int, int, int]:
+            t, h, w = image_grid({"image_grid_thw": feature.data["image_grid_thw"].to_tensor()})
+            return t, h // merge, w // merge
+        return MRoPE(grid)
+
+    # ---- frontend side
+    @staticmethod
+    def split_images(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        """The processor concatenates every image's patches; each image keeps its t*h*w rows and its grid."""
+        out, start = [], 0
+        for g in processed["image_grid_thw"]:
+            n = int(g.prod())
+            out.append({"pixel_values": processed["pixel_values"][start:start + n], "image_grid_thw": g})
+            start += n
+        return out
+
+    @staticmethod
+    def num_image_tokens(hf_config, image: dict[str, torch.Tensor]) -> int:
+        t, h, w = image_grid(image)
+        if image["pixel_values"].shape[0] != t * h * w:
+            raise ValueError(f"{image['pixel_values'].shape[0]} patches for a {t}x{h}x{w} patch grid")
+        return t * h * w // hf_config.vision_config.spatial_merge_size ** 2
+
+    # ---- runner side
+    def dummy_image_inputs(self) -> dict[str, torch.Tensor]:
+        """The largest image the processor makes at its default max_pixels, as a square grid."""
+        v = self.hf.vision_config
+        side = 2 * v.spatial_merge_size * 8
+        width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        return {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": torch.tensor([1, side, side])}
+
+    def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.visual(image["pixel_values"], image_grid(image))
+
+    def lora_module_name(self, path: str) -> str | None:
+        return our_name(path)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        ours = ((our_name(name), t) for name, t in weights)
+        kept = ((name, t) for name, t in ours if not (self.tied and name == "language_model.lm_head.weight"))
+        return load_named_weights(self, kept, self.packed_modules, strip="")
+
+
+# checkpoint prefixes, both layouts (the released one: model.layers / visual / lm_head; transformers 5's own:
+# model.language_model / model.visual) -> our modules
+_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
+             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."))
+
+
+def our_name(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
