@@ -23,7 +23,7 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 # (text, images): text only, one image, two images of different sizes and aspect ratios
 PROMPTS = [("hello world, how are you", []), (f"{IMG}describe this", [0]),
            (f"first {IMG} then {IMG} compare them", [1, 2])]
-SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x6x6 patches
+SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x8x8 patches
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
