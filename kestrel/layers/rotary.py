@@ -122,7 +122,8 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
         ops = fused_ops_for(q)
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            ops.rotary_embedding_(*self.cos_sin_for(positions), q, k, self.rot_dim, not self.interleaved)
+            index, table = self.cos_sin_for(positions)
+            ops.rotary_embedding_(index, q, k, table, self.rot_dim, not self.interleaved)
             return q, k
         return self.rotate_copies(positions, q, k)
 
