@@ -113,11 +113,12 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl") -> Path:
+def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_overrides) -> Path:
     """Tiny Qwen2.5-VL: a 4-block ViT (blocks 1 and 3 full attention, the others in windows of 2x2 merged tokens),
     the 2x2 merger, a 2-layer decoder with sectioned M-RoPE. The processor's parts are saved one by one (its video
     processor needs torchvision, which the CPU image may lack); qwen_vl_processor() rebuilds transformers' own
-    processor over them for image prompts."""
+    processor over them for image prompts. `text_overrides` go to the decoder's config (hidden_size 256 with
+    mrope_section [8, 12, 12]: head dim 64, the Triton kernels' smallest)."""
     from tokenizers import AddedToken
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -130,13 +131,15 @@ def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl") -> Path
     image_proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 30, patch_size=14,
                                           temporal_patch_size=2, merge_size=2)
     vocab = len(tok)
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    section = text_overrides.pop("mrope_section", [2, 3, 3])
+    text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+            **text_overrides}
     vision = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=48, num_heads=4,
-                  out_hidden_size=64, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                  hidden_act="silu")
+                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=56, hidden_act="silu")
     cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
