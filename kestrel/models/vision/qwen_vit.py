@@ -25,6 +25,24 @@ def patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
     return torch.stack([blocks(rows), blocks(cols)], dim=-1).repeat(t, 1)
 
 
+def axial_inv_freq(cfg) -> torch.Tensor:
+    """The 2-D RoPE's frequencies: a quarter of the head each for rows and columns."""
+    half = cfg.hidden_size // cfg.num_heads // 2
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
+
+
+def patch_angles(t: int, h: int, w: int, merge: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[t*h*w, half] rotary angles of each patch: its row's frequencies, then its column's."""
+    return (patch_positions(t, h, w, merge).to(inv_freq.device, torch.float)[..., None] * inv_freq).flatten(1)
+
+
+def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox cos / sin [N, 1, head_dim] (broadcast over heads) from [N, head_dim / 2] angles."""
+    emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
 def window_order(t: int, h: int, w: int, merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
     """The merged tokens' order window by window (frames, then windows of `window` x `window` merged tokens in
     raster order, each in raster order) and the windows' lengths in patches."""
@@ -65,27 +83,42 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
+class GatedMLP(nn.Module):
+    def __init__(self, ctx, prefix: str, cfg):
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = vision_linear(ctx, h, [inter] * 2, f"{prefix}.gate_up_proj")
+        self.down_proj = vision_linear(ctx, inter, h, f"{prefix}.down_proj")
+        self.act = gated_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
 class VisionBlock(nn.Module):
+    """Pre-norm attention over the segments, then the MLP; Qwen2.5-VL's norms and MLP (RMSNorm, SwiGLU), which
+    a tower of another family replaces (`norm`, `mlp_cls`)."""
+    mlp_cls = GatedMLP
+
+    def norm(self, ctx, size: int) -> nn.Module:
+        return RMSNorm(size, 1e-6, ctx.dtype)
+
     def __init__(self, ctx, prefix: str, cfg):
         super().__init__()
         h = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, h // cfg.num_heads
-        self.norm1 = RMSNorm(h, 1e-6, ctx.dtype)
-        self.norm2 = RMSNorm(h, 1e-6, ctx.dtype)
+        self.norm1, self.norm2 = self.norm(ctx, h), self.norm(ctx, h)
         self.attn = nn.Module()
         self.attn.qkv = vision_linear(ctx, h, 3 * h, f"{prefix}.attn.qkv")
         self.attn.proj = vision_linear(ctx, h, h, f"{prefix}.attn.proj")
-        self.mlp = nn.Module()
-        self.mlp.gate_up_proj = vision_linear(ctx, h, [cfg.intermediate_size] * 2, f"{prefix}.mlp.gate_up_proj")
-        self.mlp.down_proj = vision_linear(ctx, cfg.intermediate_size, h, f"{prefix}.mlp.down_proj")
-        self.act = gated_activation(cfg.hidden_act)
+        self.mlp = self.mlp_cls(ctx, f"{prefix}.mlp", cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.attn.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         o = varlen_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, lengths)
         x = x + self.attn.proj(o.reshape(n, -1))
-        return x + self.mlp.down_proj(self.act(self.mlp.gate_up_proj(self.norm2(x))))
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -113,11 +146,7 @@ class Qwen2_5VisionTransformer(nn.Module):
         self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, bias=False, dtype=ctx.dtype,
                                           kernel_size=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
         self.patch_embed.proj.requires_grad_(False)
-        head_dim = cfg.hidden_size // cfg.num_heads
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        half = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half),
-                             persistent=False)
+        self.register_buffer("inv_freq", axial_inv_freq(cfg), persistent=False)
         self.blocks = nn.ModuleList(VisionBlock(ctx, f"{prefix}.blocks.{i}", cfg) for i in range(cfg.depth))
         self.full_attention = set(cfg.fullatt_block_indexes)
         self.window = cfg.window_size // self.merge // cfg.patch_size  # in merged tokens
@@ -134,10 +163,8 @@ class Qwen2_5VisionTransformer(nn.Module):
         order, window_lengths = window_order(t, h, w, self.merge, self.window)
         order = order.to(x.device)
         x = x.view(n // mm, mm, c)[order].view(n, c)
-        angles = patch_positions(t, h, w, self.merge).to(x.device, torch.float)[..., None] * self.inv_freq
-        angles = angles.flatten(1).view(n // mm, mm, -1)[order].view(n, -1)
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        angles = patch_angles(t, h, w, self.merge, self.inv_freq).view(n // mm, mm, -1)[order].view(n, -1)
+        cos, sin = cos_sin(angles)
         frames = [h * w] * t
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in self.full_attention else window_lengths)
