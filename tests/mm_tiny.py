@@ -119,17 +119,36 @@ def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_
     processor needs torchvision, which the CPU image may lack); qwen_vl_processor() rebuilds transformers' own
     processor over them for image prompts. `text_overrides` go to the decoder's config (hidden_size 256 with
     mrope_section [8, 12, 12]: head dim 64, the Triton kernels' smallest)."""
+    vision = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=48, num_heads=4,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, hidden_act="silu")
+    return _make_qwen_vl(root, "qwen2_5_vl", seed, name, vision, text_overrides)
+
+
+def make_qwen3_vl(root: Path, seed: int = 0, name: str = "qwen3_vl", **text_overrides) -> Path:
+    """Tiny Qwen3-VL: a 4-block ViT (16-pixel patches, a 6x6 learned position grid, DeepStack from blocks 1 and 2)
+    and a 2-layer Qwen3 decoder with interleaved M-RoPE."""
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, deepstack_visual_indexes=[1, 2],
+                  hidden_act="gelu_pytorch_tanh")
+    return _make_qwen_vl(root, "qwen3_vl", seed, name, vision, {"head_dim": 16, **text_overrides})
+
+
+def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
     from tokenizers import AddedToken
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    config_cls, model_cls = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+                             "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration)}[kind]
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
                                                           for t in QWEN_VL_TOKENS]})
     tok.chat_template = QWEN_VL_CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
-    image_proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 30, patch_size=14,
-                                          temporal_patch_size=2, merge_size=2)
+    patch = vision["patch_size"]
+    image_proc = Qwen2VLImageProcessorPil(min_pixels=(2 * patch) ** 2 * 4, max_pixels=(2 * patch) ** 2 * 30,
+                                          patch_size=patch, temporal_patch_size=2, merge_size=2)
     vocab = len(tok)
     section = text_overrides.pop("mrope_section", [2, 3, 3])
     text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -137,13 +156,11 @@ def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
             **text_overrides}
-    vision = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=48, num_heads=4,
-                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                  window_size=56, hidden_act="silu")
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    vision = {**vision, "out_hidden_size": text["hidden_size"]}
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    model = model_cls(cfg)
     torch.manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -163,12 +180,16 @@ def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_
 
 
 def qwen_vl_processor(path: Path):
-    """transformers' Qwen2_5_VLProcessor over the checkpoint's tokenizer and image processor, without its video
-    processor (torchvision): its own text expansion and outputs for image prompts."""
-    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
+    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    proc = Qwen2_5_VLProcessor.__new__(Qwen2_5_VLProcessor)
+    kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[kind]
+    proc = cls.__new__(cls)
     tok = AutoTokenizer.from_pretrained(path)
     proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)
     proc.chat_template = None

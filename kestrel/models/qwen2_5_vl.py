@@ -11,21 +11,20 @@ from kestrel.core.positions import MRoPE
 from kestrel.models.context import ModelContext
 from kestrel.models.interfaces import HasPositionScheme
 from kestrel.models.multimodal import ImageTextModel, tie_output_embeddings
-from kestrel.models.qwen import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
+from kestrel.models.qwen import Qwen2ForCausalLM
 from kestrel.models.vision.qwen_vit import Qwen2_5VisionTransformer
 from kestrel.models.weights import load_named_weights
 
 
-class Qwen2_5_VLAttention(Qwen2Attention):
-    mrope_default = ([16, 24, 24], False)
+def mrope_decoder(decoder: type, default: tuple[list[int], bool]) -> type:
+    """A Llama-style decoder class whose attention takes M-RoPE, `default` the family's (sections, interleaved)."""
+    layer = decoder.decoder_layer_cls
+    attention = type(f"MRoPE{layer.attention_cls.__name__}", (layer.attention_cls,), {"mrope_default": default})
+    layer = type(f"MRoPE{layer.__name__}", (layer,), {"attention_cls": attention})
+    return type(f"MRoPE{decoder.__name__}", (decoder,), {"decoder_layer_cls": layer})
 
 
-class Qwen2_5_VLDecoderLayer(Qwen2DecoderLayer):
-    attention_cls = Qwen2_5_VLAttention
-
-
-class Qwen2_5_VLTextModel(Qwen2ForCausalLM):
-    decoder_layer_cls = Qwen2_5_VLDecoderLayer
+Qwen2_5_VLTextModel = mrope_decoder(Qwen2ForCausalLM, ([16, 24, 24], False))
 
 
 def image_grid(image: dict[str, torch.Tensor]) -> tuple[int, int, int]:
@@ -37,13 +36,14 @@ def image_grid(image: dict[str, torch.Tensor]) -> tuple[int, int, int]:
 class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
     lora_stages = (("language_model.", "decoder"),)  # the tower and merger take no adapters
     text_model_cls = Qwen2_5_VLTextModel
+    tower_cls = Qwen2_5VisionTransformer
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
         super().__init__()
         hf = ctx.config.hf
         self.hf, self.config = hf, ctx.text
         self.packed_modules = self.text_model_cls.packed_modules
-        self.visual = Qwen2_5VisionTransformer(ctx, "visual", hf.vision_config)
+        self.visual = self.tower_cls(ctx, "visual", hf.vision_config)
         self.language_model = self.text_model_cls(ctx, "language_model")
         self.tied = tie_output_embeddings(self, hf)
 

@@ -42,6 +42,7 @@ _MODELS = {
     "PaliGemmaForConditionalGeneration": ("kestrel.models.paligemma", "PaliGemmaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("kestrel.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),

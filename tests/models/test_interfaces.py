@@ -51,10 +51,10 @@ def test_registered_model_declares_consistently(arch):
 
 def test_image_models_are_declared():
     declared = {a for a in supported_architectures() if supports_images(get_model_class(a))}
-    assert declared == {"PaliGemmaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                        "Qwen2_5_VLForConditionalGeneration"}
+    qwen_vl = {"Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"}
+    assert declared == {"PaliGemmaForConditionalGeneration", "LlavaNextForConditionalGeneration"} | qwen_vl
     schemes = {a for a in supported_architectures() if issubclass(get_model_class(a), HasPositionScheme)}
-    assert schemes == {"Qwen2_5_VLForConditionalGeneration"}
+    assert schemes == qwen_vl
     prefixed = [a for a in declared if has_bidirectional_prefix(get_model_class(a))]
     assert prefixed == ["PaliGemmaForConditionalGeneration"]
 

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL against transformers on a tiny random checkpoint with transformers' own processor (CPU float32):
+"""Qwen2.5-VL and Qwen3-VL (DeepStack on) against transformers on tiny random checkpoints with transformers' own
+processor (CPU float32):
 greedy tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes; prompt
 token ids (so lengths) equal the processor's; the prompt's M-RoPE positions and rope delta equal get_rope_index's;
 chunked prefill cutting through the images; a prefix-cache hit on a repeated image; n-gram speculative decoding.
@@ -15,7 +16,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.worker.addons.images import ImageEncoderCache
-from tests.mm_tiny import make_image, make_qwen2_5_vl, qwen_vl_processor
+from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, qwen_vl_processor
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -23,13 +24,14 @@ IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 # (text, images): text only, one image, two images of different sizes and aspect ratios
 PROMPTS = [("hello world, how are you", []), (f"{IMG}describe this", [0]),
            (f"first {IMG} then {IMG} compare them", [1, 2])]
-SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x8x8 patches
+SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): Qwen2.5-VL grids of 1x4x8, 1x10x4, 1x8x8 patches
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def path(request, tmp_path_factory):
+    make = {"qwen2_5_vl": make_qwen2_5_vl, "qwen3_vl": make_qwen3_vl}[request.param]
+    return make(tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,7 @@ def test_image_only_processor_without_torchvision(path, images):
     llm = LLM(str(path), progress=False)
     proc = llm.engine.input_processor.mm.processor
     if importlib.util.find_spec("torchvision") is not None:
-        assert type(proc).__name__ == "Qwen2_5_VLProcessor"  # transformers' own
+        assert type(proc).__name__ in ("Qwen2_5_VLProcessor", "Qwen3VLProcessor")  # transformers' own
         return
     from kestrel.frontend.image_only_processor import ImageOnlyProcessor
 
@@ -155,3 +157,22 @@ def test_chat_with_an_image(path, images, reference):
     proc = qwen_vl_processor(path)
     text = f"<|im_start|>user\n{IMG}describe this<|im_end|>\n<|im_start|>assistant\n"
     assert ids == proc(text=[text], images=[[images[0]]], return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_deepstack_changes_the_outputs(tmp_path, images):
+    """Qwen3-VL without its DeepStack levels (the decoder given none) no longer gives transformers' tokens: the
+    agreement above depends on them."""
+    path = make_qwen3_vl(tmp_path)
+    proc = qwen_vl_processor(path)
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    text, idx = PROMPTS[2]
+    enc = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")
+    ref = model.generate(**enc, max_new_tokens=N, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    llm = LLM(str(path), progress=False, enable_prefix_caching=False)  # the second run computes the prompt again
+    assert greedy(llm, images, PROMPTS[2:])[0].outputs[0].token_ids == ref
+    lm = llm.engine.core.executor.runner.model.language_model
+    inner = lm.forward
+    lm.forward = lambda *a, deepstack=None, **kw: inner(*a, **kw)
+    assert greedy(llm, images, PROMPTS[2:])[0].outputs[0].token_ids != ref

@@ -1,0 +1,46 @@
+"""Qwen3-VL: the Qwen3-VL vision tower (kestrel/models/vision/qwen3_vit.py) -> a Qwen3 decoder with interleaved
+M-RoPE ([24, 20, 20] unless the config says otherwise) and DeepStack. DeepStack rides in the embeddings: an
+image's rows are [merger | level 1 | ... | level k] (embed_image), a text token's the same width with zero levels
+(embed_input_ids), so the image add-on's merge and its encoder cache need nothing new; the decoder adds level i to
+layer i's output (adding zeros to text rows changes nothing, and forward(input_ids) skips it)."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.models.qwen import Qwen3ForCausalLM
+from kestrel.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_decoder
+from kestrel.models.vision.qwen3_vit import Qwen3VisionTransformer
+
+
+class Qwen3VLTextModel(mrope_decoder(Qwen3ForCausalLM, ([24, 20, 20], True))):
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None, deepstack=None) -> torch.Tensor:
+        """`deepstack` [T, levels, hidden]: added to the first layers' outputs."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, ctx)
+            if deepstack is not None and i < deepstack.shape[1]:
+                hidden = hidden + deepstack[:, i]
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    text_model_cls = Qwen3VLTextModel
+    tower_cls = Qwen3VisionTransformer
+
+    def __init__(self, ctx, prefix: str = "model"):
+        super().__init__(ctx, prefix)
+        self.levels = len(ctx.config.hf.vision_config.deepstack_visual_indexes)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        text = super().embed_input_ids(input_ids)
+        return torch.cat([text, text.new_zeros(text.shape[0], text.shape[1] * self.levels)], dim=-1)
+
+    def forward(self, input_ids, positions, ctx, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            return self.language_model(input_ids, positions, ctx)
+        t, h = inputs_embeds.shape[0], self.config.hidden_size
+        deep = inputs_embeds[:, h:].view(t, self.levels, h) if self.levels else None
+        return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds[:, :h].contiguous(),
+                                   deepstack=deep)
