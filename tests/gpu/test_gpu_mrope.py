@@ -1,4 +1,5 @@
-"""GPU checks of an M-RoPE model (skipped without CUDA): tiny Qwen2.5-VL with head dim 64 on the Triton backend.
+"""GPU checks of M-RoPE models (skipped without CUDA): tiny Qwen2.5-VL (sectioned) and Qwen3-VL (interleaved,
+DeepStack) with head dim 64 on the Triton backend.
 Decode-graph and prefill-graph replays ([3, N] static position buffers, the fused rotary reading each token's
 cos|sin row) give the eager engine's tokens, for text and image prompts, batched and alone; in float32 the
 engine's tokens equal transformers'; n-gram speculative decoding (verify graphs) equals plain decoding."""
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from tests.mm_tiny import make_image, make_qwen2_5_vl, qwen_vl_processor
+from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, qwen_vl_processor
 
 pytestmark = pytest.mark.gpu
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -16,10 +17,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 KV_BLOCKS = 512
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return make_qwen2_5_vl(tmp_path_factory.mktemp("gpu_qwen_vl"), name="qwen_vl_wide", hidden_size=256,
-                           intermediate_size=512, mrope_section=[8, 12, 12])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def path(request, tmp_path_factory):
+    make = {"qwen2_5_vl": make_qwen2_5_vl, "qwen3_vl": make_qwen3_vl}[request.param]
+    return make(tmp_path_factory.mktemp("gpu_" + request.param), name="wide", hidden_size=256, head_dim=64,
+                intermediate_size=512, mrope_section=[8, 12, 12])
 
 
 @pytest.fixture(scope="module")
