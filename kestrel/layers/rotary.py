@@ -90,6 +90,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.dtype = dtype
         self.mrope = mrope
+        self._last = (None, None)  # the last [3, T] positions tensor and its (index, table)
         if mrope is not None:
             rows = mrope_rows(mrope[0], mrope[1], self.rot_dim // 2).to(inv_freq.device)
             self.register_buffer("_mrope_rows", torch.cat([rows, rows])[None, :], persistent=False)
@@ -100,10 +101,13 @@ class RotaryEmbedding(nn.Module):
         gathered from its three (the kernels then index it by 0..T-1)."""
         if positions.dim() == 1:
             return positions, self.cos_sin_cache
+        if positions is self._last[0]:  # the layers of one forward share this rotary and its positions tensor
+            return self._last[1]
         rows = self.cos_sin_cache[positions]  # [3, T, rot_dim]
         t = positions.shape[1]
         table = rows.gather(0, self._mrope_rows.expand(t, -1)[None]).squeeze(0)
-        return torch.arange(t, device=positions.device), table
+        self._last = (positions, (torch.arange(t, device=positions.device), table))
+        return self._last[1]
 
     def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim:]

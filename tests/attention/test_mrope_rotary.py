@@ -69,3 +69,19 @@ def test_mrope_rows_layouts():
     assert mrope_rows([3, 2, 2], True, 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(ValueError, match="covers 7 of the rotary's 8"):
         mrope_rows([2, 2, 3], False, 8)
+
+
+def test_per_token_table_is_built_once_per_positions_tensor():
+    """Every layer of a forward passes the same positions tensor: the table is gathered once; a new tensor (the
+    next step's view of the buffers, even with equal values) gets its own."""
+    from transformers import Qwen2_5_VLTextConfig
+
+    rot = RotaryEmbedding(Qwen2_5_VLTextConfig(hidden_size=256, num_attention_heads=4, head_dim=64), 64, 512,
+                          torch.float32, mrope=([8, 12, 12], False))
+    buf = torch.randint(0, 400, (3, 32))
+    step = buf[..., :10]
+    first = rot.cos_sin_for(step)
+    assert rot.cos_sin_for(step)[1] is first[1]
+    buf[0, 0] += 1
+    again = rot.cos_sin_for(buf[..., :10])
+    assert again[1] is not first[1] and not torch.equal(again[1], first[1])
