@@ -117,7 +117,6 @@ class InputBuffers:
         the forward, from row `prev_rows[request id]` of that step's tokens (staged in fill_dst/fill_src).
         Returns (num_tokens, num_decodes, num_fills)."""
         qsl, sl, ids, pos = self.qsl_np, self.sl_np, self.ids_np, self.pos_np
-        rows = self.staged_rows(sum(c.num_new_tokens for c in chunks)) if self.position_rows > 1 else None
         k = t = num_decodes = 0
         qsl[0] = 0
         for b, (c, st) in enumerate(zip(chunks, states)):
@@ -137,12 +136,25 @@ class InputBuffers:
                 ids[t:t + known] = st.tokens_slice(start, start + known)
                 ids[t + known:t + n] = c.draft_token_ids
                 pos[t:t + n] = np.arange(start, start + n)
-            if rows is not None:
-                stage_rows(rows[:, t:t + n], st.prompt_positions, st.rope_delta, start)
             t += n
             qsl[b + 1] = t
             sl[b] = start + n
+        if self.position_rows > 1:
+            self._stage_rows(chunks, states, t)
         return t, num_decodes, k
+
+    def _stage_rows(self, chunks: list[ScheduledChunk], states: list[RequestState], num_tokens: int) -> None:
+        """Every token's position rows: its index + its request's delta (one vectorised pass: decode rows), then
+        the prompt's own rows where a chunk reaches into them."""
+        rows = self.staged_rows(num_tokens)
+        counts = [c.num_new_tokens for c in chunks]
+        rows[:] = self.pos_np[:num_tokens] + np.repeat([st.rope_delta for st in states], counts)
+        t = 0
+        for c, st, n in zip(chunks, states, counts):
+            p = st.prompt_positions
+            if p is not None and c.num_computed_tokens < p.shape[1]:
+                stage_rows(rows[:, t:t + n], p, st.rope_delta, c.num_computed_tokens)
+            t += n
 
     def staged_rows(self, num_tokens: int) -> np.ndarray:
         """[rows, num_tokens] host staging of this step's position rows (a scheme of several rows)."""
