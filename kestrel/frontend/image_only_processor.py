@@ -22,13 +22,13 @@ class ImageOnlyProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str, hf_config, model_cls, image_token_id: int, why: str,
-                        trust_remote_code: bool = False) -> "ImageOnlyProcessor":
+                        trust_remote_code: bool = False, image_kwargs: dict | None = None) -> "ImageOnlyProcessor":
         import transformers
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         name = json.loads((Path(path) / "preprocessor_config.json").read_text())["image_processor_type"]
-        image_processor = getattr(transformers, name).from_pretrained(path)
+        image_processor = getattr(transformers, name).from_pretrained(path, **(image_kwargs or {}))
 
         def count(processed):
             return [model_cls.num_image_tokens(hf_config, im) for im in model_cls.split_images(hf_config, processed)]

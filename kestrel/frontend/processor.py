@@ -124,7 +124,7 @@ def make_mm_processor(config, hf_config=None):
         return None
     path, hf_config, model_cls = found
     return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt,
-                               config.model.trust_remote_code)
+                               config.model.trust_remote_code, config.multimodal.mm_processor_kwargs)
 
 
 def default_image_render_workers() -> int:

@@ -176,3 +176,20 @@ def test_deepstack_changes_the_outputs(tmp_path, images):
     inner = lm.forward
     lm.forward = lambda *a, deepstack=None, **kw: inner(*a, **kw)
     assert greedy(llm, images, PROMPTS[2:])[0].outputs[0].token_ids != ref
+
+
+def test_mm_processor_kwargs_reach_the_image_processor(path, images):
+    """--mm-processor-kwargs (vLLM's) go to the checkpoint's processor: a lower max_pixels gives fewer image
+    tokens, as transformers' processor given the same."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    patch = Qwen2VLImageProcessorPil.from_pretrained(path).patch_size
+    small = {"max_pixels": (2 * patch) ** 2 * 6}
+    proc = qwen_vl_processor(path)
+    proc.image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **small)
+    text, idx = PROMPTS[2]
+    ref = proc(text=[text], images=[[images[i] for i in idx]], return_tensors="pt")["input_ids"][0].tolist()
+    llm = LLM(str(path), progress=False, mm_processor_kwargs=small)
+    out = greedy(llm, images, PROMPTS[2:])[0]
+    assert out.prompt_token_ids == ref
+    assert len(ref) < len(greedy(LLM(str(path), progress=False), images, PROMPTS[2:])[0].prompt_token_ids)
