@@ -74,8 +74,8 @@ def runner_addons(config, loaded, device, dtype, max_step_tokens: int) -> list[S
 
     rows = position_scheme(loaded.model, loaded.config.hf).rows
     if cfg.method in RUNNER_METHODS and rows > 1:
-        raise NotImplementedError(f"speculative_config method {cfg.method!r} with a model of {rows} position rows "
-                                  "(M-RoPE): its draft layer's rotary reads token indices; use method 'ngram'")
+        refuse([f"method {cfg.method!r} on a model of {rows} position rows (M-RoPE: the draft layer's rotary reads "
+                "token indices; method 'ngram' works)"])
     drafter = build_drafter(cfg, loaded.model, loaded.config.text, loaded.context, loaded.path, device, dtype,
                             max_step_tokens)
     return [drafter if drafter is not None else VerifySteps(cfg)]
