@@ -1,7 +1,7 @@
 """Positions as the model's: what the rotary of each token reads. A model declares its position scheme
 (kestrel/models/interfaces.py `HasPositionScheme`; the default is `ONE_D`, a token's index in its sequence). The
-frontend computes a prompt's positions with the prompt (`PositionScheme.prompt_positions`, beside the image
-processor) where they are not the index; the request carries them (`RequestExtras.positions`) and the runner lays
+input processor computes a prompt's positions with the prompt (`PositionScheme.prompt_positions`, after the image
+processor placed the images' tokens) where they are not the index; the request carries them (`RequestExtras.positions`) and the runner lays
 `rows` rows of them per token into its position buffer ([T] for one row, [rows, T] otherwise), past the prompt
 each token's index plus the prompt's delta in every row (`stage_rows`). The runner, its CUDA graphs, speculative
 decoding and the prefix cache never ask which scheme: a prefix's positions follow from its tokens and the images

@@ -151,3 +151,15 @@ def test_mrope_prompt_positions_match_transformers():
     assert ours.array().tolist() == ref[:, 0].tolist()
     assert ours.delta == int(delta)
     assert scheme.prompt_positions(ids[:3], []) is None  # text only: the indices
+
+
+def test_prompt_positions_survive_the_wire():
+    import msgspec
+
+    from kestrel.core.extras import RequestExtras
+
+    p = np.array([[0, 1, 1, 1, 3], [0, 1, 1, 2, 3], [0, 1, 2, 1, 3]])
+    extras = RequestExtras(positions=PromptPositions.from_array(p, -1))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(extras), type=RequestExtras)
+    assert back.positions.array().tolist() == p.tolist() and back.positions.delta == -1
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(RequestExtras()), type=RequestExtras).positions is None
