@@ -89,9 +89,24 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
         return our_name(path)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        ours = ((our_name(name), t) for name, t in weights)
-        kept = ((name, t) for name, t in ours if not (self.tied and name == "language_model.lm_head.weight"))
-        return load_named_weights(self, kept, self.packed_modules, strip="")
+        """The decoder's tensors stream through its own loader (named as in a text checkpoint); the tower's, a
+        small part, are kept aside and loaded after."""
+        tower: list = []
+
+        def text():
+            for name, t in weights:
+                name = our_name(name)
+                if not name.startswith("language_model."):
+                    tower.append((name, t))
+                    continue
+                rest = name[len("language_model."):]
+                yield rest if rest.startswith("lm_head.") else "model." + rest, t
+        loaded = self.language_model.load_weights(self.text_weights(text()))
+        return loaded | load_named_weights(self.visual, tower, self.packed_modules, strip="visual.")
+
+    def text_weights(self, weights: Iterable) -> Iterable:
+        """The decoder's tensors as its loader reads them (a family changes layouts here)."""
+        return weights
 
 
 # checkpoint prefixes, both layouts (the released one: model.layers / visual / lm_head; transformers 5's own:
