@@ -133,14 +133,26 @@ def make_qwen3_vl(root: Path, seed: int = 0, name: str = "qwen3_vl", **text_over
     return _make_qwen_vl(root, "qwen3_vl", seed, name, vision, {"head_dim": 16, **text_overrides})
 
 
+def make_qwen3_vl_moe(root: Path, seed: int = 0, name: str = "qwen3_vl_moe", **text_overrides) -> Path:
+    """Tiny Qwen3-VL-MoE: make_qwen3_vl's tower and a 2-layer Qwen3-MoE decoder (4 experts, top 2; 2 x
+    moe_intermediate_size != hidden_size, so the stacked experts' layout is told by shape)."""
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, deepstack_visual_indexes=[1, 2],
+                  hidden_act="gelu_pytorch_tanh")
+    text = {"head_dim": 16, "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1, **text_overrides}
+    return _make_qwen_vl(root, "qwen3_vl_moe", seed, name, vision, text)
+
+
 def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
     from tokenizers import AddedToken
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration)
+                              Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     config_cls, model_cls = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
-                             "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration)}[kind]
+                             "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)}[kind]
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
                                                           for t in QWEN_VL_TOKENS]})
@@ -188,7 +200,7 @@ def qwen_vl_processor(path: Path):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[kind]
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor}[kind]
     proc = cls.__new__(cls)
     tok = AutoTokenizer.from_pretrained(path)
     proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)

@@ -43,8 +43,10 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
         hf = ctx.config.hf
         self.hf, self.config = hf, ctx.text
         self.packed_modules = self.text_model_cls.packed_modules
+        if getattr(hf, "tie_word_embeddings", None) is not None:  # transformers 5 ties by the top-level flag, and
+            ctx.text.tie_word_embeddings = hf.tie_word_embeddings  # the decoder ties (and loads) by its config's
         self.visual = self.tower_cls(ctx, "visual", hf.vision_config)
-        self.language_model = self.text_model_cls(ctx, "language_model")
+        self.language_model = self.text_model_cls(ctx, "model")  # named as a text checkpoint: its loader reads it
         self.tied = tie_output_embeddings(self, hf)
 
     @classmethod

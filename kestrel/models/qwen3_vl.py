@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.layers.linear import materialize
 from kestrel.models.qwen import Qwen3ForCausalLM
+from kestrel.models.qwen_moe import Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM
 from kestrel.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_decoder
 from kestrel.models.vision.qwen3_vit import Qwen3VisionTransformer
 
 
-class Qwen3VLTextModel(mrope_decoder(Qwen3ForCausalLM, ([24, 20, 20], True))):
+class DeepStack:
+    """A decoder whose first layers' outputs take DeepStack levels (mixed into a Llama-style decoder class)."""
+
     def forward(self, input_ids, positions, ctx, inputs_embeds=None, deepstack=None) -> torch.Tensor:
         """`deepstack` [T, levels, hidden]: added to the first layers' outputs."""
         hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -23,6 +27,25 @@ class Qwen3VLTextModel(mrope_decoder(Qwen3ForCausalLM, ([24, 20, 20], True))):
                 hidden = hidden + deepstack[:, i]
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+MROPE = ([24, 20, 20], True)
+
+
+class Qwen3VLTextModel(DeepStack, mrope_decoder(Qwen3ForCausalLM, MROPE)):
+    pass
+
+
+class Qwen3VLMoeDecoderLayer(Qwen3MoeDecoderLayer):
+    norm_topk = True  # transformers' Qwen3-VL-MoE router always renormalises (its config has no norm_topk_prob)
+
+
+class Qwen3VLMoeDecoder(Qwen3MoeForCausalLM):
+    decoder_layer_cls = Qwen3VLMoeDecoderLayer
+
+
+class Qwen3VLMoeTextModel(DeepStack, mrope_decoder(Qwen3VLMoeDecoder, MROPE)):
+    pass
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
@@ -44,3 +67,18 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         deep = inputs_embeds[:, h:].view(t, self.levels, h) if self.levels else None
         return self.language_model(input_ids, positions, ctx, inputs_embeds=inputs_embeds[:, :h].contiguous(),
                                    deepstack=deep)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL on the Qwen3-MoE decoder. Its experts come stacked: transformers' own layout (gate_up [E, 2I, H],
+    down [E, H, I]) or, as the released checkpoints store them, each transposed; the latter is turned around."""
+    text_model_cls = Qwen3VLMoeTextModel
+
+    def text_weights(self, weights):
+        h, inter = self.config.hidden_size, self.config.moe_intermediate_size
+        for name, t in weights:
+            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+                stored = (h, 2 * inter) if name.endswith("gate_up_proj") else (inter, h)
+                if stored[0] != stored[1] and tuple(t.shape[1:]) == stored:
+                    t = materialize(t).transpose(1, 2)
+            yield name, t

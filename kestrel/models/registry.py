@@ -43,6 +43,7 @@ _MODELS = {
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("kestrel.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),

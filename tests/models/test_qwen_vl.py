@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL (DeepStack on) against transformers on tiny random checkpoints with transformers' own
-processor (CPU float32):
+"""Qwen2.5-VL, Qwen3-VL (DeepStack on) and Qwen3-VL-MoE against transformers on tiny random checkpoints with
+transformers' own processor (CPU float32):
 greedy tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes; prompt
 token ids (so lengths) equal the processor's; the prompt's M-RoPE positions and rope delta equal get_rope_index's;
 chunked prefill cutting through the images; a prefix-cache hit on a repeated image; n-gram speculative decoding.
@@ -16,7 +16,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.worker.addons.images import ImageEncoderCache
-from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, qwen_vl_processor
+from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, make_qwen3_vl_moe, qwen_vl_processor
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -28,9 +28,12 @@ SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): Qwen2.5-VL grids 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+MAKERS = {"qwen2_5_vl": make_qwen2_5_vl, "qwen3_vl": make_qwen3_vl, "qwen3_vl_moe": make_qwen3_vl_moe}
+
+
+@pytest.fixture(scope="module", params=list(MAKERS))
 def path(request, tmp_path_factory):
-    make = {"qwen2_5_vl": make_qwen2_5_vl, "qwen3_vl": make_qwen3_vl}[request.param]
+    make = MAKERS[request.param]
     return make(tmp_path_factory.mktemp(request.param))
 
 
@@ -193,3 +196,19 @@ def test_mm_processor_kwargs_reach_the_image_processor(path, images):
     out = greedy(llm, images, PROMPTS[2:])[0]
     assert out.prompt_token_ids == ref
     assert len(ref) < len(greedy(LLM(str(path), progress=False), images, PROMPTS[2:])[0].prompt_token_ids)
+
+
+def test_qwen3_vl_moe_reads_transposed_experts():
+    """The released Qwen3-VL-MoE checkpoints store each expert stack transposed (gate_up [E, H, 2I], down [E, I, H]);
+    transformers' own layout passes as it is."""
+    from types import SimpleNamespace
+
+    from kestrel.models.qwen3_vl import Qwen3VLMoeForConditionalGeneration
+
+    fake = SimpleNamespace(config=SimpleNamespace(hidden_size=8, moe_intermediate_size=3))
+    e = 2
+    gate_up, down = torch.randn(e, 6, 8), torch.randn(e, 8, 3)
+    names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    for stored in ([gate_up, down], [gate_up.transpose(1, 2), down.transpose(1, 2)]):
+        out = list(Qwen3VLMoeForConditionalGeneration.text_weights(fake, zip(names, stored)))
+        assert torch.equal(out[0][1], gate_up) and torch.equal(out[1][1], down)
