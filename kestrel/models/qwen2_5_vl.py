@@ -34,7 +34,7 @@ def image_grid(image: dict[str, torch.Tensor]) -> tuple[int, int, int]:
 
 
 class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
-    lora_stages = (("language_model.", "decoder"),)  # the tower and merger take no adapters
+    lora_stages = (("model.", "decoder"),)  # the decoder's layer names (a text checkpoint's); the tower takes none
     text_model_cls = Qwen2_5_VLTextModel
     tower_cls = Qwen2_5VisionTransformer
 
@@ -88,7 +88,13 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
         return self.visual(image["pixel_values"], image_grid(image))
 
     def lora_module_name(self, path: str) -> str | None:
-        return our_name(path)
+        """An adapter's module path -> our decoder layer's name; a tower module keeps its name (no LoRA layer has it:
+        the adapter is refused naming it)."""
+        name = our_name(path)
+        if not name.startswith("language_model."):
+            return name
+        rest = name[len("language_model."):]
+        return rest if rest.startswith("lm_head") else "model." + rest
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The decoder's tensors stream through its own loader (named as in a text checkpoint); the tower's, a
