@@ -37,6 +37,7 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
     lora_stages = (("model.", "decoder"),)  # the decoder's layer names (a text checkpoint's); the tower takes none
     text_model_cls = Qwen2_5_VLTextModel
     tower_cls = Qwen2_5VisionTransformer
+    max_pixels = 12845056  # Qwen2-VL's image processor default (3584 x 3584): 128 x 128 patches of 14
 
     def __init__(self, ctx: ModelContext, prefix: str = "model"):
         super().__init__()
@@ -78,9 +79,11 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
 
     # ---- runner side
     def dummy_image_inputs(self) -> dict[str, torch.Tensor]:
-        """The largest image the processor makes at its default max_pixels, as a square grid."""
+        """The largest image the family's processor makes by default (`max_pixels`), as a square grid (the memory
+        profile then holds room for any image; a lower --mm-processor-kwargs max_pixels is not read here)."""
         v = self.hf.vision_config
-        side = 2 * v.spatial_merge_size * 8
+        unit = v.patch_size * v.spatial_merge_size
+        side = int(self.max_pixels ** 0.5) // unit * v.spatial_merge_size
         width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
         return {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": torch.tensor([1, side, side])}
 

@@ -51,6 +51,7 @@ class Qwen3VLMoeTextModel(DeepStack, mrope_decoder(Qwen3VLMoeDecoder, MROPE)):
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
     text_model_cls = Qwen3VLTextModel
     tower_cls = Qwen3VisionTransformer
+    max_pixels = 16777216  # Qwen3-VL's processor default longest_edge (4096 x 4096): 256 x 256 patches of 16
 
     def __init__(self, ctx, prefix: str = "model"):
         super().__init__(ctx, prefix)
