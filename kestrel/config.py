@@ -297,6 +297,9 @@ class MultiModalConfig:
     media_fetch_timeout: float = _f(10.0, "seconds to fetch one image URL in all (connecting, redirects, body)")
     max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
     max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
+    mm_processor_kwargs: dict | None = _f(None, "keyword arguments of the checkpoint's HF processor, as a JSON "
+                                                "object (vLLM's flag), e.g. '{\"max_pixels\": 802816}' for "
+                                                "Qwen-VL", parse=parse_json_object)
     image_render_processes: int | None = _f(None, "server processes that load and preprocess images, each with "
                                                   "its own GIL and image processor (default: min(8, CPUs / 2)); 0: "
                                                   "the render threads do it in the server process")

@@ -71,7 +71,6 @@ COMPAT_FLAGS = (
                "with --kv-offloading-disk-size", lambda v: False),
     CompatFlag(("--hf-overrides",), "overriding config.json fields is not implemented (edit a copy of the "
                "checkpoint folder)", lambda v: False),
-    CompatFlag(("--mm-processor-kwargs",), "image-processor options are not implemented", lambda v: False),
     CompatFlag(("--middleware",), "extra ASGI middleware is not implemented", lambda v: False),
     CompatFlag(("--return-tokens-as-token-ids",), "token ids as logprob tokens are not implemented",
                lambda v: not v, _FLAG),

@@ -103,3 +103,109 @@ IMAGE_SIZES = [(90, 40), (33, 70), (64, 60)]
 
 def sample_images():
     return [make_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SIZES)]
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_overrides) -> Path:
+    """Tiny Qwen2.5-VL: a 4-block ViT (blocks 1 and 3 full attention, the others in windows of 2x2 merged tokens),
+    the 2x2 merger, a 2-layer decoder with sectioned M-RoPE. The processor's parts are saved one by one (its video
+    processor needs torchvision, which the CPU image may lack); qwen_vl_processor() rebuilds transformers' own
+    processor over them for image prompts. `text_overrides` go to the decoder's config (hidden_size 256 with
+    mrope_section [8, 12, 12]: head dim 64, the Triton kernels' smallest)."""
+    vision = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=48, num_heads=4,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, hidden_act="silu")
+    return _make_qwen_vl(root, "qwen2_5_vl", seed, name, vision, text_overrides)
+
+
+def make_qwen3_vl(root: Path, seed: int = 0, name: str = "qwen3_vl", **text_overrides) -> Path:
+    """Tiny Qwen3-VL: a 4-block ViT (16-pixel patches, a 6x6 learned position grid, DeepStack from blocks 1 and 2)
+    and a 2-layer Qwen3 decoder with interleaved M-RoPE."""
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, deepstack_visual_indexes=[1, 2],
+                  hidden_act="gelu_pytorch_tanh")
+    return _make_qwen_vl(root, "qwen3_vl", seed, name, vision, {"head_dim": 16, **text_overrides})
+
+
+def make_qwen3_vl_moe(root: Path, seed: int = 0, name: str = "qwen3_vl_moe", **text_overrides) -> Path:
+    """Tiny Qwen3-VL-MoE: make_qwen3_vl's tower and a 2-layer Qwen3-MoE decoder (4 experts, top 2; 2 x
+    moe_intermediate_size != hidden_size, so the stacked experts' layout is told by shape)."""
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, deepstack_visual_indexes=[1, 2],
+                  hidden_act="gelu_pytorch_tanh")
+    text = {"head_dim": 16, "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1, **text_overrides}
+    return _make_qwen_vl(root, "qwen3_vl_moe", seed, name, vision, text)
+
+
+def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
+    from tokenizers import AddedToken
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config_cls, model_cls = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+                             "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)}[kind]
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t in QWEN_VL_TOKENS]})
+    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    patch = vision["patch_size"]
+    image_proc = Qwen2VLImageProcessorPil(min_pixels=(2 * patch) ** 2 * 4, max_pixels=(2 * patch) ** 2 * 30,
+                                          patch_size=patch, temporal_patch_size=2, merge_size=2)
+    vocab = len(tok)
+    section = text_overrides.pop("mrope_section", [2, 3, 3])
+    text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+            **text_overrides}
+    vision = {**vision, "out_hidden_size": text["hidden_size"]}
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    model = model_cls(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "self_attn" in pname or "merger" in pname:
+                p.normal_(0, 0.3)  # sharp attention and loud image rows: the outputs depend on the images
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+    out = root / name
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_proc.save_pretrained(out)
+    return out
+
+
+def qwen_vl_processor(path: Path):
+    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
+    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor}[kind]
+    proc = cls.__new__(cls)
+    tok = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)
+    proc.chat_template = None
+    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
+    proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
+    proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    return proc

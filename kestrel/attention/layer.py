@@ -86,7 +86,7 @@ class Attention(nn.Module):
         q_norm, k_norm = self._qk_norms
         fuse = getattr(self.impl, "fuses_qkv_prologue", False) and not self.calibrate_kv_scales
         if fuse and self.plain_prologue:
-            out = self.impl.forward_qkv(qkv, positions, self.rotary.cos_sin_cache, q_norm, k_norm, self.kv_cache, meta)
+            out = self.impl.forward_qkv(qkv, *self.rotary.cos_sin_for(positions), q_norm, k_norm, self.kv_cache, meta)
             return out.reshape(t, self.q_size)
         q, *kv = qkv.split(self.qkv_split, dim=-1)
         k = kv[0] if kv else None

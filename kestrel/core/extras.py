@@ -11,6 +11,7 @@ import msgspec
 
 from kestrel.core.multimodal import MMFeature, block_extra
 from kestrel.core.pooling import PoolingParams
+from kestrel.core.positions import PromptPositions
 from kestrel.errors import InvalidRequest
 
 
@@ -22,6 +23,9 @@ class RequestExtras(msgspec.Struct, frozen=True, omit_defaults=True):
     bidirectional_len: int = 0
     cache_salt: str = ""  # mixed into every KV block hash: requests with different salts never share blocks
     pooling: PoolingParams | None = None  # a pooling request (embedding, class scores): no sampling, see core/pooling.py
+    # the prompt's positions where they are not its token indices (M-RoPE with images: core/positions.py). Not in
+    # block_salt: they follow from the tokens and the images, which the block hashes cover already.
+    positions: PromptPositions | None = None
 
     def block_salt(self, start: int, end: int) -> bytes:
         """What the KV of tokens [start, end) depends on beyond the tokens and the earlier blocks, except a

@@ -35,15 +35,28 @@ def as_image_list(images, param: str = "multi_modal_data") -> list:
 
 
 class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config, model_cls, limit_per_prompt: int, trust_remote_code: bool = False):
+    def __init__(self, model_path: str, hf_config, model_cls, limit_per_prompt: int, trust_remote_code: bool = False,
+                 processor_kwargs: dict | None = None):
+        """`processor_kwargs` (--mm-processor-kwargs) go to the HF processor's from_pretrained (Qwen-VL's
+        min_pixels / max_pixels reach its image processor there)."""
         from transformers import AutoProcessor
 
         self.hf_config = hf_config
         self.model_cls = model_cls
         self.bidirectional_prefix = has_bidirectional_prefix(model_cls)  # the prefix length comes from token types
         self.limit_per_prompt = limit_per_prompt
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.image_token_id = image_token_id(hf_config)
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                           **(processor_kwargs or {}))
+        except ImportError as e:  # an optional package of a part images do not use (Qwen-VL's video processor)
+            from kestrel.frontend.image_only_processor import ImageOnlyProcessor
+
+            logger.warning("the checkpoint's processor needs a missing package (%s); serving images only, through "
+                           "its image processor and tokenizer", str(e).strip().splitlines()[0])
+            self.processor = ImageOnlyProcessor.from_pretrained(model_path, hf_config, model_cls, self.image_token_id,
+                                                                str(e).strip().splitlines()[0], trust_remote_code,
+                                                                processor_kwargs)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.pixel_dtype: torch.dtype | None = None  # set by a server: the engine's model dtype (see _features)
         self._owner = threading.get_ident()  # the thread that may use self.processor itself

@@ -13,6 +13,7 @@ from kestrel.frontend.detokenizer import IncrementalDetokenizer
 from kestrel.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreRequest
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.positions import ONE_D, PositionScheme
 from kestrel.core.pooling import PoolingParams
 from kestrel.frontend.pooling import check_request_kind
 from kestrel.core.sampling_params import SamplingParams, check_bad_words
@@ -74,9 +75,8 @@ def check_fits_kv_cache(num_prompt_tokens: int, max_prompt_tokens: int) -> None:
                              f"{max_prompt_tokens} tokens", param="prompt", code="context_length_exceeded")
 
 
-def mm_model_class(config, hf_config=None):
-    """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
-    from kestrel.models.interfaces import supports_images
+def model_class(config, hf_config=None):
+    """(checkpoint path, HF config, model class) of the engine's checkpoint; None for a GGUF file."""
     from kestrel.loader import default_model_path, load_hf_config
     from kestrel.models.registry import get_model_class
 
@@ -85,8 +85,23 @@ def mm_model_class(config, hf_config=None):
     if path.endswith(".gguf"):
         return None
     hf_config = hf_config or load_hf_config(path, m.trust_remote_code)
-    model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
-    return (path, hf_config, model_cls) if supports_images(model_cls) else None
+    return path, hf_config, get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
+
+
+def mm_model_class(config, hf_config=None):
+    """(checkpoint path, HF config, model class) of a multimodal checkpoint; None for text-only models."""
+    from kestrel.models.interfaces import supports_images
+
+    found = model_class(config, hf_config)
+    return found if found is not None and supports_images(found[2]) else None
+
+
+def model_position_scheme(config, hf_config=None) -> PositionScheme:
+    """How the engine's model computes a prompt's positions (kestrel/core/positions.py)."""
+    from kestrel.models.interfaces import position_scheme
+
+    found = model_class(config, hf_config)
+    return ONE_D if found is None else position_scheme(found[2], found[1])
 
 
 NO_IMAGES = "this model does not take images"
@@ -95,15 +110,8 @@ NO_IMAGES = "this model does not take images"
 def images_refusal(config, hf_config=None) -> str:
     """Why a text-only engine refuses images: the model class's own reason where it has one (a vision-language
     checkpoint served for its text part: `images_refused`), else that the model takes none."""
-    from kestrel.loader import default_model_path, load_hf_config
-    from kestrel.models.registry import get_model_class
-
-    path = config.model.model or default_model_path()
-    if path.endswith(".gguf"):
-        return NO_IMAGES
-    hf_config = hf_config or load_hf_config(path, config.model.trust_remote_code)
-    model_cls = get_model_class((getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0])
-    reason = getattr(model_cls, "images_refused", None)
+    found = model_class(config, hf_config)
+    reason = getattr(found[2], "images_refused", None) if found is not None else None
     return f"{NO_IMAGES}: {reason}" if reason else NO_IMAGES
 
 
@@ -116,7 +124,7 @@ def make_mm_processor(config, hf_config=None):
         return None
     path, hf_config, model_cls = found
     return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt,
-                               config.model.trust_remote_code)
+                               config.model.trust_remote_code, config.multimodal.mm_processor_kwargs)
 
 
 def default_image_render_workers() -> int:
@@ -134,9 +142,11 @@ class InputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, max_logprobs: int = 20, default_max_tokens: int | None = None, chat_template: str | None = None,
                  mm=None, max_num_batched_tokens: int | None = None, pooling: dict | None = None,
-                 max_prompt_tokens: int | None = None, images_refused: Callable[[], str] = lambda: NO_IMAGES):
+                 max_prompt_tokens: int | None = None, images_refused: Callable[[], str] = lambda: NO_IMAGES,
+                 positions: PositionScheme = ONE_D):
         """`pooling`: a pooling engine's facts (kestrel/core/pooling.py pooling_facts; None: a generative one).
-        `max_prompt_tokens`: the longest prompt the engine's KV cache admits (None: not checked here)."""
+        `max_prompt_tokens`: the longest prompt the engine's KV cache admits (None: not checked here).
+        `positions`: the model's position scheme, which computes a prompt's positions with it."""
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.pooling = pooling
@@ -148,6 +158,7 @@ class InputProcessor:
         self.chat_template = chat_template
         self.mm = mm
         self.images_refused = images_refused  # the 400's message for images to a text-only model (asked then)
+        self.positions = positions
 
     @classmethod
     def for_engine(cls, config, tokenizer, max_model_len: int, vocab_size: int, max_prompt_tokens: int, mm=None,
@@ -155,7 +166,8 @@ class InputProcessor:
         """The input processor of an engine (the sync or the async one) with these facts, under its config."""
         return cls(tokenizer, max_model_len, vocab_size, config.model.max_logprobs, mm=mm,
                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens, pooling=pooling,
-                   max_prompt_tokens=max_prompt_tokens, images_refused=lambda: images_refusal(config, hf_config))
+                   max_prompt_tokens=max_prompt_tokens, images_refused=lambda: images_refusal(config, hf_config),
+                   positions=model_position_scheme(config, hf_config))
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -301,6 +313,9 @@ class InputProcessor:
                     extras.check_step_budget(self.max_num_batched_tokens)
         if self.max_prompt_tokens is not None:
             check_fits_kv_cache(len(ids), self.max_prompt_tokens)
+        positions = self.positions.prompt_positions(ids, extras.mm_features)
+        if positions is not None:
+            extras = msgspec.structs.replace(extras, positions=positions)
         arrival = arrival_time or time.monotonic()
         reqs = []
         for i in range(params.n):

@@ -41,12 +41,43 @@ def inv_freq_for(hf_config, head_dim: int, max_positions: int,
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
 
 
+def mrope_rows(sections: list[int], interleaved: bool, half: int) -> torch.Tensor:
+    """Which position row (0 time, 1 height, 2 width) drives each of the `half` rotary frequencies under M-RoPE:
+    sectioned (Qwen2.5-VL, GLM-4.xV: the first sections[0] frequencies read row 0, the next sections[1] row 1,
+    then row 2) or interleaved (Qwen3-VL, Qwen3.5: t, h, w, t, h, w, ... while each row has frequencies left,
+    then row 0)."""
+    if interleaved:
+        rows = [0] * half
+        for row in (1, 2):
+            for j in range(row, min(3 * sections[row], half), 3):
+                rows[j] = row
+        return torch.tensor(rows, dtype=torch.int64)
+    if sum(sections) != half:
+        raise ValueError(f"mrope_section {sections} covers {sum(sections)} of the rotary's {half} frequencies")
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+
+
+def mrope_option(hf_config, default: tuple[list[int], bool] | None = None) -> tuple[list[int], bool] | None:
+    """(sections, interleaved): the config's `mrope_section` (and `mrope_interleaved`) over the family's default
+    (transformers' Qwen-VL classes fall back to theirs where the config has none); None: not M-RoPE."""
+    params = _rope_params(hf_config)
+    sections = params.get("mrope_section")
+    if not sections:
+        return default
+    return list(sections), bool(params.get("mrope_interleaved", default[1] if default else False))
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding, the HF Llama/Qwen convention; `interleaved` rotates adjacent
-    pairs (x0, x1), (x2, x3), ... instead (GPT-J style, DeepSeek's MLA)."""
+    pairs (x0, x1), (x2, x3), ... instead (GPT-J style, DeepSeek's MLA).
+
+    `mrope` (sections, interleaved): multimodal RoPE. Positions may then be [3, T] (time, height, width rows;
+    kestrel/core/positions.py) and each frequency takes its angle from its row (mrope_rows); [T] positions are
+    the three rows equal, i.e. plain RoPE."""
 
     def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype,
-                 layer_type: str | None = None, interleaved: bool = False):
+                 layer_type: str | None = None, interleaved: bool = False,
+                 mrope: tuple[list[int], bool] | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.interleaved = interleaved
@@ -58,6 +89,25 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)  # [max_pos, rot_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.dtype = dtype
+        self.mrope = mrope
+        self._last = (None, None)  # the last [3, T] positions tensor and its (index, table)
+        if mrope is not None:
+            rows = mrope_rows(mrope[0], mrope[1], self.rot_dim // 2).to(inv_freq.device)
+            self.register_buffer("_mrope_rows", torch.cat([rows, rows])[None, :], persistent=False)
+
+    def cos_sin_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, table) such that table[positions] is each token's cos|sin row, the form the fused kernels
+        read: the shared cache itself for [T] positions; for [3, T] M-RoPE positions, each token's own row
+        gathered from its three (the kernels then index it by 0..T-1)."""
+        if positions.dim() == 1:
+            return positions, self.cos_sin_cache
+        if positions is self._last[0]:  # the layers of one forward share this rotary and its positions tensor
+            return self._last[1]
+        rows = self.cos_sin_cache[positions]  # [3, T, rot_dim]
+        t = positions.shape[1]
+        table = rows.gather(0, self._mrope_rows.expand(t, -1)[None]).squeeze(0)
+        self._last = (positions, (torch.arange(t, device=positions.device), table))
+        return self._last[1]
 
     def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim:]
@@ -76,13 +126,15 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
         ops = fused_ops_for(q)
         if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.rot_dim, not self.interleaved)
+            index, table = self.cos_sin_for(positions)
+            ops.rotary_embedding_(index, q, k, table, self.rot_dim, not self.interleaved)
             return q, k
         return self.rotate_copies(positions, q, k)
 
     def rotate_copies(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotated copies of any number of [T, H, D] tensors (also one alone: a key without its query)."""
-        cs = self.cos_sin_cache[positions]
+        index, table = self.cos_sin_for(positions)
+        cs = table[index]
         cos, sin = cs.chunk(2, dim=-1)
         if self.interleaved:
             cos, sin = cos[:, None, :], sin[:, None, :]

@@ -12,6 +12,9 @@ checks that every registered class declares consistently.
   `dummy_image_inputs`); see kestrel/models/multimodal.py.
 - `HasBidirectionalPrefix`: a request's prefix (image + prompt, RequestExtras.bidirectional_len) attends both
   ways (PaliGemma). Its attention backend must declare `supports_bidirectional_prefix`.
+- `HasPositionScheme`: its positions are not the token index (M-RoPE): `position_scheme(hf_config)` says how the
+  frontend computes a prompt's and how many rows the runner stages per token (kestrel/core/positions.py); every
+  other model gets ONE_D.
 - `EncoderOnly`: a bidirectional encoder (BERT, XLM-R) served as a pooling model: the whole prompt is its
   bidirectional prefix (the frontend sets it), so the scheduler computes it in one step; it has no prefix caching
   (the pooler reads every prompt token's hidden state); `default_pooling` is its pooling without a
@@ -21,6 +24,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
+from kestrel.core.positions import ONE_D, PositionScheme
 
 
 class SupportsLoRA:
@@ -60,6 +65,12 @@ class HasBidirectionalPrefix:
     pass
 
 
+class HasPositionScheme:
+    @classmethod
+    def position_scheme(cls, hf_config) -> PositionScheme:
+        raise NotImplementedError
+
+
 class EncoderOnly(HasBidirectionalPrefix):
     default_pooling: ClassVar[str] = "cls"
 
@@ -75,6 +86,12 @@ def supports_images(model) -> bool:
 
 def has_bidirectional_prefix(model) -> bool:
     return _is(model, HasBidirectionalPrefix)
+
+
+def position_scheme(model, hf_config) -> PositionScheme:
+    """The model's position scheme (`model`: a class or an instance)."""
+    cls = model if isinstance(model, type) else type(model)
+    return cls.position_scheme(hf_config) if _is(cls, HasPositionScheme) else ONE_D
 
 
 def is_encoder_only(model) -> bool:

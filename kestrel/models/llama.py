@@ -13,7 +13,7 @@ from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import Linear, materialize
 from kestrel.layers.norm import AllHeadsRMSNorm, ResidualAdd, RMSNorm
 from kestrel.layers.norm_linear import NormLinear
-from kestrel.layers.rotary import QueryScale, RotaryEmbedding, rope_fraction
+from kestrel.layers.rotary import QueryScale, RotaryEmbedding, mrope_option, rope_fraction
 from kestrel.models.interfaces import SupportsLoRA
 from kestrel.models.context import ModelContext, layer_index
 from kestrel.models.weights import load_named_weights
@@ -73,8 +73,9 @@ class LlamaAttention(nn.Module):
       q/k norm: `use_qk_norm` per head (Qwen3), `qk_norm_all_heads` (one norm over all heads: Olmo 3, MiniMax-M2;
         all-reduced under tensor parallelism), `qk_norm_after_rope` (Hunyuan), `norm_cls` (an unweighted L2Norm:
         Llama 4), `qk_norm_names` (the checkpoint's module names)
-      rotary: `rope_interleaved` (GPT-J pairs: ERNIE 4.5, Llama 4), a share of each head (`partial_rotary_factor`,
-        or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
+      rotary: `rope_interleaved` (GPT-J pairs: ERNIE 4.5, Llama 4), M-RoPE where rope_parameters carry
+        `mrope_section` or the family has `mrope_default` (sections, interleaved), a share of each head
+        (`partial_rotary_factor`, or `rope_fraction_default`), per layer type (rope_parameters keyed by `layer_types`: Olmo 3), none on NoPE
         layers (`no_rope_layers`)
       sliding window per layer (sliding_window_of), chunked local attention (`layer_types` "chunked_attention":
         Llama 4), query scaling by position (QueryScale: Ministral 3, Llama 4)
@@ -92,6 +93,7 @@ class LlamaAttention(nn.Module):
     norm_cls = RMSNorm
     rope_interleaved = False
     rope_fraction_default = 1.0
+    mrope_default: tuple[list[int], bool] | None = None
     output_gate = False
     attention_sinks = False
 
@@ -146,7 +148,8 @@ class LlamaAttention(nn.Module):
         kind = kind if kind in params else None
         dim = getattr(cfg, "rotary_dim", None) or int(head_dim * rope_fraction(cfg, self.rope_fraction_default))
         return ctx.shared("rotary" if kind is None else f"rotary.{kind}", lambda: RotaryEmbedding(
-            cfg, dim, ctx.max_positions, ctx.dtype, layer_type=kind, interleaved=self.rope_interleaved))
+            cfg, dim, ctx.max_positions, ctx.dtype, layer_type=kind, interleaved=self.rope_interleaved,
+            mrope=mrope_option(cfg, self.mrope_default)))
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """A tensor of this module itself (not of a projection): the attention sinks, this rank's heads."""

@@ -47,6 +47,9 @@ _MODELS = {
     "GlmMoeDsaForCausalLM": ("kestrel.models.deepseek_v32", "GlmMoeDsaForCausalLM"),
     "PaliGemmaForConditionalGeneration": ("kestrel.models.paligemma", "PaliGemmaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("kestrel.models.llava_next", "LlavaNextForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("kestrel.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),

@@ -75,14 +75,16 @@ def engine_refusals(config) -> list[str]:
     return out
 
 
-def model_refusals(model, kv_cache_groups) -> list[str]:
-    """What the loaded model has that speculative decoding does not support yet: image inputs, and caches that
-    cannot roll back past rejected drafts (per-request recurrent state)."""
-    from kestrel.models.interfaces import supports_images
+def model_refusals(model, kv_cache_groups, method: str = "ngram") -> list[str]:
+    """What the loaded model has that speculative decoding does not support yet: image inputs beyond n-gram drafts
+    on a causal decoder (a draft model would read image rows' hidden states; a bidirectional prefix is not
+    verified), and caches that cannot roll back past rejected drafts (per-request recurrent state). n-gram drafts
+    on an image model come after the prompt, so no step verifies image rows."""
+    from kestrel.models.interfaces import has_bidirectional_prefix, supports_images
 
     out = []
-    if supports_images(model):
-        out.append("image inputs (a multimodal model)")
+    if supports_images(model) and (method in RUNNER_METHODS or has_bidirectional_prefix(model)):
+        out.append("image inputs (a multimodal model) other than n-gram drafts on a causal decoder")
     stateful = sorted({type(g.spec).__name__ for g in kv_cache_groups if g.spec.state_parts()})
     if stateful:
         out.append(f"recurrent-state caches ({', '.join(stateful)})")

@@ -5,7 +5,8 @@ kestrel/spec_decode/drafters.py): after each forward it keeps the step's capture
 collect it drafts for the next step, and it binds, profiles and captures its draft model at start-up."""
 from __future__ import annotations
 
-from kestrel.spec_decode.config import SpeculativeConfig, model_refusals, refuse
+from kestrel.models.interfaces import position_scheme
+from kestrel.spec_decode.config import RUNNER_METHODS, SpeculativeConfig, model_refusals, refuse
 from kestrel.spec_decode.verify_graphs import capture_verify_graphs
 from kestrel.worker.addons.base import StepAddon
 
@@ -18,7 +19,7 @@ class VerifySteps(StepAddon):
         self.cfg = cfg
 
     def bind(self, model, kv_cache_groups, builders, block_rows) -> None:
-        refuse(model_refusals(model, kv_cache_groups))
+        refuse(model_refusals(model, kv_cache_groups, self.cfg.method))
 
     def graph_sets(self, parts, decode_graphs) -> list:
         verify = capture_verify_graphs(parts, self.cfg, decode_graphs)
@@ -71,6 +72,10 @@ def runner_addons(config, loaded, device, dtype, max_step_tokens: int) -> list[S
         return []
     from kestrel.spec_decode.drafters import build_drafter  # its drafters subclass DrafterAddon
 
+    rows = position_scheme(loaded.model, loaded.config.hf).rows
+    if cfg.method in RUNNER_METHODS and rows > 1:
+        refuse([f"method {cfg.method!r} on a model of {rows} position rows (M-RoPE: the draft layer's rotary reads "
+                "token indices; method 'ngram' works)"])
     drafter = build_drafter(cfg, loaded.model, loaded.config.text, loaded.context, loaded.path, device, dtype,
                             max_step_tokens)
     return [drafter if drafter is not None else VerifySteps(cfg)]

@@ -49,7 +49,7 @@ class VerifyGraphs(DecodeGraphs):
         """Rows b..padded of the buffers become self-contained dummy requests."""
         buf, q = self.buf, self.q
         buf.input_ids[b * q:padded * q].zero_()
-        buf.positions[b * q:padded * q].copy_(self.pad_positions[:(padded - b) * q])
+        buf.positions[..., b * q:padded * q].copy_(self.pad_positions[:(padded - b) * q])
         buf.query_start_loc[b + 1:padded + 1].copy_(self.starts[b + 1:padded + 1])
         buf.seq_lens[b:padded].fill_(q)
         buf.slot_mapping[:, b * q:padded * q].fill_(-1)
@@ -61,7 +61,7 @@ class VerifyGraphs(DecodeGraphs):
     def run(self, b: int) -> torch.Tensor:
         """One eager forward of the padded batch `b` from the buffers; its logits at every token."""
         n = b * self.q
-        hidden = self.model(self.buf.input_ids[:n], self.buf.positions[:n], self._context(b))
+        hidden = self.model(self.buf.input_ids[:n], self.buf.positions[..., :n], self._context(b))
         return self.model.compute_logits(hidden)
 
     def replay(self, b: int, padded: int) -> torch.Tensor:

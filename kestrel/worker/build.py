@@ -22,6 +22,7 @@ from kestrel.core.device import pick_device
 from kestrel.core.kv_spec import cdiv
 from kestrel.core.pooling import pooling_task
 from kestrel.loader import LoadedModel, load_model
+from kestrel.models.interfaces import position_scheme
 from kestrel.worker import kv_allocation
 from kestrel.worker.addons import HOOKS, build_addons, overriding
 from kestrel.worker.attention_binding import bind_attention, max_step_tokens, step_metadata
@@ -82,7 +83,12 @@ class RunnerParts:
     def new_buffers(self, max_tokens: int | None = None, max_reqs: int = 0) -> InputBuffers:
         return InputBuffers(max_tokens or self.max_step_tokens, max(max_reqs, self.config.scheduler.max_num_seqs),
                             cdiv(self.max_model_len, self.block_size), self.device, self.block_size,
-                            len(self.kv_cache_groups))
+                            len(self.kv_cache_groups), self.position_rows)
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of positions per token the model's rotary reads (its position scheme: kestrel/core/positions.py)."""
+        return position_scheme(self.model, self.loaded.config.hf).rows
 
     def allocate_kv_cache(self, num_blocks: int) -> list:
         """Every layer's cache of `num_blocks` blocks (set on the layers); returns the caches."""

@@ -90,7 +90,7 @@ class DecodeGraphs(_DecodeSteps):
         ctx = self._context(b)
         for builder, meta in zip(self.parts.builders, ctx.attn_metadata):
             builder.update_captured(meta)
-        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[:b], ctx)
+        hidden = self.model(self.buf.input_ids[:b], self.buf.positions[..., :b], ctx)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -136,7 +136,7 @@ class DecodeGraphs(_DecodeSteps):
         buf = self.buf
         if padded > b:
             buf.input_ids[b:padded].zero_()
-            buf.positions[b:padded].zero_()
+            buf.positions[..., b:padded].zero_()
             buf.query_start_loc[b + 1:padded + 1].copy_(self.arange[b + 1:padded + 1])
             for builder, meta in zip(self.parts.builders, self._context(padded).attn_metadata):
                 builder.prepare_replay(meta, b, padded)

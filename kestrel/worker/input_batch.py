@@ -5,7 +5,10 @@ tokens and sampling parameters; its block ids per KV-cache group are a row of `B
 when the deltas add blocks. `InputBuffers` holds host-side numpy staging (pinned on CUDA) and device tensors of
 fixed capacity, so a step writes into the same memory every time (no per-step allocation; CUDA graphs replay
 from it). Each KV-cache group has its own block table and slot mapping (slot = block * block_size + offset);
-all groups' are staged together, gathered from the rows in one numpy pass, and copied in one transfer each."""
+all groups' are staged together, gathered from the rows in one numpy pass, and copied in one transfer each.
+`positions` is what the model's rotary reads: [max_tokens] token indices, or [rows, max_tokens] for a model whose
+position scheme has several rows (M-RoPE; kestrel/core/positions.py); the slots always follow the token index
+(`pos_np`). Readers slice it as positions[..., :n]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +17,7 @@ import numpy as np
 import torch
 
 from kestrel.core.extras import NO_EXTRAS, RequestExtras
+from kestrel.core.positions import stage_rows
 from kestrel.core.step import PLACEHOLDER, NewRequestData, ScheduledChunk, TokenSequence
 from kestrel.core.sampling_params import SamplingParams
 
@@ -27,11 +31,15 @@ class RequestState(TokenSequence):
     min_tokens_stop_ids: list[int]
     extras: RequestExtras = NO_EXTRAS  # the request's features (the runner's add-ons read them)
     table_row: int = -1  # its row of the runner's BlockTableRows
+    prompt_positions: np.ndarray | None = None  # [rows, T] where the prompt's positions are not its indices
+    rope_delta: int = 0  # added to the index of every token past them
 
     @classmethod
     def from_new(cls, r: NewRequestData, table_row: int) -> "RequestState":
+        p = r.extras.positions
         return cls(r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                   r.min_tokens_stop_ids, r.extras, table_row=table_row)
+                   r.min_tokens_stop_ids, r.extras, table_row=table_row,
+                   prompt_positions=None if p is None else p.array(), rope_delta=0 if p is None else p.delta)
 
 
 class BlockTableRows:
@@ -77,11 +85,15 @@ def _pair(shape, dtype, device, pin):
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, device: torch.device,
-                 block_size: int, num_groups: int = 1):
+                 block_size: int, num_groups: int = 1, position_rows: int = 1):
         self.device = device
         pin = device.type == "cuda"
         self.ids_h, self.ids_np, self.input_ids = _pair(max_tokens, torch.int64, device, pin)
         self.pos_h, self.pos_np, self.positions = _pair(max_tokens, torch.int64, device, pin)
+        self.position_rows = position_rows
+        if position_rows > 1:  # staged compactly as [rows, num_tokens] (one contiguous copy), as the slots are
+            self.rows_h, self.rows_np, self.rows_flat = _pair(position_rows * max_tokens, torch.int64, device, pin)
+            self.positions = torch.zeros((position_rows, max_tokens), dtype=torch.int64, device=device)
         self.qsl_h, self.qsl_np, self.query_start_loc = _pair(max_reqs + 1, torch.int32, device, pin)
         self.sl_h, self.sl_np, self.seq_lens = _pair(max_reqs, torch.int32, device, pin)
         # Per group g: block_tables[g] [max_reqs, max_blocks] and slot_mapping[g] [max_tokens] on the device. A
@@ -127,7 +139,31 @@ class InputBuffers:
             t += n
             qsl[b + 1] = t
             sl[b] = start + n
+        if self.position_rows > 1:
+            self._stage_rows(chunks, states, t)
         return t, num_decodes, k
+
+    def _stage_rows(self, chunks: list[ScheduledChunk], states: list[RequestState], num_tokens: int) -> None:
+        """Every token's position rows: its index + its request's delta (one vectorised pass: decode rows), then
+        the prompt's own rows where a chunk reaches into them."""
+        rows = self.staged_rows(num_tokens)
+        counts = [c.num_new_tokens for c in chunks]
+        rows[:] = self.pos_np[:num_tokens] + np.repeat([st.rope_delta for st in states], counts)
+        t = 0
+        for c, st, n in zip(chunks, states, counts):
+            p = st.prompt_positions
+            if p is not None and c.num_computed_tokens < p.shape[1]:
+                stage_rows(rows[:, t:t + n], p, st.rope_delta, c.num_computed_tokens)
+            t += n
+
+    def staged_rows(self, num_tokens: int) -> np.ndarray:
+        """[rows, num_tokens] host staging of this step's position rows (a scheme of several rows)."""
+        return self.rows_np[:self.position_rows * num_tokens].reshape(self.position_rows, num_tokens)
+
+    def index_positions(self, num_tokens: int) -> None:
+        """Every position row of the first tokens is its staged index (dummy batches: profiling, warm-up)."""
+        if self.position_rows > 1:
+            self.staged_rows(num_tokens)[:] = self.pos_np[:num_tokens]
 
     def staged_slots(self, num_tokens: int) -> np.ndarray:
         """[groups, num_tokens] host staging of this step's slot mappings."""
@@ -150,7 +186,12 @@ class InputBuffers:
     def copy_to_device(self, num_tokens: int, num_reqs: int, width: int) -> None:
         nb = self.device.type == "cuda"
         self.input_ids[:num_tokens].copy_(self.ids_h[:num_tokens], non_blocking=nb)
-        self.positions[:num_tokens].copy_(self.pos_h[:num_tokens], non_blocking=nb)
+        if self.position_rows > 1:
+            n = self.position_rows * num_tokens
+            self.rows_flat[:n].copy_(self.rows_h[:n], non_blocking=nb)
+            self.positions[:, :num_tokens].copy_(self.rows_flat[:n].view(self.position_rows, num_tokens))
+        else:
+            self.positions[:num_tokens].copy_(self.pos_h[:num_tokens], non_blocking=nb)
         self.query_start_loc[:num_reqs + 1].copy_(self.qsl_h[:num_reqs + 1], non_blocking=nb)
         self.seq_lens[:num_reqs].copy_(self.sl_h[:num_reqs], non_blocking=nb)
         g, n = self.num_groups, num_tokens * self.num_groups

@@ -53,11 +53,12 @@ def dummy_prefill_batch(parts, n: int):
     buf.sl_np[:len(lens)] = lens
     buf.ids_np[:n] = 0
     buf.pos_np[:n] = np.concatenate([np.arange(length) for length in lens])
+    buf.index_positions(n)
     buf.staged_slots(n)[:] = -1
     buf.staged_block_tables(len(lens), per_seq)[:] = np.arange(per_seq * len(lens)).reshape(len(lens), per_seq)
     buf.copy_to_device(n, len(lens), per_seq)
     ctx = step_metadata(parts.builders, buf, n, len(lens), 0, seq, seq, per_seq, qsl.tolist(), lens)
-    return buf.input_ids[:n], buf.positions[:n], ctx
+    return buf.input_ids[:n], buf.positions[..., :n], ctx
 
 
 def profile_peak_bytes(parts) -> int:

@@ -247,7 +247,7 @@ class ModelRunner:
             logits = self._replay_graph(chunks, states, meta)
             if logits is not None:
                 return logits, None
-        hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[:meta.num_tokens],
+        hidden = self.model(self.buffers.input_ids[:meta.num_tokens], self.buffers.positions[..., :meta.num_tokens],
                             ctx, inputs_embeds=inputs_embeds)
         for pool in self._hooks["pool"]:  # rows that end in a pooler, not the sampler
             out.pooled.update(pool(chunks, states, hidden, qsl))

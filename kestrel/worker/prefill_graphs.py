@@ -82,7 +82,7 @@ class PrefillGraphs(DecodeGraphs):
         """Tokens n..q-1 of the buffers become the pad request; logits at token n - 1."""
         buf = self.buf
         buf.input_ids[n:q].zero_()
-        buf.positions[n:q].copy_(self.pad_positions[:q - n])
+        buf.positions[..., n:q].copy_(self.pad_positions[:q - n])
         buf.query_start_loc[2:3].fill_(q)
         buf.seq_lens[1:2].fill_(q - n)
         buf.slot_mapping[:, n:q].fill_(-1)
@@ -93,7 +93,7 @@ class PrefillGraphs(DecodeGraphs):
         buf = self.buf
         buf.query_start_loc[:2].copy_(self.arange[:2])
         buf.seq_lens[:1].fill_(1)
-        buf.positions[:1].zero_()
+        buf.positions[..., :1].zero_()
         buf.slot_mapping[:, :1].fill_(-1)
         self._pad(1, q)
 
@@ -104,7 +104,7 @@ class PrefillGraphs(DecodeGraphs):
         ctx = self._context(q)
         for builder, meta in zip(self.parts.builders, ctx.attn_metadata):
             builder.update_captured(meta)
-        hidden = self.model(self.buf.input_ids[:q], self.buf.positions[:q], ctx)
+        hidden = self.model(self.buf.input_ids[:q], self.buf.positions[..., :q], ctx)
         return self.model.compute_logits(hidden.index_select(0, self.last))
 
     def replay(self, n: int, q: int) -> torch.Tensor:

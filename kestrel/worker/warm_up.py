@@ -131,8 +131,9 @@ def _forward(parts, num_reqs: int, q_len: int, decodes: bool = False) -> torch.T
     buf.sl_np[:num_reqs] = q_len
     buf.ids_np[:n] = 0
     buf.pos_np[:n] = np.tile(np.arange(q_len), num_reqs)
+    buf.index_positions(n)
     buf.staged_slots(n)[:] = -1
     buf.staged_block_tables(num_reqs, width)[:] = 0
     buf.copy_to_device(n, num_reqs, width)
     ctx = parts.metadata(n, num_reqs, num_reqs if decodes else 0, q_len, q_len, width, qsl, [q_len] * num_reqs)
-    return parts.model(buf.input_ids[:n], buf.positions[:n], ctx)
+    return parts.model(buf.input_ids[:n], buf.positions[..., :n], ctx)

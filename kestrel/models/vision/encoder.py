@@ -42,15 +42,18 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, ctx, prefix: str, cfg):
+    """fc1 -> activation -> fc2 over any leading dims; `names`: the two linears' checkpoint names."""
+
+    def __init__(self, ctx, prefix: str, cfg, names: tuple[str, str] = ("fc1", "fc2")):
         super().__init__()
-        self.fc1 = vision_linear(ctx, cfg.hidden_size, cfg.intermediate_size, f"{prefix}.fc1")
-        self.fc2 = vision_linear(ctx, cfg.intermediate_size, cfg.hidden_size, f"{prefix}.fc2")
+        self.names = names
+        setattr(self, names[0], vision_linear(ctx, cfg.hidden_size, cfg.intermediate_size, f"{prefix}.{names[0]}"))
+        setattr(self, names[1], vision_linear(ctx, cfg.intermediate_size, cfg.hidden_size, f"{prefix}.{names[1]}"))
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        return self.fc2(self.act(self.fc1(x.reshape(b * n, c)))).view(b, n, c)
+        fc1, fc2 = (getattr(self, n) for n in self.names)
+        return fc2(self.act(fc1(x.reshape(-1, x.shape[-1])))).view(x.shape)
 
 
 class VisionEncoderLayer(nn.Module):

@@ -1,0 +1,133 @@
+"""Qwen2.5-VL: the native-resolution ViT (kestrel/models/vision/qwen_vit.py) -> a Qwen2 decoder whose rotary is
+sectioned M-RoPE ([16, 24, 24] unless the config says otherwise). Its positions are the MRoPE scheme
+(kestrel/core/positions.py): each image's tokens at its merged grid's coordinates."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from kestrel.core.positions import MRoPE
+from kestrel.models.context import ModelContext
+from kestrel.models.interfaces import HasPositionScheme
+from kestrel.models.multimodal import ImageTextModel, tie_output_embeddings
+from kestrel.models.qwen import Qwen2ForCausalLM
+from kestrel.models.vision.qwen_vit import Qwen2_5VisionTransformer
+from kestrel.models.weights import load_named_weights
+
+
+def mrope_decoder(decoder: type, default: tuple[list[int], bool]) -> type:
+    """A Llama-style decoder class whose attention takes M-RoPE, `default` the family's (sections, interleaved)."""
+    layer = decoder.decoder_layer_cls
+    attention = type(f"MRoPE{layer.attention_cls.__name__}", (layer.attention_cls,), {"mrope_default": default})
+    layer = type(f"MRoPE{layer.__name__}", (layer,), {"attention_cls": attention})
+    return type(f"MRoPE{decoder.__name__}", (decoder,), {"decoder_layer_cls": layer})
+
+
+Qwen2_5_VLTextModel = mrope_decoder(Qwen2ForCausalLM, ([16, 24, 24], False))
+
+
+def image_grid(image: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """An image's patch grid (t, h, w) from its processed inputs."""
+    t, h, w = image["image_grid_thw"].reshape(3).tolist()
+    return int(t), int(h), int(w)
+
+
+class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
+    lora_stages = (("model.", "decoder"),)  # the decoder's layer names (a text checkpoint's); the tower takes none
+    text_model_cls = Qwen2_5_VLTextModel
+    tower_cls = Qwen2_5VisionTransformer
+    max_pixels = 12845056  # Qwen2-VL's image processor default (3584 x 3584): 128 x 128 patches of 14
+
+    def __init__(self, ctx: ModelContext, prefix: str = "model"):
+        super().__init__()
+        hf = ctx.config.hf
+        self.hf, self.config = hf, ctx.text
+        self.packed_modules = self.text_model_cls.packed_modules
+        if getattr(hf, "tie_word_embeddings", None) is not None:  # transformers 5 ties by the top-level flag, and
+            ctx.text.tie_word_embeddings = hf.tie_word_embeddings  # the decoder ties (and loads) by its config's
+        self.visual = self.tower_cls(ctx, "visual", hf.vision_config)
+        self.language_model = self.text_model_cls(ctx, "model")  # named as a text checkpoint: its loader reads it
+        self.tied = tie_output_embeddings(self, hf)
+
+    @classmethod
+    def position_scheme(cls, hf_config) -> MRoPE:
+        merge = hf_config.vision_config.spatial_merge_size
+
+        def grid(feature) -> tuple[int, int, int]:
+            t, h, w = image_grid({"image_grid_thw": feature.data["image_grid_thw"].to_tensor()})
+            return t, h // merge, w // merge
+        return MRoPE(grid)
+
+    # ---- frontend side
+    @staticmethod
+    def split_images(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        """The processor concatenates every image's patches; each image keeps its t*h*w rows and its grid."""
+        out, start = [], 0
+        for g in processed["image_grid_thw"]:
+            n = int(g.prod())
+            out.append({"pixel_values": processed["pixel_values"][start:start + n], "image_grid_thw": g})
+            start += n
+        return out
+
+    @staticmethod
+    def num_image_tokens(hf_config, image: dict[str, torch.Tensor]) -> int:
+        t, h, w = image_grid(image)
+        if image["pixel_values"].shape[0] != t * h * w:
+            raise ValueError(f"{image['pixel_values'].shape[0]} patches for a {t}x{h}x{w} patch grid")
+        return t * h * w // hf_config.vision_config.spatial_merge_size ** 2
+
+    # ---- runner side
+    def dummy_image_inputs(self) -> dict[str, torch.Tensor]:
+        """The largest image the family's processor makes by default (`max_pixels`), as a square grid (the memory
+        profile then holds room for any image; a lower --mm-processor-kwargs max_pixels is not read here)."""
+        v = self.hf.vision_config
+        unit = v.patch_size * v.spatial_merge_size
+        side = int(self.max_pixels ** 0.5) // unit * v.spatial_merge_size
+        width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        return {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": torch.tensor([1, side, side])}
+
+    def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.visual(image["pixel_values"], image_grid(image))
+
+    def lora_module_name(self, path: str) -> str | None:
+        """An adapter's module path -> our decoder layer's name; a tower module keeps its name (no LoRA layer has it:
+        the adapter is refused naming it)."""
+        name = our_name(path)
+        if not name.startswith("language_model."):
+            return name
+        rest = name[len("language_model."):]
+        return rest if rest.startswith("lm_head") else "model." + rest
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The decoder's tensors stream through its own loader (named as in a text checkpoint); the tower's, a
+        small part, are kept aside and loaded after."""
+        tower: list = []
+
+        def text():
+            for name, t in weights:
+                name = our_name(name)
+                if not name.startswith("language_model."):
+                    tower.append((name, t))
+                    continue
+                rest = name[len("language_model."):]
+                yield rest if rest.startswith("lm_head.") else "model." + rest, t
+        loaded = self.language_model.load_weights(self.text_weights(text()))
+        return loaded | load_named_weights(self.visual, tower, self.packed_modules, strip="visual.")
+
+    def text_weights(self, weights: Iterable) -> Iterable:
+        """The decoder's tensors as its loader reads them (a family changes layouts here)."""
+        return weights
+
+
+# checkpoint prefixes, both layouts (the released one: model.layers / visual / lm_head; transformers 5's own:
+# model.language_model / model.visual) -> our modules
+_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
+             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."))
+
+
+def our_name(name: str) -> str:
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
