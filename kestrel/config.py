@@ -98,8 +98,12 @@ class ModelConfig:
                     choices=["auto", "float32", "bfloat16", "float16"], parse=parse_dtype)
     max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 4096 or 32k (default: the model's "
                                          "context length)", parse=parse_token_count)
-    quantization: str | None = _f(None, "quantize on load: fp8 (W8A8, per-channel weights, dynamic per-token "
-                                        "activations); FP8 checkpoints are detected from config.json", choices=[None, "fp8"])
+    quantization: str | None = _f(None, "the weights' format, as vLLM names it: fp8 (also quantizes an unquantized "
+                                        "checkpoint on load: per-channel weights, dynamic per-token activations), "
+                                        "compressed-tensors, gptq, awq (gptq_marlin, awq_marlin: the same formats); "
+                                        "default: detected from config.json's quantization_config",
+                                  choices=[None, "fp8", "compressed-tensors", "gptq", "awq", "gptq_marlin",
+                                           "awq_marlin"])
     load_format: str = _f("auto", "auto or safetensors (read the weights), or dummy (random weights from "
                                   "config.json: benchmarks)", choices=["auto", "dummy"],
                           parse=lambda v: "auto" if v == "safetensors" else v)

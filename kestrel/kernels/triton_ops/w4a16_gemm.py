@@ -1,0 +1,88 @@
+"""W4A16 GEMM: Y[M, N] = X[M, K] @ dequant(QW)[K, N] (+ bias), 4-bit weights unpacked in the kernel.
+
+The layout (kestrel/kernels/w4a16.py `triton_layout`, shared by GPTQ, AWQ and compressed-tensors): QW int32
+[K/8, N], word (i, n) holding W[8i + j, n] in bits 4j..4j+3 as an unsigned nibble u; S and Z [K/G, N] (scales in
+the checkpoint's 16-bit dtype, zeros as uint8); W[k, n] = (u - Z[k // G, n]) * S[k // G, n], dequantised in fp32
+and rounded to the activation dtype for the tensor-core dot (fp32 accumulation). BLOCK_K divides G, so every K
+step reads one row of scales and zeros. A program owns a BLOCK_M x BLOCK_N tile of Y; decode (M <= 16) uses
+BLOCK_M 16."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_gemm_kernel(
+    X, QW, S, Z, B, Y,
+    M, N, K, stride_xm, stride_ym,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_kb = tl.arange(0, BLOCK_K)
+    shifts = ((offs_kb % 8) * 4)[:, None]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_kb
+        mask_k = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        words = tl.load(QW + (offs_k // 8).to(tl.int64)[:, None] * N + offs_n[None, :],
+                        mask=mask_k[:, None] & mask_n[None, :], other=0)
+        u = ((words >> shifts) & 0xF).to(tl.float32)
+        g = k0 // GROUP
+        s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(Z + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        w = ((u - z[None, :]) * s[None, :]).to(X.dtype.element_ty)
+        acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def block_k_for(group: int, k: int) -> int:
+    """The K step: the largest of 128, 64, 32, 16 that divides the group (channel-wise: any, tails masked)."""
+    for b in (128, 64, 32, 16):
+        if group % b == 0:
+            return b
+    raise ValueError(f"W4A16 group size {group} is not a multiple of 16")
+
+
+def tiles_for(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) by the number of rows."""
+    if m <= 16:
+        return 16, 64, 4
+    if m <= 64:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def w4a16_gemm(x: torch.Tensor, qw: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16; fp32 under the interpreter), qw int32 [K/8, N], scales/zeros [ceil(K/G), N]."""
+    m, k = x.shape
+    n = qw.shape[1]
+    assert qw.shape[0] * 8 == k, (qw.shape, k)
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    group = k if group in (-1, k) else group
+    bk = 128 if group == k else block_k_for(group, k)
+    if group == k:
+        bk = min(bk, triton.next_power_of_2(k))
+        group = triton.cdiv(k, bk) * bk  # one group: every K step reads scale row 0
+    bm, bn, warps = tiles_for(m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _w4a16_gemm_kernel[grid](x, qw, scales, zeros, bias if bias is not None else scales, y, m, n, k, x.stride(0),
+                             y.stride(0), GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=bk, num_warps=warps, num_stages=3)
+    return y
