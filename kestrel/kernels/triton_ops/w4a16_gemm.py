@@ -3,7 +3,8 @@
 The layout (kestrel/kernels/w4a16.py `triton_layout`, shared by GPTQ, AWQ and compressed-tensors): QW int32
 [K/8, N], word (i, n) holding W[8i + j, n] in bits 4j..4j+3 as an unsigned nibble u; S and Z [K/G, N] (scales in
 the checkpoint's 16-bit dtype, zeros as uint8); W[k, n] = (u - Z[k // G, n]) * S[k // G, n], dequantised in fp32
-and rounded to the activation dtype for the tensor-core dot (fp32 accumulation). BLOCK_K divides G, so every K
+rounded to the scales' dtype (as the formats' libraries compute it) and then the activation dtype for the
+tensor-core dot (fp32 accumulation). BLOCK_K divides G, so every K
 step reads one row of scales and zeros. A program owns a BLOCK_M x BLOCK_N tile of Y; decode (M <= 16) uses
 BLOCK_M 16."""
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _w4a16_gemm_kernel(
         g = k0 // GROUP
         s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         z = tl.load(Z + g * N + offs_n, mask=mask_n, other=0).to(tl.float32)
-        w = ((u - z[None, :]) * s[None, :]).to(X.dtype.element_ty)
+        # rounded to the scales' dtype first, as the formats dequantise: the same weights as the fallback's
+        w = ((u - z[None, :]) * s[None, :]).to(S.dtype.element_ty).to(X.dtype.element_ty)
         acc = tl.dot(x, w, acc)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
