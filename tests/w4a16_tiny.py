@@ -108,18 +108,19 @@ def ct_scheme(kind: str, group: int | None = 32):
         input_activations={"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True})
 
 
-def ct_compress(w: torch.Tensor, kind: str, group: int | None = 32):
-    """(compressed tensors, compressed-tensors' decompression of them): scales bf16, amax / 7 or amax / 127."""
+def ct_compress(w: torch.Tensor, kind: str, group: int | None = 32, scale_dtype: torch.dtype = torch.bfloat16):
+    """(compressed tensors, compressed-tensors' decompression of them): scales amax / 7 or amax / 127 (bf16 by
+    default, as llm-compressor writes them for a bf16 model)."""
     from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     scheme = ct_scheme(kind, group)
     if kind == "w4a16":
         g = w.float().unflatten(-1, (-1, group or w.shape[1]))
-        scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).to(torch.bfloat16)
+        scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).to(scale_dtype)
         comp = PackedQuantizationCompressor
     else:
-        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(torch.bfloat16)
+        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(scale_dtype)
         comp = IntQuantizationCompressor
     out = comp.compress({"weight": w, "weight_scale": scale}, scheme)
     return out, comp.decompress(dict(out), scheme)["weight"]
