@@ -12,7 +12,8 @@ demo: setup
 # first imported, hence a second run. triton 3.6's interpreter needs numpy < 2.4 (numpy 2.4 refuses int() of a
 # 1-element array, which its range() does), so setup puts that numpy in .kernels-np/, first on PYTHONPATH there.
 TRITON_COMPILE_TESTS = tests/attention/test_triton_compile.py tests/kernels/test_moe_triton_compile.py \
-	tests/kernels/test_lora_compile.py tests/kernels/test_kda_decode_compile.py tests/attention/test_triton_sparse_mla_compile.py
+	tests/kernels/test_lora_compile.py tests/kernels/test_kda_decode_compile.py tests/attention/test_triton_sparse_mla_compile.py \
+	tests/kernels/test_w4a16_compile.py
 TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_triton_mla.py tests/attention/test_triton_fp8_kv.py \
 	tests/attention/test_triton_sampling.py tests/kernels/test_skinny_gemm_interp.py tests/kernels/test_gemv_interp.py \
 	tests/kernels/test_moe_triton_interp.py tests/kernels/test_lora_kernels_interp.py \
