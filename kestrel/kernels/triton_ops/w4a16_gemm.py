@@ -28,6 +28,7 @@ def _w4a16_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_kb = tl.arange(0, BLOCK_K)
+    offs_wb = tl.arange(0, BLOCK_K // 8)
     shifts = ((offs_kb % 8) * 4)[:, None]
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -35,8 +36,11 @@ def _w4a16_gemm_kernel(
         offs_k = k0 + offs_kb
         mask_k = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        words = tl.load(QW + (offs_k // 8).to(tl.int64)[:, None] * N + offs_n[None, :],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0)
+        # one load per word, then each word repeated over its 8 rows (not 8 loads of the same address)
+        offs_w = k0 // 8 + offs_wb
+        words = tl.load(QW + offs_w.to(tl.int64)[:, None] * N + offs_n[None, :],
+                        mask=(offs_w < K // 8)[:, None] & mask_n[None, :], other=0)
+        words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // 8, 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
         u = ((words >> shifts) & 0xF).to(tl.float32)
         g = k0 // GROUP
         s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
