@@ -93,3 +93,40 @@ def test_interpreter_bf16_cast_is_what_the_bound_allows_for():
     cast[(1,)](x, y, N=64)
     assert not torch.equal(y, x.to(torch.bfloat16).float())
     assert ((y - x).abs() <= x.abs() * 2 ** -7).all()  # within one bf16 ulp
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+@pytest.mark.parametrize("group", [32, -1])
+def test_split_k_matches_one_split(split_k, group):
+    """Decode rows with K split over programs (fp32 partials, then a fixed-order sum): the same result as one
+    split up to fp32 summation order; bias added once."""
+    from kestrel.kernels.triton_ops.w4a16_gemm import w4a16_gemm
+    from kestrel.kernels.w4a16_scheme import pack_rows
+
+    k, n, m = 320, 48, 3
+    gen = torch.Generator().manual_seed(split_k)
+    u = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    groups = 1 if group == -1 else k // group
+    z = torch.randint(0, 16, (groups, n), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(groups, n, generator=gen) * 0.02).to(torch.float16)
+    b = torch.randn(n, generator=gen).to(torch.float16)
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    qw = pack_rows(u).t().contiguous()
+    args = [t.to(DEVICE) for t in (x, qw, s, z)]
+    one = w4a16_gemm(*args, group, b.to(DEVICE), split_k=1).cpu().double()
+    split = w4a16_gemm(*args, group, b.to(DEVICE), split_k=split_k).cpu().double()
+    gi = torch.arange(k) // (k if group == -1 else group)
+    w = ((u.long().t() - z.long()[gi]).float() * s.float()[gi]).to(torch.float16).double()
+    ref = x.double() @ w + b.double()
+    for out in (one, split):
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+    assert (one - split).abs().max().item() < 1e-2
+
+
+def test_split_k_choice():
+    from kestrel.kernels.triton_ops.w4a16_gemm import split_k_for
+
+    assert split_k_for(1, 4096, 14336, 16, 64, 128, 132) == 5  # 64 tiles: ~2 programs an SM (264 / 64)
+    assert split_k_for(1, 28672, 4096, 16, 64, 128, 132) == 1  # 448 tiles fill the GPU
+    assert split_k_for(64, 4096, 14336, 64, 64, 128, 132) == 1  # prefill rows: no split
+    assert split_k_for(1, 64, 256, 16, 64, 128, 132) == 1  # K too short for 4 steps a split
