@@ -245,7 +245,8 @@ class ParallelConfig:
 class KernelConfig:
     attention_backend: str = _f("auto", "force an attention backend (auto picks the first that fits: triton on CUDA, torch_ref on CPU)")
     linear_backend: str = _f("auto", "force a linear kernel by name (priority order: torch_scaled_mm, "
-                                     "triton_fp8_block, fp8_dequant_fallback, triton_skinny_dense, torch_dense); "
+                                     "triton_fp8_block, fp8_dequant_fallback, triton_w4a16, w4a16_dequant, "
+                                     "torch_int8_mm, int8_dequant_fallback, triton_skinny_dense, torch_dense); "
                                      "start-up fails naming the layer it cannot serve")
     moe_backend: str = _f("auto", "force a MoE kernel by name (priority order: triton_fp8_block_moe, "
                                   "triton_fused_moe, fp8_dequant_moe, triton_int4_dequant_moe, int4_dequant_moe, "
