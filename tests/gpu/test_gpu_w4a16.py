@@ -135,4 +135,17 @@ def test_tiny_quantized_models_bf16(fmt, group, act_order, tmp_path_factory, tin
     llm = LLM(str(quant), dtype="bfloat16", progress=False, num_kv_blocks=256)
     kernel = type(llm.engine.core.executor.runner.model.layers[0].mlp.down_proj.kernel)
     assert kernel is (TorchInt8MMLinear if fmt == "ct_int8" else TritonW4A16Linear)
-    assert_teacher_forced(llm, ref, MIXED_PROMPTS, n=32, device=DEV)
+    if fmt != "ct_int8":  # 4-bit: the same weights as the reference, bf16 activations
+        assert_teacher_forced(llm, ref, MIXED_PROMPTS, n=32, device=DEV)
+        return
+    # W8A8: activations are rounded to int8 per token, which the float32 reference does not do; the bound is a
+    # first guess (not yet measured on a GPU): most tokens agree and no logprob is far off
+    from transformers import AutoModelForCausalLM
+
+    from tests.agreement import teacher_forced_errors
+
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(DEV).eval()
+    for p in MIXED_PROMPTS:
+        agree, errors, tol, ties = teacher_forced_errors(llm, hf, p, 32, DEV)
+        assert agree + ties >= 28, (len(p), agree, ties)
+        assert sorted(errors)[len(errors) // 2] < 4 * tol, (len(p), sorted(errors)[-4:], tol)
