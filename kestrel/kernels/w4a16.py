@@ -120,7 +120,8 @@ class W4A16Base(LinearKernel):
         """The loaded tensors in the common layout, as (row start, rows, weights) parts: one part, or one per
         shard where merged shards carry different act-order g_idx."""
         q, k = self.spec.quant, self.spec.input_size
-        sdtype = self.scale_dtype or torch.float32
+        # the checkpoint's scale dtype; without a checkpoint (dummy weights) the formats' usual one
+        sdtype = self.scale_dtype or (self.spec.params_dtype if q.format == "compressed-tensors" else torch.float16)
         if q.format == "compressed-tensors":
             w = from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data.to(sdtype), k, q.group_size)
             return [(0, self.spec.output_size, w)]

@@ -65,3 +65,12 @@ def test_unsupported_checkpoint_is_one_line(tmp_path_factory, tiny_tokenizer):
     (quant / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="^checkpoint quant_method 'bitsandbytes' is not supported"):
         kestrel_greedy(quant, MIXED_PROMPTS[:1], 2)
+
+
+def test_dummy_weights_load(tmp_path_factory, tiny_tokenizer):
+    """--load-format dummy (benchmarks) on a quantized config: integer tensors keep their initial values (zeros,
+    the trivial g_idx), float ones are random; the model runs."""
+    quant, _ = quantized_checkpoints("gptq", tmp_path_factory.mktemp("dummy"), "llama", 32, True,
+                                     tokenizer=tiny_tokenizer)
+    tokens, llm = kestrel_greedy(quant, MIXED_PROMPTS[:2], 4, load_format="dummy")
+    assert [len(t) for t in tokens] == [4, 4]
