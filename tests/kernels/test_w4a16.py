@@ -70,6 +70,11 @@ def test_gptq_awq_ct_configs():
     assert i.for_layer("lm_head") is None
 
 
+def test_naive_quantized_int8_reads_as_int_quantized():
+    qc = {**quantization_config("ct_int8", None), "format": "naive-quantized"}
+    assert isinstance(get_quant_config({"quantization_config": qc}), CompressedTensorsInt8Config)
+
+
 def test_marlin_names_log_one_line(caplog):
     with caplog.at_level(logging.INFO, logger="kestrel.layers.quant"):
         get_quant_config({"quantization_config": quantization_config("gptq", 32)}, "gptq_marlin", torch.bfloat16)

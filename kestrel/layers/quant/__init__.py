@@ -101,6 +101,9 @@ def get_quant_config(
             raise NotImplementedError(f"compressed-tensors format {fmt!r} is not supported (supported: "
                                       f"{', '.join(COMPRESSED_TENSORS_FORMATS)})")
         config_cls = COMPRESSED_TENSORS_FORMATS[fmt]
+        weight_types = {(g.get("weights") or {}).get("type") for g in (qc.get("config_groups") or {}).values()}
+        if fmt == "naive-quantized" and weight_types == {"int"}:  # unpacked int8 weights: as int-quantized
+            config_cls = CompressedTensorsInt8Config
         if quantization not in (None, "compressed-tensors") and not (
                 quantization == "fp8" and config_cls is CompressedTensorsFp8Config):
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors "
