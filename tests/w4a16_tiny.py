@@ -24,7 +24,9 @@ import torch
 
 from tests.tiny import make_checkpoint
 
-LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# every projection of a decoder layer (attention incl. MLA's q_a / q_b / kv_a / kv_b, MLP); not norms, embeddings,
+# lm_head
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_(proj|mqa)\.weight")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

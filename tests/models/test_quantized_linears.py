@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen3 checkpoints with quantized linear layers (issue 54): GPTQ (with and without act-order, group
+"""Tiny Llama / Qwen3 / DeepSeek-V2 (MLA) checkpoints with quantized linear layers (issue 54): GPTQ (with and without act-order, group
 sizes 32 / 64 / 128, channel), AWQ GEMM, compressed-tensors W4A16 (group, channel) and W8A8 INT8, loaded through
 our loader on the CPU in float32: greedy tokens identical to transformers' on the dequantised float32 twin
 (tests/w4a16_tiny.py), 16 tokens after mixed-length prompts."""
@@ -24,6 +24,11 @@ CASES = [
     ("awq", "qwen3", 32, False, {}),
     ("ct_int8", "llama", None, False, {}),
     ("ct_int8", "qwen3", None, False, {}),
+    # MLA (q_a / q_b / kv_a / kv_b): the absorbed attention reads kv_b_proj's dequantised weight
+    ("gptq", "deepseek_v2", 32, True, {}),
+    ("awq", "deepseek_v2", 32, False, {}),
+    ("ct_w4a16", "deepseek_v2", 32, False, {}),
+    ("ct_int8", "deepseek_v2", None, False, {}),
 ]
 
 
@@ -37,9 +42,8 @@ def test_quantized_greedy_equals_dequantised_model(fmt, kind, group, act_order, 
     tokens, llm = kestrel_greedy(quant, MIXED_PROMPTS, NUM_TOKENS)
     model = llm.engine.core.executor.runner.model
     expected = Int8DequantFallbackLinear if fmt == "ct_int8" else W4A16DequantLinear
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert type(lin.kernel) is expected, lin
+    linears = [m for m in model.layers.modules() if hasattr(m, "kernel")]
+    assert len(linears) >= 8 and all(type(m.kernel) is expected for m in linears), linears
     assert type(model.lm_head).__name__ != "Linear" or model.lm_head.spec.quant is None
     assert tokens == reference
 
