@@ -70,6 +70,16 @@ def test_gptq_awq_ct_configs():
     assert i.for_layer("lm_head") is None
 
 
+@pytest.mark.parametrize("actorder", ["weight", "static"])
+def test_ct_static_actorder_is_the_plain_layout(actorder):
+    qc = quantization_config("ct_w4a16", 32)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    assert get_quant_config({"quantization_config": qc}).for_layer(QKV) == W4A16Scheme("compressed-tensors", 32)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with pytest.raises(NotImplementedError, match="activation ordering 'group'"):
+        get_quant_config({"quantization_config": qc})
+
+
 def test_naive_quantized_int8_reads_as_int_quantized():
     qc = {**quantization_config("ct_int8", None), "format": "naive-quantized"}
     assert isinstance(get_quant_config({"quantization_config": qc}), CompressedTensorsInt8Config)

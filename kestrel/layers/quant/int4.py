@@ -31,7 +31,8 @@ def _int4_scheme(gname: str, group: Mapping) -> W4A16Scheme:
     if strategy not in ("group", "channel") or (strategy == "group" and not w.get("group_size")):
         raise NotImplementedError(f"{where}: only group-wise or channel-wise INT4 scales are supported (got "
                                   f"strategy {strategy!r})")
-    if w.get("actorder") is not None:
+    # "weight" / "static" ordering only orders the quantization (no g_idx is saved, groups stay contiguous)
+    if w.get("actorder") not in (None, "weight", "static"):
         raise NotImplementedError(f"{where}: activation ordering {w['actorder']!r} (a g_idx) is not supported")
     if w.get("dynamic"):
         raise NotImplementedError(f"{where}: dynamic weight quantization is not supported")
