@@ -309,3 +309,16 @@ def test_int8_mm_path_on_cpu():
         got = layer(x)
         assert torch.equal(got, want)
         torch.testing.assert_close(got.float(), x.float() @ ref_w.t(), rtol=0.05, atol=0.05)
+
+
+def test_int8_weight_only_takes_the_fallback():
+    """W8A16 INT8 (no input_activations): torch_int8_mm says why not, the dequantised fallback serves it."""
+    qc = quantization_config("ct_int8", None)
+    qc["config_groups"]["group_0"]["input_activations"] = None
+    cfg = get_quant_config({"quantization_config": qc}, None, torch.bfloat16)
+    assert cfg.for_layer(QKV) == Int8Scheme(None)
+    spec = LinearSpec(QKV, K, SIZES, False, torch.bfloat16, Int8Scheme(None))
+    assert TorchInt8MMLinear.check(spec, fake_platform("sm_90")) == (
+        False, "weight-only INT8 (the checkpoint does not quantize activations)")
+    layer = _layer("ct_int8", None, False, torch.bfloat16, platform=fake_platform("sm_90"))
+    assert type(layer.kernel) is TorchInt8MMLinear  # the W8A8 config on the same device
