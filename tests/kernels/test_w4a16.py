@@ -320,5 +320,9 @@ def test_int8_weight_only_takes_the_fallback():
     spec = LinearSpec(QKV, K, SIZES, False, torch.bfloat16, Int8Scheme(None))
     assert TorchInt8MMLinear.check(spec, fake_platform("sm_90")) == (
         False, "weight-only INT8 (the checkpoint does not quantize activations)")
-    layer = _layer("ct_int8", None, False, torch.bfloat16, platform=fake_platform("sm_90"))
-    assert type(layer.kernel) is TorchInt8MMLinear  # the W8A8 config on the same device
+    from kestrel.platform.testing import use_platform
+
+    with use_platform(fake_platform("sm_90")):
+        layer = Linear(K, list(SIZES), False, torch.bfloat16, QKV, cfg)
+    assert type(layer.kernel) is Int8DequantFallbackLinear
+    assert "weight-only INT8" in layer.kernel.skipped[-1]
