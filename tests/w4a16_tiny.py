@@ -101,9 +101,9 @@ def awq_pack(u, zeros, scales) -> dict[str, torch.Tensor]:
 def ct_scheme(kind: str, group: int | None = 32):
     from compressed_tensors.quantization import QuantizationScheme
 
-    if kind == "w4a16":
+    if kind in ("w4a16", "w4a16_asym"):
         return QuantizationScheme(targets=["Linear"], weights={
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group" if group else "channel",
+            "num_bits": 4, "type": "int", "symmetric": kind == "w4a16", "strategy": "group" if group else "channel",
             "group_size": group, "dynamic": False})
     return QuantizationScheme(targets=["Linear"], weights={
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
@@ -117,21 +117,28 @@ def ct_compress(w: torch.Tensor, kind: str, group: int | None = 32, scale_dtype:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     scheme = ct_scheme(kind, group)
+    tensors = {"weight": w}
     if kind == "w4a16":
         g = w.float().unflatten(-1, (-1, group or w.shape[1]))
         scale = (g.abs().amax(-1) / 7).clamp(min=1e-6).to(scale_dtype)
         comp = PackedQuantizationCompressor
+    elif kind == "w4a16_asym":  # min-max: zero points in -8..7 (stored + 8)
+        g = w.float().unflatten(-1, (-1, group or w.shape[1]))
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-6).to(scale_dtype)
+        tensors["weight_zero_point"] = (torch.round(-lo / scale.float()) - 8).clamp(-8, 7).to(torch.int8)
+        comp = PackedQuantizationCompressor
     else:
         scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(scale_dtype)
         comp = IntQuantizationCompressor
-    out = comp.compress({"weight": w, "weight_scale": scale}, scheme)
+    out = comp.compress({**tensors, "weight_scale": scale}, scheme)
     return out, comp.decompress(dict(out), scheme)["weight"]
 
 
 def ct_quantization_config(kind: str, group: int | None = 32) -> dict:
     scheme = ct_scheme(kind, group).model_dump()
     scheme.pop("format", None)
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized" if kind == "w4a16" else "int-quantized",
+    return {"quant_method": "compressed-tensors", "format": "int-quantized" if kind == "int8" else "pack-quantized",
             "config_groups": {"group_0": scheme}, "ignore": ["lm_head"], "quantization_status": "compressed",
             "kv_cache_scheme": None}
 
@@ -139,7 +146,8 @@ def ct_quantization_config(kind: str, group: int | None = 32) -> dict:
 # ------------------------------------------------------------------------------------------------ checkpoints
 def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int | None = 32, act_order: bool = False,
                           tokenizer=None, seed: int = 0, **overrides) -> tuple[Path, Path]:
-    """(the quantized checkpoint, its dequantised float32 twin). fmt: gptq, awq, ct_w4a16, ct_int8."""
+    """(the quantized checkpoint, its dequantised float32 twin). fmt: gptq, awq, ct_w4a16, ct_w4a16_asym,
+    ct_int8."""
     from safetensors.torch import load_file, save_file
 
     tag = f"{fmt}_{kind}_g{group}{'_act' if act_order else ''}"
@@ -148,8 +156,8 @@ def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int 
     weights, quant = load_file(file), {}
     for i, name in enumerate(sorted(n for n in weights if LINEAR.fullmatch(n))):
         w, base = weights[name], name[:-len("weight")]
-        if fmt in ("ct_w4a16", "ct_int8"):
-            tensors, deq = ct_compress(w, "w4a16" if fmt == "ct_w4a16" else "int8", group)
+        if fmt.startswith("ct_"):
+            tensors, deq = ct_compress(w, fmt[3:], group)
         else:
             g_idx = gptq_groups(w.shape[1], group, act_order, seed=i) if fmt == "gptq" else \
                 gptq_groups(w.shape[1], group, False)
@@ -176,4 +184,4 @@ def quantization_config(fmt: str, group: int | None, act_order: bool = False) ->
     if fmt == "awq":  # as AutoAWQ writes it
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}
-    return ct_quantization_config("w4a16" if fmt == "ct_w4a16" else "int8", group)
+    return ct_quantization_config(fmt[3:], group)

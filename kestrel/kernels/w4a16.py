@@ -54,7 +54,7 @@ class W4A16Base(LinearKernel):
             return False, f"input size {k} is not a multiple of 8"
         if q.group_size != -1 and k % q.group_size:
             return False, f"input size {k} is not a multiple of the group size {q.group_size}"
-        if q.format != "compressed-tensors" and any(n % PACK for n in spec.output_sizes):
+        if (q.format != "compressed-tensors" or not q.symmetric) and any(n % PACK for n in spec.output_sizes):
             return False, f"output sizes {spec.output_sizes} are not multiples of 8 ({q.format} packs along N)"
         return True, ""
 
@@ -103,6 +103,9 @@ class W4A16Base(LinearKernel):
             layer.weight_packed = _param(torch.zeros(n, k // PACK, **i32), weight_loader=self._loader("weight_packed", 0))
             layer.weight_scale = _param(torch.zeros(n, groups), weight_loader=self._loader("weight_scale", 0, is_scale=True))
             layer.weight_shape = _param(torch.zeros(2, dtype=torch.int64), weight_loader=self._load_shape)
+            if not q.symmetric:
+                layer.weight_zero_point = _param(torch.zeros(n // PACK, groups, **i32),
+                                                 weight_loader=self._loader("weight_zero_point", 0, PACK))
         elif q.format in ("gptq", "gptq_v2"):
             layer.qweight = _param(torch.zeros(k // PACK, n, **i32), weight_loader=self._loader("qweight", 1))
             layer.qzeros = _param(torch.zeros(groups, n // PACK, **i32), weight_loader=self._loader("qzeros", 1, PACK))
@@ -123,7 +126,9 @@ class W4A16Base(LinearKernel):
         # the checkpoint's scale dtype; without a checkpoint (dummy weights) the formats' usual one
         sdtype = self.scale_dtype or (self.spec.params_dtype if q.format == "compressed-tensors" else torch.float16)
         if q.format == "compressed-tensors":
-            w = from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data.to(sdtype), k, q.group_size)
+            zp = None if q.symmetric else layer.weight_zero_point.data
+            w = from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data.to(sdtype), k, q.group_size,
+                                        zp)
             return [(0, self.spec.output_size, w)]
         if q.format == "awq":
             w = from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data.to(sdtype), q.group_size)
@@ -150,7 +155,8 @@ class W4A16Base(LinearKernel):
         return torch.cat([w.dequantize(dtype) for _, _, w in self.int4_weights(layer)])
 
     def _drop_checkpoint_tensors(self, layer: nn.Module) -> None:
-        for name in ("weight_packed", "weight_scale", "weight_shape", "qweight", "qzeros", "scales", "g_idx"):
+        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "qweight", "qzeros", "scales",
+                     "g_idx"):
             if name in layer._parameters:
                 del layer._parameters[name]
 

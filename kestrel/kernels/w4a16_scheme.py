@@ -4,9 +4,9 @@ kernel computes from.
 Checkpoint layouts (N output rows, K input columns, G the group size along K; "packed along K" means int32 word
 i holds columns 8i..8i+7, the first in the lowest 4 bits):
 
-* compressed-tensors `pack-quantized` (symmetric): `weight_packed` int32 [N, K/8] packed along K, values q + 8
-  (q in -8..7); `weight_scale` [N, K/G] (strategy group) or [N, 1] (strategy channel); `weight_shape` [2].
-  w = q * scale.
+* compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K/8] packed along K, values q + 8 (q in -8..7);
+  `weight_scale` [N, K/G] (strategy group) or [N, 1] (strategy channel); `weight_shape` [2]. w = q * scale;
+  asymmetric: `weight_zero_point` int32 [N/8, K/G], zero + 8 packed along N, and w = (q - zero) * scale.
 * GPTQ (AutoGPTQ / GPTQModel / optimum, `checkpoint_format` gptq, i.e. v1): `qweight` int32 [K/8, N] packed along
   K; `qzeros` int32 [K/G, N/8] packed along N (word c holds columns 8c..8c+7, the first lowest), each holding
   zero - 1 (v1's offset; `gptq_v2` stores the zero itself); `scales` fp16 [K/G, N]; `g_idx` int32 [K], the group
@@ -113,9 +113,13 @@ class Int4Weights:
 
 
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, k: int,
-                            group_size: int) -> Int4Weights:
+                            group_size: int, zero_point: torch.Tensor | None = None) -> Int4Weights:
+    """`zero_point` (asymmetric): int32 [N/8, groups], zero + 8 packed along N (compressed-tensors' packed_dim 0)."""
     u = unpack_rows(weight_packed)[:, :k]
-    zeros = torch.full(weight_scale.shape, 8, dtype=torch.uint8, device=u.device)
+    if zero_point is None:
+        zeros = torch.full(weight_scale.shape, 8, dtype=torch.uint8, device=u.device)
+    else:
+        zeros = unpack_rows(zero_point.t().contiguous()).t()[:weight_scale.shape[0]].contiguous()
     return Int4Weights(u, zeros, weight_scale, None, k if group_size == -1 else group_size)
 
 

@@ -76,7 +76,6 @@ def test_kimi_quantization_config():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(symmetric=False), "asymmetric"),
     (dict(actorder="group"), "activation ordering"),
     (dict(num_bits=8), "4-bit int"),
     (dict(strategy="tensor", group_size=None), "group-wise or channel-wise"),
@@ -87,6 +86,14 @@ def test_unsupported_int4_variants_refused(change, message):
     qc["config_groups"]["group_0"]["weights"].update(change)
     with pytest.raises(NotImplementedError, match=message):
         get_quant_config({"quantization_config": qc})
+
+
+def test_asymmetric_int4_experts_refused():
+    """Asymmetric pack-quantized weights read for linear layers (a zero point), not for routed experts."""
+    qc = copy.deepcopy(KIMI_QUANTIZATION_CONFIG)
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(NotImplementedError, match="asymmetric INT4 experts"):
+        get_quant_config({"quantization_config": qc}).for_layer("model.layers.3.mlp.experts")
 
 
 def test_unknown_compressed_tensors_format_and_mismatched_method_refused():

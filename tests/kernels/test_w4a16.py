@@ -65,6 +65,10 @@ def test_gptq_awq_ct_configs():
     assert isinstance(c, CompressedTensorsInt4Config) and c.for_layer(QKV) == W4A16Scheme("compressed-tensors", -1)
     with pytest.raises(NotImplementedError, match="channel-wise INT4 experts"):
         c.for_layer("model.layers.0.mlp.experts")
+    c = get_quant_config({"quantization_config": quantization_config("ct_w4a16_asym", 32)}, None, torch.bfloat16)
+    assert c.for_layer(QKV) == W4A16Scheme("compressed-tensors", 32, symmetric=False)
+    with pytest.raises(NotImplementedError, match="asymmetric INT4 experts"):
+        c.for_layer("model.layers.0.mlp.experts")
     i = get_quant_config({"quantization_config": quantization_config("ct_int8", None)}, None, torch.bfloat16)
     assert isinstance(i, CompressedTensorsInt8Config) and i.for_layer(QKV) == Int8Scheme("token")
     assert i.for_layer("lm_head") is None
@@ -144,8 +148,8 @@ def _shards(fmt: str, group: int | None, act_order: bool, seed: int = 0):
     out = []
     for i, n in enumerate(SIZES):
         w = torch.randn(n, K) * 0.08
-        if fmt in ("ct_w4a16", "ct_int8"):
-            out.append(ct_compress(w, "w4a16" if fmt == "ct_w4a16" else "int8", group))
+        if fmt.startswith("ct_"):
+            out.append(ct_compress(w, fmt[3:], group))
             continue
         g_idx = gptq_groups(K, group, act_order, seed=i)
         u, z, s = quantize_4bit(w, g_idx, symmetric=fmt == "gptq")
@@ -170,7 +174,8 @@ def _load(layer, shards):
             layer.load_weight(name, t, sid)
 
 
-CASES = [("ct_w4a16", 32, False), ("ct_w4a16", None, False), ("gptq", 32, False), ("gptq", 64, True),
+CASES = [("ct_w4a16", 32, False), ("ct_w4a16", None, False), ("ct_w4a16_asym", 32, False),
+         ("ct_w4a16_asym", None, False), ("gptq", 32, False), ("gptq", 64, True),
          ("gptq", 128, False), ("gptq", -1, False), ("awq", 32, False), ("awq", 128, False), ("ct_int8", None, False)]
 
 

@@ -34,8 +34,8 @@ def _shards(fmt, group, act_order, k, scale_dtype=torch.float16):
     out = []
     for n in SIZES:
         w = torch.randn(n, k) * 0.08
-        if fmt == "ct_w4a16":
-            out.append(ct_compress(w, "w4a16", group, scale_dtype))
+        if fmt.startswith("ct_"):
+            out.append(ct_compress(w, fmt[3:], group, scale_dtype))
             continue
         gi = g_idx if fmt == "gptq" else gptq_groups(k, group, False)
         u, z, s = quantize_4bit(w, gi, symmetric=fmt == "gptq")
@@ -48,10 +48,11 @@ def _shards(fmt, group, act_order, k, scale_dtype=torch.float16):
     ("gptq", 32, False, 128, False), ("gptq", 64, True, 256, True), ("gptq", 128, True, 256, False),
     ("gptq", -1, False, 96, False), ("awq", 32, False, 64, True), ("awq", 128, False, 256, False),
     ("ct_w4a16", 32, False, 128, False), ("ct_w4a16", None, False, 80, True),
+    ("ct_w4a16_asym", 64, False, 128, True),
 ])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
 def test_triton_w4a16_matches_dequantised(fmt, group, act_order, k, bias, m, scale_dtype):
-    if scale_dtype == torch.bfloat16 and fmt != "ct_w4a16":
+    if scale_dtype == torch.bfloat16 and not fmt.startswith("ct_"):
         pytest.skip("GPTQ and AWQ scales are fp16")
     qc = get_quant_config({"quantization_config": quantization_config(fmt, group, act_order)}, None, torch.float16)
     with use_platform(fake_platform("sm_90")), torch.device(DEVICE):

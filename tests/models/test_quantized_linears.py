@@ -16,6 +16,7 @@ NUM_TOKENS = 16
 CASES = [
     ("ct_w4a16", "llama", 32, False, {}),
     ("ct_w4a16", "qwen3", None, False, {}),  # channel-wise
+    ("ct_w4a16_asym", "qwen3", 32, False, {}),  # zero points
     ("gptq", "llama", 32, False, {}),
     ("gptq", "qwen3", 64, True, {}),  # act-order: every projection its own column order
     ("gptq", "qwen3", 128, True, dict(hidden_size=128)),

@@ -8,7 +8,8 @@ and K2.6 ship their routed experts:
 
 Per projection: `weight_packed` int32 [out, in / 8] (eight 4-bit values a word, the first in the low bits, each
 stored + 8), `weight_scale` [out, in / group] (the checkpoint's float dtype) and `weight_shape` int [2] = (out, in);
-a weight is q * scale (symmetric: no zero point). Routed experts run the INT4 MoE kernels (kestrel/kernels/
+a weight is q * scale (symmetric: no zero point; asymmetric linears add `weight_zero_point` int32
+[out / 8, in / group], zero points + 8 packed along the output rows, and a weight is (q - zero) * scale). Routed experts run the INT4 MoE kernels (kestrel/kernels/
 moe_int4.py); every other linear layer the W4A16 linear kernels (kestrel/kernels/w4a16.py), group- or
 channel-wise (strategy "channel": `weight_scale` [out, 1])."""
 from __future__ import annotations
@@ -25,8 +26,6 @@ def _int4_scheme(gname: str, group: Mapping) -> W4A16Scheme:
     if w.get("type") != "int" or int(w.get("num_bits", 0)) != 4:
         raise NotImplementedError(f"{where}: only 4-bit int weights are supported (got {w.get('type')}/"
                                   f"{w.get('num_bits')} bits)")
-    if not w.get("symmetric", True):
-        raise NotImplementedError(f"{where}: asymmetric INT4 weights (a zero point) are not supported")
     strategy = w.get("strategy")
     if strategy not in ("group", "channel") or (strategy == "group" and not w.get("group_size")):
         raise NotImplementedError(f"{where}: only group-wise or channel-wise INT4 scales are supported (got "
@@ -38,7 +37,8 @@ def _int4_scheme(gname: str, group: Mapping) -> W4A16Scheme:
         raise NotImplementedError(f"{where}: dynamic weight quantization is not supported")
     if group.get("input_activations") is not None:
         raise NotImplementedError(f"{where}: quantized activations are not supported (W4A16 only)")
-    return W4A16Scheme("compressed-tensors", int(w["group_size"]) if strategy == "group" else -1)
+    return W4A16Scheme("compressed-tensors", int(w["group_size"]) if strategy == "group" else -1,
+                       symmetric=bool(w.get("symmetric", True)))
 
 
 class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
@@ -58,6 +58,8 @@ class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
         if scheme is not None and prefix.rpartition(".")[2] == "experts":
             if scheme.group_size == -1:
                 raise NotImplementedError(f"{prefix}: channel-wise INT4 experts are not supported (group-wise only)")
+            if not scheme.symmetric:
+                raise NotImplementedError(f"{prefix}: asymmetric INT4 experts (a zero point) are not supported")
             return Int4Scheme(scheme.group_size)
         return scheme
 
