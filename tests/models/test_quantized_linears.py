@@ -23,6 +23,7 @@ CASES = [
     ("gptq", "llama", -1, False, {}),
     ("awq", "llama", 64, False, {}),
     ("awq", "qwen3", 32, False, {}),
+    ("awq", "qwen2", 32, False, dict(vary_vectors=True)),  # q/k/v biases beside the 4-bit weights
     ("ct_int8", "llama", None, False, {}),
     ("ct_int8", "qwen3", None, False, {}),
     # MLA (q_a / q_b / kv_a / kv_b): the absorbed attention reads kv_b_proj's dequantised weight
