@@ -67,17 +67,28 @@ def _shifts(device) -> torch.Tensor:
     return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
+CHUNK_ROWS = 1024  # rows converted at a time: the int32 / int64 transients of a large layer stay small
+
+
+def _by_rows(fn, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 2 or t.shape[0] <= CHUNK_ROWS:
+        return fn(t)
+    return torch.cat([fn(part) for part in t.split(CHUNK_ROWS)])
+
+
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., C] -> uint8 [..., 8C]: each word's nibbles along the last dim, the lowest first."""
-    nib = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF
-    return nib.flatten(-2).to(torch.uint8)
+    def unpack(p):
+        return ((p.unsqueeze(-1) >> _shifts(p.device)) & 0xF).flatten(-2).to(torch.uint8)
+    return _by_rows(unpack, packed)
 
 
 def pack_rows(u: torch.Tensor) -> torch.Tensor:
     """uint8/int [..., 8C] in 0..15 -> int32 [..., C] (the inverse of unpack_rows)."""
-    v = u.to(torch.int64).unflatten(-1, (-1, PACK)) << _shifts(u.device).to(torch.int64)
-    word = v.sum(-1)
-    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    def pack(x):
+        word = (x.to(torch.int64).unflatten(-1, (-1, PACK)) << _shifts(x.device).to(torch.int64)).sum(-1)
+        return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return _by_rows(pack, u)
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -106,10 +117,14 @@ class Int4Weights:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         g = self.column_groups()
-        z = self.zeros.long()[:, g]
-        s = self.scales[:, g]
-        w = (self.u.long() - z).to(torch.float32) * s.float()  # exact: |u - z| < 16, s a 16-bit float
-        return w.to(self.scales.dtype).to(dtype)
+        out = torch.empty(self.u.shape, dtype=dtype, device=self.u.device)
+        for r in range(0, self.u.shape[0], CHUNK_ROWS):  # rows at a time: small transients
+            rows = slice(r, r + CHUNK_ROWS)
+            z = self.zeros[rows].to(torch.int16)[:, g]
+            s = self.scales[rows][:, g].float()
+            w = (self.u[rows].to(torch.int16) - z).to(torch.float32) * s  # exact: |u - z| < 16, s 16-bit
+            out[rows] = w.to(self.scales.dtype).to(dtype)
+        return out
 
 
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, k: int,

@@ -49,9 +49,13 @@ def test_awq_packer_hand_computed():
     assert awq_unpack(t["qweight"]).tolist() == u.t().tolist()  # Kestrel's unpacking undoes it
 
 
-def test_pack_rows_round_trip():
-    u = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    assert torch.equal(unpack_rows(pack_rows(u)), u)
+@pytest.mark.parametrize("rows", [5, 2500])  # 2500: converted in chunks of rows
+def test_pack_rows_round_trip(rows):
+    u = torch.randint(0, 16, (rows, 64), dtype=torch.uint8)
+    packed = pack_rows(u)
+    assert packed.shape == (rows, 8) and torch.equal(unpack_rows(packed), u)
+    assert packed[0, 0].item() == sum(int(v) << (4 * i) for i, v in enumerate(u[0, :8])) - (
+        (1 << 32) if u[0, 7] >= 8 else 0)
 
 
 # ------------------------------------------------------------------------------------------------ configs
