@@ -42,8 +42,10 @@ def gptq_groups(k: int, group: int, act_order: bool, seed: int = 0) -> torch.Ten
     return g_idx
 
 
-def quantize_4bit(w: torch.Tensor, g_idx: torch.Tensor, symmetric: bool):
-    """(u uint8 [N, K] in 0..15, zeros int [N, groups], fp16 scales [N, groups]): min-max per (row, group)."""
+def quantize_4bit(w: torch.Tensor, g_idx: torch.Tensor, symmetric: bool, bits: int = 4):
+    """(u uint8 [N, K] in 0..2^bits - 1, zeros int [N, groups], fp16 scales [N, groups]): min-max per (row,
+    group)."""
+    maxq = 2 ** bits - 1
     n, k = w.shape
     groups = int(g_idx.max()) + 1
     u = torch.empty(n, k, dtype=torch.uint8)
@@ -52,14 +54,14 @@ def quantize_4bit(w: torch.Tensor, g_idx: torch.Tensor, symmetric: bool):
     for g in range(groups):
         cols = (g_idx == g).nonzero().flatten()
         wg = w[:, cols].float()
-        if symmetric:  # GPTQ sym: zero 8, scale 2 * amax / 15
-            s = (2 * wg.abs().amax(-1) / 15).clamp(min=1e-5).half()
-            z = torch.full((n,), 8, dtype=torch.int64)
+        if symmetric:  # GPTQ sym: zero (maxq + 1) / 2, scale 2 * amax / maxq
+            s = (2 * wg.abs().amax(-1) / maxq).clamp(min=1e-5).half()
+            z = torch.full((n,), (maxq + 1) // 2, dtype=torch.int64)
         else:
             lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-            s = ((hi - lo) / 15).clamp(min=1e-5).half()
-            z = torch.round(-lo / s.float()).clamp(0, 15).long()
-        u[:, cols] = torch.clamp(torch.round(wg / s.float()[:, None]) + z[:, None], 0, 15).to(torch.uint8)
+            s = ((hi - lo) / maxq).clamp(min=1e-5).half()
+            z = torch.round(-lo / s.float()).clamp(0, maxq).long()
+        u[:, cols] = torch.clamp(torch.round(wg / s.float()[:, None]) + z[:, None], 0, maxq).to(torch.uint8)
         zeros[:, g], scales[:, g] = z, s
     return u, zeros, scales
 
@@ -71,18 +73,21 @@ def dequantize_4bit(u, zeros, scales, g_idx) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ packers
-def _word(nibbles) -> int:
+def _word(values, bits: int = 4) -> int:
     v = 0
-    for i, x in enumerate(nibbles):
-        v |= (int(x) & 0xF) << (4 * i)
+    for i, x in enumerate(values):
+        v |= (int(x) & ((1 << bits) - 1)) << (bits * i)
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def gptq_pack(u, zeros, scales, g_idx) -> dict[str, torch.Tensor]:
+def gptq_pack(u, zeros, scales, g_idx, bits: int = 4) -> dict[str, torch.Tensor]:
+    """`bits` 8: four values a word, the same order."""
     n, k = u.shape
+    pf = 32 // bits
     ul, zl = u.tolist(), zeros.tolist()
-    qweight = [[_word(ul[c][8 * i + j] for j in range(8)) for c in range(n)] for i in range(k // 8)]
-    qzeros = [[_word(zl[8 * c + j][g] - 1 for j in range(8)) for c in range(n // 8)] for g in range(zeros.shape[1])]
+    qweight = [[_word((ul[c][pf * i + j] for j in range(pf)), bits) for c in range(n)] for i in range(k // pf)]
+    qzeros = [[_word((zl[pf * c + j][g] - 1 for j in range(pf)), bits) for c in range(n // pf)]
+              for g in range(zeros.shape[1])]
     return {"qweight": torch.tensor(qweight, dtype=torch.int32), "qzeros": torch.tensor(qzeros, dtype=torch.int32),
             "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
 
@@ -145,12 +150,12 @@ def ct_quantization_config(kind: str, group: int | None = 32) -> dict:
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int | None = 32, act_order: bool = False,
-                          tokenizer=None, seed: int = 0, **overrides) -> tuple[Path, Path]:
+                          tokenizer=None, seed: int = 0, bits: int = 4, **overrides) -> tuple[Path, Path]:
     """(the quantized checkpoint, its dequantised float32 twin). fmt: gptq, awq, ct_w4a16, ct_w4a16_asym,
     ct_int8."""
     from safetensors.torch import load_file, save_file
 
-    tag = f"{fmt}_{kind}_g{group}{'_act' if act_order else ''}"
+    tag = f"{fmt}{bits if bits != 4 else ''}_{kind}_g{group}{'_act' if act_order else ''}"
     ref = make_checkpoint(kind, root, seed=seed, tokenizer=tokenizer, name=f"{tag}_ref", **overrides)
     (file,) = ref.glob("*.safetensors")
     weights, quant = load_file(file), {}
@@ -161,8 +166,8 @@ def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int 
         else:
             g_idx = gptq_groups(w.shape[1], group, act_order, seed=i) if fmt == "gptq" else \
                 gptq_groups(w.shape[1], group, False)
-            u, zeros, scales = quantize_4bit(w, g_idx, symmetric=fmt == "gptq")
-            tensors = gptq_pack(u, zeros, scales, g_idx) if fmt == "gptq" else awq_pack(u, zeros, scales)
+            u, zeros, scales = quantize_4bit(w, g_idx, symmetric=fmt == "gptq", bits=bits)
+            tensors = gptq_pack(u, zeros, scales, g_idx, bits) if fmt == "gptq" else awq_pack(u, zeros, scales)
             deq = dequantize_4bit(u, zeros, scales, g_idx)
         quant.update({base + k: v for k, v in tensors.items()})
         weights[name] = deq.float()
@@ -172,14 +177,14 @@ def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int 
     save_file({**{n: t for n, t in weights.items() if not LINEAR.fullmatch(n)}, **quant}, out / file.name,
               metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, group, act_order)
+    config["quantization_config"] = quantization_config(fmt, group, act_order, bits)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out, ref
 
 
-def quantization_config(fmt: str, group: int | None, act_order: bool = False) -> dict:
+def quantization_config(fmt: str, group: int | None, act_order: bool = False, bits: int = 4) -> dict:
     if fmt == "gptq":  # as optimum / GPTQModel write it
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": True,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": True,
                 "damp_percent": 0.01, "true_sequential": True, "checkpoint_format": "gptq", "static_groups": False}
     if fmt == "awq":  # as AutoAWQ writes it
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",

@@ -50,12 +50,12 @@ class W4A16Base(LinearKernel):
         if spec.params_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return False, f"activation dtype {spec.params_dtype} is not bf16/fp16/fp32"
         k = spec.input_size
-        if k % PACK:
-            return False, f"input size {k} is not a multiple of 8"
+        if k % q.pack:
+            return False, f"input size {k} is not a multiple of {q.pack}"
         if q.group_size != -1 and k % q.group_size:
             return False, f"input size {k} is not a multiple of the group size {q.group_size}"
-        if (q.format != "compressed-tensors" or not q.symmetric) and any(n % PACK for n in spec.output_sizes):
-            return False, f"output sizes {spec.output_sizes} are not multiples of 8 ({q.format} packs along N)"
+        if (q.format != "compressed-tensors" or not q.symmetric) and any(n % q.pack for n in spec.output_sizes):
+            return False, f"output sizes {spec.output_sizes} are not multiples of {q.pack} ({q.format} packs along N)"
         return True, ""
 
     # ------------------------------------------------------------------------------------------- loading
@@ -107,8 +107,9 @@ class W4A16Base(LinearKernel):
                 layer.weight_zero_point = _param(torch.zeros(n // PACK, groups, **i32),
                                                  weight_loader=self._loader("weight_zero_point", 0, PACK))
         elif q.format in ("gptq", "gptq_v2"):
-            layer.qweight = _param(torch.zeros(k // PACK, n, **i32), weight_loader=self._loader("qweight", 1))
-            layer.qzeros = _param(torch.zeros(groups, n // PACK, **i32), weight_loader=self._loader("qzeros", 1, PACK))
+            pf = q.pack
+            layer.qweight = _param(torch.zeros(k // pf, n, **i32), weight_loader=self._loader("qweight", 1))
+            layer.qzeros = _param(torch.zeros(groups, n // pf, **i32), weight_loader=self._loader("qzeros", 1, pf))
             layer.scales = _param(torch.zeros(groups, n), weight_loader=self._loader("scales", 1, is_scale=True))
             gidx = (torch.arange(k) // q.group(k)).to(torch.int32).expand(len(s.output_sizes), k).clone()
             layer.g_idx = _param(gidx, weight_loader=self._load_g_idx)
@@ -137,15 +138,15 @@ class W4A16Base(LinearKernel):
         gs = k if q.group_size == -1 else q.group_size
         if all(torch.equal(g_idx[0], g) for g in g_idx[1:]):
             w = from_gptq(layer.qweight.data, layer.qzeros.data, layer.scales.data.to(sdtype), g_idx[0], gs,
-                          q.format == "gptq_v2")
+                          q.format == "gptq_v2", q.bits)
             return [(0, self.spec.output_size, w)]
         parts = []
         for i, size in enumerate(self.spec.output_sizes):
             start = sum(self.spec.output_sizes[:i])
             cols = slice(start, start + size)
-            zcols = slice(start // PACK, (start + size) // PACK)
+            zcols = slice(start // q.pack, (start + size) // q.pack)
             w = from_gptq(layer.qweight.data[:, cols], layer.qzeros.data[:, zcols],
-                          layer.scales.data[:, cols].to(sdtype), g_idx[i], gs, q.format == "gptq_v2")
+                          layer.scales.data[:, cols].to(sdtype), g_idx[i], gs, q.format == "gptq_v2", q.bits)
             parts.append((start, size, w))
         return parts
 
@@ -218,6 +219,8 @@ class TritonW4A16Linear(W4A16Base):
         dtypes = GATES[cls.name].act_dtypes
         if spec.params_dtype not in dtypes:
             return False, f"dtype {spec.params_dtype} not in {dtypes}"
+        if spec.quant.bits != 4:
+            return False, f"{spec.quant.bits}-bit weights (the kernel unpacks 4-bit words)"
         g = spec.quant.group_size
         if g != -1 and g % 16:
             return False, f"group size {g} is not a multiple of 16 (the kernel's K step)"

@@ -7,7 +7,8 @@ i holds columns 8i..8i+7, the first in the lowest 4 bits):
 * compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K/8] packed along K, values q + 8 (q in -8..7);
   `weight_scale` [N, K/G] (strategy group) or [N, 1] (strategy channel); `weight_shape` [2]. w = q * scale;
   asymmetric: `weight_zero_point` int32 [N/8, K/G], zero + 8 packed along N, and w = (q - zero) * scale.
-* GPTQ (AutoGPTQ / GPTQModel / optimum, `checkpoint_format` gptq, i.e. v1): `qweight` int32 [K/8, N] packed along
+* GPTQ (AutoGPTQ / GPTQModel / optimum, `checkpoint_format` gptq, i.e. v1; 4-bit, or 8-bit with four values a
+  word, read the same way and served dequantised): `qweight` int32 [K/8, N] packed along
   K; `qzeros` int32 [K/G, N/8] packed along N (word c holds columns 8c..8c+7, the first lowest), each holding
   zero - 1 (v1's offset; `gptq_v2` stores the zero itself); `scales` fp16 [K/G, N]; `g_idx` int32 [K], the group
   of every input column (k // G without act-order; a permutation's groups with desc_act). w = (u - zero) * scale.
@@ -41,12 +42,20 @@ class W4A16Scheme:
     group_size: int = 128
     act_order: bool = False
     symmetric: bool = True
+    bits: int = 4  # 8: GPTQ's 8-bit weights (four a word), served dequantised
+
+    @property
+    def pack(self) -> int:
+        """Values per int32 word."""
+        return 32 // self.bits
 
     family: ClassVar[str] = "w4a16"
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"unknown W4A16 format {self.format!r}")
+        if self.bits not in (4, 8) or (self.bits == 8 and not self.format.startswith("gptq")):
+            raise ValueError(f"{self.format}: {self.bits}-bit weights are not a layout read here")
         if self.group_size != -1 and (self.group_size <= 0 or self.group_size % PACK):
             raise ValueError(f"W4A16 group size must be -1 (channel) or a positive multiple of 8, not {self.group_size}")
 
@@ -59,12 +68,12 @@ class W4A16Scheme:
     @property
     def name(self) -> str:
         g = "channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"w4a16[{self.format},{g}{',act_order' if self.act_order else ''}]"
+        return f"w{self.bits}a16[{self.format},{g}{',act_order' if self.act_order else ''}]"
 
 
 # ------------------------------------------------------------------------------------------------ bit unpacking
-def _shifts(device) -> torch.Tensor:
-    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+def _shifts(device, bits: int = 4) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
 
 
 CHUNK_ROWS = 1024  # rows converted at a time: the int32 / int64 transients of a large layer stay small
@@ -76,17 +85,18 @@ def _by_rows(fn, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(part) for part in t.split(CHUNK_ROWS)])
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., C] -> uint8 [..., 8C]: each word's nibbles along the last dim, the lowest first."""
+def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., C] -> uint8 [..., (32 / bits) C]: each word's values along the last dim, the lowest first."""
     def unpack(p):
-        return ((p.unsqueeze(-1) >> _shifts(p.device)) & 0xF).flatten(-2).to(torch.uint8)
+        return ((p.unsqueeze(-1) >> _shifts(p.device, bits)) & ((1 << bits) - 1)).flatten(-2).to(torch.uint8)
     return _by_rows(unpack, packed)
 
 
-def pack_rows(u: torch.Tensor) -> torch.Tensor:
-    """uint8/int [..., 8C] in 0..15 -> int32 [..., C] (the inverse of unpack_rows)."""
+def pack_rows(u: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """uint8/int [..., (32 / bits) C] -> int32 [..., C] (the inverse of unpack_rows)."""
     def pack(x):
-        word = (x.to(torch.int64).unflatten(-1, (-1, PACK)) << _shifts(x.device).to(torch.int64)).sum(-1)
+        shifts = _shifts(x.device, bits).to(torch.int64)
+        word = (x.to(torch.int64).unflatten(-1, (-1, 32 // bits)) << shifts).sum(-1)
         return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
     return _by_rows(pack, u)
 
@@ -139,12 +149,12 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-              group_size: int, v2: bool = False) -> Int4Weights:
-    k = qweight.shape[0] * PACK
-    u = unpack_rows(qweight.t()).contiguous()  # [N, K]
-    z = unpack_rows(qzeros)[:, :scales.shape[1]].t()  # [N, groups]
+              group_size: int, v2: bool = False, bits: int = 4) -> Int4Weights:
+    k = qweight.shape[0] * (32 // bits)
+    u = unpack_rows(qweight.t(), bits).contiguous()  # [N, K]
+    z = unpack_rows(qzeros, bits)[:, :scales.shape[1]].t()  # [N, groups]
     if not v2:
-        z = ((z.to(torch.int16) + 1) & 0xF).to(torch.uint8)  # v1 stores zero - 1 (in 4 bits)
+        z = ((z.to(torch.int16) + 1) & ((1 << bits) - 1)).to(torch.uint8)  # v1 stores zero - 1 (in `bits` bits)
     gs = k if group_size == -1 else group_size
     if g_idx is not None and torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // gs):
         g_idx = None  # the trivial order

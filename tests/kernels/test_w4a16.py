@@ -101,7 +101,7 @@ def test_marlin_names_log_one_line(caplog):
 
 
 @pytest.mark.parametrize("fmt, change, error, message", [
-    ("gptq", dict(bits=8), NotImplementedError, "8-bit weights"),
+    ("gptq", dict(bits=3), NotImplementedError, "3-bit weights are not supported \\(4 or 8-bit only\\)"),
     ("gptq", dict(checkpoint_format="marlin"), NotImplementedError, "checkpoint_format 'marlin'"),
     ("gptq", dict(lm_head=True), NotImplementedError, "quantized lm_head"),
     ("gptq", dict(dynamic={"-:.*": {}}), NotImplementedError, "dynamic"),
@@ -335,3 +335,35 @@ def test_int8_weight_only_takes_the_fallback():
         layer = Linear(K, list(SIZES), False, torch.bfloat16, QKV, cfg)
     assert type(layer.kernel) is Int8DequantFallbackLinear
     assert "weight-only INT8" in layer.kernel.skipped[-1]
+
+
+def test_gptq_8bit_packer_hand_computed():
+    """8-bit GPTQ: four values a word, the lowest first; zeros minus one."""
+    u = torch.tensor([[10 * n + k for k in range(4)] for n in range(4)], dtype=torch.uint8)
+    zeros = torch.tensor([[128], [1], [2], [3]])
+    t = gptq_pack(u, zeros, torch.ones(4, 1, dtype=torch.float16), torch.zeros(4, dtype=torch.int32), bits=8)
+    assert t["qweight"].shape == (1, 4) and t["qzeros"].shape == (1, 1)
+    assert t["qweight"][0, 1].item() == 0x0D0C0B0A
+    assert t["qzeros"][0, 0].item() == 0x0201007F
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_8bit_dequantised_and_served_dequantised(act_order):
+    torch.manual_seed(0)
+    shards = []
+    for i, n in enumerate(SIZES):
+        w = torch.randn(n, K) * 0.08
+        g_idx = gptq_groups(K, 32, act_order, seed=i)
+        u, z, s = quantize_4bit(w, g_idx, symmetric=True, bits=8)
+        shards.append((gptq_pack(u, z, s, g_idx, bits=8), dequantize_4bit(u, z, s, g_idx)))
+    qc = get_quant_config({"quantization_config": quantization_config("gptq", 32, act_order, bits=8)})
+    assert qc.for_layer(QKV) == W4A16Scheme("gptq", 32, act_order, True, 8) and qc.for_layer(QKV).name.startswith("w8a16")
+    from kestrel.platform.testing import use_platform
+
+    with use_platform(fake_platform("sm_90")):
+        layer = Linear(K, list(SIZES), False, torch.bfloat16, QKV, qc)
+    assert type(layer.kernel) is W4A16DequantLinear
+    assert "triton_w4a16: 8-bit weights (the kernel unpacks 4-bit words)" in layer.kernel.skipped
+    _load(layer, shards)
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.weight.data, torch.cat([d for _, d in shards]).to(torch.bfloat16))

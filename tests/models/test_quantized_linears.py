@@ -14,6 +14,7 @@ from tests.w4a16_tiny import quantized_checkpoints
 NUM_TOKENS = 16
 
 CASES = [
+    ("gptq", "qwen3", 32, True, dict(bits=8)),  # 8-bit GPTQ (four values a word)
     ("ct_w4a16", "llama", 32, False, {}),
     ("ct_w4a16", "qwen3", None, False, {}),  # channel-wise
     ("ct_w4a16_asym", "qwen3", 32, False, {}),  # zero points
@@ -35,7 +36,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("fmt,kind,group,act_order,overrides", CASES,
-                         ids=[f"{c[0]}-{c[1]}-g{c[2]}{'-act' if c[3] else ''}" for c in CASES])
+                         ids=[f"{c[0]}{c[4].get('bits', '')}-{c[1]}-g{c[2]}{'-act' if c[3] else ''}" for c in CASES])
 def test_quantized_greedy_equals_dequantised_model(fmt, kind, group, act_order, overrides, tmp_path_factory,
                                                    tiny_tokenizer):
     quant, ref = quantized_checkpoints(fmt, tmp_path_factory.mktemp(fmt), kind, group, act_order,

@@ -39,9 +39,9 @@ def test_quantization_flag_mismatch_is_one_line(gptq_model, flags, words):
 def test_unsupported_variant_is_one_line(gptq_model, tmp_path):
     import shutil
 
-    folder = tmp_path / "gptq8"
+    folder = tmp_path / "gptq3"
     shutil.copytree(gptq_model, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"]["bits"] = 8
+    config["quantization_config"]["bits"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    one_line_refusal(serve(str(folder)), "gptq checkpoint: 8-bit weights are not supported (4-bit only)")
+    one_line_refusal(serve(str(folder)), "gptq checkpoint: 3-bit weights are not supported (4 or 8-bit only)")

@@ -1,7 +1,7 @@
 """GPTQ and AWQ 4-bit checkpoints, and compressed-tensors W8A8 INT8 (`int-quantized`): quant configs mapping a
 checkpoint's `quantization_config` onto per-layer schemes (kestrel/kernels/w4a16_scheme.py, kestrel/kernels/int8.py).
 
-GPTQ: {"quant_method": "gptq", "bits": 4, "group_size": 128 (or -1), "desc_act": bool, "sym": bool,
+GPTQ: {"quant_method": "gptq", "bits": 4 (or 8), "group_size": 128 (or -1), "desc_act": bool, "sym": bool,
        "checkpoint_format": "gptq" | "gptq_v2", "lm_head": false, "modules_to_not_convert": [...]}
 AWQ:  {"quant_method": "awq", "bits" (or "w_bit"): 4, "group_size" (or "q_group_size"): 128, "zero_point": true,
        "version": "gemm", "modules_to_not_convert": [...]}
@@ -37,10 +37,11 @@ class _WholeModelConfig(QuantConfigBase):
         return f"{type(self).__name__}({self.scheme.name}, ignore={list(self.ignore)})"
 
 
-def _bits(qc: Mapping, method: str) -> int:
+def _bits(qc: Mapping, method: str, allowed: tuple[int, ...] = (4,)) -> int:
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    if bits != 4:
-        raise NotImplementedError(f"{method} checkpoint: {bits}-bit weights are not supported (4-bit only)")
+    if bits not in allowed:
+        raise NotImplementedError(f"{method} checkpoint: {bits}-bit weights are not supported "
+                                  f"({' or '.join(map(str, allowed))}-bit only)")
     return bits
 
 
@@ -60,7 +61,7 @@ class GPTQConfig(_WholeModelConfig):
 
     @classmethod
     def from_hf(cls, qc: Mapping) -> "GPTQConfig":
-        _bits(qc, "gptq")
+        bits = _bits(qc, "gptq", (4, 8))
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             raise NotImplementedError(f"gptq checkpoint: checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
@@ -69,7 +70,7 @@ class GPTQConfig(_WholeModelConfig):
         if qc.get("dynamic"):
             raise NotImplementedError("gptq checkpoint: per-module overrides (dynamic) are not supported")
         scheme = W4A16Scheme(fmt, _group(qc, "gptq", "group_size"), bool(qc.get("desc_act", False)),
-                             bool(qc.get("sym", True)))
+                             bool(qc.get("sym", True)), bits)
         return cls(scheme, list(qc.get("modules_to_not_convert") or []))
 
 
