@@ -140,9 +140,24 @@ def ct_compress(w: torch.Tensor, kind: str, group: int | None = 32, scale_dtype:
     return out, comp.decompress(dict(out), scheme)["weight"]
 
 
-def ct_quantization_config(kind: str, group: int | None = 32) -> dict:
+def ct_act_order(w: torch.Tensor, group: int, g_idx: torch.Tensor):
+    """compressed-tensors W4A16 with actorder "group" (this library version packs but does not quantize with a
+    g_idx): symmetric q in -8..7 per (row, group of g_idx), packed by compressed-tensors' pack_to_int32, fp16
+    scales, `weight_g_idx`; and the dequantised weight q * scale (fp16)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    u, zeros, scales = quantize_4bit(w, g_idx, symmetric=True)
+    q = (u.to(torch.int16) - 8).to(torch.int8)
+    tensors = {"weight_packed": pack_to_int32(q, 4), "weight_scale": scales, "weight_shape": torch.tensor(w.shape),
+               "weight_g_idx": g_idx.to(torch.int32)}
+    return tensors, dequantize_4bit(u, zeros, scales, g_idx)
+
+
+def ct_quantization_config(kind: str, group: int | None = 32, act_order: bool = False) -> dict:
     scheme = ct_scheme(kind, group).model_dump()
     scheme.pop("format", None)
+    if act_order:
+        scheme["weights"]["actorder"] = "group"
     return {"quant_method": "compressed-tensors", "format": "int-quantized" if kind == "int8" else "pack-quantized",
             "config_groups": {"group_0": scheme}, "ignore": ["lm_head"], "quantization_status": "compressed",
             "kv_cache_scheme": None}
@@ -161,7 +176,9 @@ def quantized_checkpoints(fmt: str, root: Path, kind: str = "llama", group: int 
     weights, quant = load_file(file), {}
     for i, name in enumerate(sorted(n for n in weights if LINEAR.fullmatch(n))):
         w, base = weights[name], name[:-len("weight")]
-        if fmt.startswith("ct_"):
+        if fmt == "ct_w4a16" and act_order:
+            tensors, deq = ct_act_order(w, group, gptq_groups(w.shape[1], group, True, seed=i))
+        elif fmt.startswith("ct_"):
             tensors, deq = ct_compress(w, fmt[3:], group)
         else:
             g_idx = gptq_groups(w.shape[1], group, act_order, seed=i) if fmt == "gptq" else \
@@ -189,4 +206,4 @@ def quantization_config(fmt: str, group: int | None, act_order: bool = False, bi
     if fmt == "awq":  # as AutoAWQ writes it
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}
-    return ct_quantization_config(fmt[3:], group)
+    return ct_quantization_config(fmt[3:], group, act_order)

@@ -106,6 +106,9 @@ class W4A16Base(LinearKernel):
             if not q.symmetric:
                 layer.weight_zero_point = _param(torch.zeros(n // PACK, groups, **i32),
                                                  weight_loader=self._loader("weight_zero_point", 0, PACK))
+            if q.act_order:  # actorder "group": each column's group (per merged shard)
+                gidx = (torch.arange(k) // q.group(k)).to(torch.int32).expand(len(s.output_sizes), k).clone()
+                layer.weight_g_idx = _param(gidx, weight_loader=self._load_g_idx)
         elif q.format in ("gptq", "gptq_v2"):
             pf = q.pack
             layer.qweight = _param(torch.zeros(k // pf, n, **i32), weight_loader=self._loader("qweight", 1))
@@ -128,9 +131,18 @@ class W4A16Base(LinearKernel):
         sdtype = self.scale_dtype or (self.spec.params_dtype if q.format == "compressed-tensors" else torch.float16)
         if q.format == "compressed-tensors":
             zp = None if q.symmetric else layer.weight_zero_point.data
-            w = from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data.to(sdtype), k, q.group_size,
-                                        zp)
-            return [(0, self.spec.output_size, w)]
+            g_idx = layer.weight_g_idx.data if q.act_order else None
+            same = g_idx is None or all(torch.equal(g_idx[0], g) for g in g_idx[1:])
+            parts = []
+            for i, (start, size) in enumerate([(0, self.spec.output_size)] if same else
+                                              [self._shard(j) for j in range(len(self.spec.output_sizes))]):
+                rows = slice(start, start + size)
+                w = from_compressed_tensors(layer.weight_packed.data[rows], layer.weight_scale.data[rows].to(sdtype),
+                                            k, q.group_size,
+                                            None if zp is None else zp[start // PACK:(start + size) // PACK],
+                                            None if g_idx is None else g_idx[i])
+                parts.append((start, size, w))
+            return parts
         if q.format == "awq":
             w = from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data.to(sdtype), q.group_size)
             return [(0, self.spec.output_size, w)]
@@ -156,8 +168,8 @@ class W4A16Base(LinearKernel):
         return torch.cat([w.dequantize(dtype) for _, _, w in self.int4_weights(layer)])
 
     def _drop_checkpoint_tensors(self, layer: nn.Module) -> None:
-        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "qweight", "qzeros", "scales",
-                     "g_idx"):
+        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "qweight",
+                     "qzeros", "scales", "g_idx"):
             if name in layer._parameters:
                 del layer._parameters[name]
 

@@ -6,7 +6,8 @@ i holds columns 8i..8i+7, the first in the lowest 4 bits):
 
 * compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K/8] packed along K, values q + 8 (q in -8..7);
   `weight_scale` [N, K/G] (strategy group) or [N, 1] (strategy channel); `weight_shape` [2]. w = q * scale;
-  asymmetric: `weight_zero_point` int32 [N/8, K/G], zero + 8 packed along N, and w = (q - zero) * scale.
+  asymmetric: `weight_zero_point` int32 [N/8, K/G], zero + 8 packed along N, and w = (q - zero) * scale;
+  actorder "group": `weight_g_idx` int32 [K], as GPTQ's g_idx.
 * GPTQ (AutoGPTQ / GPTQModel / optimum, `checkpoint_format` gptq, i.e. v1; 4-bit, or 8-bit with four values a
   word, read the same way and served dequantised): `qweight` int32 [K/8, N] packed along
   K; `qzeros` int32 [K/G, N/8] packed along N (word c holds columns 8c..8c+7, the first lowest), each holding
@@ -138,14 +139,19 @@ class Int4Weights:
 
 
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, k: int,
-                            group_size: int, zero_point: torch.Tensor | None = None) -> Int4Weights:
-    """`zero_point` (asymmetric): int32 [N/8, groups], zero + 8 packed along N (compressed-tensors' packed_dim 0)."""
+                            group_size: int, zero_point: torch.Tensor | None = None,
+                            g_idx: torch.Tensor | None = None) -> Int4Weights:
+    """`zero_point` (asymmetric): int32 [N/8, groups], zero + 8 packed along N (compressed-tensors' packed_dim 0).
+    `g_idx` (actorder "group"): int [K], each column's group."""
     u = unpack_rows(weight_packed)[:, :k]
     if zero_point is None:
         zeros = torch.full(weight_scale.shape, 8, dtype=torch.uint8, device=u.device)
     else:
         zeros = unpack_rows(zero_point.t().contiguous()).t()[:weight_scale.shape[0]].contiguous()
-    return Int4Weights(u, zeros, weight_scale, None, k if group_size == -1 else group_size)
+    gs = k if group_size == -1 else group_size
+    if g_idx is not None and torch.equal(g_idx.long(), torch.arange(k, device=g_idx.device) // gs):
+        g_idx = None  # the trivial order
+    return Int4Weights(u, zeros, weight_scale, g_idx, gs)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,

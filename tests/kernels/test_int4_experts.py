@@ -76,7 +76,7 @@ def test_kimi_quantization_config():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(actorder="group"), "activation ordering"),
+    (dict(actorder="bogus"), "activation ordering 'bogus'"),
     (dict(num_bits=8), "4-bit int"),
     (dict(strategy="tensor", group_size=None), "group-wise or channel-wise"),
     (dict(dynamic=True), "dynamic"),
@@ -93,6 +93,10 @@ def test_asymmetric_int4_experts_refused():
     qc = copy.deepcopy(KIMI_QUANTIZATION_CONFIG)
     qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
     with pytest.raises(NotImplementedError, match="asymmetric INT4 experts"):
+        get_quant_config({"quantization_config": qc}).for_layer("model.layers.3.mlp.experts")
+    qc = copy.deepcopy(KIMI_QUANTIZATION_CONFIG)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with pytest.raises(NotImplementedError, match="INT4 experts with activation ordering"):
         get_quant_config({"quantization_config": qc}).for_layer("model.layers.3.mlp.experts")
 
 

@@ -18,7 +18,7 @@ from kestrel.layers.linear import Linear
 from kestrel.layers.quant import (AWQConfig, CompressedTensorsInt4Config, CompressedTensorsInt8Config, GPTQConfig,
                                   get_quant_config)
 from kestrel.platform import fake_platform
-from tests.w4a16_tiny import (awq_pack, ct_compress, dequantize_4bit, gptq_groups, gptq_pack, quantization_config,
+from tests.w4a16_tiny import (awq_pack, ct_act_order, ct_compress, dequantize_4bit, gptq_groups, gptq_pack, quantization_config,
                               quantize_4bit)
 
 QKV = "model.layers.0.self_attn.qkv_proj"
@@ -84,7 +84,9 @@ def test_ct_static_actorder_is_the_plain_layout(actorder):
     qc["config_groups"]["group_0"]["weights"]["actorder"] = actorder
     assert get_quant_config({"quantization_config": qc}).for_layer(QKV) == W4A16Scheme("compressed-tensors", 32)
     qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    with pytest.raises(NotImplementedError, match="activation ordering 'group'"):
+    assert get_quant_config({"quantization_config": qc}).for_layer(QKV) == W4A16Scheme("compressed-tensors", 32, True)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "bogus"
+    with pytest.raises(NotImplementedError, match="activation ordering 'bogus'"):
         get_quant_config({"quantization_config": qc})
 
 
@@ -152,6 +154,9 @@ def _shards(fmt: str, group: int | None, act_order: bool, seed: int = 0):
     out = []
     for i, n in enumerate(SIZES):
         w = torch.randn(n, K) * 0.08
+        if fmt == "ct_w4a16" and act_order:
+            out.append(ct_act_order(w, group, gptq_groups(K, group, True, seed=i)))
+            continue
         if fmt.startswith("ct_"):
             out.append(ct_compress(w, fmt[3:], group))
             continue
@@ -178,7 +183,7 @@ def _load(layer, shards):
             layer.load_weight(name, t, sid)
 
 
-CASES = [("ct_w4a16", 32, False), ("ct_w4a16", None, False), ("ct_w4a16_asym", 32, False),
+CASES = [("ct_w4a16", 32, False), ("ct_w4a16", None, False), ("ct_w4a16", 32, True), ("ct_w4a16_asym", 32, False),
          ("ct_w4a16_asym", None, False), ("gptq", 32, False), ("gptq", 64, True),
          ("gptq", 128, False), ("gptq", -1, False), ("awq", 32, False), ("awq", 128, False), ("ct_int8", None, False)]
 
@@ -262,8 +267,9 @@ def test_triton_layout_matches_dequantised(fmt, group, act_order):
     shards = _shards(fmt, group, act_order)
     if act_order:  # one g_idx for all shards (q, k, v share their input, so GPTQ's order): the kernel's case
         shards = _shards(fmt, group, act_order)
-        g_idx = shards[0][0]["g_idx"]
-        shards = [(dict(t, g_idx=g_idx), None) for t, _ in shards]
+        key = "g_idx" if fmt == "gptq" else "weight_g_idx"
+        g_idx = shards[0][0][key]
+        shards = [(dict(t, **{key: g_idx}), None) for t, _ in shards]
         ref_layer = _layer(fmt, group, act_order, torch.float32)
         _load(ref_layer, shards)
         ref_layer.process_weights_after_loading()

@@ -22,7 +22,7 @@ from kestrel.layers.linear import Linear  # noqa: E402
 from kestrel.layers.quant import get_quant_config  # noqa: E402
 from kestrel.platform import fake_platform  # noqa: E402
 from kestrel.platform.testing import use_platform  # noqa: E402
-from tests.w4a16_tiny import (awq_pack, ct_compress, dequantize_4bit, gptq_groups, gptq_pack,  # noqa: E402
+from tests.w4a16_tiny import (awq_pack, ct_act_order, ct_compress, dequantize_4bit, gptq_groups, gptq_pack,  # noqa: E402
                               quantization_config, quantize_4bit)
 
 SIZES = (64, 32, 32)
@@ -30,14 +30,17 @@ SIZES = (64, 32, 32)
 
 def _shards(fmt, group, act_order, k, scale_dtype=torch.float16):
     torch.manual_seed(k + (group or 0))
-    g_idx = gptq_groups(k, group, act_order, seed=1) if fmt == "gptq" else None
+    g_idx = gptq_groups(k, group, act_order, seed=1) if act_order else None
     out = []
     for n in SIZES:
         w = torch.randn(n, k) * 0.08
+        if fmt == "ct_w4a16" and act_order:  # one g_idx for q, k, v (they share their input)
+            out.append(ct_act_order(w, group, g_idx))
+            continue
         if fmt.startswith("ct_"):
             out.append(ct_compress(w, fmt[3:], group, scale_dtype))
             continue
-        gi = g_idx if fmt == "gptq" else gptq_groups(k, group, False)
+        gi = g_idx if g_idx is not None else gptq_groups(k, group, False)
         u, z, s = quantize_4bit(w, gi, symmetric=fmt == "gptq")
         out.append((gptq_pack(u, z, s, gi) if fmt == "gptq" else awq_pack(u, z, s), dequantize_4bit(u, z, s, gi)))
     return out
@@ -48,7 +51,7 @@ def _shards(fmt, group, act_order, k, scale_dtype=torch.float16):
     ("gptq", 32, False, 128, False), ("gptq", 64, True, 256, True), ("gptq", 128, True, 256, False),
     ("gptq", -1, False, 96, False), ("awq", 32, False, 64, True), ("awq", 128, False, 256, False),
     ("ct_w4a16", 32, False, 128, False), ("ct_w4a16", None, False, 80, True),
-    ("ct_w4a16_asym", 64, False, 128, True),
+    ("ct_w4a16_asym", 64, False, 128, True), ("ct_w4a16", 32, True, 128, False),
 ])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
 def test_triton_w4a16_matches_dequantised(fmt, group, act_order, k, bias, m, scale_dtype):

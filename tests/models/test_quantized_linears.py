@@ -17,6 +17,7 @@ CASES = [
     ("gptq", "qwen3", 32, True, dict(bits=8)),  # 8-bit GPTQ (four values a word)
     ("ct_w4a16", "llama", 32, False, {}),
     ("ct_w4a16", "qwen3", None, False, {}),  # channel-wise
+    ("ct_w4a16", "llama", 64, True, {}),  # actorder "group": weight_g_idx
     ("ct_w4a16_asym", "qwen3", 32, False, {}),  # zero points
     ("gptq", "llama", 32, False, {}),
     ("gptq", "qwen3", 64, True, {}),  # act-order: every projection its own column order

@@ -30,15 +30,17 @@ def _int4_scheme(gname: str, group: Mapping) -> W4A16Scheme:
     if strategy not in ("group", "channel") or (strategy == "group" and not w.get("group_size")):
         raise NotImplementedError(f"{where}: only group-wise or channel-wise INT4 scales are supported (got "
                                   f"strategy {strategy!r})")
-    # "weight" / "static" ordering only orders the quantization (no g_idx is saved, groups stay contiguous)
-    if w.get("actorder") not in (None, "weight", "static"):
-        raise NotImplementedError(f"{where}: activation ordering {w['actorder']!r} (a g_idx) is not supported")
+    # "weight" / "static" ordering only orders the quantization (no g_idx is saved, groups stay contiguous);
+    # "group" / "dynamic" saves each column's group as weight_g_idx
+    actorder = w.get("actorder")
+    if actorder not in (None, "weight", "static", "group", "dynamic"):
+        raise NotImplementedError(f"{where}: activation ordering {actorder!r} is not supported")
     if w.get("dynamic"):
         raise NotImplementedError(f"{where}: dynamic weight quantization is not supported")
     if group.get("input_activations") is not None:
         raise NotImplementedError(f"{where}: quantized activations are not supported (W4A16 only)")
     return W4A16Scheme("compressed-tensors", int(w["group_size"]) if strategy == "group" else -1,
-                       symmetric=bool(w.get("symmetric", True)))
+                       act_order=actorder in ("group", "dynamic"), symmetric=bool(w.get("symmetric", True)))
 
 
 class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
@@ -60,6 +62,9 @@ class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
                 raise NotImplementedError(f"{prefix}: channel-wise INT4 experts are not supported (group-wise only)")
             if not scheme.symmetric:
                 raise NotImplementedError(f"{prefix}: asymmetric INT4 experts (a zero point) are not supported")
+            if scheme.act_order:
+                raise NotImplementedError(f"{prefix}: INT4 experts with activation ordering (a g_idx) are not "
+                                          "supported")
             return Int4Scheme(scheme.group_size)
         return scheme
 
