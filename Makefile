@@ -12,7 +12,8 @@ demo: setup
 # first imported, hence a second run. triton 3.6's interpreter needs numpy < 2.4 (numpy 2.4 refuses int() of a
 # 1-element array, which its range() does), so setup puts that numpy in .kernels-np/, first on PYTHONPATH there.
 TRITON_COMPILE_TESTS = tests/attention/test_triton_compile.py tests/kernels/test_moe_triton_compile.py \
-	tests/kernels/test_lora_compile.py tests/kernels/test_kda_decode_compile.py tests/attention/test_triton_sparse_mla_compile.py
+	tests/kernels/test_lora_compile.py tests/kernels/test_kda_decode_compile.py tests/attention/test_triton_sparse_mla_compile.py \
+	tests/kernels/test_w4a16_compile.py
 TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_triton_mla.py tests/attention/test_triton_fp8_kv.py \
 	tests/attention/test_triton_sampling.py tests/kernels/test_skinny_gemm_interp.py tests/kernels/test_gemv_interp.py \
 	tests/kernels/test_moe_triton_interp.py tests/kernels/test_lora_kernels_interp.py \
@@ -20,7 +21,7 @@ TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_tr
 	tests/attention/test_triton_sparse_mla.py tests/attention/test_triton_indexer_fp8.py \
 	tests/attention/test_triton_topk.py tests/attention/test_triton_sparse_mla_graphs.py \
 	tests/attention/test_triton_prefill_graphs.py tests/attention/test_triton_sinks.py \
-	tests/attention/test_mrope_fused_interp.py
+	tests/attention/test_mrope_fused_interp.py tests/kernels/test_w4a16_interp.py
 INTERP_RUN = HF_HUB_OFFLINE=1 PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider --disable-warnings
 
 # Two pytest-xdist workers for the 2 cores (-n 2): the suite's tests wait on their server and worker processes for

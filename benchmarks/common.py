@@ -97,6 +97,14 @@ SHAPES["deepseek-v2-lite-dsa-dense"] = dict(_V2_LITE_DSA, architectures=["Deepse
 # V2-Lite's attention with every layer dense (the 10944 MLP of its layer 0; its MoE layers touch 8 x 1408 = 11264
 # columns a token): MLA measured without the MoE kernels
 SHAPES["deepseek-v2-lite-dense"] = {**SHAPES["deepseek-v2-lite"], "first_k_dense_replace": 27}
+# Llama-3.1-8B with 4-bit weights (issue 54), as AutoAWQ / GPTQModel write their configs (group 128); with
+# --load-format dummy the integer tensors stay zero and the scales are random (speed does not depend on values)
+SHAPES["llama-8b-awq"] = {**SHAPES["llama-8b"], "quantization_config": {
+    "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+    "modules_to_not_convert": None}}
+SHAPES["llama-8b-gptq"] = {**SHAPES["llama-8b"], "quantization_config": {
+    "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+    "checkpoint_format": "gptq"}}
 # Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json, via transformers' KimiLinearConfig):
 # 27 layers, KDA at 1-indexed [1, 2, 3, 5, ...], NoPE MLA at [4, 8, ..., 24, 27]; KDA 32 heads x 128, conv width
 # 4; 256 experts of 1024, top-8, 1 shared expert, layer 1 dense (9216)

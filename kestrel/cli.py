@@ -127,7 +127,8 @@ def check_args(args) -> None:
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
     if getattr(args, "model", None) is not None and os.path.isdir(args.model):
-        check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"))
+        check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"),
+                           getattr(args, "quantization", None))
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
     from kestrel.vllm_flags import check_compat_args
@@ -213,7 +214,8 @@ def check_model_path(path: str | None, field: str) -> None:
         raise ConfigError(f"{flag} {path} holds no tokenizer ({', '.join(_TOKENIZER_FILES)})")
 
 
-def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto") -> None:
+def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto",
+                       quantization: str | None = None) -> None:
     """A checkpoint folder has a config.json naming an architecture Kestrel implements, in a runner it can serve
     (else the engine cores would fail after seconds of start-up, each with its traceback)."""
     import json
@@ -235,6 +237,19 @@ def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto")
         raise ConfigError(f"model architecture {arch!r} ({folder}) is not implemented; supported: "
                           f"{', '.join(supported_architectures())}")
     pooling_task(arch, runner or "auto", convert or "auto")  # --runner / --convert fit this model
+    check_quantization(config, quantization)
+
+
+def check_quantization(config: dict, quantization: str | None) -> None:
+    """The checkpoint's quantization_config is one Kestrel reads and --quantization agrees with it (else one line
+    naming what is not read, before any engine starts)."""
+    from kestrel.errors import ConfigError
+    from kestrel.layers.quant import get_quant_config
+
+    try:
+        get_quant_config(config, quantization)
+    except (NotImplementedError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_lora_args(cfg) -> None:

@@ -98,8 +98,13 @@ class ModelConfig:
                     choices=["auto", "float32", "bfloat16", "float16"], parse=parse_dtype)
     max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 4096 or 32k (default: the model's "
                                          "context length)", parse=parse_token_count)
-    quantization: str | None = _f(None, "quantize on load: fp8 (W8A8, per-channel weights, dynamic per-token "
-                                        "activations); FP8 checkpoints are detected from config.json", choices=[None, "fp8"])
+    quantization: str | None = _f(None, "the weights' format, as vLLM names it: fp8 (also quantizes an unquantized "
+                                        "checkpoint on load: per-channel weights, dynamic per-token activations), "
+                                        "compressed-tensors, gptq, awq (gptq_marlin, awq_marlin: the same formats), "
+                                        "mxfp4 (gpt-oss's experts); default: detected from config.json's "
+                                        "quantization_config",
+                                  choices=[None, "fp8", "compressed-tensors", "gptq", "awq", "gptq_marlin",
+                                           "awq_marlin", "mxfp4"])
     load_format: str = _f("auto", "auto or safetensors (read the weights), or dummy (random weights from "
                                   "config.json: benchmarks)", choices=["auto", "dummy"],
                           parse=lambda v: "auto" if v == "safetensors" else v)
@@ -248,7 +253,8 @@ class ParallelConfig:
 class KernelConfig:
     attention_backend: str = _f("auto", "force an attention backend (auto picks the first that fits: triton on CUDA, torch_ref on CPU)")
     linear_backend: str = _f("auto", "force a linear kernel by name (priority order: torch_scaled_mm, "
-                                     "triton_fp8_block, fp8_dequant_fallback, triton_skinny_dense, torch_dense); "
+                                     "triton_fp8_block, fp8_dequant_fallback, triton_w4a16, w4a16_dequant, "
+                                     "torch_int8_mm, int8_dequant_fallback, triton_skinny_dense, torch_dense); "
                                      "start-up fails naming the layer it cannot serve")
     moe_backend: str = _f("auto", "force a MoE kernel by name (priority order: triton_fp8_block_moe, "
                                   "triton_fused_moe, fp8_dequant_moe, triton_int4_dequant_moe, int4_dequant_moe, "

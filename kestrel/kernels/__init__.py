@@ -18,9 +18,11 @@ from typing import Any
 from kestrel.kernels.base import KernelCandidate, LinearKernel, LinearSpec
 from kestrel.kernels.dense import TorchDenseLinear, TritonSkinnyDenseLinear
 from kestrel.kernels.fp8 import Fp8DequantFallbackLinear, TorchScaledMMLinear, TritonFp8BlockLinear
+from kestrel.kernels.int8 import Int8DequantFallbackLinear, TorchInt8MMLinear
 from kestrel.kernels.moe import Fp8DequantMoE, MoEKernel, MoESpec, TorchMoE, TritonFp8BlockMoE, TritonFusedMoE
 from kestrel.kernels.moe_int4 import Int4DequantMoE, TritonInt4DequantMoE
 from kestrel.kernels.mxfp4 import Mxfp4DequantMoE, TritonMxfp4DequantMoE
+from kestrel.kernels.w4a16 import TritonW4A16Linear, W4A16DequantLinear
 from kestrel.platform import Platform, current_platform
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,10 @@ CANDIDATES: dict[str, list[type[KernelCandidate]]] = {
         TorchScaledMMLinear,  # FP8 per-tensor / row-wise via torch._scaled_mm
         TritonFp8BlockLinear,  # FP8 block-wise via Triton
         Fp8DequantFallbackLinear,  # FP8 anywhere: dequantize once, plain matmul
+        TritonW4A16Linear,  # 4-bit GPTQ / AWQ / pack-quantized on CUDA: nibbles unpacked in a Triton GEMM
+        W4A16DequantLinear,  # 4-bit anywhere: dequantize once, plain matmul
+        TorchInt8MMLinear,  # W8A8 INT8 on CUDA: per-token int8 activations, torch._int_mm
+        Int8DequantFallbackLinear,  # INT8 weights anywhere: dequantize once, plain matmul
         TritonSkinnyDenseLinear,  # unquantized bf16/fp16 on CUDA: skinny GEMM at small batch
         TorchDenseLinear,  # unquantized, everywhere
     ],

@@ -91,6 +91,8 @@ def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
     """Random weights in place (benchmarks: speed does not depend on weight values); norms stay at one."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue  # packed / integer quantized weights, g_idx: their initial values (zeros, the trivial order)
         if p.dim() >= 2:
             p.normal_(0.0, std, generator=gen)
         elif "norm" not in name:

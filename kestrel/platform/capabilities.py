@@ -84,6 +84,8 @@ TRITON_SKINNY_GEMM_ARCHS = ArchRule(cuda_min_sm=80)
 # The fused MoE (grouped GEMMs over expert-sorted tokens, an atomic-cursor layout kernel): written for the H200
 # (sm_90); Ampere and newer CUDA share its instructions. Not offered on ROCm until run there.
 TRITON_MOE_ARCHS = ArchRule(cuda_min_sm=80)
+TRITON_W4A16_ARCHS = ArchRule(cuda_min_sm=80)  # the W4A16 GEMM (bf16 tensor-core dots)
+INT8_MM_ARCHS = ArchRule(cuda_min_sm=80)  # torch._int_mm (int8 tensor cores, cuBLASLt)
 
 # The fused Kimi Delta Attention decode (one program per request and head, the D x D float32 state in registers;
 # plain Triton, no arch-specific instructions): written for the H200 (sm_90); Ampere and newer CUDA share what it
@@ -170,6 +172,19 @@ def check_triton_skinny_gemm(platform: Platform | None = None) -> tuple[bool, st
 
 def check_triton_moe(platform: Platform | None = None) -> tuple[bool, str]:
     return _then(check_triton, TRITON_MOE_ARCHS, "fused MoE not validated here", platform)
+
+
+def check_triton_w4a16(platform: Platform | None = None) -> tuple[bool, str]:
+    return _then(check_triton, TRITON_W4A16_ARCHS, "W4A16 GEMM not validated here", platform)
+
+
+def check_int8_mm(platform: Platform | None = None) -> tuple[bool, str]:
+    """torch._int_mm (int8 x int8 -> int32 GEMM): CUDA only here (the CPU gets the dequantised fallback)."""
+    p = _platform(platform)
+    if not p.is_cuda:
+        return False, f"torch._int_mm runs on CUDA here, not {p.describe()}"
+    ok, why = INT8_MM_ARCHS.check(p)
+    return ok, "" if ok else f"int8 GEMM not validated here: {why}"
 
 
 def check_triton_kda_decode(platform: Platform | None = None) -> tuple[bool, str]:

@@ -15,7 +15,7 @@ import torch
 
 from kestrel.platform import Platform, current_platform
 from kestrel.platform.capabilities import (check_fla_chunk_gdn, check_fla_chunk_kda, check_fp8_scaled_mm, check_triton,
-                                           check_triton_fp8, check_triton_kda_decode, check_triton_moe,
+                                           check_triton_fp8, check_triton_kda_decode, check_triton_moe, check_triton_w4a16, check_int8_mm,
                                            check_triton_skinny_gemm)
 
 Check = Callable[[Platform], tuple[bool, str]]
@@ -48,6 +48,19 @@ GATES: dict[str, KernelGate] = {
                     "batch), torch matmul above",
         requires=(check_triton_skinny_gemm,),
         act_dtypes=(torch.bfloat16, torch.float16),
+    ),
+    "triton_w4a16": KernelGate(
+        description="Triton W4A16 GEMM: 4-bit weights (GPTQ / AWQ / compressed-tensors pack-quantized, one repacked "
+                    "layout) unpacked in the kernel, group scales and zeros, 16-bit activations, fp32 accumulation",
+        requires=(check_triton_w4a16,),
+        act_dtypes=(torch.bfloat16, torch.float16),
+        notes="K a multiple of 8 and of the group size; group size a multiple of 16 or channel-wise",
+    ),
+    "torch_int8_mm": KernelGate(
+        description="W8A8 INT8: per-channel int8 weights x dynamic per-token int8 activations via torch._int_mm",
+        requires=(check_int8_mm,),
+        act_dtypes=(torch.bfloat16, torch.float16),
+        notes="K and N multiples of 8 (else the layer computes with dequantised weights)",
     ),
     "triton_fused_moe": KernelGate(
         description="Triton fused MoE: tokens sorted by expert, one grouped GEMM for gate_up (+SiLU-and-mul), one for "

@@ -14,6 +14,7 @@ from kestrel import kernels
 from kestrel.kernels.int4_scheme import Int4Scheme, dequantize_int4, unpack_int4
 from kestrel.kernels.moe import MoESpec
 from kestrel.kernels.moe_int4 import Int4DequantMoE, TritonInt4DequantMoE
+from kestrel.kernels.w4a16_scheme import W4A16Scheme
 from kestrel.layers.quant import CompressedTensorsInt4Config, get_quant_config
 from kestrel.platform import fake_platform
 from tests.int4_tiny import KIMI_QUANTIZATION_CONFIG, compress, decompress, quantize_int4
@@ -70,15 +71,14 @@ def test_kimi_quantization_config():
     for unquantized in ("model.layers.3.self_attn.q_a_proj", "model.layers.3.mlp.shared_experts.gate_up_proj",
                         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj", "lm_head"):
         assert cfg.for_layer(unquantized) is None, unquantized
-    with pytest.raises(NotImplementedError, match="routed experts only"):
-        cfg.for_layer("model.layers.3.mlp.router_proj")  # a quantized linear layer: no INT4 linear kernel
+    # a quantized linear layer elsewhere: the W4A16 linear kernels (kestrel/kernels/w4a16.py)
+    assert cfg.for_layer("model.layers.3.mlp.router_proj") == W4A16Scheme("compressed-tensors", 32)
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(symmetric=False), "asymmetric"),
-    (dict(actorder="group"), "activation ordering"),
+    (dict(actorder="bogus"), "activation ordering 'bogus'"),
     (dict(num_bits=8), "4-bit int"),
-    (dict(strategy="channel", group_size=None), "group-wise"),
+    (dict(strategy="tensor", group_size=None), "group-wise or channel-wise"),
     (dict(dynamic=True), "dynamic"),
 ])
 def test_unsupported_int4_variants_refused(change, message):
@@ -86,6 +86,18 @@ def test_unsupported_int4_variants_refused(change, message):
     qc["config_groups"]["group_0"]["weights"].update(change)
     with pytest.raises(NotImplementedError, match=message):
         get_quant_config({"quantization_config": qc})
+
+
+def test_asymmetric_int4_experts_refused():
+    """Asymmetric pack-quantized weights read for linear layers (a zero point), not for routed experts."""
+    qc = copy.deepcopy(KIMI_QUANTIZATION_CONFIG)
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(NotImplementedError, match="asymmetric INT4 experts"):
+        get_quant_config({"quantization_config": qc}).for_layer("model.layers.3.mlp.experts")
+    qc = copy.deepcopy(KIMI_QUANTIZATION_CONFIG)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    with pytest.raises(NotImplementedError, match="INT4 experts with activation ordering"):
+        get_quant_config({"quantization_config": qc}).for_layer("model.layers.3.mlp.experts")
 
 
 def test_unknown_compressed_tensors_format_and_mismatched_method_refused():

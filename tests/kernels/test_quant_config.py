@@ -84,10 +84,10 @@ def test_requested_vs_checkpoint_quantization():
     assert online.for_layer("lm_head") is None
     with pytest.raises(ValueError, match="no quantization_config"):
         get_quant_config({}, "compressed-tensors", torch.bfloat16)
-    with pytest.raises(ValueError, match="unsupported quantization 'gptq'"):
-        get_quant_config({}, "gptq", torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="'awq'"):
-        get_quant_config({"quantization_config": {"quant_method": "awq"}}, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported quantization 'bitsandbytes'"):
+        get_quant_config({}, "bitsandbytes", torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="'hqq'"):
+        get_quant_config({"quantization_config": {"quant_method": "hqq"}}, None, torch.bfloat16)
     with pytest.raises(ValueError, match="does not match"):
         get_quant_config(HF_BLOCK, "compressed-tensors", torch.bfloat16)
     int8 = ct_config("channel", "token")

@@ -197,7 +197,8 @@ def test_fp8_backend_leaves_unquantized_layers_dense():
 def test_unknown_backend_lists_choices():
     with pytest.raises(KernelSelectionError, match="torch_scaled_mm, triton_fp8_block"):
         make_linear("block", "marlin")
-    assert backend_names("linear") == ["auto", TSM, TRI, FB, SKD, "torch_dense"]
+    assert backend_names("linear") == ["auto", TSM, TRI, FB, "triton_w4a16", "w4a16_dequant", "torch_int8_mm",
+                                       "int8_dequant_fallback", SKD, "torch_dense"]
     assert backend_names("moe") == ["auto", "triton_fp8_block_moe", "triton_fused_moe", "triton_mxfp4_dequant_moe",
                                     "triton_int4_dequant_moe", "fp8_dequant_moe", "int4_dequant_moe",
                                     "mxfp4_dequant_moe", "torch_moe"]

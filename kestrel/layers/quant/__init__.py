@@ -3,6 +3,7 @@
 layer stays unquantized: ignored modules, lm_head, embeddings)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -15,17 +16,24 @@ from kestrel.layers.quant.fp8 import (
     QuantConfigBase,
     shard_prefixes,
 )
+from kestrel.layers.quant.gptq_awq import AWQConfig, CompressedTensorsInt8Config, GPTQConfig
 from kestrel.layers.quant.int4 import CompressedTensorsInt4Config, Int4Scheme
 from kestrel.layers.quant.mxfp4 import Mxfp4Config
 
 QuantConfig = QuantConfigBase
+logger = logging.getLogger(__name__)
 
-SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors", "mxfp4")
-# compressed-tensors `format` -> its config (float-quantized: FP8; pack-quantized: INT4 experts)
+# `--quantization` names, as vLLM's; the checkpoint's quant_method -> its config class
+SUPPORTED_QUANTIZATION = ("fp8", "compressed-tensors", "gptq", "awq", "gptq_marlin", "awq_marlin", "mxfp4")
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}  # the same formats; here served by our own kernels
+# MXFP4: gpt-oss's experts alone are quantized
+CHECKPOINT_METHODS = {"gptq": GPTQConfig, "awq": AWQConfig, "mxfp4": Mxfp4Config}
+# compressed-tensors `format` -> its config (float-quantized: FP8; pack-quantized: 4-bit; int-quantized: W8A8 INT8)
 COMPRESSED_TENSORS_FORMATS = {
     "float-quantized": CompressedTensorsFp8Config,
     "naive-quantized": CompressedTensorsFp8Config,
     "pack-quantized": CompressedTensorsInt4Config,
+    "int-quantized": CompressedTensorsInt8Config,
 }
 
 
@@ -70,13 +78,17 @@ def get_quant_config(
         quantization = None
     if quantization is not None and quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(SUPPORTED_QUANTIZATION)}")
+    if quantization in ALIASES:
+        logger.info("quantization %r: the %s format, served by Kestrel's own kernels", quantization,
+                    ALIASES[quantization])
+        quantization = ALIASES[quantization]
     qc = checkpoint_quant_config(hf_config)
     method = (qc or {}).get("quant_method")
     if qc is not None and method is None:
         raise ValueError("the checkpoint's quantization_config has no quant_method")
 
     if method is None:
-        if quantization in ("compressed-tensors", "mxfp4"):
+        if quantization not in (None, "fp8"):
             raise ValueError(f"quantization={quantization!r} but the checkpoint has no quantization_config")
         if quantization is None:
             return None
@@ -91,18 +103,21 @@ def get_quant_config(
             raise NotImplementedError(f"compressed-tensors format {fmt!r} is not supported (supported: "
                                       f"{', '.join(COMPRESSED_TENSORS_FORMATS)})")
         config_cls = COMPRESSED_TENSORS_FORMATS[fmt]
+        weight_types = {(g.get("weights") or {}).get("type") for g in (qc.get("config_groups") or {}).values()}
+        if fmt == "naive-quantized" and weight_types == {"int"}:  # unpacked int8 weights: as int-quantized
+            config_cls = CompressedTensorsInt8Config
         if quantization not in (None, "compressed-tensors") and not (
                 quantization == "fp8" and config_cls is CompressedTensorsFp8Config):
             raise ValueError(f"quantization={quantization!r} does not match the checkpoint's compressed-tensors "
                              f"format {fmt!r}")
         config = config_cls.from_hf(qc)
-    elif method == "mxfp4":  # MXFP4 experts (gpt-oss); nothing else is quantized
-        if quantization not in (None, "mxfp4"):
-            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method 'mxfp4'")
-        config = Mxfp4Config.from_hf(qc)
+    elif method in CHECKPOINT_METHODS:
+        if quantization not in (None, method):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method {method!r}")
+        config = CHECKPOINT_METHODS[method].from_hf(qc)
     else:
         raise NotImplementedError(
-            f"checkpoint quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATION)})"
+            f"checkpoint quant_method {method!r} is not supported (supported: fp8, compressed-tensors, gptq, awq, mxfp4)"
         )
     if packed_modules is not None:
         config.packed_modules = dict(packed_modules)
@@ -112,7 +127,10 @@ def get_quant_config(
 __all__ = [
     "PACKED_MODULES",
     "CompressedTensorsFp8Config",
+    "AWQConfig",
     "CompressedTensorsInt4Config",
+    "CompressedTensorsInt8Config",
+    "GPTQConfig",
     "Fp8Config",
     "Fp8Scheme",
     "Int4Scheme",

@@ -8,37 +8,44 @@ and K2.6 ship their routed experts:
 
 Per projection: `weight_packed` int32 [out, in / 8] (eight 4-bit values a word, the first in the low bits, each
 stored + 8), `weight_scale` [out, in / group] (the checkpoint's float dtype) and `weight_shape` int [2] = (out, in);
-a weight is q * scale (symmetric: no zero point). Only routed experts have a kernel (kestrel/kernels/moe_int4.py):
-an INT4 linear elsewhere is refused by name."""
+a weight is q * scale (symmetric: no zero point; asymmetric linears add `weight_zero_point` int32
+[out / 8, in / group], zero points + 8 packed along the output rows, and a weight is (q - zero) * scale). Routed experts run the INT4 MoE kernels (kestrel/kernels/
+moe_int4.py); every other linear layer the W4A16 linear kernels (kestrel/kernels/w4a16.py), group- or
+channel-wise (strategy "channel": `weight_scale` [out, 1])."""
 from __future__ import annotations
 
 from typing import Mapping
 
 from kestrel.kernels.int4_scheme import Int4Scheme
+from kestrel.kernels.w4a16_scheme import W4A16Scheme
 from kestrel.layers.quant.fp8 import CompressedTensorsFp8Config
 
-def _int4_scheme(gname: str, group: Mapping) -> Int4Scheme:
+def _int4_scheme(gname: str, group: Mapping) -> W4A16Scheme:
     w = group.get("weights") or {}
     where = f"compressed-tensors pack-quantized group {gname!r}"
     if w.get("type") != "int" or int(w.get("num_bits", 0)) != 4:
         raise NotImplementedError(f"{where}: only 4-bit int weights are supported (got {w.get('type')}/"
                                   f"{w.get('num_bits')} bits)")
-    if not w.get("symmetric", True):
-        raise NotImplementedError(f"{where}: asymmetric INT4 weights (a zero point) are not supported")
-    if w.get("strategy") != "group" or not w.get("group_size"):
-        raise NotImplementedError(f"{where}: only group-wise INT4 scales are supported (got strategy "
-                                  f"{w.get('strategy')!r})")
-    if w.get("actorder") is not None:
-        raise NotImplementedError(f"{where}: activation ordering {w['actorder']!r} (a g_idx) is not supported")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel") or (strategy == "group" and not w.get("group_size")):
+        raise NotImplementedError(f"{where}: only group-wise or channel-wise INT4 scales are supported (got "
+                                  f"strategy {strategy!r})")
+    # "weight" / "static" ordering only orders the quantization (no g_idx is saved, groups stay contiguous);
+    # "group" / "dynamic" saves each column's group as weight_g_idx
+    actorder = w.get("actorder")
+    if actorder not in (None, "weight", "static", "group", "dynamic"):
+        raise NotImplementedError(f"{where}: activation ordering {actorder!r} is not supported")
     if w.get("dynamic"):
         raise NotImplementedError(f"{where}: dynamic weight quantization is not supported")
     if group.get("input_activations") is not None:
         raise NotImplementedError(f"{where}: quantized activations are not supported (W4A16 only)")
-    return Int4Scheme(int(w["group_size"]))
+    return W4A16Scheme("compressed-tensors", int(w["group_size"]) if strategy == "group" else -1,
+                       act_order=actorder in ("group", "dynamic"), symmetric=bool(w.get("symmetric", True)))
 
 
 class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
-    """compressed-tensors `pack-quantized` checkpoints: config groups matched by `targets`, plus `ignore`."""
+    """compressed-tensors `pack-quantized` checkpoints: config groups matched by `targets`, plus `ignore`. Routed
+    experts get an `Int4Scheme` (the INT4 MoE kernels, group-wise only), every other linear a `W4A16Scheme`."""
 
     @classmethod
     def from_hf(cls, qc: Mapping) -> "CompressedTensorsInt4Config":
@@ -48,11 +55,17 @@ class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
             raise ValueError("compressed-tensors config has no config_groups")
         return cls(groups, qc.get("ignore") or [])
 
-    def for_layer(self, prefix: str) -> Int4Scheme | None:
+    def for_layer(self, prefix: str):
         scheme = super().for_layer(prefix)
-        if scheme is not None and prefix.rpartition(".")[2] != "experts":
-            raise NotImplementedError(f"{prefix}: INT4 ({scheme.name}) weights are supported on routed experts only; "
-                                      "this checkpoint quantizes a linear layer that has no INT4 kernel yet")
+        if scheme is not None and prefix.rpartition(".")[2] == "experts":
+            if scheme.group_size == -1:
+                raise NotImplementedError(f"{prefix}: channel-wise INT4 experts are not supported (group-wise only)")
+            if not scheme.symmetric:
+                raise NotImplementedError(f"{prefix}: asymmetric INT4 experts (a zero point) are not supported")
+            if scheme.act_order:
+                raise NotImplementedError(f"{prefix}: INT4 experts with activation ordering (a g_idx) are not "
+                                          "supported")
+            return Int4Scheme(scheme.group_size)
         return scheme
 
     def __repr__(self) -> str:
