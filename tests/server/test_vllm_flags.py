@@ -98,7 +98,7 @@ REFUSED = [
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-    (["--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
+    (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
     (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),
     (["--tool-call-parser", "nope"], "unknown tool-call parser 'nope'; choose from deepseek_v3, deepseek_v31, "),
     (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; choose from deepseek_r1, deepseek_v3, "),
@@ -175,7 +175,7 @@ def test_accepted_without_effect_is_said_in_help(capsys):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for words in ("--swap-space SWAP_SPACE no effect: the KV cache lives on the GPU only",
-                  "--enable-sleep-mode no effect: sleep is always available",
+                  "--enable-sleep-mode, --no-enable-sleep-mode no effect: sleep is always available",
                   "--disable-log-requests no log line per request", "float16 (or half)"):
         assert words in out, words
 
