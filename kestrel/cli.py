@@ -83,8 +83,20 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel.server.app import run_server
 
-    args.api_key = resolve_api_key(args.api_key, args.api_key_file)
+    args.api_key = resolve_api_key(one_api_key(args.api_key), args.api_key_file)
     return run_server(args)
+
+
+def one_api_key(keys: list[str] | str | None) -> str | None:
+    """vLLM's --api-key takes several keys; one is served here."""
+    from kestrel.errors import ConfigError
+
+    if isinstance(keys, list):
+        if len(keys) > 1:
+            raise ConfigError(f"--api-key: {len(keys)} keys given; one key is served (several keys are not "
+                              f"implemented)")
+        return keys[0]
+    return keys
 
 
 def resolve_api_key(key: str | None, key_file: str | None) -> str | None:
@@ -278,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+    s.add_argument("--api-key", nargs="+", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
                                                    "/health (default: $KESTREL_API_KEY, else $VLLM_API_KEY); other "
                                                    "users of the machine can read it from the process list: prefer "
                                                    "--api-key-file or the environment")

@@ -25,9 +25,10 @@ def parse_dtype(value: str) -> str:
 
 
 def parse_token_count(value: str) -> int:
-    """A token count as vLLM's --max-model-len takes it: 4096, 32k (x1000), 32K (x1024), 1m / 1M."""
+    """A token count as vLLM's --max-model-len takes it: 4096, 32k (x1000), 32K (x1024), 1m / 1M, 1g / 1G, ..."""
     value = value.strip()
-    scale = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}.get(value[-1:], 1)
+    scale = {"k": 10**3, "K": 2**10, "m": 10**6, "M": 2**20, "g": 10**9, "G": 2**30, "t": 10**12,
+             "T": 2**40}.get(value[-1:], 1)
     try:
         return int(float(value[:-1]) * scale) if scale != 1 else int(value)
     except ValueError:

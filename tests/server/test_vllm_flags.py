@@ -89,6 +89,31 @@ ACCEPTED = [
     (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
     (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
     (["--runner", "pooling"], lambda a, c: c.model.runner == "pooling"),
+    # issue 54: vLLM's own command-line forms
+    (["--max-model-len", "-1"], lambda a, c: c.model.max_model_len is None),
+    (["--max-model-len", "auto"], lambda a, c: c.model.max_model_len is None),
+    (["--max_model_len", "4096"], lambda a, c: c.model.max_model_len == 4096),
+    (["--max-model-len=2k"], lambda a, c: c.model.max_model_len == 2000),
+    (["--limit-mm-per-prompt.image", "2"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--limit-mm-per-prompt.image=3", "--limit-mm-per-prompt.video", "0"],
+     lambda a, c: c.multimodal.limit_mm_per_prompt == 3),
+    (["--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens", "3"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--compilation-config.cudagraph_capture_sizes+", "1,2", "--compilation-config.mode", "3"], lambda a, c: True),
+    (["-O", "3"], lambda a, c: True),
+    (["-O=0"], lambda a, c: True),
+    (["-q", "fp8"], lambda a, c: c.model.quantization == "fp8"),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     lambda a, c: c.scheduler.num_proposed_tokens == 2),
+    (["--cudagraph-capture-sizes", "1", "2", "4"], lambda a, c: c.compilation.cuda_graph_sizes == [1, 2, 4]),
+    (["--no-async-scheduling"], lambda a, c: c.scheduler.async_scheduling == "off"),
+    (["--no-enable-log-requests"], lambda a, c: not a.log_requests),
+    (["--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'],
+     lambda a, c: a.override_generation_config == {"temperature": 0.5, "max_new_tokens": 64}),
+    (["--allowed-origins", "https://a.example", "--allow-credentials"], lambda a, c: a.allow_credentials),
+    (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
+    (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
+    (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
 ]
 
 # (flags, what the one line must say)
@@ -119,6 +144,18 @@ REFUSED = [
     (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/adapter"}'],
      "--lora-modules sql=/no/adapter: not a PEFT adapter folder"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--api-key", "k1", "k2"], "--api-key: 2 keys given; one key is served"),
+    (["--override-generation-config", '{"temprature": 0.5}'],
+     "--override-generation-config: temprature is not a sampling default here"),
+    (["--limit-mm-per-prompt.video", "1"], "argument --limit-mm-per-prompt: only images are served, not video"),
+    (["--hf-overrides.rope_theta", "1000000"], '--hf-overrides {"rope_theta": 1000000}: overriding config.json'),
+    (["--max-model-len", "-2"], "--max-model-len must be at least 1, got -2"),
+    (["--config", "/no/such.yaml"], "--config /no/such.yaml: No such file or directory"),
+    (["--config", "flags.json"], "--config flags.json: the file must be YAML"),
+    (["--config"], "--config needs a YAML file"),
+    (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
+    (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--no-scheduler-reserve-full-isl"], "--no-scheduler-reserve-full-isl: changing the admission rule"),
 ]
 
 
@@ -166,6 +203,37 @@ def test_vllm_flag_is_refused_in_one_line(flags, words, server_model, no_server_
     err = capsys.readouterr().err.strip()
     assert code == 2 and "args" not in no_server_start, (code, err)
     assert err.splitlines() == [err] and words in err and "Traceback" not in err, err
+
+
+def test_config_file_as_vllm_reads_it(server_model, no_server_start, tmp_path):
+    """--config FILE.yaml: its keys are long flag names (dashes or underscores), true/false booleans, lists and
+    nested JSON objects; the command line wins over the file, and a positional model over the file's."""
+    from kestrel.cli import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: /not/this/one\nmax_model_len: 2048\nenable-prefix-caching: false\nenforce-eager: true\n"
+                    "served-model-name: [a, b]\nport: 9000\n"
+                    "speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    assert main(["serve", str(server_model), "--config", str(path), "--port", "9100"]) == 0
+    args, config = no_server_start["args"], no_server_start["config"]
+    assert args.port == 9100 and args.served_model_name == ["a", "b"] and config.model.model == str(server_model)
+    assert config.model.max_model_len == 2048 and not config.cache.enable_prefix_caching
+    assert config.compilation.enforce_eager and config.scheduler.num_proposed_tokens == 2
+    path.write_text(f"model: {server_model}\n")  # the model from the file alone
+    assert main(["serve", f"--config={path}"]) == 0
+    assert no_server_start["config"].model.model == str(server_model)
+
+
+def test_generation_config_overrides(tmp_path):
+    """--override-generation-config: over generation_config.json's defaults, or alone with --generation-config
+    vllm; max_new_tokens is the server's max_tokens default."""
+    from kestrel.server.app import load_sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.9}')
+    assert load_sampling_defaults("auto", str(tmp_path)) == {"temperature": 0.7, "top_p": 0.9}
+    assert load_sampling_defaults("auto", str(tmp_path), {"temperature": 0.5, "max_new_tokens": 9}) == {
+        "temperature": 0.5, "top_p": 0.9, "max_tokens": 9}
+    assert load_sampling_defaults("vllm", str(tmp_path), {"top_k": 5}) == {"top_k": 5}
 
 
 def test_accepted_without_effect_is_said_in_help(capsys):
