@@ -279,6 +279,34 @@ def test_a_launch_script_serves(server_model, tmp_path):
     assert "serving first" in log, log[-3000:]
 
 
+def test_a_vllm_026_launch_serves(server_model, tmp_path):
+    """vLLM 0.26's forms on a real server: a --config YAML with --override-generation-config (max_new_tokens caps
+    a chat reply that sets no max_tokens), CORS with credentials, no uvicorn access log, dotted JSON, -O3."""
+    import urllib.request
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("override-generation-config:\n  max_new_tokens: 2\n  temperature: 0\n"
+                      "disable_uvicorn_access_log: true\nallowed-origins: [https://a.example]\n"
+                      "allow-credentials: true\n")
+    s = Server(server_model, tmp_path / "vllm026.log",
+               ["--config", str(config), "--limit-mm-per-prompt.image", "1", "-O3", "--no-async-scheduling",
+                "--max_num_seqs", "8", "--prefix-caching-hash-algo", "sha256", "--enable-log-outputs"])
+    try:
+        s.wait_ready()
+        status, body = http("POST", s.url + "/v1/chat/completions",
+                            {"model": "llama", "messages": [{"role": "user", "content": "hello"}]})
+        assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
+        req = urllib.request.Request(s.url + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://a.example", "Access-Control-Request-Method": "POST"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["access-control-allow-credentials"] == "true", dict(r.headers)
+            assert r.headers["access-control-allow-origin"] == "https://a.example", dict(r.headers)
+    finally:
+        s.stop()
+    log = (tmp_path / "vllm026.log").read_text()
+    assert "Traceback" not in log and 'HTTP/1.1" 200' not in log, log[-3000:]
+
+
 def test_llm_options_take_vllm_forms():
     from kestrel.config import EngineConfig
 
