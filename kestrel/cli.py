@@ -142,8 +142,9 @@ def check_args(args) -> None:
         check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"))
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
-    from kestrel.vllm_flags import check_compat_args
+    from kestrel.vllm_flags import check_compat_args, fold_shorthands
 
+    fold_shorthands(args)
     check_compat_args(args)
     from kestrel.attention.selector import backend_candidates
     from kestrel.kernels import backend_names

@@ -355,10 +355,6 @@ COMPAT_FLAGS = (
     off(("--enable-bf16x3-router-gemm",), "the BF16x3 router GEMM is not implemented"),
 
     # VllmConfig
-    refused(("--spec-method",), "give --speculative-config '{\"method\": ..., \"num_speculative_tokens\": k}'"),
-    refused(("--spec-model",), "give --speculative-config '{\"method\": ..., \"model\": ...}'"),
-    refused(("--spec-tokens",), "give --speculative-config '{\"method\": ..., \"num_speculative_tokens\": k}'",
-            _INT),
     refused(("--diffusion-config", "-dc"), "diffusion language models are not implemented"),
     CompatFlag(("--kv-transfer-config",), "disaggregated prefill (KV transfer) is not implemented",
                lambda v: False),
@@ -382,6 +378,29 @@ COMPAT_FLAGS = (
 )
 
 
+# vLLM 0.26's shorthands for keys of --speculative-config: flag -> (key, argparse type)
+SPEC_SHORTHANDS = {"--spec-method": ("method", str), "--spec-model": ("model", str),
+                   "--spec-tokens": ("num_speculative_tokens", int)}
+
+
+def _shorthand_dest(flag: str) -> str:
+    return "vllm_" + flag.lstrip("-").replace("-", "_")
+
+
+def fold_shorthands(args: argparse.Namespace) -> None:
+    """--spec-method/--spec-model/--spec-tokens into --speculative-config, as vLLM 0.26: a key given both ways is
+    refused."""
+    for flag, (key, _type) in SPEC_SHORTHANDS.items():
+        value = getattr(args, _shorthand_dest(flag), None)
+        if value is None or not hasattr(args, "speculative_config"):
+            continue
+        spec = dict(args.speculative_config or {})
+        if key in spec:
+            raise ConfigError(f"{flag} and --speculative-config's {key!r} are both given: give one")
+        spec[key] = value
+        args.speculative_config = spec
+
+
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM compatibility (flags of `vllm serve` that change nothing here or are "
                                       "refused with a reason)")
@@ -390,6 +409,9 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
             "type": str, "metavar": flag.names[0].lstrip("-").upper().replace("-", "_"), **flag.kwargs}
         help_text = flag.why if flag.why.startswith("no effect") else f"refused unless it changes nothing: {flag.why}"
         group.add_argument(*flag.names, dest=flag.dest, default=None, help=help_text, **kw)
+    for flag, (key, type_) in SPEC_SHORTHANDS.items():
+        group.add_argument(flag, dest=_shorthand_dest(flag), type=type_, default=None,
+                           help=f"--speculative-config's {key!r}, as vLLM's shorthand")
 
 
 def check_compat_args(args: argparse.Namespace) -> None:

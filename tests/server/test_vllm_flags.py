@@ -114,6 +114,10 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
     (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
     (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    (["--spec-method", "ngram", "--spec-tokens", "3"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--speculative-config", '{"method": "ngram"}', "--spec-tokens", "2"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}),
 ]
 
 # (flags, what the one line must say)
@@ -155,6 +159,8 @@ REFUSED = [
     (["--config"], "--config needs a YAML file"),
     (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
     (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--speculative-config", '{"method": "ngram"}', "--spec-method", "mtp"],
+     "--spec-method and --speculative-config's 'method' are both given"),
     (["--no-scheduler-reserve-full-isl"], "--no-scheduler-reserve-full-isl: changing the admission rule"),
 ]
 
