@@ -144,7 +144,8 @@ def check_args(args) -> None:
         check_lora_args(from_cli_args(args).lora)
     from kestrel.vllm_flags import check_compat_args, fold_shorthands
 
-    fold_shorthands(args)
+    shorthands = fold_shorthands(args)
+    check_speculative_config(getattr(args, "speculative_config", None), shorthands)
     check_compat_args(args)
     from kestrel.attention.selector import backend_candidates
     from kestrel.kernels import backend_names
@@ -172,6 +173,17 @@ def check_args(args) -> None:
     procs = getattr(args, "image_render_processes", None)
     if procs is not None and procs < 0:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
+
+
+def check_speculative_config(spec: dict | None, shorthands: list[str]) -> None:
+    """At parse time, not after the model loads; the line names the flags that gave it."""
+    from kestrel.errors import ConfigError
+    from kestrel.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{'/'.join(shorthands + ['--speculative-config'])}: {e}") from None
 
 
 def check_generation_overrides(overrides: dict | None) -> None:

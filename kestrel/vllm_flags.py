@@ -387,9 +387,10 @@ def _shorthand_dest(flag: str) -> str:
     return "vllm_" + flag.lstrip("-").replace("-", "_")
 
 
-def fold_shorthands(args: argparse.Namespace) -> None:
+def fold_shorthands(args: argparse.Namespace) -> list[str]:
     """--spec-method/--spec-model/--spec-tokens into --speculative-config, as vLLM 0.26: a key given both ways is
-    refused."""
+    refused. Returns the shorthands given."""
+    used = []
     for flag, (key, _type) in SPEC_SHORTHANDS.items():
         value = getattr(args, _shorthand_dest(flag), None)
         if value is None or not hasattr(args, "speculative_config"):
@@ -399,6 +400,8 @@ def fold_shorthands(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} and --speculative-config's {key!r} are both given: give one")
         spec[key] = value
         args.speculative_config = spec
+        used.append(flag)
+    return used
 
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:

@@ -159,6 +159,10 @@ REFUSED = [
     (["--config"], "--config needs a YAML file"),
     (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
     (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--spec-method", "ngram"], "--spec-method/--speculative-config: speculative_config num_speculative_tokens "
+                                 "must be an integer in 1..16, not None"),
+    (["--speculative-config.method", "medusa", "--spec-tokens", "2"],
+     "--spec-tokens/--speculative-config: speculative_config method 'medusa' is not supported"),
     (["--speculative-config", '{"method": "ngram"}', "--spec-method", "mtp"],
      "--spec-method and --speculative-config's 'method' are both given"),
     (["--no-scheduler-reserve-full-isl"], "--no-scheduler-reserve-full-isl: changing the admission rule"),
