@@ -19,6 +19,7 @@ class CompatFlag:
     why: str  # what the flag would do here: "no effect: ..." for accepted values, the reason for refused ones
     accepts: Callable[[Any], bool] = lambda value: True  # the values accepted with no effect
     kwargs: dict = field(default_factory=dict)  # argparse keyword arguments (default: one string value)
+    fits: Callable[[Any, argparse.Namespace], bool] | None = None  # instead of accepts, where other flags count
 
     @property
     def dest(self) -> str:
@@ -66,6 +67,16 @@ def refused(names: tuple[str, ...], why: str, kwargs: dict | None = None) -> Com
     return CompatFlag(names, why, lambda value: False, kwargs or {})
 
 
+def model_dtype(args: argparse.Namespace) -> str:
+    """The dtype the model will run in: --dtype, or auto's choice for the device."""
+    from kestrel.config import from_cli_args
+
+    config = from_cli_args(args)
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    return "float32" if config.on_cpu() else "bfloat16"
+
+
 _MULTI_NODE = "multi-node serving is not implemented: one `kestrel serve` runs on one node"
 _NO_EP = "expert parallelism is not used (--enable-expert-parallel is refused)"
 _NO_DP_LB = ("one `kestrel serve` balances requests over its own --data-parallel-size engine cores; external "
@@ -99,8 +110,9 @@ COMPAT_FLAGS = (
     only(("--gdn-prefill-backend",), "Kestrel's linear-attention layers run its own Triton kernels", "triton"),
 
     # Frontend
-    only(("--chat-template-content-format",), "message content is rendered as the chat template expects it "
-         "(auto); forcing string or openai is not implemented", "auto"),
+    only(("--chat-template-content-format",), "text-only message content reaches the chat template as one string "
+         "and content with images as a list of parts (auto); forcing the list form (openai) is not implemented",
+         "auto", "string"),
     CompatFlag(("--default-chat-template-kwargs",), "extra chat-template variables at launch are not implemented "
                "(a request's chat_template_kwargs are)", _json_equal({})),
     only(("--response-role",), "chat replies carry the role assistant", "assistant"),
@@ -309,7 +321,9 @@ COMPAT_FLAGS = (
     only(("--mm-ipc-gpu-memory-gb",), "GPU memory for multimodal IPC is not implemented", 0.0, kwargs=_FLOAT),
 
     # LoRAConfig
-    only(("--lora-dtype",), "adapters run in the model's dtype (auto)", "auto"),
+    CompatFlag(("--lora-dtype",), "adapters run in the model's dtype (auto, or the dtype --dtype gives: "
+               "bfloat16 by default on CUDA, float32 on the CPU)",
+               fits=lambda value, args: value in ("auto", model_dtype(args))),
     off(("--enable-tower-connector-lora",), "LoRA on vision towers and connectors is not implemented"),
     noop(("--fully-sharded-loras",), "a performance option of vLLM's tensor-parallel LoRA; outputs are the "
          "same", _BOOL),
@@ -421,7 +435,7 @@ def check_compat_args(args: argparse.Namespace) -> None:
     """ConfigError naming the first vLLM flag given with a value Kestrel cannot honour."""
     for flag in COMPAT_FLAGS:
         value = getattr(args, flag.dest, None)
-        if value is not None and not flag.accepts(value):
+        if value is not None and not (flag.fits(value, args) if flag.fits else flag.accepts(value)):
             name = flag.names[0] if value is not False else "--no-" + flag.names[0][2:]
             shown = "" if isinstance(value, bool) else f" {value}"
             raise ConfigError(f"{name}{shown}: {flag.why}")

@@ -114,6 +114,9 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
     (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
     (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    (["--lora-dtype", "auto"], lambda a, c: True),
+    (["--dtype", "float16", "--lora-dtype", "float16"], lambda a, c: c.model.dtype == "float16"),
+    (["--chat-template-content-format", "string"], lambda a, c: True),
     (["--spec-method", "ngram", "--spec-tokens", "3"],
      lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
     (["--speculative-config", '{"method": "ngram"}', "--spec-tokens", "2"],
@@ -159,6 +162,8 @@ REFUSED = [
     (["--config"], "--config needs a YAML file"),
     (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
     (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--dtype", "bfloat16", "--lora-dtype", "float16"], "--lora-dtype float16: adapters run in the model's dtype"),
+    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: text-only message"),
     (["--spec-method", "ngram"], "--spec-method/--speculative-config: speculative_config num_speculative_tokens "
                                  "must be an integer in 1..16, not None"),
     (["--speculative-config.method", "medusa", "--spec-tokens", "2"],
