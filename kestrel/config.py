@@ -46,9 +46,14 @@ def image_limit(limits: dict) -> int:
 
 
 def parse_image_limit(value: str) -> int:
-    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}'."""
+    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}' (older vLLM: image=2,video=0)."""
     import json
 
+    if "=" in value and not value.lstrip().startswith("{"):
+        try:
+            return image_limit({k.strip(): int(v) for k, v in (item.split("=", 1) for item in value.split(","))})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected image=N (or '{{\"image\": N}}'): {e}") from None
     if not value.lstrip().startswith("{"):
         return int(value)
     try:

@@ -82,7 +82,9 @@ def _plain_names(argv: list[str]) -> list[str]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith("--") and len(arg) > 2:
+        if arg.startswith("--help="):  # vLLM's help search (--help=ModelConfig): the whole help here
+            out.append("--help")
+        elif arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             stem, dot, path = name[2:].partition(".")
             out.append("--" + stem.replace("_", "-") + dot + path + eq + value)

@@ -95,6 +95,23 @@ COMPAT_FLAGS = (
                "default)", lambda v: v in ("auto", "generate")),
     noop(("--max-seq-len-to-capture",), "decode CUDA graphs are captured by batch size (--cuda-graph-sizes) "
          "whatever the context length, prefill graphs up to --cuda-graph-prefill-max-tokens", _INT),
+    noop(("--use-v2-block-manager",), "the KV cache is paged in blocks (--block-size)", _FLAG),
+    only(("--num-scheduler-steps",), "multi-step scheduling is gone from vLLM too; one step is scheduled at a time",
+         1, kwargs=_INT),
+    noop(("--disable-async-output-proc",), "outputs are processed by the engine core's own loop", _FLAG),
+    noop(("--enable-reasoning",), "--reasoning-parser alone turns reasoning parsing on", _FLAG),
+    noop(("--disable-mm-preprocessor-cache",), "Kestrel keeps no cache of processed multimodal inputs of this kind",
+         _FLAG),
+    only(("--preemption-mode",), "a preempted request recomputes its KV (recompute)", "recompute"),
+    only(("--tokenizer-pool-size",), "the server's render threads tokenize (--renderer-num-workers)", 0,
+         kwargs=_INT),
+    refused(("--speculative-model",), "give --speculative-config '{\"method\": ..., \"model\": ...}'"),
+    refused(("--num-speculative-tokens",), "give --speculative-config '{\"method\": ..., "
+            "\"num_speculative_tokens\": k}'", _INT),
+    refused(("--rope-scaling",), "overriding config.json's rope_scaling is not implemented (edit a copy of the "
+            "checkpoint folder)"),
+    refused(("--rope-theta",), "overriding config.json's rope_theta is not implemented (edit a copy of the "
+            "checkpoint folder)"),
 
     # vLLM 0.26, `vllm serve --help`, by group. top-level options
     off(("--headless",), _MULTI_NODE),

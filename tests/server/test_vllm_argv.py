@@ -18,6 +18,7 @@ def test_plain_command_lines_are_untouched():
 def test_underscores_and_optimization_levels():
     assert rewrite(["serve", "--max_model_len=4k", "--enable_prefix_caching"]) == [
         "serve", "--max-model-len=4k", "--enable-prefix-caching"]
+    assert rewrite(["serve", "--help=ModelConfig"]) == ["serve", "--help"]
     for form in (["-O3"], ["-O", "3"], ["-O=3"]):
         assert rewrite(["serve", *form]) == ["serve", "--optimization-level", "3"], form
 

@@ -114,6 +114,11 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
     (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
     (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    # older vLLM versions' flags that launch scripts still carry
+    (["--limit-mm-per-prompt", "image=2,video=0"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--use-v2-block-manager", "--num-scheduler-steps", "1", "--disable-async-output-proc", "--enable-reasoning",
+      "--disable-mm-preprocessor-cache", "--preemption-mode", "recompute", "--tokenizer-pool-size", "0"],
+     lambda a, c: True),
     (["--lora-dtype", "auto"], lambda a, c: True),
     (["--dtype", "float16", "--lora-dtype", "float16"], lambda a, c: c.model.dtype == "float16"),
     (["--chat-template-content-format", "string"], lambda a, c: True),
@@ -162,6 +167,10 @@ REFUSED = [
     (["--config"], "--config needs a YAML file"),
     (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
     (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--limit-mm-per-prompt", "image=2,video=1"], "argument --limit-mm-per-prompt: expected image=N"),
+    (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
+    (["--speculative-model", "/srv/draft"], "--speculative-model /srv/draft: give --speculative-config"),
+    (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "--rope-scaling"),
     (["--dtype", "bfloat16", "--lora-dtype", "float16"], "--lora-dtype float16: adapters run in the model's dtype"),
     (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: text-only message"),
     (["--spec-method", "ngram"], "--spec-method/--speculative-config: speculative_config num_speculative_tokens "
