@@ -303,10 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--api-key", nargs="+", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
-                                                   "/health (default: $KESTREL_API_KEY, else $VLLM_API_KEY); other "
-                                                   "users of the machine can read it from the process list: prefer "
-                                                   "--api-key-file or the environment")
+    s.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$KESTREL_API_KEY, else $VLLM_API_KEY; one key); other users of the machine can read it from "
+                        "the process list: prefer --api-key-file or the environment")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is the one responses carry (default: the path's name)")
@@ -338,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
-    sub = next((a.choices.get(command) for a in parser._subparsers._group_actions), None) if parser._subparsers else None
+    """The option strings of one subcommand's parser."""
+    subparsers = parser._subparsers._group_actions if parser._subparsers else []
+    sub = next((a.choices.get(command) for a in subparsers), None)
     return {o for a in (sub or parser)._actions for o in a.option_strings}
 
 

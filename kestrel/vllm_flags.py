@@ -1,8 +1,11 @@
-"""The `vllm serve` flags that Kestrel's own flags do not cover, so that a vLLM launch script starts or stops with
-one line saying why. Each is accepted for the values that change nothing here (and its help says why), or refused
-for the others. vLLM's spellings of Kestrel's own options (-tp, --dtype half, --limit-mm-per-prompt '{"image": 2}',
---num-gpu-blocks-override, ...) are aliases in kestrel/config.py; the flags that act (--disable-log-requests,
---root-path, --ssl-*, --uvicorn-log-level, --download-dir, --revision) are ordinary `kestrel serve` flags."""
+"""The `vllm serve` flags that Kestrel's own flags do not cover (vLLM 0.26's whole list, group by group, and older
+ones launch scripts still carry), so that a vLLM launch script starts or stops with one line saying why. Each is
+accepted for the values that change nothing here (and its help says why), or refused for the others. vLLM's
+spellings of Kestrel's own options (-tp, -q, --dtype half, --limit-mm-per-prompt '{"image": 2}',
+--num-gpu-blocks-override, --cudagraph-capture-sizes, ...) are aliases in kestrel/config.py; the flags that act
+(--disable-log-requests, --root-path, --ssl-*, --uvicorn-log-level, --download-dir, --revision, --allow-credentials,
+--override-generation-config, ...) are ordinary `kestrel serve` flags; vLLM's command-line forms (--config YAML,
+dotted JSON flags, -O3) are rewritten by kestrel/vllm_argv.py before parsing."""
 from __future__ import annotations
 
 import argparse

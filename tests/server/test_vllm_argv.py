@@ -24,7 +24,8 @@ def test_underscores_and_optimization_levels():
 
 
 def test_dotted_flags_merge_into_one_json_value():
-    out = rewrite(["serve", "/m", "--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens=3",
+    out = rewrite(["serve", "/m", "--speculative-config.method", "ngram",
+                   "--speculative_config.num_speculative_tokens=3",
                    "--compilation-config.pass_config.fuse_norm_quant", "true", "--compilation-config.sizes+", "1,2",
                    "--compilation-config.sizes+", "4", "--max-num-batched-tokens", "8k"])
     assert out[:4] == ["serve", "/m", "--max-num-batched-tokens", "8k"]

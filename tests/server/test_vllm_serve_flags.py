@@ -268,7 +268,7 @@ VLLM_0_26_SERVE_FLAGS = [
     ('KernelConfig', ('--enable-bf16x3-router-gemm', '--no-enable-bf16x3-router-gemm'), None),
     ('KernelConfig', ('--moe-backend',), 'aiter'),
     ('KernelConfig', ('--linear-backend',), 'aiter'),
-    ('VllmConfig', ('--speculative-config', '-sc'), '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'),
+    ('VllmConfig', ('--speculative-config', '-sc'), '{"method": "ngram", "num_speculative_tokens": 3}'),
     ('VllmConfig', ('--spec-method',), 'ngram'),
     ('VllmConfig', ('--spec-model',), '/srv/draft'),
     ('VllmConfig', ('--spec-tokens',), '3'),
