@@ -16,7 +16,7 @@ _FLAG = re.compile(r"--?[A-Za-z]")  # an option, not a negative number such as -
 def rewrite(argv: list[str], known: set[str] = frozenset()) -> list[str]:
     """``known``: the option strings of the subcommand's parser (a YAML false becomes --no-KEY where it has one)."""
     argv = _with_config_file(list(argv), known)
-    return _merge_dotted(_plain_names(argv))
+    return _merge_dotted(_plain_names(argv, levels="--optimization-level" in known or not known))
 
 
 def _with_config_file(argv: list[str], known: set[str]) -> list[str]:
@@ -77,7 +77,8 @@ def config_file_args(path: str, known: set[str] = frozenset(), model_on_command_
     return out
 
 
-def _plain_names(argv: list[str]) -> list[str]:
+def _plain_names(argv: list[str], levels: bool = True) -> list[str]:
+    """``levels``: the parser has --optimization-level (-O forms are left alone otherwise)."""
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -88,9 +89,9 @@ def _plain_names(argv: list[str]) -> list[str]:
             name, eq, value = arg.partition("=")
             stem, dot, path = name[2:].partition(".")
             out.append("--" + stem.replace("_", "-") + dot + path + eq + value)
-        elif arg.startswith("-O") and arg != "-O":
+        elif levels and arg.startswith("-O") and arg != "-O":
             out += ["--optimization-level", arg[3:] if arg[2:3] == "=" else arg[2:]]
-        elif arg == "-O" and i + 1 < len(argv) and argv[i + 1] in _OPTIMIZATION_LEVELS:
+        elif levels and arg == "-O" and i + 1 < len(argv) and argv[i + 1] in _OPTIMIZATION_LEVELS:
             out.append("--optimization-level")
         else:
             out.append(arg)
