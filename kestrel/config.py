@@ -369,6 +369,9 @@ class ServerConfig:
     enable_admin_api: bool = _f(False, "serve /sleep, /wake_up, /is_sleeping and /reset_prefix_cache (they need "
                                        "the API key too when one is set)")
     chat_template: str | None = _f(None, "chat template file (or the template text) instead of the model's own")
+    default_chat_template_kwargs: dict | None = _f(
+        None, 'extra chat-template variables for every request, as a JSON object (e.g. \'{"enable_thinking": '
+              'false}\'); a request\'s chat_template_kwargs win key by key', parse=parse_json_object)
     trust_request_chat_template: bool = _f(False, "let requests bring their own chat template (chat_template)")
     generation_config: str = _f("auto", "sampling defaults for fields a request leaves out: auto (the model's "
                                         "generation_config.json), vllm (none), or a folder holding one")

@@ -133,8 +133,6 @@ COMPAT_FLAGS = (
     only(("--chat-template-content-format",), "text-only message content reaches the chat template as one string "
          "and content with images as a list of parts (auto); forcing the list form (openai) is not implemented",
          "auto", "string"),
-    CompatFlag(("--default-chat-template-kwargs",), "extra chat-template variables at launch are not implemented "
-               "(a request's chat_template_kwargs are)", _json_equal({})),
     only(("--response-role",), "chat replies carry the role assistant", "assistant"),
     CompatFlag(("--return-tokens-as-token-ids",), "token ids as logprob tokens are not implemented",
                lambda v: not v, _BOOL),

@@ -114,6 +114,8 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
     (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
     (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    (["--default-chat-template-kwargs", '{"enable_thinking": false}'],
+     lambda a, c: a.default_chat_template_kwargs == {"enable_thinking": False}),
     # older vLLM versions' flags that launch scripts still carry
     (["--limit-mm-per-prompt", "image=2,video=0"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
     (["--use-v2-block-manager", "--num-scheduler-steps", "1", "--disable-async-output-proc", "--enable-reasoning",
@@ -305,7 +307,8 @@ def test_a_launch_script_serves(server_model, tmp_path):
 
 def test_a_vllm_026_launch_serves(server_model, tmp_path):
     """vLLM 0.26's forms on a real server: a --config YAML with --override-generation-config (max_new_tokens caps
-    a chat reply that sets no max_tokens), CORS with credentials, no uvicorn access log, dotted JSON, -O3."""
+    a chat reply that sets no max_tokens), CORS with credentials, no uvicorn access log, dotted JSON (a default
+    chat-template variable), -O3."""
     import urllib.request
 
     config = tmp_path / "serve.yaml"
@@ -314,12 +317,18 @@ def test_a_vllm_026_launch_serves(server_model, tmp_path):
                       "allow-credentials: true\n")
     s = Server(server_model, tmp_path / "vllm026.log",
                ["--config", str(config), "--limit-mm-per-prompt.image", "1", "-O3", "--no-async-scheduling",
-                "--max_num_seqs", "8", "--prefix-caching-hash-algo", "sha256", "--enable-log-outputs"])
+                "--max_num_seqs", "8", "--prefix-caching-hash-algo", "sha256", "--enable-log-outputs",
+                "--chat-template", "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                "--default-chat-template-kwargs.greeting", "hello hello hello"])
     try:
         s.wait_ready()
         status, body = http("POST", s.url + "/v1/chat/completions",
                             {"model": "llama", "messages": [{"role": "user", "content": "hello"}]})
         assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
+        messages = [{"role": "user", "content": "hi"}]  # the server's template variable, unless the request's wins
+        _, default = http("POST", s.url + "/tokenize", {"messages": messages})
+        _, own = http("POST", s.url + "/tokenize", {"messages": messages, "chat_template_kwargs": {"greeting": ""}})
+        assert default["count"] > own["count"] > 0, (default, own)
         req = urllib.request.Request(s.url + "/v1/chat/completions", method="OPTIONS", headers={
             "Origin": "https://a.example", "Access-Control-Request-Method": "POST"})
         with urllib.request.urlopen(req, timeout=10) as r:
