@@ -314,7 +314,6 @@ COMPAT_FLAGS = (
     refused(("--offload-params",), "offloading weights to host memory is not implemented", _LIST),
 
     # MultiModalConfig
-    off(("--language-model-only",), "give --limit-mm-per-prompt '{\"image\": 0}' to refuse images"),
     off(("--enable-mm-embeds",), "image embeddings as inputs are not implemented"),
     CompatFlag(("--media-io-kwargs",), "media loading options are not implemented", _json_equal({})),
     CompatFlag(("--mm-processor-kwargs",), "image-processor options are not implemented", lambda v: False),
@@ -419,9 +418,16 @@ def _shorthand_dest(flag: str) -> str:
     return "vllm_" + flag.lstrip("-").replace("-", "_")
 
 
+def _language_model_only(args: argparse.Namespace) -> None:
+    """--language-model-only: vLLM's spelling of --limit-mm-per-prompt 0 (the vision tower is still loaded here)."""
+    if getattr(args, "vllm_language_model_only", None) and hasattr(args, "limit_mm_per_prompt"):
+        args.limit_mm_per_prompt = 0
+
+
 def fold_shorthands(args: argparse.Namespace) -> list[str]:
     """--spec-method/--spec-model/--spec-tokens into --speculative-config, as vLLM 0.26: a key given both ways is
-    refused. Returns the shorthands given."""
+    refused. Returns the shorthands given. (--language-model-only too: --limit-mm-per-prompt 0.)"""
+    _language_model_only(args)
     used = []
     for flag, (key, _type) in SPEC_SHORTHANDS.items():
         value = getattr(args, _shorthand_dest(flag), None)
@@ -444,6 +450,9 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
             "type": str, "metavar": flag.names[0].lstrip("-").upper().replace("-", "_"), **flag.kwargs}
         help_text = flag.why if flag.why.startswith("no effect") else f"refused unless it changes nothing: {flag.why}"
         group.add_argument(*flag.names, dest=flag.dest, default=None, help=help_text, **kw)
+    group.add_argument("--language-model-only", dest="vllm_language_model_only", default=None,
+                       action=argparse.BooleanOptionalAction, help="images are refused, as --limit-mm-per-prompt 0 "
+                       "(the vision tower is still loaded)")
     for flag, (key, type_) in SPEC_SHORTHANDS.items():
         group.add_argument(flag, dest=_shorthand_dest(flag), type=type_, default=None,
                            help=f"--speculative-config's {key!r}, as vLLM's shorthand")

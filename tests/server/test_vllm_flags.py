@@ -114,6 +114,8 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
     (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
     (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    (["--language-model-only"], lambda a, c: c.multimodal.limit_mm_per_prompt == 0),
+    (["--no-language-model-only"], lambda a, c: c.multimodal.limit_mm_per_prompt == 4),
     (["--default-chat-template-kwargs", '{"enable_thinking": false}'],
      lambda a, c: a.default_chat_template_kwargs == {"enable_thinking": False}),
     # older vLLM versions' flags that launch scripts still carry
