@@ -83,8 +83,20 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel.server.app import run_server
 
-    args.api_key = resolve_api_key(args.api_key, args.api_key_file)
+    args.api_key = resolve_api_key(one_api_key(args.api_key), args.api_key_file)
     return run_server(args)
+
+
+def one_api_key(keys: list[str] | str | None) -> str | None:
+    """vLLM's --api-key takes several keys; one is served here."""
+    from kestrel.errors import ConfigError
+
+    if isinstance(keys, list):
+        if len(keys) > 1:
+            raise ConfigError(f"--api-key: {len(keys)} keys given; one key is served (several keys are not "
+                              f"implemented)")
+        return keys[0]
+    return keys
 
 
 def resolve_api_key(key: str | None, key_file: str | None) -> str | None:
@@ -131,8 +143,10 @@ def check_args(args) -> None:
                            getattr(args, "quantization", None))
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
-    from kestrel.vllm_flags import check_compat_args
+    from kestrel.vllm_flags import check_compat_args, fold_shorthands
 
+    shorthands = fold_shorthands(args)
+    check_speculative_config(getattr(args, "speculative_config", None), shorthands)
     check_compat_args(args)
     from kestrel.attention.selector import backend_candidates
     from kestrel.kernels import backend_names
@@ -153,12 +167,34 @@ def check_args(args) -> None:
             get_reasoning_parser(args.reasoning_parser)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    check_generation_overrides(getattr(args, "override_generation_config", None))
     workers = getattr(args, "renderer_num_workers", None)
     if workers is not None and workers < 1:
         raise ConfigError(f"--renderer-num-workers must be at least 1, got {workers}")
     procs = getattr(args, "image_render_processes", None)
     if procs is not None and procs < 0:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
+
+
+def check_speculative_config(spec: dict | None, shorthands: list[str]) -> None:
+    """At parse time, not after the model loads; the line names the flags that gave it."""
+    from kestrel.errors import ConfigError
+    from kestrel.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{'/'.join(shorthands + ['--speculative-config'])}: {e}") from None
+
+
+def check_generation_overrides(overrides: dict | None) -> None:
+    from kestrel.config import GENERATION_OVERRIDE_FIELDS
+    from kestrel.errors import ConfigError
+
+    unknown = sorted(set(overrides or {}) - set(GENERATION_OVERRIDE_FIELDS))
+    if unknown:
+        raise ConfigError(f"--override-generation-config: {', '.join(unknown)} is not a sampling default here "
+                          f"(fields: {', '.join(GENERATION_OVERRIDE_FIELDS)})")
 
 
 # launch values out of range start a server that hangs, forks hundreds of engines or never times out: refused at
@@ -282,18 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
-                                                   "/health (default: $KESTREL_API_KEY, else $VLLM_API_KEY); other "
-                                                   "users of the machine can read it from the process list: prefer "
-                                                   "--api-key-file or the environment")
+    s.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$KESTREL_API_KEY, else $VLLM_API_KEY; one key); other users of the machine can read it from "
+                        "the process list: prefer --api-key-file or the environment")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is the one responses carry (default: the path's name)")
-    s.add_argument("--log-requests", "--enable-log-requests", action="store_true",
+    s.add_argument("--log-requests", "--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log prompts and outputs (off: ids and sizes only)")
     s.add_argument("--disable-log-requests", action="store_true", help="no log line per request at all")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    s.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="no uvicorn access-log line per HTTP request")
     s.add_argument("--root-path", default="", help="URL prefix the app sits under behind a path-based proxy")
     s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
     s.add_argument("--ssl-certfile", default=None, help="the certificate of --ssl-keyfile")
@@ -314,8 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The option strings of one subcommand's parser."""
+    subparsers = parser._subparsers._group_actions if parser._subparsers else []
+    sub = next((a.choices.get(command) for a in subparsers), None)
+    return {o for a in (sub or parser)._actions for o in a.option_strings}
+
+
 def main(argv: list[str] | None = None) -> int:
     from kestrel.errors import KestrelError
+    from kestrel.vllm_argv import rewrite as rewrite_vllm_argv
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     argv = sys.argv[1:] if argv is None else argv
@@ -323,7 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         from kestrel.bench.serve import main as serve_main
 
         return serve_main(argv[2:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = rewrite_vllm_argv(argv, option_strings(parser, argv[0] if argv else ""))
+    except KestrelError as e:
+        print(f"kestrel: error: {one_line(str(e))}", file=sys.stderr)
+        return USAGE_ERROR
+    args = parser.parse_args(argv)
     if args.command == "serve" and args.model_tag and not args.model:
         args.model = args.model_tag
     try:

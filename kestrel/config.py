@@ -25,8 +25,10 @@ def parse_dtype(value: str) -> str:
 
 
 def parse_token_count(value: str) -> int:
-    """A token count as vLLM's --max-model-len takes it: 4096, 32k (x1000), 32K (x1024), 1m / 1M."""
-    scale = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}.get(value[-1:], 1)
+    """A token count as vLLM's --max-model-len takes it: 4096, 32k (x1000), 32K (x1024), 1m / 1M, 1g / 1G, ..."""
+    value = value.strip()
+    scale = {"k": 10**3, "K": 2**10, "m": 10**6, "M": 2**20, "g": 10**9, "G": 2**30, "t": 10**12,
+             "T": 2**40}.get(value[-1:], 1)
     try:
         return int(float(value[:-1]) * scale) if scale != 1 else int(value)
     except ValueError:
@@ -44,9 +46,14 @@ def image_limit(limits: dict) -> int:
 
 
 def parse_image_limit(value: str) -> int:
-    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}'."""
+    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}' (older vLLM: image=2,video=0)."""
     import json
 
+    if "=" in value and not value.lstrip().startswith("{"):
+        try:
+            return image_limit({k.strip(): int(v) for k, v in (item.split("=", 1) for item in value.split(","))})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected image=N (or '{{\"image\": N}}'): {e}") from None
     if not value.lstrip().startswith("{"):
         return int(value)
     try:
@@ -84,6 +91,13 @@ def parse_json_object(value: str) -> dict:
     return obj
 
 
+def parse_model_len(value: str) -> int | None:
+    """--max-model-len: a token count, or -1 / auto for the model's own context length (vLLM's forms)."""
+    if value.strip() in ("-1", "auto", "AUTO", "Auto"):
+        return None
+    return parse_token_count(value)
+
+
 @dataclass
 class ModelConfig:
     model: str | None = _f(None, "HF checkpoint folder (config.json + *.safetensors), a .gguf file, or a hub id "
@@ -97,14 +111,14 @@ class ModelConfig:
                             "bfloat16, float16 (or half)",
                     choices=["auto", "float32", "bfloat16", "float16"], parse=parse_dtype)
     max_model_len: int | None = _f(None, "longest prompt + output in tokens, e.g. 4096 or 32k (default: the model's "
-                                         "context length)", parse=parse_token_count)
+                                         "context length; -1 or auto: the same)", parse=parse_model_len)
     quantization: str | None = _f(None, "the weights' format, as vLLM names it: fp8 (also quantizes an unquantized "
                                         "checkpoint on load: per-channel weights, dynamic per-token activations), "
                                         "compressed-tensors, gptq, awq (gptq_marlin, awq_marlin: the same formats), "
                                         "mxfp4 (gpt-oss's experts); default: detected from config.json's "
                                         "quantization_config",
                                   choices=[None, "fp8", "compressed-tensors", "gptq", "awq", "gptq_marlin",
-                                           "awq_marlin", "mxfp4"])
+                                           "awq_marlin", "mxfp4"], aliases=["-q"])
     load_format: str = _f("auto", "auto or safetensors (read the weights), or dummy (random weights from "
                                   "config.json: benchmarks)", choices=["auto", "dummy"],
                           parse=lambda v: "auto" if v == "safetensors" else v)
@@ -176,8 +190,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps to fit the token budget")
     scheduling_policy: str = _f("fcfs", "fcfs or priority (lower value first, then arrival)", choices=["fcfs", "priority"])
     async_scheduling: str = _f("auto", "pipelined decode: schedule and launch step N+1 while step N runs "
-                                       "(auto: on for CUDA; the flag alone: on)", choices=["auto", "on", "off"],
-                               const="on")
+                                       "(auto: on for CUDA; the flag alone: on; --no-async-scheduling: off)",
+                               choices=["auto", "on", "off"], const="on", negative="off")
     structured_output_threads: int = _f(0, "host threads that fill a step's grammar bitmasks (structured outputs) "
                                            "while the device runs; 0: the usable CPUs less two, at most 16")
     grammar_compile_timeout: float = _f(30.0, "seconds a grammar may take to compile in the engine core; a slower "
@@ -187,7 +201,7 @@ class SchedulerConfig:
         None, 'speculative decoding, as a JSON object: {"method": "ngram", "num_speculative_tokens": k, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": N} (no drafts while more '
               'than N requests run); methods ngram, mtp, eagle3 (with "model": the draft folder); docs/serving.md',
-        parse=parse_json_object)
+        parse=parse_json_object, aliases=["-sc"])
     max_seqs_per_request: int = _f(0, "server: most sequences (prompts x n) of one API request in the engine at "
                                       "once; the rest wait in the server and go in as earlier ones finish, so "
                                       "one huge request leaves room for others (0: half of --max-num-seqs); a "
@@ -271,7 +285,8 @@ class KernelConfig:
 @dataclass
 class CompilationConfig:
     enforce_eager: bool = _f(False, "disable CUDA graphs")
-    cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,32,48,64,96,...,256, up to --max-num-seqs)")
+    cuda_graph_sizes: list[int] | None = _f(None, "decode batch sizes to capture (default 1,2,4,8,16,32,48,64,96,...,"
+                                                  "256, up to --max-num-seqs)", aliases=["--cudagraph-capture-sizes"])
     cuda_graph_prefill_max_tokens: int = _f(512, "largest prefill step of one request alone that replays a CUDA "
                                                  "graph (token buckets 16, 32, 64, ... up to it and "
                                                  "--max-num-batched-tokens); 0: prefill steps run eagerly")
@@ -328,6 +343,8 @@ class EngineConfig:
     def create(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (max_num_seqs=..., block_size=...), as LLM(...) receives them."""
         cfg = cls()
+        if kwargs.get("max_model_len") in (-1, "auto"):  # vLLM's LLM(max_model_len=-1): the model's own
+            kwargs["max_model_len"] = None
         if isinstance(kwargs.get("limit_mm_per_prompt"), dict):  # vLLM's LLM(limit_mm_per_prompt={"image": 2})
             kwargs["limit_mm_per_prompt"] = image_limit(kwargs["limit_mm_per_prompt"])
         for key, value in kwargs.items():
@@ -357,6 +374,9 @@ class EngineConfig:
         return cls(**{s: types[s](**d[s]) for s in cls.SECTIONS})
 
 
+GENERATION_OVERRIDE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
 @dataclass
 class ServerConfig:
     """Options of `kestrel serve` only (not sent to the engine cores)."""
@@ -364,15 +384,23 @@ class ServerConfig:
     enable_admin_api: bool = _f(False, "serve /sleep, /wake_up, /is_sleeping and /reset_prefix_cache (they need "
                                        "the API key too when one is set)")
     chat_template: str | None = _f(None, "chat template file (or the template text) instead of the model's own")
+    default_chat_template_kwargs: dict | None = _f(
+        None, 'extra chat-template variables for every request, as a JSON object (e.g. \'{"enable_thinking": '
+              'false}\'); a request\'s chat_template_kwargs win key by key', parse=parse_json_object)
     trust_request_chat_template: bool = _f(False, "let requests bring their own chat template (chat_template)")
     generation_config: str = _f("auto", "sampling defaults for fields a request leaves out: auto (the model's "
                                         "generation_config.json), vllm (none), or a folder holding one")
+    override_generation_config: dict | None = _f(
+        None, 'sampling defaults over generation_config.json\'s (or alone with --generation-config vllm), as a '
+              'JSON object: {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 512}; fields: '
+              + ", ".join(GENERATION_OVERRIDE_FIELDS), parse=parse_json_object)
     default_max_tokens: int = _f(4096, "max_tokens of a chat request that sets none (capped by the context left)")
     request_timeout: float | None = _f(None, "seconds after which a request is aborted and its KV cache freed "
                                              "(a request's own 'timeout' field wins)")
     max_request_body_bytes: int = _f(8 * 2**20, "largest request body; larger ones get 413")
     grammar_parse_timeout: float = _f(5.0, "seconds a request's output constraint (JSON schema, regex, grammar) "
                                            "may take to parse before it is refused with a 400")
+    allow_credentials: bool = _f(False, "CORS: let browsers send cookies and credentials with --allowed-origins")
     allowed_origins: list[str] | None = _f(None, "CORS: origins allowed to call the API from a browser (off "
                                                  "by default; '*' for any; vLLM's JSON list form too)",
                                            parse=parse_json_list)
@@ -428,6 +456,9 @@ def add_section_args(parser: argparse.ArgumentParser, cls: type, title: str, ski
         if choices:
             kw["choices"] = choices
         group.add_argument(*flags, **kw)
+        if "negative" in f.metadata:  # vLLM's --no-X form of a flag that is not a plain boolean here
+            group.add_argument("--no-" + flags[0][2:], dest=f.name, action="store_const", const=f.metadata["negative"],
+                               help=argparse.SUPPRESS)
 
 
 class _FlattenList(argparse.Action):

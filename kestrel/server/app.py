@@ -387,8 +387,16 @@ def load_chat_template(value: str | None) -> str | None:
     raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
-def load_sampling_defaults(source: str, model_path: str | None) -> dict:
-    """Sampling defaults from generation_config.json, as vLLM applies them (--generation-config)."""
+def load_sampling_defaults(source: str, model_path: str | None, overrides: dict | None = None) -> dict:
+    """Sampling defaults from generation_config.json, as vLLM applies them (--generation-config), with
+    --override-generation-config's fields over them."""
+    defaults = _generation_config_defaults(source, model_path)
+    for key, value in (overrides or {}).items():
+        defaults["max_tokens" if key == "max_new_tokens" else key] = value
+    return defaults
+
+
+def _generation_config_defaults(source: str, model_path: str | None) -> dict:
     if source == "vllm":
         return {}
     folder = model_path if source == "auto" else source
@@ -449,7 +457,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         from kestrel.loader import default_model_path
 
         state.sampling_defaults = load_sampling_defaults(server.generation_config,
-                                                         config.model.model or default_model_path())
+                                                         config.model.model or default_model_path(),
+                                                         server.override_generation_config)
         if state.sampling_defaults:
             logger.info("sampling defaults from generation_config.json: %s", state.sampling_defaults)
         ip = engine.input_processor
@@ -479,7 +488,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None, model_na
         app.include_router(lora_router(state, [Depends(check_key), Depends(check_admin)]))
     if server.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=False)
+                           allow_headers=["*"], allow_credentials=server.allow_credentials)
     app.add_middleware(BodyLimit, limit=server.max_request_body_bytes)
     app.add_middleware(json_only)
     return app
@@ -539,7 +548,8 @@ def run_server(args) -> int:
                     args.log_requests, model_aliases=names[1:], log_request_lines=not args.disable_log_requests)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                timeout_graceful_shutdown=5, root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
-                               ssl_certfile=args.ssl_certfile)
+                               ssl_certfile=args.ssl_certfile,
+                               access_log=not getattr(args, "disable_uvicorn_access_log", False))
     server = InterruptibleServer(uv_config)
     check_port_free(args.host, args.port)  # before minutes of model loading, not after
     load_tls(uv_config, args.ssl_keyfile, args.ssl_certfile)

@@ -38,7 +38,7 @@ async def render_prompt(state: ServerState, req, tools: list[dict] | None = None
     Runs on a render thread: a huge conversation or a large image never stalls the event loop."""
     engine = state.engine
     template = state.chat_template(req)
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
+    kwargs = {k: v for k, v in state.template_kwargs(req).items() if k != "chat_template"}
     if any(m.has_non_text_parts() for m in req.messages):
         from kestrel.frontend.media import resolve_image_parts
 
@@ -70,7 +70,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     plan = plan_tools(req.tools, req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     params = req.sampling_params(state.sampling_defaults, plan.structured)
-    reasoning = plan.reasoning_for(state.reasoning_parser, req.chat_template_kwargs, params)
+    reasoning = plan.reasoning_for(state.reasoning_parser, state.template_kwargs(req), params)
     beam = req.beam_search_params(params.max_tokens, params)
     await state.grammar.check(params.structured_outputs, "tools" if plan.structured else req.constraint_param,
                               client_of(raw))

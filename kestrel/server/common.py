@@ -60,6 +60,10 @@ class ServerState:
     def timeout(self, req) -> float | None:
         return req.timeout if req.timeout is not None else self.server.request_timeout
 
+    def template_kwargs(self, req) -> dict:
+        """The chat template's extra variables: --default-chat-template-kwargs under the request's own."""
+        return {**(self.server.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
+
     def chat_template(self, req) -> str | None:
         """The request's own template, if it brings one and the server trusts request templates."""
         kwargs = req.chat_template_kwargs or {}

@@ -161,7 +161,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     plan = plan_tools(chat_req.tools, chat_req.tool_choice, state.tool_parser, state.enable_auto_tool_choice,
                       chat_req.parallel_tool_calls)
     params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
-    reasoning = plan.reasoning_for(state.reasoning_parser, chat_req.chat_template_kwargs, params)
+    reasoning = plan.reasoning_for(state.reasoning_parser, state.template_kwargs(chat_req), params)
     await state.grammar.check(params.structured_outputs, "tools", client_of(raw))
     rid, public_id = request_ids("resp", req.request_id, raw, echo=False)  # a stored id is the server's
     prompt = await render_prompt(state, chat_req, plan.tools)

@@ -91,6 +91,47 @@ ACCEPTED = [
     (["--download-dir", "/srv/hf"], lambda a, c: c.model.download_dir == "/srv/hf"),
     (["--tokenizer", "{model}"], lambda a, c: c.model.tokenizer is not None),
     (["--runner", "pooling"], lambda a, c: c.model.runner == "pooling"),
+    # issue 54: vLLM's own command-line forms
+    (["--max-model-len", "-1"], lambda a, c: c.model.max_model_len is None),
+    (["--max-model-len", "auto"], lambda a, c: c.model.max_model_len is None),
+    (["--max_model_len", "4096"], lambda a, c: c.model.max_model_len == 4096),
+    (["--max-model-len=2k"], lambda a, c: c.model.max_model_len == 2000),
+    (["--limit-mm-per-prompt.image", "2"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--limit-mm-per-prompt.image=3", "--limit-mm-per-prompt.video", "0"],
+     lambda a, c: c.multimodal.limit_mm_per_prompt == 3),
+    (["--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens", "3"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--compilation-config.cudagraph_capture_sizes+", "1,2", "--compilation-config.mode", "3"], lambda a, c: True),
+    (["-O", "3"], lambda a, c: True),
+    (["-O=0"], lambda a, c: True),
+    (["-q", "fp8"], lambda a, c: c.model.quantization == "fp8"),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     lambda a, c: c.scheduler.num_proposed_tokens == 2),
+    (["--cudagraph-capture-sizes", "1", "2", "4"], lambda a, c: c.compilation.cuda_graph_sizes == [1, 2, 4]),
+    (["--no-async-scheduling"], lambda a, c: c.scheduler.async_scheduling == "off"),
+    (["--no-enable-log-requests"], lambda a, c: not a.log_requests),
+    (["--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'],
+     lambda a, c: a.override_generation_config == {"temperature": 0.5, "max_new_tokens": 64}),
+    (["--allowed-origins", "https://a.example", "--allow-credentials"], lambda a, c: a.allow_credentials),
+    (["--disable-uvicorn-access-log"], lambda a, c: a.disable_uvicorn_access_log),
+    (["--max-seq-len-to-capture", "8192"], lambda a, c: True),
+    (["--api-key", "only-one"], lambda a, c: a.api_key == "only-one"),
+    (["--language-model-only"], lambda a, c: c.multimodal.limit_mm_per_prompt == 0),
+    (["--no-language-model-only"], lambda a, c: c.multimodal.limit_mm_per_prompt == 4),
+    (["--default-chat-template-kwargs", '{"enable_thinking": false}'],
+     lambda a, c: a.default_chat_template_kwargs == {"enable_thinking": False}),
+    # older vLLM versions' flags that launch scripts still carry
+    (["--limit-mm-per-prompt", "image=2,video=0"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--use-v2-block-manager", "--num-scheduler-steps", "1", "--disable-async-output-proc", "--enable-reasoning",
+      "--disable-mm-preprocessor-cache", "--preemption-mode", "recompute", "--tokenizer-pool-size", "0"],
+     lambda a, c: True),
+    (["--lora-dtype", "auto"], lambda a, c: True),
+    (["--dtype", "float16", "--lora-dtype", "float16"], lambda a, c: c.model.dtype == "float16"),
+    (["--chat-template-content-format", "string"], lambda a, c: True),
+    (["--spec-method", "ngram", "--spec-tokens", "3"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
+    (["--speculative-config", '{"method": "ngram"}', "--spec-tokens", "2"],
+     lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}),
 ]
 
 # (flags, what the one line must say)
@@ -100,7 +141,7 @@ REFUSED = [
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
     (["-pp", "2"], "--pipeline-parallel-size 2: pipeline parallelism"),
     (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
-    (["--quantization", "bitsandbytes"], "argument --quantization: invalid choice: 'bitsandbytes'"),
+    (["--quantization", "bitsandbytes"], "argument --quantization/-q: invalid choice: 'bitsandbytes'"),
     (["--quantization", "awq"], "quantization='awq' but the checkpoint has no quantization_config"),
     (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),
     (["--tool-call-parser", "nope"], "unknown tool-call parser 'nope'; choose from deepseek_v3, deepseek_v31, "),
@@ -123,6 +164,30 @@ REFUSED = [
     (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/adapter"}'],
      "--lora-modules sql=/no/adapter: not a PEFT adapter folder"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--api-key", "k1", "k2"], "--api-key: 2 keys given; one key is served"),
+    (["--override-generation-config", '{"temprature": 0.5}'],
+     "--override-generation-config: temprature is not a sampling default here"),
+    (["--limit-mm-per-prompt.video", "1"], "argument --limit-mm-per-prompt: only images are served, not video"),
+    (["--hf-overrides.rope_theta", "1000000"], '--hf-overrides {"rope_theta": 1000000}: overriding config.json'),
+    (["--max-model-len", "-2"], "--max-model-len must be at least 1, got -2"),
+    (["--config", "/no/such.yaml"], "--config /no/such.yaml: No such file or directory"),
+    (["--config", "flags.json"], "--config flags.json: the file must be YAML"),
+    (["--config"], "--config needs a YAML file"),
+    (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
+    (["--headless"], "--headless: multi-node serving is not implemented"),
+    (["--limit-mm-per-prompt", "image=2,video=1"], "argument --limit-mm-per-prompt: expected image=N"),
+    (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
+    (["--speculative-model", "/srv/draft"], "--speculative-model /srv/draft: give --speculative-config"),
+    (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "--rope-scaling"),
+    (["--dtype", "bfloat16", "--lora-dtype", "float16"], "--lora-dtype float16: adapters run in the model's dtype"),
+    (["--chat-template-content-format", "openai"], "--chat-template-content-format openai: text-only message"),
+    (["--spec-method", "ngram"], "--spec-method/--speculative-config: speculative_config num_speculative_tokens "
+                                 "must be an integer in 1..16, not None"),
+    (["--speculative-config.method", "medusa", "--spec-tokens", "2"],
+     "--spec-tokens/--speculative-config: speculative_config method 'medusa' is not supported"),
+    (["--speculative-config", '{"method": "ngram"}', "--spec-method", "mtp"],
+     "--spec-method and --speculative-config's 'method' are both given"),
+    (["--no-scheduler-reserve-full-isl"], "--no-scheduler-reserve-full-isl: changing the admission rule"),
 ]
 
 
@@ -172,6 +237,37 @@ def test_vllm_flag_is_refused_in_one_line(flags, words, server_model, no_server_
     assert err.splitlines() == [err] and words in err and "Traceback" not in err, err
 
 
+def test_config_file_as_vllm_reads_it(server_model, no_server_start, tmp_path):
+    """--config FILE.yaml: its keys are long flag names (dashes or underscores), true/false booleans, lists and
+    nested JSON objects; the command line wins over the file, and a positional model over the file's."""
+    from kestrel.cli import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: /not/this/one\nmax_model_len: 2048\nenable-prefix-caching: false\nenforce-eager: true\n"
+                    "served-model-name: [a, b]\nport: 9000\n"
+                    "speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    assert main(["serve", str(server_model), "--config", str(path), "--port", "9100"]) == 0
+    args, config = no_server_start["args"], no_server_start["config"]
+    assert args.port == 9100 and args.served_model_name == ["a", "b"] and config.model.model == str(server_model)
+    assert config.model.max_model_len == 2048 and not config.cache.enable_prefix_caching
+    assert config.compilation.enforce_eager and config.scheduler.num_proposed_tokens == 2
+    path.write_text(f"model: {server_model}\n")  # the model from the file alone
+    assert main(["serve", f"--config={path}"]) == 0
+    assert no_server_start["config"].model.model == str(server_model)
+
+
+def test_generation_config_overrides(tmp_path):
+    """--override-generation-config: over generation_config.json's defaults, or alone with --generation-config
+    vllm; max_new_tokens is the server's max_tokens default."""
+    from kestrel.server.app import load_sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.9}')
+    assert load_sampling_defaults("auto", str(tmp_path)) == {"temperature": 0.7, "top_p": 0.9}
+    assert load_sampling_defaults("auto", str(tmp_path), {"temperature": 0.5, "max_new_tokens": 9}) == {
+        "temperature": 0.5, "top_p": 0.9, "max_tokens": 9}
+    assert load_sampling_defaults("vllm", str(tmp_path), {"top_k": 5}) == {"top_k": 5}
+
+
 def test_accepted_without_effect_is_said_in_help(capsys):
     from kestrel.cli import main
 
@@ -179,7 +275,7 @@ def test_accepted_without_effect_is_said_in_help(capsys):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for words in ("--swap-space SWAP_SPACE no effect: the KV cache lives on the GPU only",
-                  "--enable-sleep-mode no effect: sleep is always available",
+                  "--enable-sleep-mode, --no-enable-sleep-mode no effect: sleep is always available",
                   "--disable-log-requests no log line per request", "float16 (or half)"):
         assert words in out, words
 
@@ -213,6 +309,41 @@ def test_a_launch_script_serves(server_model, tmp_path):
     log = (tmp_path / "vllm.log").read_text()
     assert "Traceback" not in log and "request cmpl" not in log and "finished (" not in log, log[-3000:]
     assert "serving first" in log, log[-3000:]
+
+
+def test_a_vllm_026_launch_serves(server_model, tmp_path):
+    """vLLM 0.26's forms on a real server: a --config YAML with --override-generation-config (max_new_tokens caps
+    a chat reply that sets no max_tokens), CORS with credentials, no uvicorn access log, dotted JSON (a default
+    chat-template variable), -O3."""
+    import urllib.request
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("override-generation-config:\n  max_new_tokens: 2\n  temperature: 0\n"
+                      "disable_uvicorn_access_log: true\nallowed-origins: [https://a.example]\n"
+                      "allow-credentials: true\n")
+    s = Server(server_model, tmp_path / "vllm026.log",
+               ["--config", str(config), "--limit-mm-per-prompt.image", "1", "-O3", "--no-async-scheduling",
+                "--max_num_seqs", "8", "--prefix-caching-hash-algo", "sha256", "--enable-log-outputs",
+                "--chat-template", "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                "--default-chat-template-kwargs.greeting", "hello hello hello"])
+    try:
+        s.wait_ready()
+        status, body = http("POST", s.url + "/v1/chat/completions",
+                            {"model": "llama", "messages": [{"role": "user", "content": "hello"}]})
+        assert status == 200 and body["usage"]["completion_tokens"] <= 2, body
+        messages = [{"role": "user", "content": "hi"}]  # the server's template variable, unless the request's wins
+        _, default = http("POST", s.url + "/tokenize", {"messages": messages})
+        _, own = http("POST", s.url + "/tokenize", {"messages": messages, "chat_template_kwargs": {"greeting": ""}})
+        assert default["count"] > own["count"] > 0, (default, own)
+        req = urllib.request.Request(s.url + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://a.example", "Access-Control-Request-Method": "POST"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["access-control-allow-credentials"] == "true", dict(r.headers)
+            assert r.headers["access-control-allow-origin"] == "https://a.example", dict(r.headers)
+    finally:
+        s.stop()
+    log = (tmp_path / "vllm026.log").read_text()
+    assert "Traceback" not in log and 'HTTP/1.1" 200' not in log, log[-3000:]
 
 
 def test_llm_options_take_vllm_forms():
