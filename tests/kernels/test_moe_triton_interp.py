@@ -288,3 +288,16 @@ def test_topk_softmax_router_matches_select_experts(t, e, k, renorm, shared, gat
         assert (ids[:, k:] == torch.arange(e, e + shared, device=DEVICE)).all()
         want = torch.sigmoid(gate).expand(t, shared) if gated else torch.ones(t, shared, device=DEVICE)
         torch.testing.assert_close(w[:, k:], want.float())
+
+
+def test_topk_softmax_router_ids_stay_valid_on_nan_rows():
+    """A row of NaN logits (a CUDA-graph padding row's garbage) or one NaN among finite ones: every id is a valid
+    expert index (an id of E made a per-expert lookup assert on the device: Gemma 4's per_expert_scale), and the
+    finite row keeps its best finite experts."""
+    from kestrel.kernels.triton_ops.fused_ops import moe_topk_softmax
+
+    logits = torch.tensor([[float("nan")] * 4, [0.5, float("nan"), 2.0, 1.0]], device=DEVICE)
+    w, ids = moe_topk_softmax(logits, 2, True)
+    assert ((ids >= 0) & (ids < 4)).all()
+    assert sorted(ids[1].tolist()) == [2, 3]
+

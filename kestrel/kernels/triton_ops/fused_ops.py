@@ -295,6 +295,9 @@ def _moe_topk_softmax_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     x = tl.load(LOGITS + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    # NaN logits (a CUDA-graph padding row's garbage) rank last: every id stays a valid expert index, which the
+    # layout kernel and any per-expert lookup (Gemma 4's per_expert_scale) index with
+    x = tl.where(x != x, float("-inf"), x)
     m = tl.max(x, axis=0)
     denom = tl.sum(tl.exp(x - m), axis=0)
     kk = tl.arange(0, K_PAD)
@@ -303,7 +306,7 @@ def _moe_topk_softmax_kernel(
     s = x
     for j in tl.static_range(K):
         best = tl.max(s, axis=0)
-        idx = tl.min(tl.where(s == best, offs, E_PAD), axis=0)
+        idx = tl.minimum(tl.min(tl.where(s == best, offs, E_PAD), axis=0), num_experts - 1)
         w = tl.where(kk == j, tl.exp(best - m), w)
         ids = tl.where(kk == j, idx, ids)
         s = tl.where(offs == idx, float("-inf"), s)
