@@ -271,8 +271,9 @@ class KernelConfig:
                                      "torch_int8_mm, int8_dequant_fallback, triton_skinny_dense, torch_dense); "
                                      "start-up fails naming the layer it cannot serve")
     moe_backend: str = _f("auto", "force a MoE kernel by name (priority order: triton_fp8_block_moe, "
-                                  "triton_fused_moe, fp8_dequant_moe, triton_int4_dequant_moe, int4_dequant_moe, "
-                                  "torch_moe); start-up fails naming the layer it cannot serve")
+                                  "triton_fused_moe, triton_mxfp4_dequant_moe, triton_int4_dequant_moe, "
+                                  "fp8_dequant_moe, int4_dequant_moe, mxfp4_dequant_moe, torch_moe); start-up "
+                                  "fails naming the layer it cannot serve")
     fuse_shared_experts: str = _f("auto", "run MoE shared experts inside the routed-expert kernel as extra "
                                           "always-selected experts: auto (where the kernel and quantization allow), "
                                           "on (fail naming the layer where they do not), off",

@@ -30,7 +30,7 @@ def test_unread_quant_method_is_one_line(gptq_model, tmp_path):
 
 @pytest.mark.parametrize("flags,words", [
     (["--quantization", "awq"], "quantization='awq' does not match the checkpoint's quant_method 'gptq'"),
-    (["--quantization", "bitsandbytes"], "argument --quantization: invalid choice: 'bitsandbytes'"),
+    (["--quantization", "bitsandbytes"], "argument --quantization/-q: invalid choice: 'bitsandbytes'"),
 ])
 def test_quantization_flag_mismatch_is_one_line(gptq_model, flags, words):
     one_line_refusal(serve(str(gptq_model), *flags), words)
