@@ -7,7 +7,7 @@ from torch import nn
 
 from kestrel.kernels.base import LinearKernel, LinearSpec
 from kestrel.platform import Platform
-from kestrel.platform.gates import GATES, kernel_gate
+from kestrel.platform.gates import act_dtype_gate, kernel_gate
 
 
 class TorchDenseLinear(LinearKernel):
@@ -62,9 +62,9 @@ class TritonSkinnyDenseLinear(TorchDenseLinear):
         ok, why = super().can_implement(spec)
         if not ok:
             return ok, why
-        dtypes = GATES[cls.name].act_dtypes
-        if spec.params_dtype not in dtypes:
-            return False, f"dtype {spec.params_dtype} not in {dtypes}"
+        ok, why = act_dtype_gate(cls.name, spec.params_dtype)
+        if not ok:
+            return ok, why
         return True, ""
 
     def _skinny(self, layer: nn.Module, x: torch.Tensor, max_columns: int) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 
 from kestrel.kernels.base import LinearKernel, LinearSpec
 from kestrel.platform import Platform
-from kestrel.platform.gates import GATES, kernel_gate
+from kestrel.platform.gates import act_dtype_gate, kernel_gate
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,9 @@ class TorchInt8MMLinear(Int8LinearBase):
             return ok, why
         if spec.quant.activation != "token":
             return False, "weight-only INT8 (the checkpoint does not quantize activations)"
-        dtypes = GATES[cls.name].act_dtypes
-        if spec.params_dtype not in dtypes:
-            return False, f"dtype {spec.params_dtype} not in {dtypes}"
+        ok, why = act_dtype_gate(cls.name, spec.params_dtype)
+        if not ok:
+            return ok, why
         return True, ""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -27,7 +27,7 @@ from kestrel.kernels.base import LinearKernel, LinearSpec
 from kestrel.kernels.w4a16_scheme import (PACK, Int4Weights, W4A16Scheme, from_awq, from_compressed_tensors,
                                           from_gptq, pack_rows)
 from kestrel.platform import Platform
-from kestrel.platform.gates import GATES, kernel_gate
+from kestrel.platform.gates import act_dtype_gate, kernel_gate
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +228,9 @@ class TritonW4A16Linear(W4A16Base):
         ok, why = super().can_implement(spec)
         if not ok:
             return ok, why
-        dtypes = GATES[cls.name].act_dtypes
-        if spec.params_dtype not in dtypes:
-            return False, f"dtype {spec.params_dtype} not in {dtypes}"
+        ok, why = act_dtype_gate(cls.name, spec.params_dtype)
+        if not ok:
+            return ok, why
         if spec.quant.bits != 4:
             return False, f"{spec.quant.bits}-bit weights (the kernel unpacks 4-bit words)"
         g = spec.quant.group_size

@@ -117,6 +117,12 @@ def kernel_gate(name: str, platform: Platform | None = None) -> tuple[bool, str]
     return True, ""
 
 
+def act_dtype_gate(name: str, dtype: torch.dtype) -> tuple[bool, str]:
+    """(True, "") when GATES[name] lists `dtype` among the activation dtypes its kernel computes in."""
+    dtypes = GATES[name].act_dtypes
+    return (True, "") if dtype in dtypes else (False, f"dtype {dtype} not in {dtypes}")
+
+
 def kernel_available(name: str, platform: Platform | None = None, dtype: torch.dtype | None = None) -> bool:
     ok, _ = kernel_gate(name, platform)
     return ok and (dtype is None or dtype in GATES[name].act_dtypes)
