@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         log = args.log or Path(tmp) / "gputests.log"
-        rc = run_capped(cmd, cwd=ROOT, env=dict(os.environ), timeout=args.budget, output=log)
+        failures = log.with_suffix(".failures")  # tracebacks as they happen (tests/conftest.py), kept at a budget stop
+        env = dict(os.environ, KESTREL_FAILURE_LOG=str(failures))
+        rc = run_capped(cmd, cwd=ROOT, env=env, timeout=args.budget, output=log)
         lines = log.read_text(errors="replace").splitlines()
     counts, failed = summarize(lines, files)
     rows = [dict(file=f, passed=c["PASSED"], failed=c["FAILED"], errors=c["ERROR"],

@@ -32,6 +32,15 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+def pytest_runtest_logreport(report):
+    """With KESTREL_FAILURE_LOG set, each failure's traceback is appended to that file as it happens, so a run stopped
+    at a time budget (benchmarks/gpu_tests.py on the GPU machine) still shows why its tests failed."""
+    path = os.environ.get("KESTREL_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # once: in the xdist controller
+        with open(path, "a") as log:
+            log.write(f"\n===== {report.nodeid} ({report.when}) =====\n{report.longreprtext[-6000:]}\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
