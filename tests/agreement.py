@@ -23,7 +23,13 @@ def hf_causal_lm(path, **load_kwargs):
     cls = AutoModelForCausalLM
     if type(cfg) not in AutoModelForCausalLM._model_mapping:
         cls = getattr(transformers, cfg.architectures[0])
-    return cls.from_pretrained(path, **load_kwargs)
+    model = cls.from_pretrained(path, **load_kwargs)
+    if "quantization_config" in load_kwargs and (dtype := load_kwargs.get("dtype")) is not None:
+        # a dequantising load (MXFP4 on CUDA) leaves its weights in bf16 whatever dtype was asked for
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
 
 
 def import_without_fla(module_name: str, functions: tuple[str, ...]):
@@ -281,4 +287,5 @@ def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_bloc
     for batch in (prompts * 3, prompts[:1]):
         a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
         b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
-        assert a == b
+        assert a == b, [(i, next(j for j, (x, y) in enumerate(zip(ga, ea)) if x != y), len(ga))
+                        for i, (ga, ea) in enumerate(zip(a, b)) if ga != ea]  # (row, first divergence, of)

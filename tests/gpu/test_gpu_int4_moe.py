@@ -18,7 +18,8 @@ def checkpoints(tmp_path_factory, tiny_tokenizer):
 
     int4, ref = kimi_int4_checkpoints(tmp_path_factory.mktemp("gpu_kimi_int4"), tokenizer=tiny_tokenizer,
                                       hidden_size=256, moe_intermediate_size=128, intermediate_size=512,
-                                      logit_scale=4.0)
+                                      logit_scale=4.0, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                      v_head_dim=32, q_lora_rank=64)  # MLA dims the Triton backend (graphs) takes
     for path in (int4, ref):  # the router is not quantized: the same sharpening on both
         decisive_routers(path)
     return int4, ref

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from kestrel.layers.moe import RouterConfig
 from tests.kernels.moe_cases import make_experts, quantize_experts, random_routing, reference_moe, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -91,19 +92,28 @@ def test_triton_moe_cuda_graph_replay(t):
     torch.testing.assert_close(out, fused_moe(x, w13, w2, topk_w, ids), rtol=0, atol=0)
 
 
+ROUTERS = {  # DeepSeek-V3's grouped sigmoid router beside fused shared experts; Gemma 4's softmax router (the
+    # fused Triton router, its ids then index per_expert_scale in torch)
+    "grouped_sigmoid": (RouterConfig(64, 8, "sigmoid", True, 8, 2, routed_scaling_factor=2.5, correction_bias=True),
+                        256),
+    "softmax_per_expert_scale": (RouterConfig(64, 8, "softmax", True, per_expert_scale=True), 0),
+}
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
 @pytest.mark.parametrize("t", [40, 500])  # 500 x 10 slots: the layout's grid path
-def test_layer_compile_only_mode_is_safe_with_garbage_inputs(t):
+def test_layer_compile_only_mode_is_safe_with_garbage_inputs(t, router):
     """Start-up pre-compilation runs forwards with every Triton launch turned into a compilation, so Triton
-    outputs (here the router's input) are garbage: routing and sorting are torch ops and must stay in range."""
+    outputs (the router's input, the fused router's ids) are garbage: whatever a torch op indexes with must stay
+    in range."""
     pytest.importorskip("triton")
     from kestrel.kernels.triton_ops.precompile import compile_only
-    from kestrel.layers.moe import RouterConfig, SparseMoeBlock
+    from kestrel.layers.moe import SparseMoeBlock
 
-    block = SparseMoeBlock(prefix="model.layers.0.mlp", hidden_size=256, moe_intermediate_size=128,
-                           router=RouterConfig(64, 8, "sigmoid", True, 8, 2, routed_scaling_factor=2.5,
-                                               correction_bias=True),
-                           dtype=torch.bfloat16, shared_intermediate_size=256).cuda()
-    assert block.experts.kernel_name == "triton_fused_moe" and block.fse.fused
+    cfg, shared = ROUTERS[router]
+    block = SparseMoeBlock(prefix="model.layers.0.mlp", hidden_size=256, moe_intermediate_size=128, router=cfg,
+                           dtype=torch.bfloat16, shared_intermediate_size=shared).cuda()
+    assert block.experts.kernel_name == "triton_fused_moe" and block.fse.fused == bool(shared)
     for p in block.parameters():
         p.data.normal_()
     x = torch.full((t, 256), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from kestrel.platform.triton_gates import interpreter_mode
 from kestrel.kernels.triton_ops.pdl import pdl_launch, pdl_prologue
+from kestrel.kernels.triton_ops.precompile import compiling_only
 
 
 def _warps(n: int) -> dict:
@@ -335,7 +336,9 @@ def moe_topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, scale:
     t, e = logits.shape
     n = top_k + num_shared
     w = torch.empty((t, n), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, n), dtype=torch.int32, device=logits.device)
+    # compile-only start-up (precompile.py) skips the launch; torch lookups by these ids (Gemma 4's
+    # per_expert_scale) then read the buffer as it is: zeros keep them in range
+    ids = (torch.zeros if compiling_only() else torch.empty)((t, n), dtype=torch.int32, device=logits.device)
     if t:
         gate = shared_gate if shared_gate is not None else logits
         e_pad = triton.next_power_of_2(e)

@@ -7,10 +7,11 @@ submitted to a thread pool through `triton.AsyncCompileMode`; the MLIR passes, p
 so the variants compile side by side. Leaving the mode waits for all of them and fills each kernel's in-memory
 cache, so the real runs that follow find every variant compiled. Torch ops in those forwards run normally on
 whatever the skipped kernels left in their outputs (the values are never used). That is safe while Triton
-outputs are data (activations, attention, norms); a kernel whose output becomes indices for a torch op must be
-fed valid values in this mode, or an out-of-range index trips a device assert. The fused MoE keeps that rule:
-routing (top-k ids) is torch, and its Triton layout kernel (sorted ids, block -> expert) feeds only its Triton
-GEMMs (kernels/triton_ops/fused_moe.py; tests/gpu/test_gpu_moe.py runs an MoE block here on NaN inputs).
+outputs are data (activations, attention, norms); a kernel whose output becomes indices for a torch op must
+leave valid values in this mode (ask `compiling_only()`), or an out-of-range index trips a device assert. The
+fused MoE keeps that rule: the fused softmax router allocates its ids zeroed here (a torch lookup by expert id,
+Gemma 4's per_expert_scale, follows it), and the Triton layout kernel (sorted ids, block -> expert) feeds only
+its Triton GEMMs (kernels/triton_ops/fused_moe.py; tests/gpu/test_gpu_moe.py runs MoE blocks here on NaN inputs).
 """
 from __future__ import annotations
 
