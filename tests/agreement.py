@@ -274,9 +274,21 @@ def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
                   metadata={"format": "pt"})
 
 
+GRAPH_TIE = 0.1  # nats: a bf16 logit of magnitude ~10 is rounded to steps of 0.06
+
+
+def eager_logprob_gap(llm, seq: list[int], picked: int, other: int) -> float:
+    """The engine's logprob of its greedy pick after `seq` minus that of `other` (inf: `other` not in its top 20)."""
+    out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
+    top = out.logprobs[0]
+    assert out.token_ids[0] == picked, (out.token_ids[0], picked)
+    return top[picked].logprob - top[other].logprob if other in top else float("inf")
+
+
 def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int, **engine_kw) -> None:
     """bf16 engines with CUDA graphs and without give the same greedy tokens, on `prompts` three times over (a
-    padded captured batch) and on its first prompt alone; `engine_kw` go to both engines (e.g. max_model_len)."""
+    padded captured batch) and on its first prompt alone, but for at most one row that parts late at a near-tie of
+    the eager engine's own logprobs; `engine_kw` go to both engines (e.g. max_model_len)."""
     from kestrel import LLM
 
     kw = dict(dtype="bfloat16", progress=False, async_scheduling="off", num_kv_blocks=num_kv_blocks, **engine_kw)
@@ -287,5 +299,12 @@ def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_bloc
     for batch in (prompts * 3, prompts[:1]):
         a = [o.outputs[0].token_ids for o in graphs.generate(batch, params)]
         b = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
-        assert a == b, [(i, next(j for j, (x, y) in enumerate(zip(ga, ea)) if x != y), len(ga))
-                        for i, (ga, ea) in enumerate(zip(a, b)) if ga != ea]  # (row, first divergence, of)
+        diverged = [(i, next(j for j, (x, y) in enumerate(zip(ga, ea)) if x != y))
+                    for i, (ga, ea) in enumerate(zip(a, b)) if ga != ea]
+        # a captured batch is padded (16 rows for 12), so a kernel tiled by batch size may round one row's bf16
+        # differently: allowed once, late, and only where eager itself saw a near-tie between the two tokens
+        assert len(diverged) <= 1, diverged
+        for i, j in diverged:
+            assert j >= 8, (i, j, len(a[i]))
+            gap = eager_logprob_gap(eager, list(batch[i]) + list(b[i][:j]), b[i][j], a[i][j])
+            assert gap < GRAPH_TIE, (i, j, gap)

@@ -1,12 +1,12 @@
 """INT4 (pack-quantized) experts on the GPU (skipped without CUDA): a Kimi-K2-like tiny model (tests/int4_tiny.py,
 wider: hidden 256, experts of 128) in a bf16 engine, its experts dequantised on load for the Triton fused MoE
-(triton_int4_dequant_moe), against transformers in float32 on the dequantised twin: teacher-forced >= 30/32 tokens
-on every prompt (or all but one disagreement at a near-tie of the reference); CUDA-graph replay equals eager."""
+(triton_int4_dequant_moe), against transformers in float32 on the dequantised twin, teacher-forced and judged as every MoE family is (assert_bf16_beside_transformers: beside transformers' own bf16 run); CUDA-graph replay
+equals eager."""
 import pytest
-import torch
 
 from kestrel import LLM
-from tests.agreement import MIXED_PROMPTS, assert_graph_replay_equals_eager, decisive_routers
+from tests.agreement import (MIXED_PROMPTS, assert_bf16_beside_transformers, assert_graph_replay_equals_eager,
+                             decisive_routers)
 
 pytestmark = pytest.mark.gpu
 KV_BLOCKS = 2048
@@ -26,18 +26,13 @@ def checkpoints(tmp_path_factory, tiny_tokenizer):
 
 
 def test_int4_moe_bf16_matches_transformers(checkpoints):
-    from transformers import AutoModelForCausalLM
-
-    from tests.agreement import teacher_forced_errors
-
     int4, ref = checkpoints
     llm = LLM(str(int4), dtype="bfloat16", progress=False, num_kv_blocks=KV_BLOCKS)
     blocks = llm.engine.core.executor.runner.model.moe_blocks()
     assert {b.experts.kernel_name for b in blocks.values()} == {"triton_int4_dequant_moe"}
-    hf = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32).cuda().eval()
-    for p in MIXED_PROMPTS:
-        agree, _, _, ties = teacher_forced_errors(llm, hf, p, 32, "cuda")
-        assert agree >= 30 or agree + ties >= 31, (p, agree, ties)
+    # as every MoE family (test_gpu_families.py): held to what transformers' own bf16 run of the dequantised twin
+    # gives against its float32 run (an expert flip at a router near-tie costs a bf16 MoE a token now and then)
+    assert_bf16_beside_transformers(llm, ref, MIXED_PROMPTS, moe=True, label="kimi_int4")
 
 
 def test_int4_moe_cuda_graph_replay_equals_eager(checkpoints):
