@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kestrel.platform import Platform, current_platform
@@ -97,3 +98,41 @@ class LinearKernel(KernelCandidate):
                             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """As apply_rms_norm, with SiLU-and-mul applied to the [gate | up] output, or None."""
         return None
+
+
+def frozen_param(t: torch.Tensor, **attrs) -> nn.Parameter:
+    """A weight-like parameter (no grad) carrying loader attributes (shard_dim, weight_loader, ...)."""
+    p = nn.Parameter(t, requires_grad=False)
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    return p
+
+
+class DequantisedLinear:
+    """For a quantized format's linear kernels: its weights turned dense once after loading (the format's
+    `dequantized_weight(layer)`, its `checkpoint_tensors` dropped), then a plain F.linear."""
+
+    checkpoint_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def to_dense(self, layer: nn.Module) -> None:
+        w = self.dequantized_weight(layer)
+        for name in self.checkpoint_tensors:
+            layer._parameters.pop(name, None)
+        layer.weight = frozen_param(w)
+
+    def dense_apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+
+
+class DequantFallback(DequantisedLinear):
+    """The anywhere-candidate of a quantized format: dense weights after loading, F.linear; every platform."""
+
+    @classmethod
+    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
+        return True, ""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.to_dense(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_apply(layer, x)

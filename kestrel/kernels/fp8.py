@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.kernels.base import LinearKernel, LinearSpec
+from kestrel.kernels.base import frozen_param as _param
 from kestrel.kernels.fp8_quant import (
     FP8_DTYPES,
     e4m3fn_to_e4m3fnuz,
@@ -38,11 +39,6 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CHECKPOINT_FP8 = torch.float8_e4m3fn
 
 
-def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    for k, v in attrs.items():
-        setattr(p, k, v)
-    return p
 
 
 class Fp8LinearBase(LinearKernel):

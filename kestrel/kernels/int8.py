@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels.base import LinearKernel, LinearSpec
+from kestrel.kernels.base import DequantFallback, DequantisedLinear, LinearKernel, LinearSpec
+from kestrel.kernels.base import frozen_param as _param
 from kestrel.platform import Platform
 from kestrel.platform.gates import act_dtype_gate, kernel_gate
 
@@ -37,13 +37,6 @@ class Int8Scheme:
         return f"int8[w=channel,a={self.activation or 'none'}]"
 
 
-def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    for k, v in attrs.items():
-        setattr(p, k, v)
-    return p
-
-
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], fp32 scales [M, 1]), symmetric: scale = amax / 127."""
     xf = x.float()
@@ -51,8 +44,9 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.round(xf / scale).clamp(-128, 127).to(torch.int8), scale
 
 
-class Int8LinearBase(LinearKernel):
+class Int8LinearBase(DequantisedLinear, LinearKernel):
     family: ClassVar[str] = "int8"
+    checkpoint_tensors = ("weight", "weight_scale")
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -105,29 +99,10 @@ class Int8LinearBase(LinearKernel):
         w = layer.weight.data.float() * layer.weight_scale.data.to(sdtype).float()  # exact in fp32
         return w.to(sdtype).to(dtype or self.spec.params_dtype)
 
-    def _dense(self, layer: nn.Module) -> None:
-        w = self.dequantized_weight(layer)
-        del layer._parameters["weight_scale"]
-        del layer._parameters["weight"]
-        layer.weight = _param(w)
-        layer.weight_scale = None
-
-    def _dense_apply(self, layer, x):
-        return F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
 
 
-class Int8DequantFallbackLinear(Int8LinearBase):
+class Int8DequantFallbackLinear(DequantFallback, Int8LinearBase):
     name = "int8_dequant_fallback"
-
-    @classmethod
-    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
-        return True, ""
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self._dense(layer)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self._dense_apply(layer, x)
 
 
 INT_MM_MIN_ROWS = 17  # torch._int_mm needs more than 16 rows
@@ -164,7 +139,7 @@ class TorchInt8MMLinear(Int8LinearBase):
         s = self.spec
         self.dense = s.input_size % 8 != 0 or s.output_size % 8 != 0
         if self.dense:
-            self._dense(layer)
+            self.to_dense(layer)
             return
         scale = layer.weight_scale.data.to(self.scale_dtype or torch.float32).float().reshape(1, -1).contiguous()
         w_t = layer.weight.data.t()  # [K, N], column-major: what cuBLASLt wants for the second operand
@@ -174,7 +149,7 @@ class TorchInt8MMLinear(Int8LinearBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.dense:
-            return self._dense_apply(layer, x)
+            return self.dense_apply(layer, x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_per_token_int8(x2)

@@ -20,10 +20,10 @@ import logging
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels.base import LinearKernel, LinearSpec
+from kestrel.kernels.base import DequantFallback, DequantisedLinear, LinearKernel, LinearSpec
+from kestrel.kernels.base import frozen_param as _param
 from kestrel.kernels.w4a16_scheme import (PACK, Int4Weights, W4A16Scheme, from_awq, from_compressed_tensors,
                                           from_gptq, pack_rows)
 from kestrel.platform import Platform
@@ -32,15 +32,10 @@ from kestrel.platform.gates import act_dtype_gate, kernel_gate
 logger = logging.getLogger(__name__)
 
 
-def _param(t: torch.Tensor, **attrs) -> nn.Parameter:
-    p = nn.Parameter(t, requires_grad=False)
-    for k, v in attrs.items():
-        setattr(p, k, v)
-    return p
-
-
-class W4A16Base(LinearKernel):
+class W4A16Base(DequantisedLinear, LinearKernel):
     family: ClassVar[str] = "w4a16"
+    checkpoint_tensors = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
+                          "qweight", "qzeros", "scales", "g_idx")
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str]:
@@ -167,35 +162,12 @@ class W4A16Base(LinearKernel):
         dtype = dtype or self.spec.params_dtype
         return torch.cat([w.dequantize(dtype) for _, _, w in self.int4_weights(layer)])
 
-    def _drop_checkpoint_tensors(self, layer: nn.Module) -> None:
-        for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "qweight",
-                     "qzeros", "scales", "g_idx"):
-            if name in layer._parameters:
-                del layer._parameters[name]
-
-    def _to_dense(self, layer: nn.Module) -> None:
-        w = self.dequantized_weight(layer)
-        self._drop_checkpoint_tensors(layer)
-        layer.weight = _param(w)
-
-    def _dense_apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
 
 
-class W4A16DequantLinear(W4A16Base):
+class W4A16DequantLinear(DequantFallback, W4A16Base):
     """4-bit weights dequantised to the model's dtype once after loading, then a plain matmul (anywhere)."""
 
     name = "w4a16_dequant"
-
-    @classmethod
-    def is_supported(cls, platform: Platform) -> tuple[bool, str]:
-        return True, ""
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self._to_dense(layer)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self._dense_apply(layer, x)
 
 
 def triton_layout(w: Int4Weights) -> dict[str, torch.Tensor | None]:
@@ -246,10 +218,11 @@ class TritonW4A16Linear(W4A16Base):
                    else "act-order groups are not contiguous after sorting")
             logger.info("%s: %s; served dequantised", self.spec.layer_name, why)
             self.dense = True
-            self._to_dense(layer)
+            self.to_dense(layer)
             return
         self.dense = False
-        self._drop_checkpoint_tensors(layer)
+        for name in self.checkpoint_tensors:
+            layer._parameters.pop(name, None)
         self.group_size = parts[0][2].group_size
         layer.w4_qweight = _param(layout["qw"])
         layer.w4_scales = _param(layout["scales"])
@@ -258,7 +231,7 @@ class TritonW4A16Linear(W4A16Base):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.dense:
-            return self._dense_apply(layer, x)
+            return self.dense_apply(layer, x)
         from kestrel.kernels.triton_ops.w4a16_gemm import w4a16_gemm
 
         shape = x.shape

@@ -136,15 +136,19 @@ class CompressedTensorsFp8Config(QuantConfigBase):
         fmt = qc.get("format", "float-quantized")
         if fmt not in ("float-quantized", "naive-quantized"):
             raise NotImplementedError(f"compressed-tensors format {fmt!r} is not supported (only FP8 float-quantized)")
-        groups = []
-        for gname, group in (qc.get("config_groups") or {}).items():
-            groups.append((tuple(group.get("targets") or ["Linear"]), _ct_scheme(gname, group)))
+        return cls.from_groups(qc, _ct_scheme)
+
+    @classmethod
+    def from_groups(cls, qc: Mapping, scheme_of):
+        """The config of `qc`'s config groups, each group's scheme from `scheme_of(group name, group)`."""
+        groups = [(tuple(g.get("targets") or ["Linear"]), scheme_of(name, g))
+                  for name, g in (qc.get("config_groups") or {}).items()]
         if not groups:
             raise ValueError("compressed-tensors config has no config_groups")
         return cls(groups, qc.get("ignore") or [])
 
     def __repr__(self) -> str:
-        return f"CompressedTensorsFp8Config({[(t, s.name) for t, s in self.groups]}, ignore={list(self.ignore)})"
+        return f"{type(self).__name__}({[(t, s.name) for t, s in self.groups]}, ignore={list(self.ignore)})"
 
 
 def _ct_scheme(gname: str, group: Mapping) -> Fp8Scheme:

@@ -119,17 +119,10 @@ class CompressedTensorsInt8Config(CompressedTensorsFp8Config):
 
     @classmethod
     def from_hf(cls, qc: Mapping) -> "CompressedTensorsInt8Config":
-        groups = [(tuple(g.get("targets") or ["Linear"]), _int8_scheme(name, g))
-                  for name, g in (qc.get("config_groups") or {}).items()]
-        if not groups:
-            raise ValueError("compressed-tensors config has no config_groups")
-        return cls(groups, qc.get("ignore") or [])
+        return cls.from_groups(qc, _int8_scheme)
 
     def for_layer(self, prefix: str):
         scheme = super().for_layer(prefix)
         if scheme is not None and prefix.rpartition(".")[2] == "experts":
             raise NotImplementedError(f"{prefix}: INT8 MoE experts are not supported (dense linear layers only)")
         return scheme
-
-    def __repr__(self) -> str:
-        return f"CompressedTensorsInt8Config({[(t, s.name) for t, s in self.groups]}, ignore={list(self.ignore)})"

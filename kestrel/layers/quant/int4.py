@@ -49,11 +49,7 @@ class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
 
     @classmethod
     def from_hf(cls, qc: Mapping) -> "CompressedTensorsInt4Config":
-        groups = [(tuple(g.get("targets") or ["Linear"]), _int4_scheme(name, g))
-                  for name, g in (qc.get("config_groups") or {}).items()]
-        if not groups:
-            raise ValueError("compressed-tensors config has no config_groups")
-        return cls(groups, qc.get("ignore") or [])
+        return cls.from_groups(qc, _int4_scheme)
 
     def for_layer(self, prefix: str):
         scheme = super().for_layer(prefix)
@@ -67,6 +63,3 @@ class CompressedTensorsInt4Config(CompressedTensorsFp8Config):
                                           "supported")
             return Int4Scheme(scheme.group_size)
         return scheme
-
-    def __repr__(self) -> str:
-        return f"CompressedTensorsInt4Config({[(t, s.name) for t, s in self.groups]}, ignore={list(self.ignore)})"
