@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,12 +32,16 @@ from benchmarks.procs import run_capped
 
 # shape -> (extra flags, throughput timeout s, latency timeout s); V2-Lite as the tputmla/latmla stages run it
 SHAPES = {"qwen3-0.6b": ((), 200, 150), "deepseek-v2-lite": (("--max-model-len", "4096"), 300, 200)}
-BENCH_FLAGS = {"throughput": ("--hf-requests", "0"), "latency": ("--hf-output-len", "0")}  # Kestrel alone
+BENCH_FLAGS = {"throughput": ("--hf-requests", "0"), "latency": ("--hf-output-len", "0"),  # Kestrel alone
+               "cpu_overhead": ("--steps", "200")}  # host time per step with a stub model (any machine)
 # benchmark -> (JSON key, table name, higher is better)
 METRICS = {"throughput": (("kestrel_out_tok_s", "out tok/s", True),),
            "latency": (("ms_per_token", "batch-1 ms/token", False), ("ttft_ms", "TTFT ms", False),
-                       ("ttft_median_ms", "TTFT median ms", False))}
-PRIMARY = {"kestrel_out_tok_s", "ms_per_token", "ttft_ms"}  # rows shown even where a run is missing
+                       ("ttft_median_ms", "TTFT median ms", False)),
+           "cpu_overhead": (("step_ms", "host ms/step at batch 256", False),
+                            ("prepare_min_ms", "runner prepare min ms", False),
+                            ("schedule_min_ms", "scheduling min ms", False))}
+PRIMARY = {"kestrel_out_tok_s", "ms_per_token", "ttft_ms", "step_ms"}  # rows shown even where a run is missing
 MIN_LEFT_S = 30
 TOLERANCE = 0.02  # the acceptance bar for "no regression"
 
@@ -78,7 +83,7 @@ def tree_commit(root: Path, fallback: str) -> str:
 
 
 def run_one(tree: Tree, other: Tree, bench: str, shape: str, timeout: float, scratch: Path) -> dict | None:
-    extra, *_ = SHAPES[shape]
+    extra = SHAPES[shape][0] if bench in ("throughput", "latency") else ()
     out = scratch / f"{tree.label}-{bench}-{shape}.json"
     args = ["--shape", shape, *BENCH_FLAGS[bench], *extra, "--json", str(out)]
     t0 = time.monotonic()
@@ -96,8 +101,9 @@ def run_one(tree: Tree, other: Tree, bench: str, shape: str, timeout: float, scr
 
 
 def mean_of(runs: list[dict], key: str) -> float | None:
+    """The median of a tree's runs (the mean of two; --repeat on a busy host: the middle run, not the outlier)."""
     values = [r[key] for r in runs if r.get(key) is not None]
-    return round(sum(values) / len(values), 3) if values else None
+    return round(statistics.median(values), 3) if values else None
 
 
 def comparison_rows(results: dict) -> list[dict]:
@@ -132,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, required=True, help="a checkout of the previous commit")
     ap.add_argument("--new", type=Path, default=ROOT, help="the tree under test (default: this one)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--benches", default="throughput,latency", help="comma-separated, of throughput, latency")
+    ap.add_argument("--benches", default="throughput,latency", help="comma-separated, of throughput, latency, cpu_overhead")
     ap.add_argument("--abba", action="store_true",
                     help="run each pair four times, base new new base, and compare the means (order drift cancels)")
     ap.add_argument("--budget", type=float, default=575, help="seconds for all runs; later runs are skipped")
     ap.add_argument("--scripts", choices=("own", "new"), default="own",
                     help="own: each tree runs its own benchmarks/; new: the base's engine under --new's benchmarks/")
+    ap.add_argument("--repeat", type=int, default=1, help="run the whole list of pairs this many times (means)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -154,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kestrel-ab-") as scratch:
         if args.scripts == "new":
             base = Tree("base", base_under_new_scripts(base.root, new.root, Path(scratch)), base.commit)
-        pairs = [(shape, bench) for shape in shapes for bench in args.benches.split(",")]
+        pairs = [(shape, bench) for shape in shapes for bench in args.benches.split(",")] * args.repeat
         for i, (shape, bench) in enumerate(pairs):
             order = ((base, new), (new, base))[:: 1 if i % 2 == 0 else -1]
             for tree, other in order + (order[::-1] if args.abba else ()):
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault((shape, bench), {}).setdefault(tree.label, []).append(result or {})
     rows = comparison_rows(results)
     runs = ("means of base new new base" if args.abba else "one run each") + (
+        f", medians of {args.repeat} rounds" if args.repeat > 1 else "") + (
         "; both under this tree's benchmarks/" if args.scripts == "new" else "")
     print_table(f"A/B: base {base.commit} vs new {new.commit} (new/base, {runs}; Kestrel alone, bf16 random "
                 f"weights)", rows)

@@ -3,7 +3,8 @@ is left is scheduling, input preparation, sampling bookkeeping and output proces
 spent in the runner's input preparation and in scheduling (of that, building the runner's step deltas).
 --shape gemma3-1b: 26 layers in 7 KV-cache groups (1 full-attention, 6 sliding-window).
 
-    python -m benchmarks.cpu_overhead [--batch 256] [--shape gemma3-1b]"""
+    python -m benchmarks.cpu_overhead [--batch 256] [--shape gemma3-1b] [--json out.json]
+    python -m benchmarks.ab --base .old --scripts new --benches cpu_overhead --repeat 5   # A/B, interleaved"""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPE_RUNS))
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--steps", type=int, default=50, help="decode steps timed")
+    ap.add_argument("--json", default=None, help="write step_ms and the medians and minimums of its parts here")
     ap.add_argument("--detokenize", action="store_true", help="also stream text (off: token ids, as the "
                     "throughput benchmark)")
     ap.add_argument("--prefix-caching", action="store_true", help="register full blocks in the prefix cache, "
@@ -90,7 +93,7 @@ def main():
         eng.step()
     for _ in range(5):
         eng.step()
-    n = 50
+    n = args.steps
     calls = {}
     timed(runner, "_prepare", calls)
     timed(eng.core.scheduler, "_step_input", calls)
@@ -106,6 +109,12 @@ def main():
           f"of that step deltas {ms(calls['_step_input'])}")
     print(f"  thread CPU time: runner prepare {ms(calls['_prepare cpu'])}, scheduling {ms(calls['schedule cpu'])}, "
           f"of that step deltas {ms(calls['_step_input cpu'])}")
+    if args.json:
+        parts = {f"{key}_{stat}_ms": round(f(calls[name]) * 1e3, 4) for key, name in
+                 (("prepare", "_prepare"), ("schedule", "schedule"), ("step_input", "_step_input"))
+                 for stat, f in (("median", statistics.median), ("min", min))}
+        Path(args.json).write_text(json.dumps(dict(step_ms=round(dt * 1e3, 4), batch=args.batch, shape=args.shape,
+                                                   **parts)))
     if args.profile:
         pr = cProfile.Profile()
         pr.enable()

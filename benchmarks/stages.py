@@ -197,6 +197,10 @@ STAGES = (
     Stage("ab", "core", "regression A/B of throughput + latency (qwen3-0.6b, deepseek-v2-lite): --base vs this tree",
           (bench("ab", "--base", "{base}", "--budget", "{left}", "--json", "{out}/ab.json", timeout=580,
                  show=tail(40)),)),
+    Stage("cpuab", "core", "host time per decode step (stub model, batch 256) A/B: --base's engine vs this tree's, "
+          "7 interleaved rounds under this tree's benchmarks (the GPU machine's quiet cores)",
+          (bench("ab", "--base", "{base}", "--scripts", "new", "--benches", "cpu_overhead", "--shapes", "qwen3-0.6b",
+                 "--repeat", "7", "--budget", "{left}", "--json", "{out}/cpuab.json", timeout=300, show=tail(12)),)),
     Stage("trace", "core", "where a qwen3-0.6b throughput run's time goes, per step (GPU and host)",
           (bench("step_trace", "--shape", "qwen3-0.6b", "--json", "{out}/trace.json", timeout=200, show=tail(14)),)),
     Stage("tracelat", "core", "the same for a batch-1 latency run",
