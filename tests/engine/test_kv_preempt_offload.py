@@ -168,3 +168,86 @@ def test_below_the_threshold_preempted_requests_are_recomputed(tiny_llama, witho
     assert stats["host_kv_preempt_recomputes"] == stats["num_preemptions"] and not stats["host_kv_preempt_offloads"]
     assert stats["preempted_prefix_hits"] == without_tier["preempted_prefix_hits"]
     assert not core.kv_offload.connector.skips
+
+
+# ---- the worker's copies: a device block a save still reads is not written before the save's event (CPU: fakes)
+class FakeEvent:
+    def __init__(self):
+        self.finished = self.synced = False
+
+    def query(self):
+        return self.finished
+
+    def synchronize(self):
+        self.synced = self.finished = True
+
+
+class FakeCopies:
+    """A CopyStream whose events finish only when told: the bookkeeping of asynchronous copies, on the CPU."""
+
+    def __init__(self):
+        self.events, self.waited = [], []
+
+    def context(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def record(self):
+        self.events.append(FakeEvent())
+        return self.events[-1]
+
+    def wait(self, event):
+        if event is not None:
+            self.waited.append(event)
+
+
+def step_writing(*block_ids):
+    from kestrel.core.step import ScheduledChunk, StepInput
+    return StepInput(chunks=[ScheduledChunk("r", 1, 0, True, [list(block_ids)])])
+
+
+def test_a_block_being_saved_is_not_written_before_its_copy_is_done():
+    import torch
+
+    from kestrel.core.kv_connector import KVConnectorMeta
+    from kestrel.worker.kv_host_tier import HostTierWorker
+    caches = [torch.arange(24, dtype=torch.uint8).reshape(4, 6)]
+    w = HostTierWorker({ROWS: caches}, {ROWS: 4})
+    assert w.copies.stream is None  # the CPU: synchronous copies, no events
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 1, 0)]), step_writing())
+    assert not w.pending and torch.equal(w.host[ROWS][0][0], caches[0][1])
+    w.copies = fake = FakeCopies()
+    # block 1 saved (a preempted request's, held): its copy is in flight while steps run
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 1, 2), (ROWS, 2, 3)]), step_writing(3))
+    save = fake.events[0]
+    assert fake.waited == [] and len(w.pending) == 1  # the step writes block 3: nothing in flight reads it
+    w.start_load_kv(None, step_writing(0))
+    assert fake.waited == [] and w.pending.busy(ROWS, 1)
+    # block 1 reallocated to a request this step: its forward waits for the save first, and only for it
+    w.start_load_kv(None, step_writing(1))
+    assert fake.waited == [save] and not w.pending
+    # loads: the forward waits for them (it reads them); a finished save is forgotten without a wait
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 2, 1)], loads=[(ROWS, 3, 0)]), step_writing())
+    save, load = fake.events[1:3]
+    assert fake.waited[1:] == [load] and w.pending.busy(ROWS, 2)
+    save.finished = True
+    w.start_load_kv(None, step_writing(2))
+    assert fake.waited[1:] == [load] and not w.pending
+    # an unknown step (None) waits for every save in flight; wait_for_save syncs them on the host
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 0, 3)]), None)
+    assert fake.waited[-1] is fake.events[-1] and not w.pending
+    w.start_load_kv(KVConnectorMeta(saves=[(ROWS, 0, 3)]), step_writing())
+    w.wait_for_save()
+    assert fake.events[-1].synced and not w.pending
+
+
+def test_row_copies_run_by_run_between_devices():
+    import torch
+
+    from kestrel.worker.kv_host_tier import _runs, copy_rows, copy_runs
+    assert list(_runs([4, 5, 6, 9, 10], [0, 1, 3, 4, 5])) == [(0, 2), (2, 3), (3, 5)]
+    src = [torch.arange(40, dtype=torch.uint8).reshape(8, 5), torch.arange(16, dtype=torch.uint8).reshape(8, 2)]
+    for copy in (copy_rows, copy_runs):  # the CPU's indexed copy, and the device's copies by runs
+        dst = [torch.zeros_like(t) for t in src]
+        copy(dst, torch.tensor([4, 5, 6, 1]), src, torch.tensor([0, 1, 3, 7]))
+        assert all(torch.equal(d[a], s[b]) for d, s in zip(dst, src) for a, b in [(4, 0), (5, 1), (6, 3), (1, 7)])
