@@ -161,6 +161,13 @@ class CacheConfig:
                                                    "prefix cache")
     kv_offloading_disk_size: float | None = _f(None, "GiB of files the disk KV tier keeps at most (least recently "
                                                      "used removed first); needed with --kv-offloading-disk-path")
+    kv_offloading_preempt_min_tokens: int = _f(
+        256, "with --kv-offloading-size, a preempted request whose computed full blocks cover at least this many "
+             "tokens has them copied to the host tier at once (decode-generated ones included), held there until "
+             "it resumes, and loads them back instead of computing them again; a shorter one is recomputed (its "
+             "blocks are not copied). The default is a cost model's: a copy costs ~2-5 us a token (28-128 KiB of "
+             "KV a token at ~25 GB/s pinned PCIe) against ~20-100 us to prefill it (0.6-8B models on one H100), "
+             "and a step that loads is not pipelined (~1 ms), repaid past ~100 tokens: 256 leaves a margin")
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
                                                "recurrent state (Kimi Linear): states saved at block boundaries "
                                                "for prefix hits, taken from the KV-cache memory; default "

@@ -7,8 +7,8 @@ remote store would be one more implementation), in vLLM's shape (vllm/distribute
   the pool's evictions of full, hashed blocks (`on_evict`, the save trigger), and each step's transfers
   (`build_connector_meta`, sent to the runner in StepInput.kv_connector_meta);
 - the worker side (`KVConnectorWorker`, owned by the model runner over its KV-cache tensors): saves and loads of
-  whole block rows before the step's forward (`start_load_kv`, which reports what failed); `wait_for_save` where
-  copies run asynchronously.
+  whole block rows before the step's forward (`start_load_kv`, which reports what failed; on CUDA on a side
+  stream, kestrel/worker/kv_copy_stream.py); `wait_for_save` where copies run asynchronously.
 
 A tier under another (the disk under the host tier) is told of the entries the tier above it saved
 (`on_evict(key, slot)`, the slot being the upper tier's) and loads straight into the device.
@@ -117,8 +117,10 @@ class KVConnectorWorker:
     """The worker side: the tier's memory and the copies, over the runner's KV-cache tensors (one uint8 tensor
     [num_blocks, row_bytes] per cache slot: kestrel/worker/kv_allocation.py)."""
 
-    def start_load_kv(self, meta: KVConnectorMeta) -> KVTransferFailures | None:
-        """Make the step's saves, then its loads, before its forward; returns what failed (None: nothing)."""
+    def start_load_kv(self, meta: KVConnectorMeta | None, step=None) -> KVTransferFailures | None:
+        """Make the step's saves, then its loads, before its forward (`step`: its StepInput, whose writes must
+        not overtake a save still reading a block); returns what failed (None: nothing). Called every step,
+        `meta` None where the step has no transfers (copies of earlier steps may still be in flight)."""
         raise NotImplementedError
 
     def wait_for_save(self) -> None:

@@ -57,6 +57,7 @@ def scheduler_stats(scheduler, kv, step_prompt_tokens: int, step_generation_toke
     return SchedulerStats(scheduler.num_running, scheduler.num_waiting, kv.usage, kv.num_blocks, kv.num_free_blocks,
                           kv.prefix_queries, kv.prefix_hits, scheduler.num_preemptions,
                           num_paused_steps=scheduler.fair.num_paused_steps, step_prompt_tokens=step_prompt_tokens,
+                          preempted_prefix_queries=kv.preempted_queries, preempted_prefix_hits=kv.preempted_hits,
                           step_generation_tokens=step_generation_tokens)
 
 

@@ -75,6 +75,13 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     disk_kv_read_blocks: int = 0
     disk_kv_written_bytes: int = 0
     disk_kv_read_bytes: int = 0
+    # preemptions whose blocks the host tier took (held until the request resumed), or left to be recomputed
+    host_kv_preempt_offloads: int = 0
+    host_kv_preempt_recomputes: int = 0
+    # requests resumed after a preemption (cumulative, vLLM's PrefixCacheStats.preempted_*): their tokens when
+    # admitted again, and of them those served from the prefix cache or a KV tier (the rest is computed again)
+    preempted_prefix_queries: int = 0
+    preempted_prefix_hits: int = 0
     kv_transfer_failures: int = 0  # KV tier copies that failed (their entries dropped, their readers recomputed)
     # the step these stats come with (0 where none was collected): prompt tokens computed (prefix-cache hits
     # excluded) and tokens sampled

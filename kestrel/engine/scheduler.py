@@ -1,6 +1,7 @@
 """Token-budget continuous batching. Each step spends at most `max_num_batched_tokens`: running requests
 first (decodes, then ongoing chunked prefills), then waiting ones in FCFS or priority order. When the KV pool
-runs dry, the lowest-priority running request is preempted and later recomputed (its output is kept).
+runs dry, the lowest-priority running request is preempted and later recomputed (its output is kept), from its
+prefix-cache hits (or a KV tier's copy of its blocks: KVCacheManager.preempt) on.
 
 Every request carries `num_computed_tokens`; a step schedules `num_tokens - num_computed_tokens` of it (capped
 by the budget), so prefill, chunked prefill, decode and recompute after preemption are one rule.
@@ -156,7 +157,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.preempt(req)  # a KV tier may offload its blocks (resumed from there rather than recomputed)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

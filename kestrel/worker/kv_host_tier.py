@@ -14,6 +14,7 @@ import torch
 from kestrel.core.kv_connector import ROWS, KVConnectorMeta, KVConnectorWorker, KVTransferFailures
 from kestrel.core.kv_spec import KVCacheGroup
 from kestrel.worker.kv_allocation import bytes_per_block, slot_row_bytes
+from kestrel.worker.kv_copy_stream import CopyStream, PendingSaves
 from kestrel.worker.kv_disk_tier import DiskTierWorker, tier_directory
 
 logger = logging.getLogger(__name__)
@@ -68,25 +69,42 @@ class HostTierWorker(KVConnectorWorker):
     def __init__(self, units: dict[int, list[torch.Tensor]], slots: dict[int, int], lower=None):
         self.units = units
         self.lower = lower
-        pin = any(t.is_cuda for ts in units.values() for t in ts)
+        device = next((t.device for ts in units.values() for t in ts), torch.device("cpu"))
+        pin = device.type == "cuda"
         self.host = {u: [torch.zeros((slots.get(u, 0), t.shape[1]), dtype=t.dtype, pin_memory=pin) for t in ts]
                      for u, ts in units.items()}
+        self.copies = CopyStream(device)  # a side stream on CUDA; none elsewhere (synchronous copies)
+        self.pending = PendingSaves()  # device->host copies in flight
 
-    def start_load_kv(self, meta: KVConnectorMeta) -> KVTransferFailures | None:
-        """Synchronous copies, saves then loads (a load may write a block whose old contents a save of the same
-        step reads); then the file tier's writes (of host slots just saved), reads and removals. On CUDA these
-        run on the current stream, in order with the forwards; the next step is an async copy on a side stream
-        with an event the forward waits on (and, for saves, the block held back from reallocation until its copy
-        is done), so that a step's transfers overlap the previous forward. A failed copy is reported, never
-        raised: its entries are dropped and its readers computed again."""
+    def start_load_kv(self, meta: KVConnectorMeta | None, step=None) -> KVTransferFailures | None:
+        """Before the step's forward: saves then loads on the copy stream (kestrel/worker/kv_copy_stream.py; a
+        load may write a block whose old contents a save of the same step reads, and a load from a host slot
+        follows the save into it: stream order), the forward waiting for the loads (it reads them) and for the
+        saves in flight (of this step or earlier ones) that read a block it writes (`step`'s new blocks and
+        snapshot saves; every one where `step` is None); then the file tier's writes (of host slots just saved,
+        once those copies are done), reads and removals. On the CPU the copies are synchronous. A failed copy is
+        reported, never raised: its entries are dropped and its readers computed again. `meta` None: only the
+        guard of the saves in flight."""
+        self.pending.poll()
+        if meta is None:
+            if self.pending:
+                self.pending.guard(written_entries(step, None), self.copies.wait)
+            return None
         failures = KVTransferFailures()
-        for unit, dev_ids, slots in _by_unit(meta.saves):
-            if not self._copy("save", self.host[unit], slots, self.units[unit], dev_ids):
-                failures.saves += [(unit, s) for s in slots.tolist()]
-        for unit, dev_ids, slots in _by_unit(meta.loads):
-            if not self._copy("load", self.units[unit], dev_ids, self.host[unit], slots):
-                failures.loads += [(unit, d) for d in dev_ids.tolist()]
+        with self.copies.context():
+            for unit, dev_ids, slots in _by_unit(meta.saves):
+                if not self._copy("save", self.host[unit], slots, self.units[unit], dev_ids):
+                    failures.saves += [(unit, s) for s in slots.tolist()]
+            saved = self.copies.record()
+            for unit, dev_ids, slots in _by_unit(meta.loads):
+                if not self._copy("load", self.units[unit], dev_ids, self.host[unit], slots):
+                    failures.loads += [(unit, d) for d in dev_ids.tolist()]
+            loaded = self.copies.record() if meta.loads else None
+        self.pending.add(saved, {(u, d) for u, d, _ in meta.saves}, {(u, s) for u, _, s in meta.saves})
+        self.copies.wait(loaded)  # the forward reads the loaded blocks
+        self.pending.guard(written_entries(step, meta), self.copies.wait)
         if self.lower is not None:
+            self.pending.sync({(u, s) for u, s, _ in meta.writes})  # the disk writer reads those host slots
             self.lower.write(meta.writes, self.host, set(failures.saves))
             failures.loads += self.lower.read(meta.reads, self.units)
             self.lower.remove(meta.removes)
@@ -108,6 +126,8 @@ class HostTierWorker(KVConnectorWorker):
             return False
 
     def wait_for_save(self) -> None:
+        self.pending.sync({s for _, _, w in self.pending.items for s in w})
+        self.pending.items.clear()
         if self.lower is not None:
             self.lower.wait()
 
@@ -119,8 +139,47 @@ def _other_rank() -> bool:
 
 
 def copy_rows(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
+    """Rows src_ids of each src tensor into rows dst_ids of its dst tensor. Between the device and (pinned) host
+    memory, one copy per run of rows consecutive on both sides, each asynchronous on the current stream (an
+    indexed copy would stage through pageable memory, and return before the host rows are written); host to host
+    (the CPU), one indexed copy."""
+    if any(d.is_cuda or s.is_cuda for d, s in zip(dst, src)):
+        return copy_runs(dst, dst_ids, src, src_ids)
     for d, s in zip(dst, src):
-        d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device, non_blocking=d.is_cuda)
+        d[dst_ids] = s[src_ids]
+
+
+def copy_runs(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
+    """copy_rows as one copy per run of rows consecutive on both sides."""
+    dl, sl = dst_ids.tolist(), src_ids.tolist()
+    runs = [(dl[i], sl[i], j - i) for i, j in _runs(dl, sl)]
+    for d, s in zip(dst, src):
+        for a, b, n in runs:
+            d[a:a + n].copy_(s[b:b + n], non_blocking=True)
+
+
+def _runs(dst: list[int], src: list[int]):
+    """[start, end) index ranges over which both id lists go up by one."""
+    start = 0
+    for i in range(1, len(dst) + 1):
+        if i == len(dst) or dst[i] != dst[i - 1] + 1 or src[i] != src[i - 1] + 1:
+            yield start, i
+            start = i
+
+
+def written_entries(step, meta: KVConnectorMeta | None) -> set | None:
+    """The (unit, device index) entries that a step writes outside the copy stream: the block ids of its new
+    (or resumed) requests and those appended to running ones (ROWS; more than the forward writes: hits
+    included), the snapshot slots its state saves fill, and the device entries the disk tier reads into. None
+    where the step is unknown (everything)."""
+    if step is None:
+        return None
+    written = {(ROWS, b) for r in step.new_requests for ids in r.block_ids for b in ids}
+    written.update((ROWS, b) for c in step.chunks if c.new_block_ids for ids in c.new_block_ids for b in ids)
+    written.update((g, dst) for g, _, dst in step.state_saves)
+    if meta is not None:
+        written.update((u, d) for u, d, _ in meta.reads)
+    return written
 
 
 def readers_of(failures: KVTransferFailures, step, requests: dict, block_rows) -> list[str]:

@@ -191,8 +191,8 @@ class ModelRunner:
         reads `prev`'s tokens: where `prev` still waits for its bitmask, the caller samples it there."""
         inf = InFlight(RunnerOutput())
         self._update_states(step)
-        if step.kv_connector_meta is not None:  # a KV tier's saves (blocks evicted this step), then its loads
-            failures = self.kv_connector.start_load_kv(step.kv_connector_meta)
+        if self.kv_connector is not None:  # a KV tier's saves (blocks evicted this step), then its loads
+            failures = self.kv_connector.start_load_kv(step.kv_connector_meta, step)
             if failures:  # the engine drops them and recomputes the requests that read them
                 failures.requests = readers_of(failures, step, self.requests, self.block_rows)
                 inf.out.kv_failures = failures

@@ -51,3 +51,23 @@ def test_kimi_linear_snapshots_through_the_host_tier_on_cuda(tmp_path, tiny_toke
     assert t2.num_cached_tokens == 32
     assert t1.outputs[0].token_ids == t2.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.engine.core.kv_offload.connector.loaded_blocks == 3  # 2 latent blocks + the snapshot
+
+
+def test_preemption_by_offload_on_cuda_with_the_side_stream(tiny_llama):
+    """Forced preemption (12 blocks), pipelined: the preempted requests' blocks go to pinned host memory on the
+    copy stream and come back; greedy tokens as without preemption, fewer tokens recomputed."""
+    prompts = [list(range(3, 48))] + [[5 + i] * 40 for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), progress=False).generate(prompts, params)]
+    runs = {}
+    for name, kw in (("off", {}), ("on", dict(kv_offloading_size=0.001, kv_offloading_preempt_min_tokens=16))):
+        llm = LLM(str(tiny_llama), progress=False, num_kv_blocks=12, scheduling_policy="priority", **kw)
+        outs = llm.generate(prompts, params, priority=[10, 0, 0, 0])
+        assert [o.outputs[0].token_ids for o in outs] == want
+        runs[name] = llm.engine.core.get_stats()
+        assert llm.engine.core.kv.num_free_blocks == 12
+    assert llm.engine.core.executor.runner.kv_connector.copies.stream is not None
+    on, off = runs["on"], runs["off"]
+    assert on["num_preemptions"] and on["host_kv_preempt_offloads"] == on["num_preemptions"]
+    assert (on["preempted_prefix_queries"] - on["preempted_prefix_hits"]
+            < off["preempted_prefix_queries"] - off["preempted_prefix_hits"])

@@ -8,6 +8,14 @@ units as the device shares its KV memory (kestrel/worker/kv_host_tier.py tier_un
 With --kv-offloading-disk-path, a disk tier (kestrel/engine/kv/disk_tier.py, worker side kestrel/worker/
 kv_disk_tier.py) sits under the host tier: the second KV connector, composed under the first.
 
+Preemption by offload: the scheduler preempts as ever (KVCacheManager.preempt), and this add-on decides what the
+tier does with the request's computed full blocks (`preempted`, the coordinator's on_preempt): where they cover at
+least --kv-offloading-preempt-min-tokens tokens (the config's help gives the cost model: a copy's bytes against
+the prefill tokens it saves, and the pipelining bubble of a step that loads) and the host can hold them, they are
+copied to the host tier at once and held there until the request runs again, and its prefix lookup then loads
+them (or takes them from the device, if still there); otherwise the host saves none of them and the request is
+recomputed as without a tier. Paged blocks only: a recurrent state group resumes from its last prefix snapshot.
+
 A step whose transfers failed (a copy raising, a corrupt file) never yields wrong tokens: a step with loads is
 collected before the next is scheduled (no pipelining over it), and once collected, the failed entries leave the
 prefix cache and the tiers, and the requests that read them drop the step's tokens and are computed again."""
@@ -34,6 +42,10 @@ class KVOffload(EngineAddon):
         self.connector = connector
         self.core = core
         self.failures = 0
+        self.preempt_min_tokens = core.config.cache.kv_offloading_preempt_min_tokens
+        self.preempted_ids: set[str] = set()  # preempted requests whose holds or skips last until they run again
+        self.preempt_offloads = self.preempt_recomputes = 0
+        core.kv.on_preempt = self.preempted
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -94,11 +106,29 @@ class KVOffload(EngineAddon):
                     len(disk.files), disk.used / GiB, limit / GiB)
         return disk
 
+    def preempted(self, req, entries: list) -> None:
+        """The scheduler preempts `req`; `entries`: (key, block id) of its computed full paged blocks."""
+        rid = req.request_id
+        self.connector.release(rid)  # preempted again before it ran
+        tokens = req.num_computed_tokens // self.core.kv.block_size * self.core.kv.block_size
+        if (tokens >= self.preempt_min_tokens and req.sampling_params.prompt_logprobs is None
+                and self.connector.hold(rid, entries)):
+            self.preempt_offloads += 1
+        else:
+            self.connector.skip(rid, [key for key, _ in entries])
+            self.preempt_recomputes += 1
+        self.preempted_ids.add(rid)
+
     def allows_pipelining(self) -> bool:
         """Not over a step with loads: its failures are handled before the next step is scheduled."""
         return not self.connector.steps_loading
 
     def after_collect(self, sched, result, pending) -> None:
+        if self.preempted_ids:  # a preempted request that ran again (its loads are done) or ended: holds end
+            requests, ran = self.core.scheduler.requests, {s.request.request_id for s in sched.scheduled}
+            for rid in [r for r in self.preempted_ids if r in ran or r not in requests]:
+                self.preempted_ids.discard(rid)
+                self.connector.release(rid)
         meta = sched.step.kv_connector_meta
         if meta is not None and meta.has_loads:
             self.connector.steps_loading -= 1
@@ -121,3 +151,4 @@ class KVOffload(EngineAddon):
             setattr(stats, name, value)
         stats.tier_kv_queries, stats.tier_kv_hits = self.core.kv.tier_queries, self.core.kv.tier_hits
         stats.kv_transfer_failures = self.failures
+        stats.host_kv_preempt_offloads, stats.host_kv_preempt_recomputes = self.preempt_offloads, self.preempt_recomputes

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from kestrel.core.kv_connector import ROWS
 from kestrel.core.kv_spec import FullAttentionSpec, KVCacheGroup
 from kestrel.core.step import PLACEHOLDER
 from kestrel.engine.kv.managers import KVManager, manager_class
@@ -68,9 +69,14 @@ class KVCacheManager:
         self.prefix_hits = 0  # of them, served from the cache
         self.tier_queries = 0  # prompt tokens looked up past the device's hit, with a KV tier behind it
         self.tier_hits = 0  # of them, served from the tier (vLLM's external prefix cache)
+        # requests resumed after a preemption (vLLM's PrefixCacheStats.preempted_*): their tokens when admitted
+        # again, and of them the ones served from the prefix cache or a tier; the rest is computed again
+        self.preempted_queries = self.preempted_hits = 0
         # requests whose block ids grew since the scheduler last sent them to the runner (it discards them then)
         self.grown: set[str] = set()
         self.connector = None  # a KV tier behind the prefix cache (set_connector)
+        # (request, [(key, block id)]) -> None: a KV tier's engine add-on deciding what a preemption offloads
+        self.on_preempt = None
 
     def set_connector(self, connector) -> None:
         """Put a KV tier (kestrel/core/kv_connector.py KVConnector) behind the prefix cache, behind every
@@ -209,6 +215,12 @@ class KVCacheManager:
         a request's first) they all need the same number of new blocks: computed once, not per group, and most
         decode steps free nothing and allocate nothing. Hits, or a group of another kind, take
         _allocate_per_group (the plain form)."""
+        if computed is not None and req.num_preemptions and req.num_computed_tokens == 0:
+            ok = self._allocate_per_group(req, num_new_tokens, computed, lookahead)
+            if ok:  # a preempted request admitted again
+                self.preempted_queries += req.num_tokens - (req.output_token_ids[-1:] == [PLACEHOLDER])
+                self.preempted_hits += len(computed[self._hit_group]) * self.block_size if self._uniform else 0
+            return ok
         if self._others or self._planners or (computed and any(computed)):
             return self._allocate_per_group(req, num_new_tokens, computed, lookahead)
         rid, bs = req.request_id, self.block_size
@@ -301,6 +313,19 @@ class KVCacheManager:
         hashes = self._block_hashes(req)
         for m in self.managers:
             m.cache_blocks(req.request_id, hashes, min(num_full, len(hashes)))
+
+    def preempt(self, req: Request) -> None:
+        """Release a preempted request's blocks. Where a KV tier's add-on decides what preemptions offload
+        (`on_preempt`), the request's computed full blocks, decode-generated ones included (and those a step in
+        flight computes: a copy is queued after that step's forward), are registered in the prefix cache first and
+        handed to it as (key, block id) per paged entry, before they go back to the free list."""
+        if self.on_preempt is not None and self.enable_prefix_caching:
+            self.cache_full_blocks(req)
+            rid = req.request_id
+            entries = [(b.block_hash, b.block_id) for m in self.managers if m.tier_unit == ROWS
+                       for b in m.req_blocks.get(rid, ()) if b.block_hash is not None and b is not self.pool.null_block]
+            self.on_preempt(req, entries)
+        self.free(req)
 
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks in every group."""

@@ -11,11 +11,14 @@
   allocates device blocks, registers them in the device's prefix cache and has the runner copy the slots into
   them before the step's forward; the slots loaded or saved in a step are pinned until its metadata is taken,
   so no later save of that step overwrites them (a disk write copies a slot after the step's saves).
+- Preemption (the KV offload add-on decides, kestrel/engine/addons/kv_offload.py): a preempted request's block
+  rows are either saved at once and held (`hold`: never evicted until `release`, at most half the slots held), or
+  kept from the host (`skip`: their eviction saves nothing, so the request is recomputed as without a tier).
 - Entries are grouped by unit (kestrel/core/kv_connector.py: a block's rows, or a state group's snapshot), one
   LRU pool each; a tier under this one (the disk, disk_tier.py) is told of every save and asked for misses."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from kestrel.core.kv_connector import ROWS, KVConnector, KVConnectorMeta
 
@@ -31,6 +34,7 @@ class HostBlockPool:
         self.entries: OrderedDict[tuple[int, bytes], int] = OrderedDict()  # key -> slot; head: evicted first
         self.free_slots = list(range(self.num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.pinned: set[int] = set()
+        self.held: Counter = Counter()  # key -> holders (preempted requests): never evicted while held
 
     @property
     def num_bytes(self) -> int:
@@ -58,7 +62,7 @@ class HostBlockPool:
         if self.free_slots:
             slot = self.free_slots.pop()
         else:
-            victim = next((k for k, s in self.entries.items() if s not in self.pinned), None)
+            victim = next((k for k, s in self.entries.items() if s not in self.pinned and k not in self.held), None)
             if victim is None:
                 return None
             slot = self.entries.pop(victim)
@@ -77,6 +81,7 @@ class HostBlockPool:
         self.entries.clear()
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.pinned.clear()
+        self.held.clear()
 
 
 class HostTierConnector(KVConnector):
@@ -93,6 +98,9 @@ class HostTierConnector(KVConnector):
         self._loading: list[tuple[int, int]] = []  # (unit, slot) claimed by the allocation under way
         self._from_lower: list[bool] = []  # per key of the allocation under way: the lower tier loads it
         self.steps_loading = 0  # steps handed out with loads and not yet collected (the add-on counts them down)
+        self.holds: dict[str, list] = {}  # preempted request -> keys it holds in the ROWS pool (hold)
+        self.skips: dict[str, list] = {}  # preempted request -> keys whose eviction saves nothing (skip)
+        self.skipped: Counter = Counter()
         self.saved_blocks = self.loaded_blocks = 0  # counters (statistics)
         self.saved_bytes = self.loaded_bytes = 0
 
@@ -144,6 +152,8 @@ class HostTierConnector(KVConnector):
         self._loading, self._from_lower = [], []
 
     def on_evict(self, key, index: int) -> None:
+        if key in self.skipped:
+            return  # a preempted request's block, recomputed rather than offloaded
         unit, pool = self._pool(key)
         if key in pool:
             pool.get(key)  # the host copy is the same prefix: keep it, as the most recently used
@@ -156,6 +166,39 @@ class HostTierConnector(KVConnector):
             self.saved_bytes += pool.block_bytes
             if self.lower is not None:
                 self.lower.on_evict(key, slot)
+
+    def hold(self, owner: str, entries: list[tuple[tuple[int, bytes], int]]) -> bool:
+        """Save the block rows `entries` ((key, block id), a preempted request's) now, unless held already, and
+        hold them against eviction until `release(owner)`. False, doing nothing, where that would hold more than
+        half the slots (the rest stays for the prefix cache's evictions)."""
+        pool = self.pools.get(ROWS)
+        if pool is None or not entries or len(pool.held) + len(entries) > pool.num_slots // 2:
+            return False
+        keys = []
+        for key, index in entries:
+            self.on_evict(key, index)  # a new entry saved (its copy made before the next forward), an old one touched
+            if key in pool:
+                pool.held[key] += 1
+                keys.append(key)
+        self.holds[owner] = keys
+        return True
+
+    def skip(self, owner: str, keys: list[tuple[int, bytes]]) -> None:
+        """Save none of `keys` (a preempted request's) when the device evicts them, until `release(owner)`."""
+        self.skips[owner] = keys
+        self.skipped.update(keys)
+
+    def release(self, owner: str) -> None:
+        """The preempted request `owner` runs again (or ended): its holds and skips end."""
+        pool = self.pools.get(ROWS)
+        for key in self.holds.pop(owner, ()):
+            pool.held[key] -= 1
+            if pool.held[key] <= 0:
+                del pool.held[key]
+        for key in self.skips.pop(owner, ()):
+            self.skipped[key] -= 1
+            if self.skipped[key] <= 0:
+                del self.skipped[key]
 
     def build_connector_meta(self) -> KVConnectorMeta | None:
         meta, self.meta = self.meta, KVConnectorMeta()
@@ -182,6 +225,7 @@ class HostTierConnector(KVConnector):
         """Transfers already handed out stay valid (their slots are simply forgotten)."""
         for pool in self.pools.values():
             pool.clear()
+        self.holds.clear()
         if self.lower is not None:
             self.lower.reset()
 
