@@ -201,6 +201,9 @@ STAGES = (
           "7 interleaved rounds under this tree's benchmarks (the GPU machine's quiet cores)",
           (bench("ab", "--base", "{base}", "--scripts", "new", "--benches", "cpu_overhead", "--shapes", "qwen3-0.6b",
                  "--repeat", "7", "--budget", "{left}", "--json", "{out}/cpuab.json", timeout=300, show=tail(12)),)),
+    Stage("multiturn", "core", "qwen3-0.6b multi-turn chat, 64 conversations x 5 turns of 4-8k context, device pool "
+          "a quarter of the working set: the host KV tier vs none (issue 53)",
+          (bench("multiturn", "--json", "{out}/multiturn.json", timeout=330, show=tail(14)),)),
     Stage("trace", "core", "where a qwen3-0.6b throughput run's time goes, per step (GPU and host)",
           (bench("step_trace", "--shape", "qwen3-0.6b", "--json", "{out}/trace.json", timeout=200, show=tail(14)),)),
     Stage("tracelat", "core", "the same for a batch-1 latency run",
