@@ -197,12 +197,10 @@ STAGES = (
     Stage("ab", "core", "regression A/B of throughput + latency (qwen3-0.6b, deepseek-v2-lite): --base vs this tree",
           (bench("ab", "--base", "{base}", "--budget", "{left}", "--json", "{out}/ab.json", timeout=580,
                  show=tail(40)),)),
-    Stage("cpuab", "core", "host time per decode step (stub model, batch 256) A/B: --base's engine vs this tree's, "
-          "7 interleaved rounds under this tree's benchmarks (the GPU machine's quiet cores)",
+    Stage("cpuab", "core", "host ms per decode step A/B (stub model, batch 256): --base vs this tree, 7 rounds",
           (bench("ab", "--base", "{base}", "--scripts", "new", "--benches", "cpu_overhead", "--shapes", "qwen3-0.6b",
                  "--repeat", "7", "--budget", "{left}", "--json", "{out}/cpuab.json", timeout=300, show=tail(12)),)),
-    Stage("multiturn", "core", "qwen3-0.6b multi-turn chat, 64 conversations x 5 turns of 4-8k context, device pool "
-          "a quarter of the working set: the host KV tier vs none (issue 53)",
+    Stage("multiturn", "core", "qwen3-0.6b multi-turn chat, 64 x 5 turns, 4-8k context: host KV tier vs none (53)",
           (bench("multiturn", "--json", "{out}/multiturn.json", timeout=330, show=tail(14)),)),
     Stage("trace", "core", "where a qwen3-0.6b throughput run's time goes, per step (GPU and host)",
           (bench("step_trace", "--shape", "qwen3-0.6b", "--json", "{out}/trace.json", timeout=200, show=tail(14)),)),
