@@ -10,10 +10,11 @@ from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
-def pooling_sampling() -> SamplingParams:
+def pooling_sampling(truncate_prompt_tokens: int | None = None) -> SamplingParams:
     """What a pooling request rides with: one prefill step, whose one "token" is a placeholder (never
-    detokenized)."""
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    detokenized); `truncate_prompt_tokens`: keep the prompt's last k tokens (kestrel/frontend/truncation.py)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def check_request_kind(facts: dict | None, pooling: PoolingParams | None) -> None:
@@ -56,6 +57,38 @@ class ClassificationOutput:
 @dataclass
 class ScoringOutput:
     score: float
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's PoolingOutput (LLM.encode, LLM.reward): the pooled values as a float32 tensor."""
+    data: "torch.Tensor"
+
+    @classmethod
+    def of(cls, values: list[float]) -> "PoolingOutput":
+        import torch
+
+        return cls(torch.tensor(values, dtype=torch.float32))
+
+
+# vLLM's per-token pooling tasks: every prompt token's vector; the engine pools one vector per prompt
+PER_TOKEN_TASKS = ("token_embed", "token_classify", "encode", "reward")
+
+
+def resolve_pooling_params(facts: dict | None, params: PoolingParams | None, task: str | None) -> PoolingParams:
+    """LLM.encode's pooling: `params` as given, else the model's own task with its defaults; a `task` that is not
+    the model's (or a per-token task) is refused by name."""
+    if facts is None:
+        raise ValueError("encode needs a pooling model (runner='pooling'); this model generates text")
+    if task in PER_TOKEN_TASKS:
+        raise ValueError(f"pooling_task {task!r}: per-token pooling is not implemented (one vector per prompt: "
+                         f"{facts['task']})")
+    if task is not None and task not in ("embed", "classify", "score"):
+        raise ValueError(f"pooling_task {task!r} is not one of embed, classify, score")
+    want = "classify" if task == "score" else task or (params.task if params is not None else facts["task"])
+    if want != facts["task"] or (params is not None and params.task != want):
+        raise ValueError(f"pooling_task {want!r}: this model's pooling task is {facts['task']}")
+    return params if params is not None else PoolingParams(task=want)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.positions import ONE_D, PositionScheme
 from kestrel.core.pooling import PoolingParams
 from kestrel.frontend.pooling import check_request_kind
+from kestrel.frontend.truncation import truncate_prompt
 from kestrel.core.sampling_params import SamplingParams, check_bad_words
 from kestrel.errors import InvalidRequest
 
@@ -288,6 +289,8 @@ class InputProcessor:
                 if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                     raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})",
                                          param="prompt")
+        if params.truncate_prompt_tokens is not None:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, bool(extras.mm_features))
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if self.mm is not None and not extras.mm_features and self.mm.image_token_id in ids:

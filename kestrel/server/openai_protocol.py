@@ -26,7 +26,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "functions": (None, []), "function_call": (None, "none"),
     "prompt_embeds": (None,), "lora_request": (None,),
-    "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
+    "suffix": (None, ""), "documents": (None,),
 }
 
 
@@ -101,6 +101,7 @@ class _SamplingRequest(_Base):
     bad_words: list[str] | None = None
     use_beam_search: StrictBool = False  # n beams (vLLM's beam search); length_penalty ranks them
     length_penalty: float = 1.0
+    truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
     timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
                                                           "'timeout') and its KV cache freed")
@@ -180,7 +181,8 @@ class _SamplingRequest(_Base):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def beam_search_params(self, max_tokens: int | None, sampling: SamplingParams) -> BeamSearchParams | None:
         """With use_beam_search: the search's parameters (beam width n), from the validated `sampling`."""

@@ -23,6 +23,7 @@ from kestrel.core.pooling import PoolingParams
 from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.pooling import check_request_kind, pair_token_ids, plan_scores
+from kestrel.frontend.truncation import check_truncation
 from kestrel.server.common import ServerState, request_ids, unless_disconnected
 from kestrel.server.openai_protocol import Int64, TokenIds, _Base
 
@@ -40,6 +41,7 @@ class EmbeddingRequest(_Base):
     normalize: StrictBool = True  # vLLM's extra
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class ClassificationRequest(_Base):
@@ -49,6 +51,7 @@ class ClassificationRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class ScoreRequest(_Base):
@@ -58,6 +61,7 @@ class ScoreRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class RerankRequest(_Base):
@@ -70,6 +74,7 @@ class RerankRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 def prompt_list(value) -> list:
@@ -110,6 +115,7 @@ async def pool_all(state: ServerState, raw: Request, req, prompts: list, pooling
     state.check_model(req.model)
     engine = state.engine
     check_request_kind(engine.pooling, pooling)
+    check_truncation(req.truncate_prompt_tokens)
     if param is not None:  # None: the caller counted its fields
         check_count(prompts, param)
     rid, public_id = request_ids(prefix, req.request_id, raw)
@@ -117,7 +123,8 @@ async def pool_all(state: ServerState, raw: Request, req, prompts: list, pooling
     async def run():
         ids = await tokenized(engine, prompts)
         window = engine.admission_window()
-        tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window))
+        tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window,
+                                                     truncate_prompt_tokens=req.truncate_prompt_tokens))
                  for i, p in enumerate(ids)]
         try:
             return await asyncio.gather(*tasks)

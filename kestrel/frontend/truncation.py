@@ -1,0 +1,33 @@
+"""vLLM's `truncate_prompt_tokens`: keep only the last k tokens of a prompt (left truncation), for generation and
+pooling requests alike; -1 means the model's context length (max_model_len). None: the prompt as given."""
+from __future__ import annotations
+
+from kestrel.errors import InvalidRequest
+
+PARAM = "truncate_prompt_tokens"
+
+
+def check_truncation(k) -> None:
+    """None, -1 or a positive integer (a 400 naming the parameter otherwise)."""
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+        raise InvalidRequest(f"{PARAM} must be a positive integer, or -1 for the model's context length; got {k!r}",
+                             param=PARAM)
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int, has_images: bool = False) -> list[int]:
+    """The last k of `ids`. A k over the context length is refused (as vLLM), and so is truncating a prompt with
+    images (their placeholder tokens would be cut from their pixels)."""
+    check_truncation(k)
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise InvalidRequest(f"{PARAM} ({k}) is greater than max_model_len ({max_model_len}); ask for a smaller "
+                             f"truncation size", param=PARAM)
+    if has_images and len(ids) > k:
+        raise InvalidRequest(f"{PARAM} cannot cut a prompt with images (their placeholder tokens would lose their "
+                             f"pixels)", param=PARAM)
+    return ids[-k:] if len(ids) > k else ids
