@@ -13,7 +13,7 @@ from pydantic import StrictBool, StrictStr, model_validator
 
 from kestrel.core.pooling import PoolingParams
 from kestrel.errors import InvalidRequest
-from kestrel.frontend.pooling import PER_TOKEN_TASKS
+from kestrel.frontend.pooling import PER_TOKEN_TASKS, check_request_kind
 from kestrel.server.chat import render_prompt
 from kestrel.server.common import ServerState
 from kestrel.server.openai_protocol import ChatMessage, Int64, _ChatRendering
@@ -73,10 +73,11 @@ def pooling_params(req: PoolingRequest, facts: dict | None) -> PoolingParams:
 
 async def create_pooling(state: ServerState, req: PoolingRequest, raw: Request) -> JSONResponse:
     pooling = pooling_params(req, state.engine.pooling)
+    state.check_model(req.model)
+    check_request_kind(state.engine.pooling, pooling)  # before any rendering
     if req.messages is not None:
         if any(m.has_non_text_parts() for m in req.messages):
             raise InvalidRequest("/pooling takes text messages only", param="messages")
-        state.check_model(req.model)
         prompts = [await render_prompt(state, req)]
     elif isinstance(req.input, str) and not req.add_special_tokens:
         engine = state.engine
