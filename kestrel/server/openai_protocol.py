@@ -190,7 +190,8 @@ class _SamplingRequest(_Base):
             return None
         clash = next((name for name, on in (("stream", self.stream), ("structured outputs",
                       sampling.structured_outputs is not None), ("prompt_logprobs", self.prompt_logprobs is not None),
-                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words))) if on), None)
+                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words)),
+                      ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None)) if on), None)
         if clash:
             raise InvalidRequest(f"use_beam_search cannot be combined with {clash}", param="use_beam_search")
         return BeamSearchParams(self.n, max_tokens, self.ignore_eos, sampling.temperature, self.length_penalty,
