@@ -13,6 +13,7 @@ from kestrel.config import EngineConfig
 from kestrel.hub_cache import is_hub_id, resolve_model_path
 from kestrel.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kestrel.frontend.sync_engine import LLMEngine
+from kestrel.frontend.truncation import truncation_length
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
@@ -181,7 +182,9 @@ class LLM:
         or the cosine of an embedding model's two embeddings."""
         queries = [text_1] if isinstance(text_1, str) else list(text_1)
         documents = [text_2] if isinstance(text_2, str) else list(text_2)
-        plan = plan_scores(self.engine.input_processor.pooling, self.tokenizer, queries, documents)
+        processor = self.engine.input_processor
+        plan = plan_scores(processor.pooling, self.tokenizer, queries, documents,
+                           max_length=truncation_length(truncate_prompt_tokens, processor.max_model_len))
         outs = self._pool(plan.prompts, plan.pooling, use_tqdm, truncate_prompt_tokens)
         return [PoolingRequestOutput(outs[j].request_id, outs[j].prompt_token_ids, ScoringOutput(score))
                 for (_, j), score in zip(plan.pairs, plan.scores([o.pooled for o in outs]))]

@@ -106,12 +106,15 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
-def pair_token_ids(tokenizer, query: str, document: str) -> list[int]:
+def pair_token_ids(tokenizer, query: str, document: str, max_length: int | None = None) -> list[int]:
     """A cross-encoder's input: the tokenizer's own text-pair encoding (its template: [CLS] q [SEP] d [SEP] for
-    BERT-style vocabularies, plain concatenation for most decoders)."""
+    BERT-style vocabularies, plain concatenation for most decoders); `max_length` (truncate_prompt_tokens): cut
+    by the tokenizer, the longer text first, its special tokens kept."""
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer: scores need text", param="text_1")
-    return list(tokenizer(query, document)["input_ids"])
+    if max_length is None:
+        return list(tokenizer(query, document)["input_ids"])
+    return list(tokenizer(query, document, truncation=True, max_length=max_length)["input_ids"])
 
 
 def score_pairs(queries: list, documents: list) -> list[tuple]:
@@ -140,7 +143,8 @@ class ScorePlan:
         return [cosine(vectors[i], vectors[j]) for i, j in self.pairs]
 
 
-def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, tokenize: bool = True) -> ScorePlan:
+def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, tokenize: bool = True,
+                max_length: int | None = None) -> ScorePlan:
     """A cross-encoder (a one-label classifier) scores each text pair as one prompt; an embedding model scores
     the cosine of the two texts' embeddings (vLLM's rules). `tokenize=False`: a cross-encoder's prompts are the
     (query, document) pairs, for the caller to tokenize (pair_token_ids; the server does it in chunks on its
@@ -153,7 +157,7 @@ def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, t
         if len(facts["labels"]) != 1:
             raise InvalidRequest(f"scores need a cross-encoder with one output label; this classifier has "
                                  f"{len(facts['labels'])} (use /classify)", param="model")
-        prompts = [pair_token_ids(tokenizer, q, d) for q, d in pairs] if tokenize else pairs
+        prompts = [pair_token_ids(tokenizer, q, d, max_length) for q, d in pairs] if tokenize else pairs
         return ScorePlan(prompts, PoolingParams(task="classify"), [(i, i) for i in range(len(prompts))])
     n = len(queries)
     index = [(0 if n == 1 else k, n + k) for k in range(len(documents))]

@@ -1,5 +1,7 @@
 """vLLM's `truncate_prompt_tokens`: keep only the last k tokens of a prompt (left truncation), for generation and
-pooling requests alike; -1 means the model's context length (max_model_len). None: the prompt as given."""
+pooling requests alike; -1 means the model's context length (max_model_len). None: the prompt as given. A
+cross-encoder's text pair is cut by its tokenizer instead (frontend/pooling.py pair_token_ids: longest text first,
+keeping [CLS] and the [SEP]s), as vLLM tokenizes pairs with truncation to k tokens."""
 from __future__ import annotations
 
 from kestrel.errors import InvalidRequest
@@ -19,15 +21,23 @@ def check_truncation(k) -> None:
 def truncate_prompt(ids: list[int], k: int | None, max_model_len: int, has_images: bool = False) -> list[int]:
     """The last k of `ids`. A k over the context length is refused (as vLLM), and so is truncating a prompt with
     images (their placeholder tokens would be cut from their pixels)."""
-    check_truncation(k)
+    k = truncation_length(k, max_model_len)
     if k is None:
         return ids
-    if k == -1:
-        k = max_model_len
-    if k > max_model_len:
-        raise InvalidRequest(f"{PARAM} ({k}) is greater than max_model_len ({max_model_len}); ask for a smaller "
-                             f"truncation size", param=PARAM)
     if has_images and len(ids) > k:
         raise InvalidRequest(f"{PARAM} cannot cut a prompt with images (their placeholder tokens would lose their "
                              f"pixels)", param=PARAM)
     return ids[-k:] if len(ids) > k else ids
+
+
+def truncation_length(k: int | None, max_model_len: int) -> int | None:
+    """The k of a request's truncate_prompt_tokens (-1: max_model_len), validated; None: no truncation."""
+    check_truncation(k)
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if k > max_model_len:
+        raise InvalidRequest(f"{PARAM} ({k}) is greater than max_model_len ({max_model_len}); ask for a smaller "
+                             f"truncation size", param=PARAM)
+    return k

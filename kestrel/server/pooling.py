@@ -23,7 +23,7 @@ from kestrel.core.pooling import PoolingParams
 from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.pooling import check_request_kind, pair_token_ids, plan_scores
-from kestrel.frontend.truncation import check_truncation
+from kestrel.frontend.truncation import truncation_length
 from kestrel.server.common import ServerState, request_ids, unless_disconnected
 from kestrel.server.openai_protocol import Int64, TokenIds, _Base
 
@@ -94,12 +94,13 @@ def check_count(items: list, param: str) -> None:
         raise InvalidRequest(f"{param} has {len(items)} items; at most {MAX_POOLING_INPUTS} are allowed", param=param)
 
 
-async def tokenized(engine, prompts: list) -> list:
+async def tokenized(engine, prompts: list, pair_max_length: int | None = None) -> list:
     """Token ids of each prompt (text, a cross-encoder's (query, document) pair, or ids already), tokenized on the
-    render threads TOKENIZE_CHUNK at a time."""
+    render threads TOKENIZE_CHUNK at a time; `pair_max_length`: a pair's truncation (truncate_prompt_tokens)."""
     def chunk_ids(chunk: list) -> list:
         return [engine.input_processor.tokenize(p) if isinstance(p, str)
-                else pair_token_ids(engine.tokenizer, *p) if isinstance(p, tuple) else p for p in chunk]
+                else pair_token_ids(engine.tokenizer, *p, pair_max_length) if isinstance(p, tuple) else p
+                for p in chunk]
 
     out = []
     for i in range(0, len(prompts), TOKENIZE_CHUNK):
@@ -115,13 +116,13 @@ async def pool_all(state: ServerState, raw: Request, req, prompts: list, pooling
     state.check_model(req.model)
     engine = state.engine
     check_request_kind(engine.pooling, pooling)
-    check_truncation(req.truncate_prompt_tokens)
+    pair_max_length = truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
     if param is not None:  # None: the caller counted its fields
         check_count(prompts, param)
     rid, public_id = request_ids(prefix, req.request_id, raw)
 
     async def run():
-        ids = await tokenized(engine, prompts)
+        ids = await tokenized(engine, prompts, pair_max_length)
         window = engine.admission_window()
         tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window,
                                                      truncate_prompt_tokens=req.truncate_prompt_tokens))

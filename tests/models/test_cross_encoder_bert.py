@@ -1,7 +1,8 @@
 """BERT and XLM-RoBERTa cross-encoders (*ForSequenceClassification, one label: ms-marco MiniLM, BGE rerankers):
 LLM.score / LLM.classify on tiny random checkpoints equal transformers' on the same weights and the same
 tokenizer's pair encoding (CPU float32): BERT's pooler + classifier and the pair's token types ([CLS] a [SEP]
-b [SEP]: b is type 1), RoBERTa's classification head; several pairs batched in one step keep their own types."""
+b [SEP]: b is type 1), RoBERTa's classification head; several pairs batched in one step keep their own types;
+truncate_prompt_tokens cuts a pair as the tokenizer does."""
 from __future__ import annotations
 
 import pytest
@@ -63,14 +64,15 @@ def make_cross_encoder(root, model_type: str):
 
 
 @torch.no_grad()
-def hf_scores(path, query: str | None, texts: list[str]) -> list[float]:
+def hf_scores(path, query: str | None, texts: list[str], max_length: int | None = None) -> list[float]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    cut = dict(truncation=True, max_length=max_length) if max_length else {}
     out = []
     for t in texts:
-        enc = tok(query, t, return_tensors="pt") if query is not None else tok(t, return_tensors="pt")
+        enc = tok(query, t, return_tensors="pt", **cut) if query is not None else tok(t, return_tensors="pt")
         out.append(float(model(**enc).logits[0, 0].sigmoid()))
     return out
 
@@ -84,6 +86,10 @@ def test_cross_encoder_equals_transformers(tmp_path, model_type):
     with LLM(str(path), progress=False, device="cpu", num_kv_blocks=32, max_model_len=128) as llm:
         got = [o.outputs.score for o in llm.score(QUERY, DOCS)]  # the three pairs in one step
         assert got == pytest.approx(refs, abs=ATOL)
+        # truncate_prompt_tokens on a pair: the tokenizer cuts the longer text, keeping [CLS] and the [SEP]s
+        cut = llm.score(QUERY, DOCS, truncate_prompt_tokens=9)
+        assert all(len(o.prompt_token_ids) == 9 for o in cut)
+        assert [o.outputs.score for o in cut] == pytest.approx(hf_scores(path, QUERY, DOCS, 9), abs=ATOL)
         single = llm.classify(DOCS[:2])
         assert [o.outputs.probs[0] for o in single] == pytest.approx(hf_scores(path, None, DOCS[:2]), abs=ATOL)
     if model_type == "bert":  # the pair's token types matter: typing the document 0 would give other scores
