@@ -18,16 +18,35 @@ def check_truncation(k) -> None:
                              param=PARAM)
 
 
-def truncate_prompt(ids: list[int], k: int | None, max_model_len: int, has_images: bool = False) -> list[int]:
-    """The last k of `ids`. A k over the context length is refused (as vLLM), and so is truncating a prompt with
-    images (their placeholder tokens would be cut from their pixels)."""
+def special_token_span(tokenizer) -> tuple[int, int]:
+    """How many special tokens the tokenizer puts before and after a text ([CLS] / [SEP], a BOS): (0, 0) where
+    it adds none or they cannot be told apart."""
+    if tokenizer is None:
+        return 0, 0
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if plain and full[start:start + len(plain)] == plain:
+            return start, len(full) - start - len(plain)
+    return 0, 0
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int, has_images: bool = False,
+                    specials: tuple[int, int] = (0, 0)) -> list[int]:
+    """The last k of `ids`. `specials`: the special tokens a text's tokenizer put before and after it, kept (the
+    text between them is cut), as a tokenizer truncating on the left keeps them. A k over the context length is
+    refused (as vLLM), and so is truncating a prompt with images (their placeholder tokens would be cut from
+    their pixels)."""
     k = truncation_length(k, max_model_len)
-    if k is None:
+    if k is None or len(ids) <= k:
         return ids
-    if has_images and len(ids) > k:
+    if has_images:
         raise InvalidRequest(f"{PARAM} cannot cut a prompt with images (their placeholder tokens would lose their "
                              f"pixels)", param=PARAM)
-    return ids[-k:] if len(ids) > k else ids
+    head, tail = specials
+    if head + tail and k > head + tail and len(ids) >= head + tail:
+        return ids[:head] + ids[head:len(ids) - tail][-(k - head - tail):] + ids[len(ids) - tail:]
+    return ids[-k:]
 
 
 def truncation_length(k: int | None, max_model_len: int) -> int | None:

@@ -94,12 +94,13 @@ def check_count(items: list, param: str) -> None:
         raise InvalidRequest(f"{param} has {len(items)} items; at most {MAX_POOLING_INPUTS} are allowed", param=param)
 
 
-async def tokenized(engine, prompts: list, pair_max_length: int | None = None) -> list:
+async def tokenized(engine, prompts: list, truncate: int | None = None) -> list:
     """Token ids of each prompt (text, a cross-encoder's (query, document) pair, or ids already), tokenized on the
-    render threads TOKENIZE_CHUNK at a time; `pair_max_length`: a pair's truncation (truncate_prompt_tokens)."""
+    render threads TOKENIZE_CHUNK at a time; `truncate`: truncate_prompt_tokens, resolved (a text keeps its special
+    tokens, a pair is cut by the tokenizer; ids are cut by the input processor)."""
     def chunk_ids(chunk: list) -> list:
-        return [engine.input_processor.tokenize(p) if isinstance(p, str)
-                else pair_token_ids(engine.tokenizer, *p, pair_max_length) if isinstance(p, tuple) else p
+        return [engine.input_processor.tokenize(p, truncate_prompt_tokens=truncate) if isinstance(p, str)
+                else pair_token_ids(engine.tokenizer, *p, truncate) if isinstance(p, tuple) else p
                 for p in chunk]
 
     out = []
@@ -116,13 +117,13 @@ async def pool_all(state: ServerState, raw: Request, req, prompts: list, pooling
     state.check_model(req.model)
     engine = state.engine
     check_request_kind(engine.pooling, pooling)
-    pair_max_length = truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
+    truncate = truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
     if param is not None:  # None: the caller counted its fields
         check_count(prompts, param)
     rid, public_id = request_ids(prefix, req.request_id, raw)
 
     async def run():
-        ids = await tokenized(engine, prompts, pair_max_length)
+        ids = await tokenized(engine, prompts, truncate)
         window = engine.admission_window()
         tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window,
                                                      truncate_prompt_tokens=req.truncate_prompt_tokens))

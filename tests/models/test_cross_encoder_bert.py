@@ -90,6 +90,12 @@ def test_cross_encoder_equals_transformers(tmp_path, model_type):
         cut = llm.score(QUERY, DOCS, truncate_prompt_tokens=9)
         assert all(len(o.prompt_token_ids) == 9 for o in cut)
         assert [o.outputs.score for o in cut] == pytest.approx(hf_scores(path, QUERY, DOCS, 9), abs=ATOL)
+        # a single text: its last k tokens between the kept [CLS] and [SEP] (a tokenizer truncating on the left)
+        left = llm.classify(DOCS[2], truncate_prompt_tokens=5)[0]
+        from transformers import AutoTokenizer
+
+        ref = AutoTokenizer.from_pretrained(path, truncation_side="left")
+        assert left.prompt_token_ids == ref(DOCS[2], truncation=True, max_length=5)["input_ids"]
         single = llm.classify(DOCS[:2])
         assert [o.outputs.probs[0] for o in single] == pytest.approx(hf_scores(path, None, DOCS[:2]), abs=ATOL)
     if model_type == "bert":  # the pair's token types matter: typing the document 0 would give other scores
