@@ -11,6 +11,10 @@ def __getattr__(name):  # lazy so that `import kestrel.engine.scheduler` stays l
         from kestrel.core import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "PoolingParams":
+        from kestrel.core.pooling import PoolingParams
+
+        return PoolingParams
     if name == "BeamSearchParams":
         from kestrel.frontend.beam_search import BeamSearchParams
 
@@ -18,4 +22,4 @@ def __getattr__(name):  # lazy so that `import kestrel.engine.scheduler` stays l
     raise AttributeError(name)
 
 
-__all__ = ["BeamSearchParams", "LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["BeamSearchParams", "LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]

@@ -135,6 +135,7 @@ def check_args(args) -> None:
     check_ranges(args)
     for field in ("model", "tokenizer"):
         check_model_path(getattr(args, field, None), field)
+    keep_hub_id_as_served_name(args)
     for field in ("model", "tokenizer"):
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
@@ -174,6 +175,16 @@ def check_args(args) -> None:
     procs = getattr(args, "image_render_processes", None)
     if procs is not None and procs < 0:
         raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
+
+
+def keep_hub_id_as_served_name(args) -> None:
+    """A model named by its hub id (Org/Name) is served under that id, as vLLM serves it, not under its cache
+    snapshot's folder name (--served-model-name still wins). Called before the id is resolved to the folder."""
+    from kestrel.hub_cache import is_hub_id
+
+    model = getattr(args, "model", None)
+    if model is not None and hasattr(args, "served_model_name") and not args.served_model_name and is_hub_id(model):
+        args.served_model_name = [model]
 
 
 def check_speculative_config(spec: dict | None, shorthands: list[str]) -> None:

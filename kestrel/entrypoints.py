@@ -1,5 +1,5 @@
 """The offline API: LLM(model).generate(prompts, params) and LLM.chat(messages); with a pooling model, LLM.embed,
-LLM.classify and LLM.score."""
+LLM.classify, LLM.score, LLM.encode and LLM.reward; LLM.sleep / wake_up and LLM.get_tokenizer as vLLM's."""
 from __future__ import annotations
 
 import gc
@@ -13,11 +13,12 @@ from kestrel.config import EngineConfig
 from kestrel.hub_cache import is_hub_id, resolve_model_path
 from kestrel.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kestrel.frontend.sync_engine import LLMEngine
+from kestrel.frontend.truncation import truncation_length
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
-from kestrel.frontend.pooling import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput,
-                                      plan_scores, pooling_sampling)
+from kestrel.frontend.pooling import (ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingRequestOutput,
+                                      ScoringOutput, plan_scores, pooling_sampling, resolve_pooling_params)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,27 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """vLLM's accessor: the engine's Hugging Face tokenizer."""
+        return self.engine.tokenizer
+
+    # ---- sleep mode, as vLLM's LLM.sleep / wake_up: a sleeping engine takes no steps (generate raises until
+    # wake_up) and has dropped its prefix cache; its weights stay where they are
+    def sleep(self, level: int = 1) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.engine.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """`tags` (vLLM's "weights" / "kv_cache"): nothing was offloaded here, so any wakes everything."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', not {sorted(unknown)}")
+        self.engine.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.core.is_sleeping()
 
     def shutdown(self) -> None:
         """Stop the engine and give its device memory back now (weights, KV cache, CUDA graphs), so that another
@@ -118,38 +140,64 @@ class LLM:
 
     # ---- pooling models (kestrel serve --runner pooling): embeddings, class scores, relevance scores
     def embed(self, prompts: PromptType | Sequence[PromptType], dimensions: int | None = None, normalize: bool = True,
-              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+              use_tqdm: bool | None = None, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """One embedding per prompt (outputs.embedding); `dimensions`: Matryoshka truncation where the model
-        supports it."""
+        supports it; `truncate_prompt_tokens`: keep each prompt's last k tokens (-1: max_model_len)."""
         pooling = PoolingParams(task="embed", normalize=normalize, dimensions=dimensions or 0)
         return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled))
-                for o in self._pool(prompts, pooling, use_tqdm)]
+                for o in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)]
 
     def classify(self, prompts: PromptType | Sequence[PromptType], activation: bool = True,
-                 use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+                 use_tqdm: bool | None = None, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Class probabilities per prompt (outputs.probs; raw logits with activation=False)."""
         pooling = PoolingParams(task="classify", activation=activation)
         return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.pooled))
-                for o in self._pool(prompts, pooling, use_tqdm)]
+                for o in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool | None = None, pooling_task: str | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: per prompt, outputs.data (a float32 tensor) is what the model's pooling task
+        gives (an embedding, or class probabilities). `pooling_task` (embed | classify) must be the model's own;
+        per-token tasks (token_embed, token_classify) are refused by name (kestrel/frontend/pooling.py)."""
+        pooling = resolve_pooling_params(self.engine.input_processor.pooling, pooling_params, pooling_task)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput.of(o.pooled))
+                for o in self._pool(prompts, pooling, use_tqdm, truncate_prompt_tokens)]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A sequence (outcome) reward model's scores, as vLLM serves Skywork-Reward-style *ForSequenceClassification
+        checkpoints: outputs.data holds the raw head outputs at the last token (no softmax). Per-token rewards
+        (process reward models) are not implemented."""
+        facts = self.engine.input_processor.pooling
+        if facts is None or facts["task"] != "classify":
+            raise ValueError("reward needs a reward model with a classification head (a *ForSequenceClassification "
+                             f"checkpoint); this model's task is {facts['task'] if facts else 'generate'}")
+        return self.encode(prompts, PoolingParams(task="classify", activation=False), use_tqdm,
+                           truncate_prompt_tokens=truncate_prompt_tokens)
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
-              use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+              use_tqdm: bool | None = None, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Relevance of each text_2 to text_1 (one query and N documents, or N and N): a cross-encoder's score,
         or the cosine of an embedding model's two embeddings."""
         queries = [text_1] if isinstance(text_1, str) else list(text_1)
         documents = [text_2] if isinstance(text_2, str) else list(text_2)
-        plan = plan_scores(self.engine.input_processor.pooling, self.tokenizer, queries, documents)
-        outs = self._pool(plan.prompts, plan.pooling, use_tqdm)
+        processor = self.engine.input_processor
+        plan = plan_scores(processor.pooling, self.tokenizer, queries, documents,
+                           max_length=truncation_length(truncate_prompt_tokens, processor.max_model_len))
+        outs = self._pool(plan.prompts, plan.pooling, use_tqdm, truncate_prompt_tokens)
         return [PoolingRequestOutput(outs[j].request_id, outs[j].prompt_token_ids, ScoringOutput(score))
                 for (_, j), score in zip(plan.pairs, plan.scores([o.pooled for o in outs]))]
 
-    def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool | None) -> list[RequestOutput]:
+    def _pool(self, prompts, pooling: PoolingParams, use_tqdm: bool | None,
+              truncate_prompt_tokens: int | None = None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids, group = [], self.engine.new_group_id()
         try:
             for p in prompts:
-                ids.append(self.engine.add_request(_prompt_of(p), pooling_sampling(), pooling=pooling, group_id=group))
+                ids.append(self.engine.add_request(_prompt_of(p), pooling_sampling(truncate_prompt_tokens),
+                                                   pooling=pooling, group_id=group))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -205,6 +253,10 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        if ids and self.engine.core.is_sleeping():  # it would wait for steps that never come
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise RuntimeError("this LLM is asleep (LLM.sleep): call wake_up() before generating")
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():

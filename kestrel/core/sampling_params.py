@@ -124,6 +124,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words tokenized by the frontend (each word with and without a leading space), what the runner reads
     bad_words_token_ids: list[list[int]] | None = None
+    # keep only the last k prompt tokens (-1: the context length; kestrel/frontend/truncation.py), as vLLM's
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):
@@ -202,6 +204,9 @@ class SamplingParams:
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         self._validate_logit_changes(vocab_size, bad)
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            bad("truncate_prompt_tokens", f"must be a positive integer, or -1 for the context length; got {k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             bad("seed", "must be a 64-bit integer")
         if self.structured_outputs is not None:

@@ -87,6 +87,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # excluded) and tokens sampled
     step_prompt_tokens: int = 0
     step_generation_tokens: int = 0
+    # LoRA (engine/addons/lora.py, with --enable-lora): the adapters of the running and of the waiting requests
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
 
     @property
     def kv_loaded_bytes(self) -> int:

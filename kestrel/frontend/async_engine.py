@@ -197,10 +197,11 @@ class AsyncEngine(FleetControl):
         return self._stream(request_id, prompt, ids, params, core_reqs, deadline, window, stream)
 
     async def encode(self, prompt: str | list[int], pooling: PoolingParams, request_id: str | None = None,
-                     priority: int = 0, window: AdmissionWindow | None = None) -> RequestOutput:
+                     priority: int = 0, window: AdmissionWindow | None = None,
+                     truncate_prompt_tokens: int | None = None) -> RequestOutput:
         """A pooling request (embedding, class scores): its finished output, whose `pooled` holds the vector.
         Raises InvalidRequest (a generative engine, a bad prompt) before anything is sent."""
-        stream = self.generate(prompt, pooling_sampling(), request_id, priority, window=window, stream=False,
+        stream = self.generate(prompt, pooling_sampling(truncate_prompt_tokens), request_id, priority, window=window, stream=False,
                                pooling=pooling)
         final = None
         async for out in stream:

@@ -10,10 +10,11 @@ from kestrel.core.pooling import PoolingParams
 from kestrel.core.sampling_params import SamplingParams
 from kestrel.errors import InvalidRequest
 
-def pooling_sampling() -> SamplingParams:
+def pooling_sampling(truncate_prompt_tokens: int | None = None) -> SamplingParams:
     """What a pooling request rides with: one prefill step, whose one "token" is a placeholder (never
-    detokenized)."""
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    detokenized); `truncate_prompt_tokens`: keep the prompt's last k tokens (kestrel/frontend/truncation.py)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def check_request_kind(facts: dict | None, pooling: PoolingParams | None) -> None:
@@ -59,6 +60,38 @@ class ScoringOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """vLLM's PoolingOutput (LLM.encode, LLM.reward): the pooled values as a float32 tensor."""
+    data: "torch.Tensor"
+
+    @classmethod
+    def of(cls, values: list[float]) -> "PoolingOutput":
+        import torch
+
+        return cls(torch.tensor(values, dtype=torch.float32))
+
+
+# vLLM's per-token pooling tasks: every prompt token's vector; the engine pools one vector per prompt
+PER_TOKEN_TASKS = ("token_embed", "token_classify", "encode", "reward")
+
+
+def resolve_pooling_params(facts: dict | None, params: PoolingParams | None, task: str | None) -> PoolingParams:
+    """LLM.encode's pooling: `params` as given, else the model's own task with its defaults; a `task` that is not
+    the model's (or a per-token task) is refused by name."""
+    if facts is None:
+        raise ValueError("encode needs a pooling model (runner='pooling'); this model generates text")
+    if task in PER_TOKEN_TASKS:
+        raise ValueError(f"pooling_task {task!r}: per-token pooling is not implemented (one vector per prompt: "
+                         f"{facts['task']})")
+    if task is not None and task not in ("embed", "classify", "score"):
+        raise ValueError(f"pooling_task {task!r} is not one of embed, classify, score")
+    want = "classify" if task == "score" else task or (params.task if params is not None else facts["task"])
+    if want != facts["task"] or (params is not None and params.task != want):
+        raise ValueError(f"pooling_task {want!r}: this model's pooling task is {facts['task']}")
+    return params if params is not None else PoolingParams(task=want)
+
+
+@dataclass
 class PoolingRequestOutput:
     """vLLM's EmbeddingRequestOutput / ClassificationRequestOutput / ScoringRequestOutput, in one shape."""
     request_id: str
@@ -73,12 +106,15 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
-def pair_token_ids(tokenizer, query: str, document: str) -> list[int]:
+def pair_token_ids(tokenizer, query: str, document: str, max_length: int | None = None) -> list[int]:
     """A cross-encoder's input: the tokenizer's own text-pair encoding (its template: [CLS] q [SEP] d [SEP] for
-    BERT-style vocabularies, plain concatenation for most decoders)."""
+    BERT-style vocabularies, plain concatenation for most decoders); `max_length` (truncate_prompt_tokens): cut
+    by the tokenizer, the longer text first, its special tokens kept."""
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer: scores need text", param="text_1")
-    return list(tokenizer(query, document)["input_ids"])
+    if max_length is None:
+        return list(tokenizer(query, document)["input_ids"])
+    return list(tokenizer(query, document, truncation=True, max_length=max_length)["input_ids"])
 
 
 def score_pairs(queries: list, documents: list) -> list[tuple]:
@@ -107,7 +143,8 @@ class ScorePlan:
         return [cosine(vectors[i], vectors[j]) for i, j in self.pairs]
 
 
-def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, tokenize: bool = True) -> ScorePlan:
+def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, tokenize: bool = True,
+                max_length: int | None = None) -> ScorePlan:
     """A cross-encoder (a one-label classifier) scores each text pair as one prompt; an embedding model scores
     the cosine of the two texts' embeddings (vLLM's rules). `tokenize=False`: a cross-encoder's prompts are the
     (query, document) pairs, for the caller to tokenize (pair_token_ids; the server does it in chunks on its
@@ -120,7 +157,7 @@ def plan_scores(facts: dict | None, tokenizer, queries: list, documents: list, t
         if len(facts["labels"]) != 1:
             raise InvalidRequest(f"scores need a cross-encoder with one output label; this classifier has "
                                  f"{len(facts['labels'])} (use /classify)", param="model")
-        prompts = [pair_token_ids(tokenizer, q, d) for q, d in pairs] if tokenize else pairs
+        prompts = [pair_token_ids(tokenizer, q, d, max_length) for q, d in pairs] if tokenize else pairs
         return ScorePlan(prompts, PoolingParams(task="classify"), [(i, i) for i in range(len(prompts))])
     n = len(queries)
     index = [(0 if n == 1 else k, n + k) for k in range(len(documents))]

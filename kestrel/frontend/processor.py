@@ -16,6 +16,7 @@ from kestrel.core.extras import NO_EXTRAS, RequestExtras
 from kestrel.core.positions import ONE_D, PositionScheme
 from kestrel.core.pooling import PoolingParams
 from kestrel.frontend.pooling import check_request_kind
+from kestrel.frontend.truncation import special_token_span, truncate_prompt
 from kestrel.core.sampling_params import SamplingParams, check_bad_words
 from kestrel.errors import InvalidRequest
 
@@ -159,6 +160,7 @@ class InputProcessor:
         self.mm = mm
         self.images_refused = images_refused  # the 400's message for images to a text-only model (asked then)
         self.positions = positions
+        self._specials: tuple[int, int] | None = None  # special tokens before / after a text (truncation keeps them)
 
     @classmethod
     def for_engine(cls, config, tokenizer, max_model_len: int, vocab_size: int, max_prompt_tokens: int, mm=None,
@@ -169,11 +171,19 @@ class InputProcessor:
                    max_prompt_tokens=max_prompt_tokens, images_refused=lambda: images_refusal(config, hf_config),
                    positions=model_position_scheme(config, hf_config))
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None
+                 ) -> list[int]:
+        """`truncate_prompt_tokens`: the text's last k tokens, its special tokens ([CLS], [SEP], a BOS) kept."""
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer (random weights from a config.json alone): send "
                                  "token ids", param="prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if truncate_prompt_tokens is None:
+            return ids
+        if add_special_tokens and self._specials is None:  # asked once (a race computes the same twice)
+            self._specials = special_token_span(self.tokenizer)
+        return truncate_prompt(ids, truncate_prompt_tokens, self.max_model_len,
+                               specials=self._specials if add_special_tokens else (0, 0))
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would start the text and, where they differ, as it would follow a
@@ -282,12 +292,14 @@ class InputProcessor:
             add_special_tokens = prompt.get("add_special_tokens", True) if isinstance(prompt, dict) else True
             prompt, _ = split_prompt(prompt)
             if isinstance(prompt, str):
-                ids = self.tokenize(prompt, add_special_tokens)
+                ids = self.tokenize(prompt, add_special_tokens, params.truncate_prompt_tokens)
             else:
                 ids = list(prompt)
                 if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
                     raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})",
                                          param="prompt")
+        if params.truncate_prompt_tokens is not None:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, bool(extras.mm_features))
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if self.mm is not None and not extras.mm_features and self.mm.image_token_id in ids:

@@ -106,14 +106,28 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=ctx.dtype)
         self.position_offset = position_offset
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # one text: every token has type 0
-        x = inputs_embeds + self.position_embeddings(positions + self.position_offset) + self.token_type_embeddings.weight[0]
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        # one text: every token has type 0; a cross-encoder's text pair: its second text has type 1
+        types = self.token_type_embeddings.weight[0] if token_types is None else self.token_type_embeddings(token_types)
+        x = inputs_embeds + self.position_embeddings(positions + self.position_offset) + types
         return self.LayerNorm(x)
+
+
+def pair_segments(input_ids: torch.Tensor, positions: torch.Tensor, sep_token_id: int) -> torch.Tensor:
+    """Token types of flattened prompts (each starts at position 0; an encoder's prompt is one step): 0 up to and
+    including a prompt's first [SEP], 1 after it, as a BERT tokenizer types a text pair ([CLS] a [SEP] b [SEP]).
+    No host sync: the SEPs before each token, less those before its prompt's start (a running maximum)."""
+    is_sep = (input_ids == sep_token_id).to(torch.int64)
+    before = torch.cumsum(is_sep, 0) - is_sep
+    base = torch.cummax(torch.where(positions == 0, before, torch.zeros_like(before)), 0).values
+    return (before > base).to(torch.int64)
 
 
 class BertModel(nn.Module, EncoderOnly):
     packed_modules = {"qkv_proj": ("query", "key", "value")}
+    dropped_heads = ("pooler.", "lm_head.", "cls.")  # checkpoint heads that sentence embeddings do not use
+    types_pairs = False  # a cross-encoder (kestrel/models/bert_classifier.py): a text pair's second text is type 1
 
     def __init__(self, ctx: ModelContext, prefix: str = ""):
         super().__init__()
@@ -126,6 +140,11 @@ class BertModel(nn.Module, EncoderOnly):
             raise ConfigError(f"--max-model-len {ctx.max_positions}: this encoder has "
                               f"{cfg.max_position_embeddings - offset} positions")
         self.config = cfg
+        self.sep_token_id = getattr(cfg, "sep_token_id", None) if self.types_pairs and cfg.type_vocab_size > 1 \
+            else None
+        if self.types_pairs and cfg.type_vocab_size > 1 and self.sep_token_id is None:
+            raise ConfigError(f"{type(self).__name__}: no [SEP] token id (config.json sep_token_id, or the "
+                              f"checkpoint's tokenizer) to tell a text pair's two texts apart")
         self.embeddings = BertEmbeddings(ctx, offset)
         self.encoder = BertEncoder(ctx, f"{prefix}encoder")
 
@@ -138,7 +157,9 @@ class BertModel(nn.Module, EncoderOnly):
 
     def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds=None) -> torch.Tensor:
         embeds = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden = self.embeddings(embeds, positions)
+        types = pair_segments(input_ids, positions, self.sep_token_id) \
+            if self.sep_token_id is not None and input_ids is not None else None
+        hidden = self.embeddings(embeds, positions, types)
         for layer in self.encoder.layer:
             hidden = layer(hidden, positions, ctx)
         return hidden
@@ -152,7 +173,7 @@ class BertModel(nn.Module, EncoderOnly):
         def ours(named):
             for name, w in named:
                 name = next((name[len(p):] for p in CHECKPOINT_PREFIXES if name.startswith(p)), name)
-                if not name.startswith(("pooler.", "lm_head.", "cls.")):  # heads sentence embeddings do not use
+                if not name.startswith(self.dropped_heads):
                     yield name, w
         return load_named_weights(self, ours(weights), self.packed_modules, strip="")
 

@@ -89,4 +89,7 @@ def resolve_pooling(config, path) -> "HFConfig":
         raise ConfigError(f"{config.architecture} is a decoder: only last-token pooling is implemented for it, "
                           f"not {method} (its sentence-transformers config)")
     config.pooling_method = method
+    read = getattr(cls, "read_checkpoint", None)  # what a model class reads beside config.json (a [SEP] id)
+    if read is not None and path.is_dir():
+        read(config, path)
     return config

@@ -54,6 +54,9 @@ _MODELS = {
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),
     "RobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),
+    "BertForSequenceClassification": ("kestrel.models.bert_classifier", "BertForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("kestrel.models.bert_classifier", "XLMRobertaForSequenceClassification"),
+    "RobertaForSequenceClassification": ("kestrel.models.bert_classifier", "XLMRobertaForSequenceClassification"),
 }
 
 

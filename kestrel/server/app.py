@@ -34,6 +34,7 @@ from kestrel.server.stats_log import StatsLog
 from kestrel.server.reasoning import get_reasoning_parser
 from kestrel.server.tool_parsers import get_tool_parser
 from kestrel.server.responses import ResponsesRequest, create_response, get_response
+from kestrel.server.pooling_api import PoolingRequest, create_pooling
 from kestrel.server.pooling import (ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
                                     create_classification, create_embedding, create_rerank, create_score)
 from kestrel.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -321,6 +322,12 @@ async def score(req: ScoreRequest, raw: Request):
 async def rerank(req: RerankRequest, raw: Request):
     _alive(_state(raw))
     return await create_rerank(_state(raw), req, raw)
+
+
+@api.post("/pooling")
+async def pooling(req: PoolingRequest, raw: Request):
+    _alive(_state(raw))
+    return await create_pooling(_state(raw), req, raw)
 
 
 @api.post("/tokenize")

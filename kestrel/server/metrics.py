@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kestrel.config import CacheConfig
 from kestrel.engine.messages import SchedulerStats
 from kestrel.frontend.request_metrics import FinishedRequest
+from kestrel.server.lora_metrics import lora_requests_info
 
 _LAT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_LAT = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -112,6 +113,11 @@ class _EngineCollector:
         yield from counters
         yield per_pos
         yield offload
+        live = [client.stats[i] for i in range(min(client.num_engines, len(client.stats)))
+                if i not in client.dead and client.stats[i] is not None]
+        lora = lora_requests_info(getattr(self.engine.config, "lora", None), live)
+        if lora is not None:
+            yield lora
         if self.cache is not None:
             yield info
 

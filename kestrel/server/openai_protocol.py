@@ -26,7 +26,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
     "functions": (None, []), "function_call": (None, "none"),
     "prompt_embeds": (None,), "lora_request": (None,),
-    "truncate_prompt_tokens": (None,), "suffix": (None, ""), "documents": (None,),
+    "suffix": (None, ""), "documents": (None,),
 }
 
 
@@ -101,6 +101,7 @@ class _SamplingRequest(_Base):
     bad_words: list[str] | None = None
     use_beam_search: StrictBool = False  # n beams (vLLM's beam search); length_penalty ranks them
     length_penalty: float = 1.0
+    truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     request_id: str | None = Field(None, max_length=MAX_CLIENT_REQUEST_ID)
     timeout: float | None = Field(None, gt=0, description="seconds; then the request is aborted (stop_reason "
                                                           "'timeout') and its KV cache freed")
@@ -180,7 +181,8 @@ class _SamplingRequest(_Base):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs if self.prompt_logprobs is None else self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def beam_search_params(self, max_tokens: int | None, sampling: SamplingParams) -> BeamSearchParams | None:
         """With use_beam_search: the search's parameters (beam width n), from the validated `sampling`."""
@@ -188,7 +190,8 @@ class _SamplingRequest(_Base):
             return None
         clash = next((name for name, on in (("stream", self.stream), ("structured outputs",
                       sampling.structured_outputs is not None), ("prompt_logprobs", self.prompt_logprobs is not None),
-                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words))) if on), None)
+                      ("logit changes", sampling.changes_logits or bool(sampling.bad_words)),
+                      ("truncate_prompt_tokens", self.truncate_prompt_tokens is not None)) if on), None)
         if clash:
             raise InvalidRequest(f"use_beam_search cannot be combined with {clash}", param="use_beam_search")
         return BeamSearchParams(self.n, max_tokens, self.ignore_eos, sampling.temperature, self.length_penalty,

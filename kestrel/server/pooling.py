@@ -23,6 +23,7 @@ from kestrel.core.pooling import PoolingParams
 from kestrel.errors import InvalidRequest
 from kestrel.frontend.outputs import RequestOutput
 from kestrel.frontend.pooling import check_request_kind, pair_token_ids, plan_scores
+from kestrel.frontend.truncation import truncation_length
 from kestrel.server.common import ServerState, request_ids, unless_disconnected
 from kestrel.server.openai_protocol import Int64, TokenIds, _Base
 
@@ -40,6 +41,7 @@ class EmbeddingRequest(_Base):
     normalize: StrictBool = True  # vLLM's extra
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class ClassificationRequest(_Base):
@@ -49,6 +51,7 @@ class ClassificationRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class ScoreRequest(_Base):
@@ -58,6 +61,7 @@ class ScoreRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 class RerankRequest(_Base):
@@ -70,6 +74,7 @@ class RerankRequest(_Base):
     user: str | None = None
     request_id: str | None = None
     priority: Int64 = 0
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the last k tokens (-1: max_model_len)
 
 
 def prompt_list(value) -> list:
@@ -89,12 +94,14 @@ def check_count(items: list, param: str) -> None:
         raise InvalidRequest(f"{param} has {len(items)} items; at most {MAX_POOLING_INPUTS} are allowed", param=param)
 
 
-async def tokenized(engine, prompts: list) -> list:
+async def tokenized(engine, prompts: list, truncate: int | None = None) -> list:
     """Token ids of each prompt (text, a cross-encoder's (query, document) pair, or ids already), tokenized on the
-    render threads TOKENIZE_CHUNK at a time."""
+    render threads TOKENIZE_CHUNK at a time; `truncate`: truncate_prompt_tokens, resolved (a text keeps its special
+    tokens, a pair is cut by the tokenizer; ids are cut by the input processor)."""
     def chunk_ids(chunk: list) -> list:
-        return [engine.input_processor.tokenize(p) if isinstance(p, str)
-                else pair_token_ids(engine.tokenizer, *p) if isinstance(p, tuple) else p for p in chunk]
+        return [engine.input_processor.tokenize(p, truncate_prompt_tokens=truncate) if isinstance(p, str)
+                else pair_token_ids(engine.tokenizer, *p, truncate) if isinstance(p, tuple) else p
+                for p in chunk]
 
     out = []
     for i in range(0, len(prompts), TOKENIZE_CHUNK):
@@ -110,14 +117,16 @@ async def pool_all(state: ServerState, raw: Request, req, prompts: list, pooling
     state.check_model(req.model)
     engine = state.engine
     check_request_kind(engine.pooling, pooling)
+    truncate = truncation_length(req.truncate_prompt_tokens, engine.max_model_len)
     if param is not None:  # None: the caller counted its fields
         check_count(prompts, param)
     rid, public_id = request_ids(prefix, req.request_id, raw)
 
     async def run():
-        ids = await tokenized(engine, prompts)
+        ids = await tokenized(engine, prompts, truncate)
         window = engine.admission_window()
-        tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window))
+        tasks = [asyncio.ensure_future(engine.encode(p, pooling, f"{rid}-{i}", req.priority, window=window,
+                                                     truncate_prompt_tokens=req.truncate_prompt_tokens))
                  for i, p in enumerate(ids)]
         try:
             return await asyncio.gather(*tasks)

@@ -10,6 +10,48 @@ from kestrel.errors import InvalidRequest
 
 INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+TEXT_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _user_content(content, where: str):
+    """A user / system message's content: its text, or, where it holds input_image parts, chat content parts
+    (text and image_url) for the chat path's image handling."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, where)
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequest(f"{where}: an input_image part needs image_url (a URL or a data: URL); "
+                                     f"file_id is not supported", param="input")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], where)})
+    return parts
+
+
+def text_response_format(text: dict | None) -> dict | None:
+    """The Responses `text.format` as the chat API's response_format: json_schema {name, schema, strict} or
+    json_object (structured output), text (none)."""
+    if text is None:
+        return None
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        raise InvalidRequest(f"text.{sorted(unknown)[0]} is not supported", param="text")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in TEXT_FORMATS:
+        raise InvalidRequest(f"text.format.type must be one of {', '.join(TEXT_FORMATS)}", param="text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequest("text.format with type json_schema needs a `schema` object", param="text")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": fmt["schema"],
+                                                   "strict": bool(fmt.get("strict", False))}}
 
 
 def _text_of(content, where: str) -> str:
@@ -22,7 +64,8 @@ def _text_of(content, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") not in INPUT_TEXT_TYPES or not isinstance(
                 part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"{where}: content part {kind!r} is not supported (text parts only)", param="input")
+            raise InvalidRequest(f"{where}: content part {kind!r} is not supported (text parts, and input_image "
+                                 f"in user messages)", param="input")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -58,7 +101,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             assistant({"role": "assistant", "content": _text_of(item.get("content"), where)})
         elif kind == "message" and item.get("role") in MESSAGE_ROLES:
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _user_content(item.get("content"), where)})
         elif kind == "reasoning":
             reasoning.append(_reasoning_text(item, where))
         elif kind == "function_call":

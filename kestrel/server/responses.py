@@ -1,9 +1,10 @@
 """POST /v1/responses (and GET /v1/responses/{id}): the subset of OpenAI's Responses API that vLLM serves for
-text. `instructions`, the stored conversation of `previous_response_id` and `input` (a string, or message,
-reasoning, function_call and function_call_output items) become a chat conversation
+text and images. `instructions`, the stored conversation of `previous_response_id` and `input` (a string, or
+message (with input_image parts), reasoning, function_call and function_call_output items) become a chat conversation
 (kestrel/server/response_items.py), which runs on the chat path: the model's chat template (`reasoning.effort` is
 its reasoning_effort), function `tools` and `tool_choice` through the chat tool-calling machinery
-(kestrel/server/tool_calls.py), the --reasoning-parser. The reply comes back as output items (a reasoning item
+(kestrel/server/tool_calls.py), the --reasoning-parser, `text.format` as the chat API's response_format
+(structured output). The reply comes back as output items (a reasoning item
 when the parser found reasoning, a message, and one function_call per tool call), whole or as response.*
 server-sent events; with `store` (the default) it is kept in the bounded response store
 (kestrel/server/response_store.py) for the next request's previous_response_id."""
@@ -24,7 +25,8 @@ from kestrel.server.common import (ServerState, client_of, final_outputs, reques
                                    unless_disconnected)
 from kestrel.server.openai_protocol import REASONING_EFFORTS, ChatCompletionRequest, Int64, _Base
 from kestrel.server.response_items import (assistant_message, chat_tool_choice, chat_tools, function_call_item,
-                                           input_messages, message_item, new_item_id, output_items, reasoning_item)
+                                           input_messages, message_item, new_item_id, output_items, reasoning_item,
+                                           text_response_format)
 from kestrel.server.response_store import response_owner
 from kestrel.server.tool_calls import MessageStream, ToolPlan, build_message, plan_tools
 
@@ -35,8 +37,7 @@ MAX_USER_CHARS = 256
 class ResponsesRequest(_Base):
     # not implemented: refused unless unused
     _unsupported_here: ClassVar[dict[str, tuple]] = {"background": (None, False),
-                                                     "conversation": (None,), "top_logprobs": (None, 0),
-                                                     "text": (None, {"format": {"type": "text"}})}
+                                                     "conversation": (None,), "top_logprobs": (None, 0)}
     model: str | None = None
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
@@ -61,6 +62,7 @@ class ResponsesRequest(_Base):
     include_reasoning: StrictBool = True  # false: the reasoning is generated, its item left out (vLLM's extension)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extensions, as chat completions take them
     structured_outputs: dict | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "name", "schema", "strict"}}: structured
 
     @field_validator("reasoning")
     @classmethod
@@ -115,6 +117,7 @@ def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletion
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     body = {"messages": system + messages, "max_tokens": req.max_output_tokens, "priority": req.priority,
             "chat_template_kwargs": req.chat_template_kwargs, "structured_outputs": req.structured_outputs,
+            "response_format": text_response_format(req.text),
             "reasoning_effort": (req.reasoning or {}).get("effort"),
             "tools": chat_tools(req.tools), "parallel_tool_calls": req.parallel_tool_calls,
             # "auto" without tools is vLLM's default: nothing to choose from, so no tool plan
@@ -137,7 +140,7 @@ def _response(req: ResponsesRequest, state: ServerState, rid: str, created: int,
             "output": output, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
             "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
-            "text": {"format": {"type": "text"}}, "previous_response_id": req.previous_response_id,
+            "text": req.text or {"format": {"type": "text"}}, "previous_response_id": req.previous_response_id,
             "store": req.store and state.responses.max_size > 0, "metadata": req.metadata or {}, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "usage": usage}
@@ -162,7 +165,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
                       chat_req.parallel_tool_calls)
     params = chat_req.sampling_params(state.sampling_defaults, plan.structured)
     reasoning = plan.reasoning_for(state.reasoning_parser, state.template_kwargs(chat_req), params)
-    await state.grammar.check(params.structured_outputs, "tools", client_of(raw))
+    await state.grammar.check(params.structured_outputs, "tools" if plan.structured else "text", client_of(raw))
     rid, public_id = request_ids("resp", req.request_id, raw, echo=False)  # a stored id is the server's
     prompt = await render_prompt(state, chat_req, plan.tools)
     gen = state.engine.generate(prompt, params, rid, req.priority, timeout=state.timeout(chat_req),

@@ -89,6 +89,8 @@ CASES = [
     ("functions", CH, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
     ("use_beam_search_with_logit_bias", C, {**OK, "use_beam_search": True, "logit_bias": {"5": 1}}, 400,
      "use_beam_search", "logit changes"),
+    ("use_beam_search_with_truncation", C, {**OK, "use_beam_search": True, "truncate_prompt_tokens": 4}, 400,
+     "use_beam_search", "truncate_prompt_tokens"),
     # the sampling extras' bad values (issue 36)
     ("chat_continue_final_message_with_generation_prompt", CH, {"messages": MSG, "continue_final_message": True},
      400, "continue_final_message", "add_generation_prompt"),

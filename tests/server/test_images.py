@@ -2,7 +2,7 @@
 and, once more, on three render threads in the server process: the `openai` client's base64 image gets the offline
 API's text; concurrent image requests get what they get one at a time; bad images, disallowed URLs and too many
 images get a 400 naming the content part, and the engine serves a normal request right after; a render process
-that dies is replaced and image requests are served again."""
+that dies is replaced and image requests are served again. The Responses API's input_image parts too."""
 from __future__ import annotations
 
 import base64
@@ -82,6 +82,20 @@ def test_openai_client_image_matches_offline(mm_server, tiny_mm_models, media_di
     assert local.choices[0].message.content == offline_pil.outputs[0].text
     assert got.usage.prompt_tokens == len(offline.prompt_token_ids) > 40  # the image's placeholders
     assert offline.outputs[0].text != offline_pil.outputs[0].text
+
+
+def test_responses_input_image(mm_server):
+    """The Responses API's input_image part (image_url: a data URL) gets the chat API's answer to the same image."""
+    import openai
+
+    client = openai.OpenAI(base_url=mm_server.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    url = data_url(sample_images()[0])
+    chat = client.chat.completions.create(model=model, messages=image_message(url), max_tokens=8, temperature=0)
+    res = client.responses.create(model=model, max_output_tokens=8, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url, "detail": "auto"}, {"type": "input_text", "text": "what is this?"}]}])
+    assert res.output_text == chat.choices[0].message.content
+    assert res.usage.input_tokens == chat.usage.prompt_tokens > 40  # the image's placeholders
 
 
 def test_concurrent_image_requests_on_render_threads(mm_server):

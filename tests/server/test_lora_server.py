@@ -1,6 +1,7 @@
 """Multi-LoRA over HTTP: `kestrel serve --enable-lora --lora-modules name=path`; the request's `model` picks the
 adapter (outputs equal the offline engine's with that adapter), /v1/models lists adapters with their parent, and
-/v1/load_lora_adapter + /v1/unload_lora_adapter change them at run time with OpenAI error bodies on failure."""
+/v1/load_lora_adapter + /v1/unload_lora_adapter change them at run time with OpenAI error bodies on failure;
+/metrics has vLLM's vllm:lora_requests_info."""
 from __future__ import annotations
 
 import openai
@@ -106,6 +107,30 @@ def test_bad_adapters_and_unload_in_use_leave_the_engine_alive(lora_server, adap
         assert "".join(c.choices[0].text for c in chunks) != ""
     assert {m["id"] for m in http("GET", u + "/v1/models")[1]["data"]} == {"llama", "ad1"}
     assert lora_server.engine_pids() == pid
+
+def test_lora_requests_info_metric(lora_server):
+    """vLLM's vllm:lora_requests_info: max_lora and the running / waiting adapters as labels; an adapter's stream
+    shows as running while it generates."""
+    import re
+
+    u = lora_server.url
+    client = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def sample() -> dict:
+        text = http("GET", u + "/metrics")[1]
+        m = re.search(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", text, re.M)
+        assert m is not None, text[-2000:]
+        return dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+
+    assert sample()["max_lora"] == "4"  # --max-loras' default
+    s = client.completions.create(model="ad1", prompt="The quick brown fox", max_tokens=300, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    it = iter(s)
+    next(it), next(it)
+    labels = sample()
+    assert labels["running_lora_adapters"] == "ad1" and labels["waiting_lora_adapters"] == "", labels
+    assert list(it)[-1].choices[0].finish_reason == "length"
+
 
 def test_lora_at_tensor_parallel_2(server_model, adapters, tmp_path):
     """`--enable-lora --tensor-parallel-size 2`: a load and an unload reach both workers (each logs it), a request

@@ -1,7 +1,8 @@
 """Pooling models over the server, as vLLM serves them: /v1/embeddings with the real openai client (its default
 base64 encoding and floats), /classify, /score, /rerank and /v1/rerank with vLLM's bodies; every vector equals
 transformers' on the same weights (CPU float32, atol 1e-5). Bad input and generation requests get a 400 with
-the OpenAI error body."""
+the OpenAI error body. vLLM's /pooling (an `input` or a `messages` body, `data[].data`) and
+`truncate_prompt_tokens` on the pooling endpoints (the prompt's last k tokens) share these servers."""
 from __future__ import annotations
 
 import base64
@@ -211,3 +212,64 @@ def _post_and_leave(url: str, body: dict, after: float) -> None:
         urllib.request.urlopen(req, timeout=after).read()
     except (urllib.error.URLError, socket.timeout, TimeoutError):
         pass
+
+TEXT = "the cat sat on the mat and looked at the door"
+
+
+def test_pooling_input_on_an_embedder(embed_server, embedder, tiny_tokenizer):
+    status, body = http("POST", embed_server.url + "/pooling", {"model": "qwen3_embed", "input": [TEXT, "hello"]})
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == "qwen3_embed" and body["id"].startswith("pool")
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    for d, t in zip(body["data"], [TEXT, "hello"]):
+        _close(d["data"], hf_embedding(embedder, _ids(tiny_tokenizer, t)))
+    assert body["usage"]["prompt_tokens"] == len(_ids(tiny_tokenizer, TEXT)) + len(_ids(tiny_tokenizer, "hello"))
+    status, body = http("POST", embed_server.url + "/pooling", {"input": TEXT, "encoding_format": "base64",
+                                                                 "truncate_prompt_tokens": 3})
+    assert status == 200, body
+    vec = struct.unpack("<64f", base64.b64decode(body["data"][0]["data"]))
+    _close(list(vec), hf_embedding(embedder, _ids(tiny_tokenizer, TEXT)[-3:]))
+    assert body["usage"]["prompt_tokens"] == 3
+
+
+def test_pooling_messages(embed_server, embedder, tiny_tokenizer):
+    messages = [{"role": "user", "content": "vLLM is great!"}]
+    status, body = http("POST", embed_server.url + "/pooling", {"messages": messages})
+    assert status == 200, body
+    text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    _close(body["data"][0]["data"], hf_embedding(embedder, ids))
+
+
+def test_pooling_on_a_cross_encoder_and_truncation(rerank_server, cross_encoder, tiny_tokenizer):
+    status, body = http("POST", rerank_server.url + "/pooling", {"input": TEXT})
+    assert status == 200, body
+    _close(body["data"][0]["data"], hf_class_logits(cross_encoder, _ids(tiny_tokenizer, TEXT)).sigmoid())
+    status, body = http("POST", rerank_server.url + "/pooling", {"input": TEXT, "use_activation": False})
+    _close(body["data"][0]["data"], hf_class_logits(cross_encoder, _ids(tiny_tokenizer, TEXT)))
+    status, body = http("POST", rerank_server.url + "/classify", {"input": TEXT, "truncate_prompt_tokens": 4})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 4, body
+    _close(body["data"][0]["probs"], hf_class_logits(cross_encoder, _ids(tiny_tokenizer, TEXT)[-4:]).sigmoid())
+    status, body = http("POST", rerank_server.url + "/rerank", {"query": "q", "documents": [TEXT],
+                                                                "truncate_prompt_tokens": 5})
+    assert status == 200 and body["usage"]["total_tokens"] == 5, body
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"input": "hi", "task": "token_embed"}, "task", "per-token pooling is not implemented"),
+    ({"input": "hi", "task": "classify"}, "model", "pooling task is embed, not classify"),
+    ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages", "not both"),
+    ({}, "input", "not both and not neither"),
+    ({"input": "hi", "activation": True}, "activation", "an embedding takes `normalize`"),
+    ({"input": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be a positive integer"),
+])
+def test_pooling_refusals(embed_server, body, param, message):
+    status, res = http("POST", embed_server.url + "/pooling", body)
+    assert status == 400, res
+    assert res["error"]["param"] == param and message in res["error"]["message"], res
+
+
+def test_pooling_on_a_generative_model(server):
+    status, res = http("POST", server.url + "/pooling", {"input": "hi"})
+    assert status == 400 and "this model generates text" in res["error"]["message"], res

@@ -61,12 +61,15 @@ def test_streamed_events(client):
     ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "none"}, "tools"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "messages[0].content[0].image_url"),  # a bad image (the chat path names the part)
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_tokens"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),  # no schema
 ])
 def test_refusals(server, body, param):
     status, res = http("POST", server.url + "/v1/responses", body)
@@ -147,3 +150,23 @@ def test_stored_responses_are_their_creators_only(server, client):
 def test_metadata_within_openai_limits(server, metadata):
     s, r = http("POST", server.url + "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata})
     assert s == 400 and r["error"]["param"] == "metadata", r
+
+
+def test_text_format_json_schema(client):
+    """Responses structured output (text.format), as chat's response_format: the reply is the schema's JSON, and
+    the response echoes the format."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}
+    res = client.responses.create(model="llama", input="Verdict?", max_output_tokens=120, temperature=0,
+                                  text={"format": fmt})
+    jsonschema.validate(json.loads(res.output_text), schema)
+    assert res.text.format.type == "json_schema" and res.text.format.name == "verdict"
+    plain = client.responses.create(model="llama", input="Verdict?", max_output_tokens=8, temperature=0,
+                                    text={"format": {"type": "text"}})
+    assert plain.text.format.type == "text"

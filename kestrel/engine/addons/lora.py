@@ -41,6 +41,19 @@ class LoRAControl(EngineAddon):
         # its adapter needs a device slot that running requests hold: wait for them
         return req.lora_id in loras or len(loras) < self.max_loras
 
+    def stats(self, stats) -> None:
+        """The adapters in use, by name (vLLM's lora_requests_info): of the running requests and of the others
+        (waiting, or held by an add-on before scheduling)."""
+        if not self.loras:
+            return
+        sched = self.core.scheduler
+        running = {r.lora_id for r in sched.running if r.lora_id}
+        running_ids = {r.request_id for r in sched.running}
+        held = (r for h in self.core.addons.hooks["held"] for r in h())
+        waiting = {r.lora_id for r in (*sched.requests.values(), *held) if r.lora_id and r.request_id not in running_ids}
+        stats.running_loras = sorted(self.loras.get(i, str(i)) for i in running)
+        stats.waiting_loras = sorted(self.loras.get(i, str(i)) for i in waiting)
+
     # ---- utility methods (the frontend fans them out to every engine core)
     def _check_enabled(self) -> None:
         if not self.enabled:
