@@ -79,7 +79,8 @@ def main():
     layers, blocks = SHAPE_RUNS[args.shape]
     cfg = dict(SHAPES[args.shape], num_hidden_layers=layers, **TINY)
     (d / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(d), load_format="dummy", progress=False, max_num_batched_tokens=16384, num_kv_blocks=blocks,
+    llm = LLM(str(d), load_format="dummy", device="cpu", progress=False, max_num_batched_tokens=16384,
+              num_kv_blocks=blocks,
               enable_prefix_caching=args.prefix_caching, async_scheduling="on")
     eng = llm.engine
     runner = eng.core.executor.runner
