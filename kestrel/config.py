@@ -168,6 +168,11 @@ class CacheConfig:
              "blocks are not copied). The default is a cost model's: a copy costs ~2-5 us a token (28-128 KiB of "
              "KV a token at ~25 GB/s pinned PCIe) against ~20-100 us to prefill it (0.6-8B models on one H100), "
              "and a step that loads is not pipelined (~1 ms), repaid past ~100 tokens: 256 leaves a margin")
+    kv_offloading_save: str = _f(
+        "evict", "when the host KV tier copies a full prefix block: evict (as the device pool reallocates it: no "
+                 "copy of a block the device never evicts, but the step that takes the block waits for its copy) "
+                 "or free (as its last request lets go of it: the copy runs beside later forwards, and the eviction "
+                 "finds it saved)", choices=["evict", "free"])
     num_state_snapshots: int | None = _f(None, "with prefix caching, for models whose layers keep a per-request "
                                                "recurrent state (Kimi Linear): states saved at block boundaries "
                                                "for prefix hits, taken from the KV-cache memory; default "

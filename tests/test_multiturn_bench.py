@@ -20,7 +20,9 @@ def test_host_tier_serves_returning_turns(tmp_path):
     main(["--shape", str(tmp_path), "--conversations", "6", "--turns", "3", "--first-min", "200", "--first-max", "300",
           "--user-len", "20", "--output-len", "4", "--concurrency", "2", "--max-model-len", "1024", "--vocab", "500",
           "--json", str(out)])
-    tier, none = json.loads(out.read_text())["rows"]
-    assert tier["config"] == "host tier" and none["config"] == "no tier"
-    assert tier["returning_cached_tokens"] >= 6 * 2 * 192 and none["returning_cached_tokens"] == 0
-    assert tier["final_context_mean"] == none["final_context_mean"]
+    evict, free, none = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in (evict, free, none)] == ["host tier, save at evict", "host tier, save at free",
+                                                          "no tier"]
+    for tier in (evict, free):
+        assert tier["returning_cached_tokens"] >= 6 * 2 * 192 and tier["final_context_mean"] == none["final_context_mean"]
+    assert none["returning_cached_tokens"] == 0

@@ -96,6 +96,11 @@ class KVConnector:
         """The device reallocates `index` (a block id, or a state snapshot slot), which held the prefix entry
         `key` (group id, block hash)."""
 
+    def on_free(self, key: tuple[int, bytes], index: int) -> None:
+        """Block `index`, holding the prefix entry `key`, lost its last user: it stays cached on the device until
+        reallocated (on_evict). A tier that saves ahead of eviction copies it now, off the critical path: nothing
+        writes the block before it is reallocated, and the eviction then has nothing left to copy."""
+
     def build_connector_meta(self) -> KVConnectorMeta | None:
         """The transfers since the last call (None: nothing to do), for the next step."""
         return None

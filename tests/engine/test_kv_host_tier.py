@@ -93,6 +93,27 @@ def test_evicted_blocks_are_saved_and_a_host_hit_loads_them_back():
     assert meta.saves and not loaded & {s for _, _, s in meta.saves}
 
 
+def test_save_on_free_copies_a_finished_prefix_at_once_and_its_eviction_copies_nothing():
+    """--kv-offloading-save free: a's full blocks are saved as a finishes (the copy runs beside later forwards);
+    when b's allocation evicts them, nothing is copied again, and a host hit loads them back as before."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    tier = HostTierConnector({ROWS: (10 * 64, 64)}, HostTierConnector.single(1, 1).unit_of, save_on_free=True)
+    kv.set_connector(tier)
+    a = list(range(100, 109))
+    run_prompt(kv, req("a", a))
+    a_blocks = {key: b.block_id for key, b in kv.pool.cached.items()}
+    meta = kv.build_connector_meta()
+    assert sorted(b for _, b, _ in meta.saves) == sorted(a_blocks.values()) and not meta.loads
+    run_prompt(kv, req("b", range(200, 216)))  # evicts a's blocks; b's own 4 are saved as b finishes
+    meta = kv.build_connector_meta()
+    b_blocks = [blk.block_id for key, blk in kv.pool.cached.items() if key not in a_blocks]
+    assert len(b_blocks) == 4 and sorted(b for _, b, _ in meta.saves) == sorted(b_blocks)  # b's only
+    assert tier.saved_blocks == 2 + 4  # each block once: none at a's eviction
+    again = req("a2", a)
+    computed, hit = kv.get_computed_blocks(again)
+    assert hit == 8 and all(isinstance(b, TierHit) for b in computed[0])
+
+
 def test_no_connector_no_host_hit_and_reset_clears_the_tier():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = list(range(100, 109))

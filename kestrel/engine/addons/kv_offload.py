@@ -82,7 +82,8 @@ class KVOffload(EngineAddon):
         groups, kv = core.executor.kv_cache_groups, core.kv
         units = tier_units(groups, len(kv.pool.blocks), host_tier_bytes(size, core.config.parallel.tensor_parallel_size))
         unit_of = [m.tier_unit for m in kv.managers]
-        connector = HostTierConnector(units, unit_of, cls._disk_tier(core.config, groups, units, unit_of))
+        connector = HostTierConnector(units, unit_of, cls._disk_tier(core.config, groups, units, unit_of),
+                                      save_on_free=core.config.cache.kv_offloading_save == "free")
         empty = [f"{e} bytes" for u, (_, e) in units.items() if not connector.pools[u].num_slots]
         if empty:
             raise ConfigError(f"--kv-offloading-size {size} GiB holds no KV-cache entry of {', '.join(empty)}")

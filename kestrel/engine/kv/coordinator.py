@@ -83,6 +83,7 @@ class KVCacheManager:
         manager's lookups and every pool's evictions."""
         self.connector = connector
         self.pool.on_evict = connector.on_evict  # a block id is its index in the ROWS unit
+        self.pool.on_free = connector.on_free
         for m in self.managers:
             m.set_tier(connector)
 

@@ -48,8 +48,9 @@ class BlockPool:
         self.null_block = self.blocks[0] if reserve_null else None
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))  # head: evict first
         self.cached: dict[tuple[int, bytes], KVBlock] = {}
-        # (key, block id) -> None: told when a registered block is reallocated (a KV tier saves it)
-        self.on_evict = None
+        # (key, block id) -> None: told when a registered block is reallocated (a KV tier saves it), and when one
+        # loses its last user (a KV tier may save it then, ahead of the eviction)
+        self.on_evict = self.on_free = None
 
     @property
     def num_blocks(self) -> int:
@@ -98,6 +99,8 @@ class BlockPool:
             assert b.ref_cnt >= 0, f"block {b.block_id} released twice"
             if b.ref_cnt == 0:
                 self.free[b.block_id] = None
+                if self.on_free is not None and b.block_hash is not None and self.cached.get(b.block_hash) is b:
+                    self.on_free(b.block_hash, b.block_id)
 
     def cache(self, block: KVBlock, key: tuple[int, bytes]) -> None:
         if block.block_hash is None and key not in self.cached and block is not self.null_block:
