@@ -144,15 +144,33 @@ def make_qwen3_vl_moe(root: Path, seed: int = 0, name: str = "qwen3_vl_moe", **t
     return _make_qwen_vl(root, "qwen3_vl_moe", seed, name, vision, text)
 
 
+def make_qwen3_5_vl(root: Path, seed: int = 0, name: str = "qwen3_5_vl", moe: bool = False,
+                     **text_overrides) -> Path:
+    """Tiny Qwen3.5 (or, `moe`, Qwen3.5-MoE) with its vision tower: make_qwen3_vl's tower without DeepStack and the
+    Gated DeltaNet hybrid of tests/tiny.py (layers 0-2 GDN, layer 3 gated attention with partial RoPE 0.25 on heads
+    of 32: 4 rotary frequencies, interleaved M-RoPE rows t, h, w, t)."""
+    from tests.tiny import _GDN, _GDN_MOE
+
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, hidden_act="gelu_pytorch_tanh")
+    text = {**_GDN, **(_GDN_MOE if moe else {}), "mrope_interleaved": True, "partial_rotary_factor": 0.25,
+            **text_overrides}
+    return _make_qwen_vl(root, "qwen3_5_moe" if moe else "qwen3_5", seed, name, vision, text)
+
+
 def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
     from tokenizers import AddedToken
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                              Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                              Qwen3VLMoeForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     config_cls, model_cls = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
                              "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)}[kind]
+                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration),
+                             "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+                             "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)}[kind]
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
                                                           for t in QWEN_VL_TOKENS]})
@@ -163,10 +181,11 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
                                           patch_size=patch, temporal_patch_size=2, merge_size=2)
     vocab = len(tok)
     section = text_overrides.pop("mrope_section", [2, 3, 3])
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    rope.update({k: text_overrides.pop(k) for k in ("mrope_interleaved", "partial_rotary_factor") if k in text_overrides})
     text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_parameters=rope),
             **text_overrides}
     vision = {**vision, "out_hidden_size": text["hidden_size"]}
     cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -200,7 +219,8 @@ def qwen_vl_processor(path: Path):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor}[kind]
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor,
+           "qwen3_5": Qwen3VLProcessor, "qwen3_5_moe": Qwen3VLProcessor}[kind]
     proc = cls.__new__(cls)
     tok = AutoTokenizer.from_pretrained(path)
     proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)

@@ -111,7 +111,7 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
                     tower.append((name, t))
                     continue
                 rest = name[len("language_model."):]
-                yield rest if rest.startswith("lm_head.") else "model." + rest, t
+                yield rest if rest.startswith(("lm_head.", "mtp.")) else "model." + rest, t
         loaded = self.language_model.load_weights(self.text_weights(text()))
         return loaded | load_named_weights(self.visual, tower, self.packed_modules, strip="visual.")
 
@@ -123,7 +123,8 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
 # checkpoint prefixes, both layouts (the released one: model.layers / visual / lm_head; transformers 5's own:
 # model.language_model / model.visual) -> our modules
 _PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
-             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."))
+             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."),
+             ("mtp.", "language_model.mtp."))  # Qwen3.5's multi-token-prediction head: its decoder's loader skips it
 
 
 def our_name(name: str) -> str:
