@@ -2,6 +2,7 @@
 template) saved as HF folders, built from transformers configs only (no hub)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -207,14 +208,24 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
     model.save_pretrained(out)
     tok.save_pretrained(out)
     image_proc.save_pretrained(out)
+    # the video processor's settings (transformers' Qwen2VL/Qwen3VLVideoProcessor read them): small frames
+    video_type = "Qwen2VLVideoProcessor" if kind == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    unit = (2 * patch) ** 2
+    video_cfg = {"video_processor_type": video_type, "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
+                 "size": {"shortest_edge": unit * 4, "longest_edge": unit * (12 if kind == "qwen2_5_vl" else 24)}}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
     return out
 
 
-def qwen_vl_processor(path: Path):
-    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
-    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts."""
-    import json
+VIDEO_STYLES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_vl",
+                "qwen3_5_moe": "qwen3_vl"}
 
+
+def qwen_vl_processor(path: Path, video: bool = False):
+    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
+    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts.
+    `video`: with kestrel's video processor (kestrel/frontend/qwen_video.py) in its place, for transformers' text
+    expansion of video prompts."""
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -228,4 +239,9 @@ def qwen_vl_processor(path: Path):
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
     proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    if video:  # kestrel's torchvision-free twin of the checkpoint's video processor
+        from kestrel.frontend.qwen_video import QwenVideoProcessor
+
+        proc.video_processor = QwenVideoProcessor.from_pretrained(str(path), VIDEO_STYLES[kind])
     return proc

@@ -38,14 +38,24 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
         raise InvalidRequest("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", param="prompt")
     text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
     mm = prompt.get("multi_modal_data") or {}
-    unknown = set(mm) - {"image"}
+    unknown = set(mm) - {"image", "video"}
     if unknown:
-        raise InvalidRequest(f"unsupported modalities {sorted(unknown)}; only 'image'", param="multi_modal_data")
+        raise InvalidRequest(f"unsupported modalities {sorted(unknown)}; only 'image' and 'video'",
+                             param="multi_modal_data")
     images = mm.get("image")
     if images is None:
         return text, []
     from kestrel.frontend.mm_processor import as_image_list
     return text, as_image_list(images)
+
+
+def prompt_videos(prompt) -> list:
+    """A prompt dict's videos as [(frames, metadata or None)] (vLLM's `multi_modal_data: {"video": ...}`)."""
+    videos = (prompt.get("multi_modal_data") or {}).get("video") if isinstance(prompt, dict) else None
+    if videos is None:
+        return []
+    from kestrel.frontend.mm_processor import as_video_list
+    return as_video_list(videos)
 
 
 @dataclass
@@ -252,13 +262,14 @@ class InputProcessor:
             return prompt
         add_special_tokens = prompt.get("add_special_tokens", True)
         text, images = split_prompt(prompt)
-        if not images:
+        videos = prompt_videos(prompt)
+        if not images and not videos:
             return prompt
         if self.mm is None:
             raise InvalidRequest(self.images_refused(), param="multi_modal_data")
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-        ids, extras = self.mm.process(text, images, add_special_tokens)
+        ids, extras = self.mm.process(text, images, add_special_tokens, videos=videos)
         if self.max_num_batched_tokens:  # the engine's rule, checked here too to answer 400 before sending
             extras.check_step_budget(self.max_num_batched_tokens)
         return ProcessedPrompt(ids, extras, text)

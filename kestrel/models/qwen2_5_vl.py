@@ -53,11 +53,43 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
     @classmethod
     def position_scheme(cls, hf_config) -> MRoPE:
         merge = hf_config.vision_config.spatial_merge_size
+        per_second = getattr(hf_config.vision_config, "tokens_per_second", 1)
 
         def grid(feature) -> tuple[int, int, int]:
             t, h, w = image_grid({"image_grid_thw": feature.data["image_grid_thw"].to_tensor()})
             return t, h // merge, w // merge
-        return MRoPE(grid)
+
+        def time_step(feature) -> float:
+            """A video's temporal positions per frame group: its seconds per group x tokens_per_second."""
+            seconds = feature.data.get("second_per_grid_t")
+            return 1.0 if seconds is None else float(seconds.to_tensor()) * per_second
+        return MRoPE(grid, time_step)
+
+    # ---- videos (the processor's frames -> one placeholder run per video)
+    video_style = "qwen2_vl"  # kestrel/frontend/qwen_video.py: transformers' Qwen2VLVideoProcessor
+
+    @staticmethod
+    def video_replacements(hf_config, processed: dict, tokens: dict[str, str]) -> list[str]:
+        """Each video's placeholder text, as transformers' Qwen2.5-VL processor writes it (one video token per
+        merged patch); sets `second_per_grid_ts` (seconds per temporal patch: temporal_patch_size / sampled fps)."""
+        merge = hf_config.vision_config.spatial_merge_size ** 2
+        temporal = hf_config.vision_config.temporal_patch_size
+        processed["second_per_grid_ts"] = torch.tensor([temporal / m.sampled_fps for m in processed["video_metadata"]])
+        return [tokens["video"] * int(g.prod() // merge) for g in processed["video_grid_thw"]]
+
+    @staticmethod
+    def split_videos(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        """Each video as the tower reads an image of t > 1 frame groups, with its seconds per group."""
+        out, start = [], 0
+        seconds = processed.get("second_per_grid_ts")
+        for i, g in enumerate(processed["video_grid_thw"]):
+            n = int(g.prod())
+            video = {"pixel_values": processed["pixel_values_videos"][start:start + n], "image_grid_thw": g}
+            if seconds is not None:
+                video["second_per_grid_t"] = torch.as_tensor(seconds[i], dtype=torch.float32).reshape(1)
+            out.append(video)
+            start += n
+        return out
 
     # ---- frontend side
     @staticmethod

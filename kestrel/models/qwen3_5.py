@@ -8,7 +8,7 @@ from kestrel.models.gated_deltanet import GATED_QKV, HybridWeights, mrope_mixer
 from kestrel.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kestrel.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from kestrel.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
-from kestrel.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from kestrel.models.qwen3_vl import FrameVideos, Qwen3VLForConditionalGeneration
 from kestrel.models.vision.qwen3_vit import Qwen3VisionTransformer
 
 
@@ -32,7 +32,7 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     decoder_layer_cls = Qwen3_5MoeDecoderLayer
 
 
-class Qwen3_5ForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+class Qwen3_5ForConditionalGeneration(FrameVideos, Qwen2_5_VLForConditionalGeneration):
     text_model_cls = Qwen3_5ForCausalLM
     tower_cls = Qwen3VisionTransformer  # no deepstack_visual_indexes in its config: no DeepStack levels
     max_pixels = Qwen3VLForConditionalGeneration.max_pixels
