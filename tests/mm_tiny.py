@@ -245,3 +245,70 @@ def qwen_vl_processor(path: Path, video: bool = False):
 
         proc.video_processor = QwenVideoProcessor.from_pretrained(str(path), VIDEO_STYLES[kind])
     return proc
+
+
+GLM4V_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                "<|video|>"]
+
+
+def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe") -> Path:
+    """Tiny GLM-4.5V (`glm4v_moe`): a 2-block GLM-4.xV tower (14-pixel patches, a 6x6 learned position grid, qkv
+    bias) and a 2-layer GLM-4-MoE decoder (layer 0 dense, layer 1 MoE: 4 experts top-2 + a shared expert) with
+    heads of 32, half of them rotating by sectioned M-RoPE [2, 3, 3]. Its image processor is saved alone (the
+    video processor needs torchvision); glm4v_processor() rebuilds transformers' processor over it."""
+    from tokenizers import AddedToken
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t in GLM4V_TOKENS]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_TOKENS}
+    image_proc = Glm4vImageProcessorPil(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 30},
+                                        patch_size=14, temporal_patch_size=2, merge_size=2)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=1024, moe_intermediate_size=32, n_routed_experts=4,
+                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=14, image_size=84,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, attention_bias=True)
+    cfg = Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                         video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                         image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
+                         video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False)
+    model = Glm4vMoeForConditionalGeneration(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "self_attn" in pname or "merger" in pname or "downsample" in pname:
+                p.normal_(0, 0.3)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+    out = root / name
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_proc.save_pretrained(out)
+    return out
+
+
+def glm4v_processor(path: Path):
+    """transformers' Glm4vProcessor over the checkpoint's tokenizer and image processor, without its video
+    processor (torchvision): its text expansion and outputs for image prompts."""
+    from transformers import AutoTokenizer, Glm4vProcessor
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    proc = Glm4vProcessor.__new__(Glm4vProcessor)
+    tok = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer, proc.image_processor = tok, Glm4vImageProcessorPil.from_pretrained(path)
+    proc.chat_template = None
+    proc.image_token, proc.video_token = "<|image|>", "<|video|>"
+    proc.image_token_id, proc.video_token_id = (tok.convert_tokens_to_ids(t) for t in ("<|image|>", "<|video|>"))
+    proc.video_start_id, proc.video_end_id = (tok.convert_tokens_to_ids(t)
+                                              for t in ("<|begin_of_video|>", "<|end_of_video|>"))
+    return proc

@@ -116,7 +116,7 @@ class MultiModalProcessor:
             if n > self.limit_per_prompt:
                 raise InvalidRequest(f"{n} {what} in one prompt; at most {self.limit_per_prompt} are allowed "
                                      f"(--limit-mm-per-prompt)", param="multi_modal_data")
-        if videos and not hasattr(self.model_cls, "split_videos"):
+        if videos and getattr(self.model_cls, "video_style", None) is None:
             raise InvalidRequest("this model does not take videos", param="multi_modal_data")
         video_kw = {}
         if videos:

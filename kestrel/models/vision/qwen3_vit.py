@@ -18,7 +18,7 @@ class Qwen3VisionBlock(VisionBlock):
     def mlp_cls(ctx, prefix: str, cfg) -> nn.Module:
         return VisionMLP(ctx, prefix, cfg, ("linear_fc1", "linear_fc2"))
 
-    def norm(self, ctx, size: int) -> nn.Module:
+    def norm(self, ctx, size: int, cfg) -> nn.Module:
         return nn.LayerNorm(size, eps=1e-6, dtype=ctx.dtype)
 
 
