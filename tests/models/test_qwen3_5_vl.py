@@ -2,7 +2,7 @@
 transformers on tiny random checkpoints with transformers' own processor (CPU float32): prompt token ids and greedy
 tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes; the prompt's
 M-RoPE positions equal get_rope_index's; chunked prefill cutting through the images (the GDN state carried across
-the cut) gives the same tokens."""
+the cut) gives the same tokens; a 4-frame video too."""
 from __future__ import annotations
 
 import numpy as np
@@ -84,3 +84,19 @@ def test_chunked_prefill_through_images(path, images, reference):
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS[1:]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference[1:]]
     assert len(inside) >= 2
+
+
+def test_a_video_matches_transformers(path):
+    """A 4-frame video (Qwen3-VL's processor style: per-frame-group timestamps, one feature per group) through
+    kestrel/frontend/qwen_video.py: prompt ids and greedy tokens equal transformers' on the same pixels."""
+    from transformers import AutoModelForImageTextToText
+
+    frames = np.random.default_rng(0).integers(0, 256, (4, 70, 100, 3), dtype=np.uint8)
+    text = "watch <|vision_start|><|video_pad|><|vision_end|> what happens"
+    enc = qwen_vl_processor(path, video=True)(text=[text], videos=[frames], return_tensors="pt")
+    enc.pop("video_metadata", None)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    ref = model.generate(**enc, max_new_tokens=N, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    out = LLM(str(path), progress=False).generate({"prompt": text, "multi_modal_data": {"video": frames}}, GREEDY)[0]
+    assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == ref
