@@ -88,6 +88,8 @@ class MultiModalProcessor:
                                                                 str(e).strip().splitlines()[0], trust_remote_code,
                                                                 processor_kwargs)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        video_id = getattr(hf_config, "video_token_id", None)  # None: the model takes no videos
+        self.video_token = None if video_id is None else self.processor.tokenizer.convert_ids_to_tokens(video_id)
         self.pixel_dtype: torch.dtype | None = None  # set by a server: the engine's model dtype (see _features)
         self._owner = threading.get_ident()  # the thread that may use self.processor itself
         self._copies = threading.local()

@@ -109,3 +109,15 @@ def test_video_pixels_match_transformers_video_processor(path):  # pragma: no co
         b = ours([frames], **kw)
         assert torch.equal(a["video_grid_thw"], b["video_grid_thw"])
         torch.testing.assert_close(a["pixel_values_videos"], b["pixel_values_videos"], atol=2e-2, rtol=0)
+
+
+def test_chat_with_a_video(path):
+    """A chat message's video part: the template's video token, expanded as transformers' processor does."""
+    frames, meta = videos()[0]
+    llm = LLM(str(path), progress=False)
+    out = llm.chat([{"role": "user", "content": [{"type": "video", "video": frames},
+                                                  {"type": "text", "text": "what happens"}]}],
+                   SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    text = f"<|im_start|>user\n{VID}what happens<|im_end|>\n<|im_start|>assistant\n"
+    ref = qwen_vl_processor(path, video=True)(text=[text], videos=[frames], return_tensors="pt")
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
