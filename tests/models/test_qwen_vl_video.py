@@ -121,3 +121,14 @@ def test_chat_with_a_video(path):
     text = f"<|im_start|>user\n{VID}what happens<|im_end|>\n<|im_start|>assistant\n"
     ref = qwen_vl_processor(path, video=True)(text=[text], videos=[frames], return_tensors="pt")
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+
+
+def test_prefix_cache_hit_on_a_repeated_video(path, reference):
+    llm = LLM(str(path), progress=False, block_size=4)
+    first = llm.generate([request(*PROMPTS[0])], GREEDY)[0]
+    again = llm.generate([request(*PROMPTS[0])], GREEDY)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reference[0][1]
+    assert again.num_cached_tokens >= len(reference[0][0]) - 4
+    other = llm.generate([request(PROMPTS[0][0], 1, None)], GREEDY)[0]  # another video in the same place: no hit
+    first_frame = reference[0][0].index(llm.engine.input_processor.mm.hf_config.video_token_id)  # past its start
+    assert other.num_cached_tokens <= first_frame
