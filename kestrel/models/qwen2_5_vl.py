@@ -120,7 +120,13 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
         return {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": torch.tensor([1, side, side])}
 
     def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.visual(image["pixel_values"], image_grid(image))
+        """A video's frame groups one at a time: the towers attend within a frame group only, so this is the
+        whole video's encoding at one frame group's peak memory (what the memory profile's largest image holds)."""
+        t, h, w = image_grid(image)
+        pixels = image["pixel_values"]
+        if t == 1:
+            return self.visual(pixels, (t, h, w))
+        return torch.cat([self.visual(pixels[i * h * w:(i + 1) * h * w], (1, h, w)) for i in range(t)])
 
     def lora_module_name(self, path: str) -> str | None:
         """An adapter's module path -> our decoder layer's name; a tower module keeps its name (no LoRA layer has it:
