@@ -103,25 +103,26 @@ class QwenVideoProcessor:
         """`style`: "qwen2_vl" or "qwen3_vl" (resize rule, sampling, defaults); `settings` override the
         defaults (a checkpoint's video_preprocessor_config.json, --mm-processor-kwargs)."""
         cfg = {**DEFAULTS[style], **{k: v for k, v in settings.items() if k in DEFAULTS[style]}}
-        if settings.get("min_pixels") is not None:
-            cfg["size"] = {**cfg["size"], "shortest_edge": settings["min_pixels"]}
-        if settings.get("max_pixels") is not None:
-            cfg["size"] = {**cfg["size"], "longest_edge": settings["max_pixels"]}
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if style == "qwen2_vl" and settings.get(key) is not None:  # Qwen3VLVideoProcessor ignores them
+                cfg["size"] = {**cfg["size"], edge: settings[key]}
         self.style = style
         self.__dict__.update(cfg)
         self.rescale_factor = settings.get("rescale_factor", 1 / 255)
 
     @classmethod
     def from_pretrained(cls, path: str, style: str, **overrides) -> "QwenVideoProcessor":
-        """The checkpoint's video_preprocessor_config.json where it has one; else its image processor's patch
-        sizes (the tower's) over the style's video defaults."""
+        """The checkpoint's settings where transformers reads them, first found: processor_config.json's
+        "video_processor", video_preprocessor_config.json, then preprocessor_config.json (the image processor's,
+        as released Qwen2.5-VL checkpoints have only that)."""
         folder = Path(path)
         settings: dict = {}
-        if (folder / "video_preprocessor_config.json").exists():
-            settings = json.loads((folder / "video_preprocessor_config.json").read_text())
-        elif (folder / "preprocessor_config.json").exists():
-            image = json.loads((folder / "preprocessor_config.json").read_text())
-            settings = {k: image[k] for k in ("patch_size", "temporal_patch_size", "merge_size") if k in image}
+        nested = folder / "processor_config.json"
+        if nested.exists():
+            settings = json.loads(nested.read_text()).get("video_processor") or {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if not settings and (folder / name).exists():
+                settings = json.loads((folder / name).read_text())
         return cls(style, **{**settings, **overrides})
 
     def sample(self, frames: np.ndarray, meta: VideoMetadata) -> tuple[np.ndarray, VideoMetadata]:

@@ -132,3 +132,24 @@ def test_prefix_cache_hit_on_a_repeated_video(path, reference):
     other = llm.generate([request(PROMPTS[0][0], 1, None)], GREEDY)[0]  # another video in the same place: no hit
     first_frame = reference[0][0].index(llm.engine.input_processor.mm.hf_config.video_token_id)  # past its start
     assert other.num_cached_tokens <= first_frame
+
+
+def test_video_processor_settings_and_sampling(tmp_path):
+    """Settings as transformers reads them (a checkpoint with only preprocessor_config.json: the image processor's
+    min/max_pixels bound Qwen2-VL's frames too); Qwen3-VL's sampling: 2 frames a second of the source, at least 4,
+    evenly spaced with both ends (8 frames at 24 fps -> frames 0, 2, 5, 7)."""
+    import json
+
+    from kestrel.frontend.qwen_video import QwenVideoProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12845056,
+                                                                   "patch_size": 14}))
+    proc = QwenVideoProcessor.from_pretrained(str(tmp_path), "qwen2_vl")
+    assert proc.size == {"shortest_edge": 3136, "longest_edge": 12845056} and proc.patch_size == 14
+    qwen3 = QwenVideoProcessor("qwen3_vl", size={"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64})
+    out = qwen3([np.zeros((8, 64, 64, 3), dtype=np.uint8)])
+    assert out["video_metadata"][0].frames_indices == [0, 2, 5, 7]
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4]]
+    given = qwen3([np.zeros((8, 64, 64, 3), dtype=np.uint8)], video_metadata=[{"fps": 2.0, "frames_indices":
+                                                                               list(range(0, 16, 2))}])
+    assert given["video_grid_thw"].tolist() == [[4, 4, 4]]  # frames sampled already: all kept
