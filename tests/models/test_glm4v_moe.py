@@ -72,3 +72,13 @@ def test_chunked_prefill_through_images(path, images, reference):
     llm = LLM(str(path), progress=False, max_num_batched_tokens=8, enable_prefix_caching=False)
     outs = llm.generate([request(t, i, images) for t, i in PROMPTS[1:]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference[1:]]
+
+
+def test_prefix_cache_hit_on_a_repeated_image(path, images, reference):
+    llm = LLM(str(path), progress=False, block_size=4)
+    first = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    again = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reference[2][1]
+    assert again.num_cached_tokens >= len(reference[2][0]) - 4
+    other = llm.generate([request(PROMPTS[2][0], [2, 1], images)], GREEDY)[0]
+    assert other.num_cached_tokens < 8

@@ -100,3 +100,14 @@ def test_a_video_matches_transformers(path):
     out = LLM(str(path), progress=False).generate({"prompt": text, "multi_modal_data": {"video": frames}}, GREEDY)[0]
     assert out.prompt_token_ids == enc["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == ref
+
+
+def test_prefix_cache_hit_on_a_repeated_image(path, images, reference):
+    llm = LLM(str(path), progress=False)
+    first = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    again = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reference[2][1]
+    block = llm.engine.config.cache.block_size  # the GDN state is snapshotted at block ends: whole blocks hit
+    assert again.num_cached_tokens == (len(reference[2][0]) - 1) // block * block
+    other = llm.generate([request(PROMPTS[2][0], [2, 1], images)], GREEDY)[0]  # other images in the same places
+    assert other.num_cached_tokens < reference[2][0].index(llm.engine.input_processor.mm.image_token_id) + 1
