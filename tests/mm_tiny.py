@@ -184,7 +184,8 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
     vocab = len(tok)
     section = text_overrides.pop("mrope_section", [2, 3, 3])
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
-    rope.update({k: text_overrides.pop(k) for k in ("mrope_interleaved", "partial_rotary_factor") if k in text_overrides})
+    rope.update({k: text_overrides.pop(k) for k in ("mrope_interleaved", "partial_rotary_factor")
+                 if k in text_overrides})
     text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_parameters=rope),

@@ -61,19 +61,32 @@ def as_frames(video) -> np.ndarray:
     return arr.astype(np.uint8, copy=False)
 
 
+def _check_aspect(height: int, width: int) -> None:
+    ratio = max(height, width) / min(height, width)
+    if ratio > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
+
+
+def _fit(height: int, width: int, factor: int, pixels: int, min_pixels: int, max_pixels: int, beta_pixels: int
+         ) -> tuple[int, int]:
+    """Sides rounded to multiples of `factor`; scaled down (floor) when `pixels` (the rounded size's count) exceed
+    max_pixels, up (ceil) when below min_pixels, by sqrt(beta_pixels / bound)."""
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if pixels(h, w) > max_pixels:
+        beta = math.sqrt(beta_pixels / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif pixels(h, w) < min_pixels:
+        beta = math.sqrt(min_pixels / beta_pixels)
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def smart_resize_frame(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's: both sides multiples of `factor`, the frame's pixels within [min_pixels, max_pixels], the aspect
     ratio kept as closely as possible."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
+    _check_aspect(height, width)
+    return _fit(height, width, factor, lambda h, w: h * w, min_pixels, max_pixels, height * width)
 
 
 def smart_resize_video(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
@@ -85,17 +98,9 @@ def smart_resize_video(frames: int, height: int, width: int, temporal: int, fact
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
+    _check_aspect(height, width)
     t = round(frames / temporal) * temporal
-    if t * h * w > max_pixels:
-        beta = math.sqrt(frames * height * width / max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
-    elif t * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
+    return _fit(height, width, factor, lambda h, w: t * h * w, min_pixels, max_pixels, frames * height * width)
 
 
 class QwenVideoProcessor:

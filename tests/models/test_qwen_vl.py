@@ -146,7 +146,7 @@ def test_image_only_processor_without_torchvision(path, images):
     from kestrel.frontend.image_only_processor import ImageOnlyProcessor
 
     assert isinstance(proc, ImageOnlyProcessor)
-    assert proc.video_processor is not None  # videos: kestrel/frontend/qwen_video.py (tests/models/test_qwen_vl_video.py)
+    assert proc.video_processor is not None  # kestrel/frontend/qwen_video.py (tests/models/test_qwen_vl_video.py)
     no_video = ImageOnlyProcessor(proc.tokenizer, proc.image_processor, proc.image_token, proc.count_tokens, proc.why)
     with pytest.raises(InvalidRequest, match="videos need the model's full processor.*orchvision"):
         no_video(text=["x"], videos=[[images[0]]])

@@ -1,8 +1,8 @@
 """Qwen3-VL's vision tower: Qwen2.5-VL's (kestrel/models/vision/qwen_vit.py) with a conv3d bias, learned position
 embeddings (a square grid resampled bilinearly to each image's patch grid) added to the patches, LayerNorm and a
-GELU MLP in every block, full attention per frame everywhere (no windows), and DeepStack (not in Qwen3.5's): the patches after the
-blocks of `deepstack_visual_indexes` go through mergers of their own (LayerNorm after the 2x2 shuffle), whose
-outputs the decoder adds to its first layers' outputs at the image's rows."""
+GELU MLP in every block, full attention per frame everywhere (no windows), and DeepStack (not in Qwen3.5's): the
+patches after the blocks of `deepstack_visual_indexes` go through mergers of their own (LayerNorm after the 2x2
+shuffle), whose outputs the decoder adds to its first layers' outputs at the image's rows."""
 from __future__ import annotations
 
 import torch
