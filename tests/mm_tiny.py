@@ -253,13 +253,15 @@ GLM4V_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_
                 "<|video|>"]
 
 
-def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe") -> Path:
+def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe", glm46v: bool = False) -> Path:
     """Tiny GLM-4.5V (`glm4v_moe`): a 2-block GLM-4.xV tower (14-pixel patches, a 6x6 learned position grid, qkv
     bias) and a 2-layer GLM-4-MoE decoder (layer 0 dense, layer 1 MoE: 4 experts top-2 + a shared expert) with
     heads of 32, half of them rotating by sectioned M-RoPE [2, 3, 3]. Its image processor is saved alone (the
-    video processor needs torchvision); glm4v_processor() rebuilds transformers' processor over it."""
+    video processor needs torchvision); glm4v_processor() rebuilds transformers' processor over it. `glm46v`:
+    transformers' `glm46v` layout (Glm46VForConditionalGeneration) with the same tower and MoE text model."""
     from tokenizers import AddedToken
-    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    from transformers import (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration, Glm46VConfig,
+                              Glm46VForConditionalGeneration)
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     tok = make_tokenizer()
@@ -276,11 +278,15 @@ def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe") -> Path:
                                  "partial_rotary_factor": 0.5})
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=14, image_size=84,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, attention_bias=True)
-    cfg = Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+    config_cls, model_cls = Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    if glm46v:
+        config_cls, model_cls = Glm46VConfig, Glm46VForConditionalGeneration
+        text, vision = {**text, "model_type": "glm4v_moe_text"}, {**vision, "model_type": "glm4v_vision"}
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
                          video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
                          image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
                          video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False)
-    model = Glm4vMoeForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     torch.manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -1,4 +1,5 @@
-"""GLM-4.5V / 4.6V (`glm4v_moe`: the GLM-4.xV tower on the GLM-4-MoE decoder with sectioned M-RoPE) against
+"""GLM-4.5V / 4.6V (`glm4v_moe`, and transformers' `glm46v` layout with the MoE text model: the GLM-4.xV tower on
+the GLM-4-MoE decoder with sectioned M-RoPE) against
 transformers on a tiny random checkpoint with transformers' own processor (CPU float32): prompt token ids and greedy
 tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes (one not square:
 the learned position grid sampled at another aspect ratio); the prompt's positions equal get_rope_index's; chunked
@@ -21,9 +22,9 @@ PROMPTS = [("hello world, how are you", []), (f"{IMG}describe this", [0]),
 SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x6x6 patches of 14
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return make_glm4v_moe(tmp_path_factory.mktemp("glm4v_moe"))
+@pytest.fixture(scope="module", params=["glm4v_moe", "glm46v"])
+def path(request, tmp_path_factory):
+    return make_glm4v_moe(tmp_path_factory.mktemp(request.param), glm46v=request.param == "glm46v")
 
 
 @pytest.fixture(scope="module")
