@@ -2,6 +2,7 @@
 template) saved as HF folders, built from transformers configs only (no hub)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,7 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 QWEN_VL_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -144,15 +146,33 @@ def make_qwen3_vl_moe(root: Path, seed: int = 0, name: str = "qwen3_vl_moe", **t
     return _make_qwen_vl(root, "qwen3_vl_moe", seed, name, vision, text)
 
 
+def make_qwen3_5_vl(root: Path, seed: int = 0, name: str = "qwen3_5_vl", moe: bool = False,
+                     **text_overrides) -> Path:
+    """Tiny Qwen3.5 (or, `moe`, Qwen3.5-MoE) with its vision tower: make_qwen3_vl's tower without DeepStack and the
+    Gated DeltaNet hybrid of tests/tiny.py (layers 0-2 GDN, layer 3 gated attention with partial RoPE 0.25 on heads
+    of 32: 4 rotary frequencies, interleaved M-RoPE rows t, h, w, t)."""
+    from tests.tiny import _GDN, _GDN_MOE
+
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=36, hidden_act="gelu_pytorch_tanh")
+    text = {**_GDN, **(_GDN_MOE if moe else {}), "mrope_interleaved": True, "partial_rotary_factor": 0.25,
+            **text_overrides}
+    return _make_qwen_vl(root, "qwen3_5_moe" if moe else "qwen3_5", seed, name, vision, text)
+
+
 def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
     from tokenizers import AddedToken
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                              Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                              Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                              Qwen3VLMoeForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     config_cls, model_cls = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
                              "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
-                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)}[kind]
+                             "qwen3_vl_moe": (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration),
+                             "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+                             "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)}[kind]
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
                                                           for t in QWEN_VL_TOKENS]})
@@ -163,10 +183,12 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
                                           patch_size=patch, temporal_patch_size=2, merge_size=2)
     vocab = len(tok)
     section = text_overrides.pop("mrope_section", [2, 3, 3])
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    rope.update({k: text_overrides.pop(k) for k in ("mrope_interleaved", "partial_rotary_factor")
+                 if k in text_overrides})
     text = {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}),
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_parameters=rope),
             **text_overrides}
     vision = {**vision, "out_hidden_size": text["hidden_size"]}
     cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
@@ -188,19 +210,30 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
     model.save_pretrained(out)
     tok.save_pretrained(out)
     image_proc.save_pretrained(out)
+    # the video processor's settings (transformers' Qwen2VL/Qwen3VLVideoProcessor read them): small frames
+    video_type = "Qwen2VLVideoProcessor" if kind == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    unit = (2 * patch) ** 2
+    video_cfg = {"video_processor_type": video_type, "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
+                 "size": {"shortest_edge": unit * 4, "longest_edge": unit * (12 if kind == "qwen2_5_vl" else 24)}}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
     return out
 
 
-def qwen_vl_processor(path: Path):
-    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
-    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts."""
-    import json
+VIDEO_STYLES = {"qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_vl",
+                "qwen3_5_moe": "qwen3_vl"}
 
+
+def qwen_vl_processor(path: Path, video: bool = False):
+    """transformers' own Qwen-VL processor (by the checkpoint's model type) over the checkpoint's tokenizer and
+    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts.
+    `video`: with kestrel's video processor (kestrel/frontend/qwen_video.py) in its place, for transformers' text
+    expansion of video prompts."""
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor}[kind]
+    cls = {"qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor, "qwen3_vl_moe": Qwen3VLProcessor,
+           "qwen3_5": Qwen3VLProcessor, "qwen3_5_moe": Qwen3VLProcessor}[kind]
     proc = cls.__new__(cls)
     tok = AutoTokenizer.from_pretrained(path)
     proc.tokenizer, proc.image_processor = tok, Qwen2VLImageProcessorPil.from_pretrained(path)
@@ -208,4 +241,82 @@ def qwen_vl_processor(path: Path):
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
     proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    if video:  # kestrel's torchvision-free twin of the checkpoint's video processor
+        from kestrel.frontend.qwen_video import QwenVideoProcessor
+
+        proc.video_processor = QwenVideoProcessor.from_pretrained(str(path), VIDEO_STYLES[kind])
+    return proc
+
+
+GLM4V_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                "<|video|>"]
+
+
+def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe", glm46v: bool = False) -> Path:
+    """Tiny GLM-4.5V (`glm4v_moe`): a 2-block GLM-4.xV tower (14-pixel patches, a 6x6 learned position grid, qkv
+    bias) and a 2-layer GLM-4-MoE decoder (layer 0 dense, layer 1 MoE: 4 experts top-2 + a shared expert) with
+    heads of 32, half of them rotating by sectioned M-RoPE [2, 3, 3]. Its image processor is saved alone (the
+    video processor needs torchvision); glm4v_processor() rebuilds transformers' processor over it. `glm46v`:
+    transformers' `glm46v` layout (Glm46VForConditionalGeneration) with the same tower and MoE text model."""
+    from tokenizers import AddedToken
+    from transformers import (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration, Glm46VConfig,
+                              Glm46VForConditionalGeneration)
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t in GLM4V_TOKENS]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_TOKENS}
+    image_proc = Glm4vImageProcessorPil(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 30},
+                                        patch_size=14, temporal_patch_size=2, merge_size=2)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=1024, moe_intermediate_size=32, n_routed_experts=4,
+                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=14, image_size=84,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, attention_bias=True)
+    config_cls, model_cls = Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    if glm46v:
+        config_cls, model_cls = Glm46VConfig, Glm46VForConditionalGeneration
+        text, vision = {**text, "model_type": "glm4v_moe_text"}, {**vision, "model_type": "glm4v_vision"}
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                         video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                         image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
+                         video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False)
+    model = model_cls(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "self_attn" in pname or "merger" in pname or "downsample" in pname:
+                p.normal_(0, 0.3)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+    out = root / name
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_proc.save_pretrained(out)
+    return out
+
+
+def glm4v_processor(path: Path):
+    """transformers' Glm4vProcessor over the checkpoint's tokenizer and image processor, without its video
+    processor (torchvision): its text expansion and outputs for image prompts."""
+    from transformers import AutoTokenizer, Glm4vProcessor
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    proc = Glm4vProcessor.__new__(Glm4vProcessor)
+    tok = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer, proc.image_processor = tok, Glm4vImageProcessorPil.from_pretrained(path)
+    proc.chat_template = None
+    proc.image_token, proc.video_token = "<|image|>", "<|video|>"
+    proc.image_token_id, proc.video_token_id = (tok.convert_tokens_to_ids(t) for t in ("<|image|>", "<|video|>"))
+    proc.video_start_id, proc.video_end_id = (tok.convert_tokens_to_ids(t)
+                                              for t in ("<|begin_of_video|>", "<|end_of_video|>"))
     return proc

@@ -279,11 +279,12 @@ def kimi_linear_bf16_checkpoint(root: Path, seed: int = 0, tokenizer=None, name:
 
 def qwen3_5_vl_checkpoint(root: Path, moe: bool = False, seed: int = 0, tokenizer=None) -> Path:
     """A tiny Qwen3_5(Moe)ForConditionalGeneration checkpoint: the text model of GDN_CONFIGS (weights perturbed as
-    make_checkpoint does), a one-block vision tower, and two `mtp.*` tensors (the MTP head real checkpoints carry,
-    which transformers does not write), for the text-part loader."""
+    make_checkpoint does), a one-block vision tower with its image processor, and two `mtp.*` tensors (the MTP head
+    real checkpoints carry, which transformers does not write)."""
     from safetensors.torch import load_file, save_file
     from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                               Qwen3_5MoeForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     kind = "qwen3_5_moe" if moe else "qwen3_5"
     text = {**BASE, **GDN_CONFIGS[kind][1]}
@@ -304,6 +305,7 @@ def qwen3_5_vl_checkpoint(root: Path, moe: bool = False, seed: int = 0, tokenize
     out = root / f"{kind}_vl"
     model.save_pretrained(out)
     (tokenizer or make_tokenizer()).save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2).save_pretrained(out)  # image models
     weights = load_file(out / "model.safetensors")
     weights.update({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)})
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})

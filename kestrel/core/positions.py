@@ -61,11 +61,15 @@ ONE_D = PositionScheme()
 
 
 class MRoPE(PositionScheme):
-    """`grid(feature)` -> (t, h, w) of an image in tokens the decoder sees (after the spatial merge)."""
+    """`grid(feature)` -> (t, h, w) of an image in tokens the decoder sees (after the spatial merge);
+    `time_step(feature)`: how far apart a video's frame groups sit on the time row (Qwen2.5-VL: seconds per group x
+    tokens_per_second; group i at floor(i x step)), 1 where not given."""
     rows = 3
 
-    def __init__(self, grid: Callable[[object], tuple[int, int, int]]):
+    def __init__(self, grid: Callable[[object], tuple[int, int, int]],
+                 time_step: Callable[[object], float] | None = None):
         self.grid = grid
+        self.time_step = time_step
 
     def prompt_positions(self, token_ids: Sequence[int], features: Sequence) -> PromptPositions | None:
         if not features:
@@ -79,7 +83,10 @@ class MRoPE(PositionScheme):
             t, h, w = self.grid(f)
             if t * h * w != f.length:
                 raise ValueError(f"an image grid of {t}x{h}x{w} for {f.length} placeholder tokens")
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            times = np.arange(t)
+            if t > 1 and self.time_step is not None:
+                times = np.floor(times * self.time_step(f)).astype(np.int64)
+            tt, hh, ww = np.meshgrid(times, np.arange(h), np.arange(w), indexing="ij")
             out[:, f.offset:f.end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + nxt
             nxt += max(h, w)  # as transformers: the time row does not advance the text after it
             at = f.end

@@ -99,6 +99,8 @@ def resolve_image_parts(messages: list[dict], cfg) -> list[dict]:
             elif kind == "image":
                 count += 1
                 parts.append(part)
+            elif kind == "video":  # frames given in process (LLM.chat): a list of PIL images or [T, H, W, 3]
+                parts.append(part)
             else:
                 raise InvalidRequest(f"content part type {kind!r} is not supported", param=param)
         out.append({**m, "content": parts})

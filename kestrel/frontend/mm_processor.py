@@ -13,6 +13,7 @@ import copy
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from kestrel.core.extras import RequestExtras
@@ -32,6 +33,35 @@ def as_image_list(images, param: str = "multi_modal_data") -> list:
         if not isinstance(im, Image.Image):
             raise InvalidRequest(f"image {i} is a {type(im).__name__}, not a PIL image", param=param)
     return [im if im.mode == "RGB" else im.convert("RGB") for im in imgs]
+
+
+def as_video_list(videos, param: str = "multi_modal_data") -> list[tuple[object, dict | None]]:
+    """vLLM's video forms -> [(frames, metadata or None)]: one video (a list of PIL frames, an array [T, H, W, 3],
+    a list of [H, W, 3] frames, or a (frames, metadata dict) pair) or a list of videos."""
+    from PIL import Image
+
+    def one(v):
+        if isinstance(v, tuple) and len(v) == 2 and (v[1] is None or isinstance(v[1], dict)):
+            return v[0], v[1]
+        return v, None
+
+    def is_video(v) -> bool:
+        v = one(v)[0]
+        if isinstance(v, (list, tuple)):
+            return bool(v) and all(isinstance(f, Image.Image) or getattr(f, "ndim", 0) == 3 for f in v)
+        return getattr(v, "ndim", 0) == 4
+    if is_video(videos):
+        videos = [videos]
+    if not isinstance(videos, (list, tuple)) or not all(is_video(v) for v in videos):
+        raise InvalidRequest("a video is a list of PIL frames, an array [T, H, W, 3] or a (frames, metadata) pair",
+                             param=param)
+    out = []
+    for v in videos:
+        frames, meta = one(v)
+        if isinstance(frames, (list, tuple)) and not isinstance(frames[0], Image.Image):
+            frames = np.stack([np.asarray(f) for f in frames])
+        out.append((frames, meta))
+    return out
 
 
 class MultiModalProcessor:
@@ -58,6 +88,8 @@ class MultiModalProcessor:
                                                                 str(e).strip().splitlines()[0], trust_remote_code,
                                                                 processor_kwargs)
         self.image_token = self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        video_id = getattr(hf_config, "video_token_id", None)  # None: the model takes no videos
+        self.video_token = None if video_id is None else self.processor.tokenizer.convert_ids_to_tokens(video_id)
         self.pixel_dtype: torch.dtype | None = None  # set by a server: the engine's model dtype (see _features)
         self._owner = threading.get_ident()  # the thread that may use self.processor itself
         self._copies = threading.local()
@@ -77,22 +109,38 @@ class MultiModalProcessor:
 
         self.process(f"{self.image_token}\ndescribe", [Image.new("RGB", (64, 48), (127, 127, 127))])
 
-    def process(self, prompt: str, images: list, add_special_tokens: bool = True
+    def process(self, prompt: str, images: list, add_special_tokens: bool = True, videos: list | None = None
                 ) -> tuple[list[int], RequestExtras]:
-        """(token ids, the request's extras: one feature per image in prompt order, the bidirectional prefix
-        length)."""
-        if len(images) > self.limit_per_prompt:
-            raise InvalidRequest(f"{len(images)} images in one prompt; at most {self.limit_per_prompt} are allowed "
-                                 f"(--limit-mm-per-prompt)", param="multi_modal_data")
+        """(token ids, the request's extras: one feature per image (and per video, or per frame group where the
+        model splits a video so: `split_videos`) in prompt order, the bidirectional prefix length). `videos`:
+        [(frames, metadata or None)] (as_video_list)."""
+        for what, n in (("images", len(images)), ("videos", len(videos or []))):
+            if n > self.limit_per_prompt:
+                raise InvalidRequest(f"{n} {what} in one prompt; at most {self.limit_per_prompt} are allowed "
+                                     f"(--limit-mm-per-prompt)", param="multi_modal_data")
+        if videos and getattr(self.model_cls, "video_style", None) is None:
+            raise InvalidRequest("this model does not take videos", param="multi_modal_data")
+        video_kw = {}
+        if videos:
+            video_kw = {"videos": [v for v, _ in videos]}
+            if any(m is not None for _, m in videos):
+                video_kw["video_metadata"] = [m for _, m in videos]
         try:
             enc = self._thread_processor()(text=[prompt], images=[images] if images else None, return_tensors="pt",
-                                           add_special_tokens=add_special_tokens)
+                                           add_special_tokens=add_special_tokens, **video_kw)
+        except InvalidRequest:
+            raise
         except Exception as e:  # the processor's checks (image count vs placeholders, bad pixels) are input errors
             raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e
         ids = enc["input_ids"][0].tolist()
         features: list[MMFeature] = []
         if images:
             features = self._features(ids, enc, len(images))
+        if videos:
+            video_token = getattr(self.hf_config, "video_token_id")
+            per_video = self.model_cls.split_videos(self.hf_config, enc)
+            features = sorted(features + self._features(ids, enc, len(per_video), per_video, video_token, "video"),
+                              key=lambda f: f.offset)
         bidir = 0
         if self.bidirectional_prefix and "token_type_ids" in enc:
             types = enc["token_type_ids"][0]
@@ -100,12 +148,17 @@ class MultiModalProcessor:
             bidir = int(nonzero[0]) if len(nonzero) else len(ids)  # the prefix: token type 0 (image + prompt)
         return ids, RequestExtras(mm_features=features, bidirectional_len=bidir)
 
-    def _features(self, ids: list[int], enc, num_images: int) -> list[MMFeature]:
-        per_image = self.model_cls.split_images(self.hf_config, enc)
+    def _features(self, ids: list[int], enc, num_images: int, per_image: list | None = None,
+                  token_id: int | None = None, modality: str = "image") -> list[MMFeature]:
+        """One feature per item of `per_image` (the model's split of the processor's outputs; its images by
+        default) on the runs of `token_id` (the image placeholder by default)."""
+        if per_image is None:
+            per_image = self.model_cls.split_images(self.hf_config, enc)
         if len(per_image) != num_images:
             raise InvalidRequest(f"{num_images} images given, the processor produced {len(per_image)}",
                                  param="multi_modal_data")
-        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        token_id = self.image_token_id if token_id is None else token_id
+        positions = [i for i, t in enumerate(ids) if t == token_id]
         features, used = [], 0
         for k, data in enumerate(per_image):
             n = self.model_cls.num_image_tokens(self.hf_config, data)
@@ -115,10 +168,10 @@ class MultiModalProcessor:
                                      param="multi_modal_data")
             # the towers cast pixels to the model dtype first, so casting here changes no result and halves what is
             # hashed, sent to the engine core and copied to the device (bf16 vs the processor's float32)
-            tensors = {name: t.to(self.pixel_dtype) if self.pixel_dtype is not None and t.is_floating_point() else t
-                       for name, t in data.items() if torch.is_tensor(t)}
+            tensors = {name: t.to(self.pixel_dtype) if self.pixel_dtype is not None and name.startswith("pixel_values")
+                       else t for name, t in data.items() if torch.is_tensor(t)}
             features.append(MMFeature(run[0], n, hash_tensors(tensors),
-                                      {name: TensorData.from_tensor(t) for name, t in tensors.items()}))
+                                      {name: TensorData.from_tensor(t) for name, t in tensors.items()}, modality))
             used += n
         if used != len(positions):
             raise InvalidRequest(f"the prompt has {len(positions)} image placeholder tokens, the images need {used}",

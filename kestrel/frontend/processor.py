@@ -39,14 +39,24 @@ def split_prompt(prompt) -> tuple[str | list[int], list]:
         raise InvalidRequest("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", param="prompt")
     text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
     mm = prompt.get("multi_modal_data") or {}
-    unknown = set(mm) - {"image"}
+    unknown = set(mm) - {"image", "video"}
     if unknown:
-        raise InvalidRequest(f"unsupported modalities {sorted(unknown)}; only 'image'", param="multi_modal_data")
+        raise InvalidRequest(f"unsupported modalities {sorted(unknown)}; only 'image' and 'video'",
+                             param="multi_modal_data")
     images = mm.get("image")
     if images is None:
         return text, []
     from kestrel.frontend.mm_processor import as_image_list
     return text, as_image_list(images)
+
+
+def prompt_videos(prompt) -> list:
+    """A prompt dict's videos as [(frames, metadata or None)] (vLLM's `multi_modal_data: {"video": ...}`)."""
+    videos = (prompt.get("multi_modal_data") or {}).get("video") if isinstance(prompt, dict) else None
+    if videos is None:
+        return []
+    from kestrel.frontend.mm_processor import as_video_list
+    return as_video_list(videos)
 
 
 @dataclass
@@ -229,30 +239,35 @@ class InputProcessor:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
                     template_kwargs: dict | None = None, tools: list[dict] | None = None,
                     continue_final_message: bool = False) -> str | dict:
-        """Messages (content a string or parts: {"type": "text", "text"} / {"type": "image", "image": PIL image})
-        -> the chat template's text, or with images a prompt dict whose text places one image token per image
-        (the processor expands them)."""
-        images, conv = [], []
+        """Messages (content a string or parts: {"type": "text", "text"} / {"type": "image", "image": PIL image} /
+        {"type": "video", "video": frames}) -> the chat template's text, or with images or videos a prompt dict
+        whose text places one image (video) token per image (video) (the processor expands them)."""
+        media: dict[str, list] = {"image": [], "video": []}
+        conv = []
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
-                imgs = [p["image"] for p in content if p.get("type") == "image"]
-                images += imgs
+                found = [p for p in content if p.get("type") in media]
+                for p in found:
+                    media[p["type"]].append(p[p["type"]])
                 text = [{"type": "text", "text": p.get("text") or ""} for p in content if p.get("type") == "text"]
-                content = ([{"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p["text"]}
-                            for p in content] if imgs else "".join(t["text"] for t in text))
+                content = ([{"type": p["type"]} if p.get("type") in media else {"type": "text", "text": p["text"]}
+                            for p in content] if found else "".join(t["text"] for t in text))
             conv.append({**m, "content": content if content is not None else ""})
-        if images and self.mm is None:
+        images, videos = media["image"], media["video"]
+        if (images or videos) and self.mm is None:
             raise InvalidRequest(self.images_refused(), param="messages")
         text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools,
                                         continue_final_message)
-        if not images:
+        if not images and not videos:
             return text
-        if text.count(self.mm.image_token) != len(images):
-            raise InvalidRequest(f"the chat template placed {text.count(self.mm.image_token)} image tokens for "
-                                 f"{len(images)} images", param="messages")
+        for kind, items, token in (("image", images, self.mm.image_token), ("video", videos, self.mm.video_token)):
+            if items and text.count(token) != len(items):
+                raise InvalidRequest(f"the chat template placed {text.count(token)} {kind} tokens for "
+                                     f"{len(items)} {kind}s", param="messages")
+        data = {k: v for k, v in media.items() if v}
         # the template already holds the special tokens
-        return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}
+        return {"prompt": text, "multi_modal_data": data, "add_special_tokens": False}
 
     def process_images(self, prompt: str | list[int] | dict | ProcessedPrompt
                        ) -> str | list[int] | dict | ProcessedPrompt:
@@ -262,13 +277,14 @@ class InputProcessor:
             return prompt
         add_special_tokens = prompt.get("add_special_tokens", True)
         text, images = split_prompt(prompt)
-        if not images:
+        videos = prompt_videos(prompt)
+        if not images and not videos:
             return prompt
         if self.mm is None:
             raise InvalidRequest(self.images_refused(), param="multi_modal_data")
         if not isinstance(text, str):
             raise InvalidRequest("images need a text prompt (the processor places their tokens)", param="prompt")
-        ids, extras = self.mm.process(text, images, add_special_tokens)
+        ids, extras = self.mm.process(text, images, add_special_tokens, videos=videos)
         if self.max_num_batched_tokens:  # the engine's rule, checked here too to answer 400 before sending
             extras.check_step_budget(self.max_num_batched_tokens)
         return ProcessedPrompt(ids, extras, text)

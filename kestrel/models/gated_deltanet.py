@@ -102,11 +102,24 @@ class GatedAttention(LlamaAttention):
         super().__init__(ctx, prefix, input_norm)  # partial RoPE: LlamaAttention's rope_fraction
 
 
-def hybrid_mixer(ctx: ModelContext, prefix: str, input_norm: nn.Module) -> nn.Module:
-    """The token mixer of layer `prefix` by the config's layer_types (checkpoint name: linear_attn for GDN)."""
+class MRoPEGatedAttention(GatedAttention):
+    """Qwen3.5's full attention: its rotary is interleaved M-RoPE, [11, 11, 10] unless the config says otherwise
+    (transformers' Qwen3.5 rotary; with [T] positions, a text prompt's, it is plain RoPE)."""
+    mrope_default = ([11, 11, 10], True)
+
+
+def hybrid_mixer(ctx: ModelContext, prefix: str, input_norm: nn.Module, attention: type = GatedAttention
+                 ) -> nn.Module:
+    """The token mixer of layer `prefix` by the config's layer_types (checkpoint name: linear_attn for GDN);
+    `attention`: the full-attention layers' class."""
     if ctx.text.layer_types[layer_index(prefix)] == "linear_attention":
         return GatedDeltaNet(ctx, prefix.replace(".self_attn", ".linear_attn"), input_norm)
-    return GatedAttention(ctx, prefix, input_norm)
+    return attention(ctx, prefix, input_norm)
+
+
+def mrope_mixer(ctx: ModelContext, prefix: str, input_norm: nn.Module) -> nn.Module:
+    """hybrid_mixer with Qwen3.5's M-RoPE attention."""
+    return hybrid_mixer(ctx, prefix, input_norm, MRoPEGatedAttention)
 
 
 # the gate rows of gated attention: one more shard of the merged q/k/v projection (kestrel/models/llama.py)

@@ -53,11 +53,43 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
     @classmethod
     def position_scheme(cls, hf_config) -> MRoPE:
         merge = hf_config.vision_config.spatial_merge_size
+        per_second = getattr(hf_config.vision_config, "tokens_per_second", 1)
 
         def grid(feature) -> tuple[int, int, int]:
             t, h, w = image_grid({"image_grid_thw": feature.data["image_grid_thw"].to_tensor()})
             return t, h // merge, w // merge
-        return MRoPE(grid)
+
+        def time_step(feature) -> float:
+            """A video's temporal positions per frame group: its seconds per group x tokens_per_second."""
+            seconds = feature.data.get("second_per_grid_t")
+            return 1.0 if seconds is None else float(seconds.to_tensor()) * per_second
+        return MRoPE(grid, time_step)
+
+    # ---- videos (the processor's frames -> one placeholder run per video)
+    video_style = "qwen2_vl"  # kestrel/frontend/qwen_video.py: transformers' Qwen2VLVideoProcessor
+
+    @staticmethod
+    def video_replacements(hf_config, processed: dict, tokens: dict[str, str]) -> list[str]:
+        """Each video's placeholder text, as transformers' Qwen2.5-VL processor writes it (one video token per
+        merged patch); sets `second_per_grid_ts` (seconds per temporal patch: temporal_patch_size / sampled fps)."""
+        merge = hf_config.vision_config.spatial_merge_size ** 2
+        temporal = hf_config.vision_config.temporal_patch_size
+        processed["second_per_grid_ts"] = torch.tensor([temporal / m.sampled_fps for m in processed["video_metadata"]])
+        return [tokens["video"] * int(g.prod() // merge) for g in processed["video_grid_thw"]]
+
+    @staticmethod
+    def split_videos(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        """Each video as the tower reads an image of t > 1 frame groups, with its seconds per group."""
+        out, start = [], 0
+        seconds = processed.get("second_per_grid_ts")
+        for i, g in enumerate(processed["video_grid_thw"]):
+            n = int(g.prod())
+            video = {"pixel_values": processed["pixel_values_videos"][start:start + n], "image_grid_thw": g}
+            if seconds is not None:
+                video["second_per_grid_t"] = torch.as_tensor(seconds[i], dtype=torch.float32).reshape(1)
+            out.append(video)
+            start += n
+        return out
 
     # ---- frontend side
     @staticmethod
@@ -88,7 +120,13 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
         return {"pixel_values": torch.zeros(side * side, width), "image_grid_thw": torch.tensor([1, side, side])}
 
     def embed_image(self, image: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.visual(image["pixel_values"], image_grid(image))
+        """A video's frame groups one at a time: the towers attend within a frame group only, so this is the
+        whole video's encoding at one frame group's peak memory (what the memory profile's largest image holds)."""
+        t, h, w = image_grid(image)
+        pixels = image["pixel_values"]
+        if t == 1:
+            return self.visual(pixels, (t, h, w))
+        return torch.cat([self.visual(pixels[i * h * w:(i + 1) * h * w], (1, h, w)) for i in range(t)])
 
     def lora_module_name(self, path: str) -> str | None:
         """An adapter's module path -> our decoder layer's name; a tower module keeps its name (no LoRA layer has it:
@@ -111,7 +149,7 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
                     tower.append((name, t))
                     continue
                 rest = name[len("language_model."):]
-                yield rest if rest.startswith("lm_head.") else "model." + rest, t
+                yield rest if rest.startswith(("lm_head.", "mtp.")) else "model." + rest, t
         loaded = self.language_model.load_weights(self.text_weights(text()))
         return loaded | load_named_weights(self.visual, tower, self.packed_modules, strip="visual.")
 
@@ -123,7 +161,8 @@ class Qwen2_5_VLForConditionalGeneration(ImageTextModel, HasPositionScheme):
 # checkpoint prefixes, both layouts (the released one: model.layers / visual / lm_head; transformers 5's own:
 # model.language_model / model.visual) -> our modules
 _PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model."),
-             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."))
+             ("model.", "language_model."), ("lm_head.", "language_model.lm_head."),
+             ("mtp.", "language_model.mtp."))  # Qwen3.5's multi-token-prediction head: its decoder's loader skips it
 
 
 def our_name(name: str) -> str:

@@ -48,7 +48,39 @@ class Qwen3VLMoeTextModel(DeepStack, mrope_decoder(Qwen3VLMoeDecoder, MROPE)):
     pass
 
 
-class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+class FrameVideos:
+    """Videos as Qwen3-VL's processor writes them (Qwen3.5's too): each frame group "<{t:.1f} seconds>" then its own
+    vision-start / placeholders / vision-end, t the mean time of its frames; positions per group as for an image
+    (time row 0). The tower attends within a frame group only, so each group is its own feature of grid
+    (1, h, w): encoding them one by one gives the video's embeddings."""
+    video_style = "qwen3_vl"
+
+    @staticmethod
+    def video_replacements(hf_config, processed: dict, tokens: dict[str, str]) -> list[str]:
+        merge = hf_config.vision_config.spatial_merge_size ** 2
+        temporal = hf_config.vision_config.temporal_patch_size
+        out = []
+        for g, meta in zip(processed["video_grid_thw"], processed["video_metadata"]):
+            idx = list(meta.frames_indices)
+            idx += [idx[-1]] * (-len(idx) % temporal)
+            times = [(idx[i] / meta.fps + idx[i + temporal - 1] / meta.fps) / 2 for i in range(0, len(idx), temporal)]
+            frame = tokens["vision_start"] + tokens["video"] * int(g[1:].prod() // merge) + tokens["vision_end"]
+            out.append("".join(f"<{times[i]:.1f} seconds>{frame}" for i in range(int(g[0]))))
+        return out
+
+    @staticmethod
+    def split_videos(hf_config, processed) -> list[dict[str, torch.Tensor]]:
+        out, start = [], 0
+        for g in processed["video_grid_thw"]:
+            t, hw = int(g[0]), int(g[1:].prod())
+            for _ in range(t):
+                out.append({"pixel_values": processed["pixel_values_videos"][start:start + hw],
+                            "image_grid_thw": torch.tensor([1, int(g[1]), int(g[2])])})
+                start += hw
+        return out
+
+
+class Qwen3VLForConditionalGeneration(FrameVideos, Qwen2_5_VLForConditionalGeneration):
     text_model_cls = Qwen3VLTextModel
     tower_cls = Qwen3VisionTransformer
     max_pixels = 16777216  # Qwen3-VL's processor default longest_edge (4096 x 4096): 256 x 256 patches of 16

@@ -50,6 +50,8 @@ _MODELS = {
     "Qwen2_5_VLForConditionalGeneration": ("kestrel.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
+    "Glm4vMoeForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm4vMoeForConditionalGeneration"),
+    "Glm46VForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm46VForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),

@@ -52,7 +52,9 @@ def test_registered_model_declares_consistently(arch):
 def test_image_models_are_declared():
     declared = {a for a in supported_architectures() if supports_images(get_model_class(a))}
     qwen_vl = {"Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-               "Qwen3VLMoeForConditionalGeneration"}
+               "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+               "Qwen3_5MoeForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+               "Glm46VForConditionalGeneration"}
     assert declared == {"PaliGemmaForConditionalGeneration", "LlavaNextForConditionalGeneration"} | qwen_vl
     schemes = {a for a in supported_architectures() if issubclass(get_model_class(a), HasPositionScheme)}
     assert schemes == qwen_vl

@@ -4,7 +4,7 @@ greedy tokens identical for 16 tokens on a text-only prompt, one image and two i
 token ids (so lengths) equal the processor's; the prompt's M-RoPE positions and rope delta equal get_rope_index's;
 chunked prefill cutting through the images; a prefix-cache hit on a repeated image; n-gram speculative decoding.
 Without torchvision (transformers' Qwen-VL processor then cannot build its video processor) image prompts go
-through the image-only processor, and a video is refused by name."""
+through the image-only processor (videos through kestrel's own video processor)."""
 from __future__ import annotations
 
 import importlib.util
@@ -146,10 +146,12 @@ def test_image_only_processor_without_torchvision(path, images):
     from kestrel.frontend.image_only_processor import ImageOnlyProcessor
 
     assert isinstance(proc, ImageOnlyProcessor)
+    assert proc.video_processor is not None  # kestrel/frontend/qwen_video.py (tests/models/test_qwen_vl_video.py)
+    no_video = ImageOnlyProcessor(proc.tokenizer, proc.image_processor, proc.image_token, proc.count_tokens, proc.why)
     with pytest.raises(InvalidRequest, match="videos need the model's full processor.*orchvision"):
-        proc(text=["x"], videos=[[images[0]]])
-    with pytest.raises(InvalidRequest, match="unsupported modalities"):
-        llm.generate({"prompt": "x", "multi_modal_data": {"video": [images[0]]}}, GREEDY)
+        no_video(text=["x"], videos=[[images[0]]])
+    with pytest.raises(InvalidRequest, match="unsupported modalities \\['audio'\\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"audio": [images[0]]}}, GREEDY)
 
 
 def test_chat_with_an_image(path, images, reference):

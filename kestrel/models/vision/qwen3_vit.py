@@ -1,8 +1,8 @@
 """Qwen3-VL's vision tower: Qwen2.5-VL's (kestrel/models/vision/qwen_vit.py) with a conv3d bias, learned position
 embeddings (a square grid resampled bilinearly to each image's patch grid) added to the patches, LayerNorm and a
-GELU MLP in every block, full attention per frame everywhere (no windows), and DeepStack: the patches after the
-blocks of `deepstack_visual_indexes` go through mergers of their own (LayerNorm after the 2x2 shuffle), whose
-outputs the decoder adds to its first layers' outputs at the image's rows."""
+GELU MLP in every block, full attention per frame everywhere (no windows), and DeepStack (not in Qwen3.5's): the
+patches after the blocks of `deepstack_visual_indexes` go through mergers of their own (LayerNorm after the 2x2
+shuffle), whose outputs the decoder adds to its first layers' outputs at the image's rows."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +18,7 @@ class Qwen3VisionBlock(VisionBlock):
     def mlp_cls(ctx, prefix: str, cfg) -> nn.Module:
         return VisionMLP(ctx, prefix, cfg, ("linear_fc1", "linear_fc2"))
 
-    def norm(self, ctx, size: int) -> nn.Module:
+    def norm(self, ctx, size: int, cfg) -> nn.Module:
         return nn.LayerNorm(size, eps=1e-6, dtype=ctx.dtype)
 
 
@@ -53,7 +53,7 @@ class Qwen3VisionTransformer(nn.Module):
         self.register_buffer("inv_freq", axial_inv_freq(cfg), persistent=False)
         self.blocks = nn.ModuleList(Qwen3VisionBlock(ctx, f"{prefix}.blocks.{i}", cfg) for i in range(cfg.depth))
         self.merger = Qwen3PatchMerger(ctx, f"{prefix}.merger", cfg, postshuffle=False)
-        self.deepstack_layers = list(cfg.deepstack_visual_indexes)
+        self.deepstack_layers = list(getattr(cfg, "deepstack_visual_indexes", None) or [])  # none: Qwen3.5
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(ctx, f"{prefix}.deepstack_merger_list.{i}", cfg, postshuffle=True)
             for i in range(len(self.deepstack_layers)))

@@ -84,11 +84,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, ctx, prefix: str, cfg):
+    def __init__(self, ctx, prefix: str, cfg, inter: int | None = None, bias: bool = True):
+        """`inter`: the hidden width (the config's intermediate_size by default)."""
         super().__init__()
-        h, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj = vision_linear(ctx, h, [inter] * 2, f"{prefix}.gate_up_proj")
-        self.down_proj = vision_linear(ctx, inter, h, f"{prefix}.down_proj")
+        h, inter = cfg.hidden_size, inter or cfg.intermediate_size
+        self.gate_up_proj = vision_linear(ctx, h, [inter] * 2, f"{prefix}.gate_up_proj", bias)
+        self.down_proj = vision_linear(ctx, inter, h, f"{prefix}.down_proj", bias)
         self.act = gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,21 +97,25 @@ class GatedMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm attention over the segments, then the MLP; Qwen2.5-VL's norms and MLP (RMSNorm, SwiGLU), which
-    a tower of another family replaces (`norm`, `mlp_cls`)."""
+    """Pre-norm attention over the segments, then the MLP; Qwen2.5-VL's norms and MLP (RMSNorm, SwiGLU) and
+    biases, which a tower of another family replaces (`norm`, `mlp_cls`, `qkv_bias`, `proj_bias`)."""
     mlp_cls = GatedMLP
+    proj_bias = True
 
-    def norm(self, ctx, size: int) -> nn.Module:
+    def qkv_bias(self, cfg) -> bool:
+        return True
+
+    def norm(self, ctx, size: int, cfg) -> nn.Module:
         return RMSNorm(size, 1e-6, ctx.dtype)
 
     def __init__(self, ctx, prefix: str, cfg):
         super().__init__()
         h = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, h // cfg.num_heads
-        self.norm1, self.norm2 = self.norm(ctx, h), self.norm(ctx, h)
+        self.norm1, self.norm2 = self.norm(ctx, h, cfg), self.norm(ctx, h, cfg)
         self.attn = nn.Module()
-        self.attn.qkv = vision_linear(ctx, h, 3 * h, f"{prefix}.attn.qkv")
-        self.attn.proj = vision_linear(ctx, h, h, f"{prefix}.attn.proj")
+        self.attn.qkv = vision_linear(ctx, h, 3 * h, f"{prefix}.attn.qkv", self.qkv_bias(cfg))
+        self.attn.proj = vision_linear(ctx, h, h, f"{prefix}.attn.proj", self.proj_bias)
         self.mlp = self.mlp_cls(ctx, f"{prefix}.mlp", cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:

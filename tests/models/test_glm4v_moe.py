@@ -1,0 +1,85 @@
+"""GLM-4.5V / 4.6V (`glm4v_moe`, and transformers' `glm46v` layout with the MoE text model: the GLM-4.xV tower on
+the GLM-4-MoE decoder with sectioned M-RoPE) against
+transformers on a tiny random checkpoint with transformers' own processor (CPU float32): prompt token ids and greedy
+tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes (one not square:
+the learned position grid sampled at another aspect ratio); the prompt's positions equal get_rope_index's; chunked
+prefill cutting through the images keeps the tokens; a video is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.errors import InvalidRequest
+from tests.mm_tiny import glm4v_processor, make_glm4v_moe, make_image
+
+N = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+IMG = "<|begin_of_image|><|image|><|end_of_image|>"
+PROMPTS = [("hello world, how are you", []), (f"{IMG}describe this", [0]),
+           (f"first {IMG} then {IMG} compare them", [1, 2])]
+SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x6x6 patches of 14
+
+
+@pytest.fixture(scope="module", params=["glm4v_moe", "glm46v"])
+def path(request, tmp_path_factory):
+    return make_glm4v_moe(tmp_path_factory.mktemp(request.param), glm46v=request.param == "glm46v")
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
+
+
+def request(text, idx, images):
+    return {"prompt": text, "multi_modal_data": {"image": [images[i] for i in idx]}} if idx else text
+
+
+@pytest.fixture(scope="module")
+def reference(path, images):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    proc = glm4v_processor(path)
+    out = []
+    for text, idx in PROMPTS:
+        enc = proc(text=[text], images=[[images[i] for i in idx]] if idx else None, return_tensors="pt")
+        seq = model.generate(**enc, max_new_tokens=N, do_sample=False)
+        positions = None
+        if idx:
+            positions = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
+                                                   image_grid_thw=enc["image_grid_thw"])
+        out.append((enc["input_ids"][0].tolist(), seq[0, enc["input_ids"].shape[1]:].tolist(), positions))
+    return out
+
+
+def test_greedy_and_positions_match_transformers(path, images, reference):
+    llm = LLM(str(path), progress=False)
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [ids for ids, _, _ in reference]
+    assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference]
+    assert len({tuple(t) for _, t, _ in reference}) == len(reference)
+    for (text, idx), (_, _, ref) in zip(PROMPTS[1:], reference[1:]):
+        _, (req,) = llm.engine.input_processor.process("r", request(text, idx, images), GREEDY)
+        assert np.array_equal(req.extras.positions.array(), ref[0][:, 0].numpy())
+        assert req.extras.positions.delta == int(ref[1])
+    frames = np.zeros((4, 56, 56, 3), dtype=np.uint8)
+    with pytest.raises(InvalidRequest, match="does not take videos"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": frames}}, GREEDY)
+
+
+def test_chunked_prefill_through_images(path, images, reference):
+    llm = LLM(str(path), progress=False, max_num_batched_tokens=8, enable_prefix_caching=False)
+    outs = llm.generate([request(t, i, images) for t, i in PROMPTS[1:]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference[1:]]
+
+
+def test_prefix_cache_hit_on_a_repeated_image(path, images, reference):
+    llm = LLM(str(path), progress=False, block_size=4)
+    first = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    again = llm.generate([request(*PROMPTS[2], images)], GREEDY)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == reference[2][1]
+    assert again.num_cached_tokens >= len(reference[2][0]) - 4
+    other = llm.generate([request(PROMPTS[2][0], [2, 1], images)], GREEDY)[0]
+    assert other.num_cached_tokens < 8
