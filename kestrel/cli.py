@@ -238,6 +238,8 @@ def check_ranges(args) -> None:
     from kestrel.errors import ConfigError
 
     ranges = dict(_INT_RANGES, kv_cache_memory=(1, physical_memory()))
+    if getattr(args, "distributed_executor_backend", None) == "ray":  # ranks over the cluster's nodes
+        ranges["tensor_parallel_size"] = (1, None)
     for field, (low, high) in ranges.items():
         values = getattr(args, field, None)
         for value in values if isinstance(values, list) else [values]:

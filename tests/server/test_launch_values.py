@@ -111,6 +111,13 @@ def test_numeric_flag_at_hostile_values(action, server_model, no_server_start, c
         assert any(f.dest == action.dest and f.why.startswith("no effect") for f in COMPAT_FLAGS), flag
 
 
+def test_tensor_parallel_over_a_ray_cluster_is_not_bounded_by_this_machine(server_model, no_server_start, capsys):
+    code, err = run_main(["serve", str(server_model), "-tp", "4096", "--distributed-executor-backend", "ray"], capsys)
+    assert code == 0 and no_server_start["config"].parallel.tensor_parallel_size == 4096, err
+    code, err = run_main(["serve", str(server_model), "-tp", "4096"], capsys)
+    assert code == 2 and "--tensor-parallel-size must be from 1 to" in err, err
+
+
 def test_float_bounds_are_finite_and_usable():
     """The upper bounds of the seconds flags fit threading's and asyncio's waits (threading.TIMEOUT_MAX)."""
     import threading
