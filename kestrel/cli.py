@@ -200,7 +200,7 @@ _CPUS = os.cpu_count() or 1
 _MAX_SEQS = 2**16  # sequences a step (per-sequence buffers are sized by it)
 _MAX_TOKENS = 2**24  # tokens of one context or one step
 _INT_RANGES = {"max_num_seqs": (1, _MAX_SEQS), "max_num_batched_tokens": (1, _MAX_TOKENS), "block_size": (1, 1024),
-               "max_model_len": (1, _MAX_TOKENS), "port": (0, 65535), "tensor_parallel_size": (1, _CPUS),
+               "max_model_len": (1, _MAX_TOKENS), "port": (0, 65535), "tensor_parallel_size": (1, max(8, _CPUS)),
                "data_parallel_size": (1, _CPUS), "engine_restart_limit": (0, None),
                "default_max_tokens": (1, None), "max_request_body_bytes": (1, None),
                "responses_store_size": (0, None), "responses_store_bytes": (1, None), "max_logprobs": (0, None),
@@ -212,7 +212,8 @@ _INT_RANGES = {"max_num_seqs": (1, _MAX_SEQS), "max_num_batched_tokens": (1, _MA
                "max_lora_rank": (1, 1024), "max_loras": (1, 1024), "max_cpu_loras": (1, None),
                "limit_mm_per_prompt": (0, None), "max_image_bytes": (1, None), "max_image_pixels": (1, None)}
 _WHY = {"data_parallel_size": " (one engine-core process each; this machine has that many CPUs)",
-        "tensor_parallel_size": " (one worker process each; this machine has that many CPUs)",
+        "tensor_parallel_size": " (one worker process each; this machine has that many CPUs, or 8; more over a Ray "
+                                "cluster)",
         "image_render_processes": " (processes; this machine has that many CPUs, or 8)"}
 _MAX_SECONDS = 10**7  # about 115 days: "never" in practice; threading's waits take nothing above ~9.2e9
 _POSITIVE_SECONDS = ("engine_hang_timeout", "engine_startup_timeout", "engine_restart_window", "request_timeout",
