@@ -169,12 +169,6 @@ def check_args(args) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_generation_overrides(getattr(args, "override_generation_config", None))
-    workers = getattr(args, "renderer_num_workers", None)
-    if workers is not None and workers < 1:
-        raise ConfigError(f"--renderer-num-workers must be at least 1, got {workers}")
-    procs = getattr(args, "image_render_processes", None)
-    if procs is not None and procs < 0:
-        raise ConfigError(f"--image-render-processes must be 0 or more, got {procs}")
 
 
 def keep_hub_id_as_served_name(args) -> None:
@@ -208,16 +202,46 @@ def check_generation_overrides(overrides: dict | None) -> None:
                           f"(fields: {', '.join(GENERATION_OVERRIDE_FIELDS)})")
 
 
-# launch values out of range start a server that hangs, forks hundreds of engines or never times out: refused at
-# parse time, one line each. field -> (lowest, highest); None: no bound. Floats must also be finite.
-_INT_RANGES = {"max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "block_size": (1, None),
-               "max_model_len": (1, None), "port": (0, 65535), "tensor_parallel_size": (1, None),
-               "data_parallel_size": (1, os.cpu_count() or 1), "engine_restart_limit": (0, None),
+# launch values out of range start a server that hangs, forks hundreds of engines, never times out or fails later
+# with a traceback: refused at parse time, one line each. field -> (lowest, highest); None: no bound. The upper
+# bounds keep each value to what the machine or the engine's buffers can take (a huge --max-num-seqs was an OOM
+# kill). Floats must also be finite. tests/server/test_launch_values.py tries every numeric flag at 0, -1, NaN and
+# a huge value.
+_CPUS = os.cpu_count() or 1
+_MAX_SEQS = 2**16  # sequences a step (per-sequence buffers are sized by it)
+_MAX_TOKENS = 2**24  # tokens of one context or one step
+_INT_RANGES = {"max_num_seqs": (1, _MAX_SEQS), "max_num_batched_tokens": (1, _MAX_TOKENS), "block_size": (1, 1024),
+               "max_model_len": (1, _MAX_TOKENS), "port": (0, 65535), "tensor_parallel_size": (1, max(8, _CPUS)),
+               "data_parallel_size": (1, _CPUS), "engine_restart_limit": (0, None),
                "default_max_tokens": (1, None), "max_request_body_bytes": (1, None),
                "responses_store_size": (0, None), "responses_store_bytes": (1, None), "max_logprobs": (0, None),
-               "num_kv_blocks": (1, None), "max_seqs_per_request": (0, None)}
+               "num_kv_blocks": (1, None), "max_seqs_per_request": (0, None), "seed": (-(2**63), 2**63 - 1),
+               "renderer_num_workers": (1, 1024), "image_render_processes": (0, max(8, _CPUS)),
+               "num_state_snapshots": (0, _MAX_SEQS), "structured_output_threads": (0, 1024),
+               "contended_seqs_per_request": (-1, None), "cpu_threads": (0, 1024),
+               "cuda_graph_sizes": (1, _MAX_SEQS), "cuda_graph_prefill_max_tokens": (0, None),
+               "max_lora_rank": (1, 1024), "max_loras": (1, 1024), "max_cpu_loras": (1, None),
+               "limit_mm_per_prompt": (0, None), "max_image_bytes": (1, None), "max_image_pixels": (1, None)}
+_WHY = {"data_parallel_size": " (one engine-core process each; this machine has that many CPUs)",
+        "tensor_parallel_size": " (one worker process each; this machine has that many CPUs, or 8; more over a Ray "
+                                "cluster)",
+        "image_render_processes": " (processes; this machine has that many CPUs, or 8)"}
+_MAX_SECONDS = 10**7  # about 115 days: "never" in practice; threading's waits take nothing above ~9.2e9
 _POSITIVE_SECONDS = ("engine_hang_timeout", "engine_startup_timeout", "engine_restart_window", "request_timeout",
                      "grammar_parse_timeout", "grammar_compile_timeout", "media_fetch_timeout", "log_stats_interval")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _float_ranges() -> dict[str, tuple[float, float, str]]:
+    """field -> (above this, at most this, unit): finite floats in (low, high]."""
+    gib = round(physical_memory() / 2**30, 1)
+    return {"gpu_memory_utilization": (0.0, 1.0, "(a fraction)"),
+            "kv_offloading_size": (0.0, gib, "GiB (this machine's memory)"),
+            "kv_offloading_disk_size": (0.0, 1e9, "GiB"),
+            **{f: (0.0, _MAX_SECONDS, "seconds") for f in _POSITIVE_SECONDS}}
 
 
 def check_ranges(args) -> None:
@@ -225,20 +249,25 @@ def check_ranges(args) -> None:
 
     from kestrel.errors import ConfigError
 
-    for field, (low, high) in _INT_RANGES.items():
+    ranges = dict(_INT_RANGES, kv_cache_memory=(1, physical_memory()))
+    if getattr(args, "distributed_executor_backend", None) == "ray":  # ranks over the cluster's nodes
+        ranges["tensor_parallel_size"] = (1, None)
+    for field, (low, high) in ranges.items():
+        values = getattr(args, field, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is None:
+                continue
+            if value < low or (high is not None and value > high):
+                flag = "--" + field.replace("_", "-")
+                span = f"at least {low}" if high is None else f"from {low} to {high}"
+                raise ConfigError(f"{flag} must be {span}, got {value}{_WHY.get(field, '')}")
+    for field, (low, high, unit) in _float_ranges().items():
         value = getattr(args, field, None)
-        if value is None:
-            continue
-        if value < low or (high is not None and value > high):
+        if value is not None and not (math.isfinite(value) and low < value <= high):
             flag = "--" + field.replace("_", "-")
-            span = f"at least {low}" if high is None else f"from {low} to {high}"
-            why = " (one engine-core process each; this machine has that many CPUs)" \
-                if field == "data_parallel_size" else ""
-            raise ConfigError(f"{flag} must be {span}, got {value}{why}")
-    for field in _POSITIVE_SECONDS:
-        value = getattr(args, field, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"--{field.replace('_', '-')} must be a positive number of seconds, got {value}")
+            if unit == "seconds":
+                raise ConfigError(f"{flag} must be a positive number of seconds, got {value} (at most {high:g})")
+            raise ConfigError(f"{flag} must be above {low:g} and at most {high:g} {unit}, got {value}")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")

@@ -14,12 +14,40 @@ from kestrel.worker import kv_allocation
 from kestrel.worker.attention_binding import step_metadata
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache could still take on ``device``: the GPU's free memory; on the CPU the kernel's
+    MemAvailable (free + reclaimable), else all physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(parts, nbytes: int, what: str) -> None:
+    """A KV cache larger than the device's memory is refused naming the flag that asked for it (before: the
+    allocator's error with a traceback, or the kernel's OOM killer)."""
+    free = available_memory(parts.device)
+    if nbytes > free:
+        raise ConfigError(f"{what} needs {nbytes / 2**30:.1f} GiB of KV cache, more than the "
+                          f"{free / 2**30:.1f} GiB of {parts.device.type} memory available")
+
+
 def determine_num_blocks(parts) -> int:
     cache = parts.config.cache
-    if cache.num_kv_blocks:
-        return cache.num_kv_blocks
     # per-request state slots beside the pool (kinds with state_parts), allocated whatever the pool size
     state_bytes = kv_allocation.state_bytes(parts.kv_cache_groups)
+    if cache.num_kv_blocks:
+        check_fits(parts, cache.num_kv_blocks * parts.bytes_per_block + state_bytes,
+                   f"--num-kv-blocks {cache.num_kv_blocks} ({parts.bytes_per_block} bytes a block)")
+        return cache.num_kv_blocks
     if parts.device.type == "cuda":
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -35,6 +63,8 @@ def determine_num_blocks(parts) -> int:
                 f"one {parts.max_model_len}-token sequence needs {needed}; raise the utilization, lower "
                 f"--max-model-len, or set --num-kv-blocks")
         return blocks
+    check_fits(parts, max(cache.kv_cache_memory, state_bytes + parts.bytes_per_block),
+               f"--kv-cache-memory {cache.kv_cache_memory}")
     return max(1, (cache.kv_cache_memory - state_bytes) // parts.bytes_per_block)
 
 

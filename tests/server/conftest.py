@@ -102,6 +102,25 @@ def server(server_model, tmp_path_factory):
     s.stop()
 
 
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="session")
+def spec_server(server_model, tmp_path_factory):
+    """The shared server's twin with n-gram speculation on (the spec-decode tests, and the hostile cases run with
+    speculation on as well as off)."""
+    s = Server(server_model, tmp_path_factory.mktemp("spec_logs") / "server.log",
+               ["--speculative-config", json.dumps(NGRAM_SPEC)]).wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["plain", "ngram"])
+def any_server(request):
+    """The shared server, then its twin with n-gram speculation: a test that takes this runs against both."""
+    return request.getfixturevalue("server" if request.param == "plain" else "spec_server")
+
+
 @pytest.fixture(scope="session")
 def offline_llm(server_model):
     """The same checkpoint offline, for output equality."""

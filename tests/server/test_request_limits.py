@@ -1,6 +1,6 @@
 """Issue 55: every request parameter that grows with the request has a documented limit (a 400 naming it), and
 its per-item work runs off the event loop. Before, 32,000 bad_words stopped /health for 29 s (tokenized and
-de-duplicated by a list scan on the event loop)."""
+de-duplicated by a list scan on the event loop). Each runs with n-gram speculation off and on (any_server)."""
 from __future__ import annotations
 
 import threading
@@ -38,11 +38,11 @@ def health_latencies_while(server, work) -> list[float]:
 
 
 @pytest.mark.serial  # health latency: make test runs it alone
-def test_health_answers_while_a_huge_bad_words_list_is_refused(server):
+def test_health_answers_while_a_huge_bad_words_list_is_refused(any_server):
     results = []
     words = [f"w{i}x" for i in range(48_000)]
-    lat = health_latencies_while(server, lambda: results.append(
-        http("POST", server.url + C, {"prompt": "hi", "max_tokens": 2, "bad_words": words}, timeout=120)))
+    lat = health_latencies_while(any_server, lambda: results.append(
+        http("POST", any_server.url + C, {"prompt": "hi", "max_tokens": 2, "bad_words": words}, timeout=120)))
     (s, r), = results
     assert s == 400 and r["error"]["param"] == "bad_words", r
     assert f"at most {MAX_BAD_WORDS}" in r["error"]["message"]
@@ -50,15 +50,15 @@ def test_health_answers_while_a_huge_bad_words_list_is_refused(server):
     # the most words allowed: tokenized on a render thread, served
     words = words[:MAX_BAD_WORDS]
     results.clear()
-    lat = health_latencies_while(server, lambda: results.append(
-        http("POST", server.url + C, {"prompt": "hi", "max_tokens": 2, "bad_words": words}, timeout=120)))
+    lat = health_latencies_while(any_server, lambda: results.append(
+        http("POST", any_server.url + C, {"prompt": "hi", "max_tokens": 2, "bad_words": words}, timeout=120)))
     (s, r), = results
     assert s == 200 and r["usage"]["completion_tokens"] >= 1, r
     assert lat[len(lat) // 2] < 0.1 and lat[-1] < 0.5, lat[-5:]
 
 
-def test_logit_bias_size_is_capped(server):
-    s, r = http("POST", server.url + C, {"prompt": "hi", "max_tokens": 1,
+def test_logit_bias_size_is_capped(any_server):
+    s, r = http("POST", any_server.url + C, {"prompt": "hi", "max_tokens": 1,
                                          "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}})
     assert s == 400 and r["error"]["param"] == "logit_bias" and f"at most {MAX_LOGIT_BIAS}" in r["error"]["message"]
 
@@ -74,7 +74,7 @@ def test_bad_words_ids_in_order_without_repeats(tiny_tokenizer):
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_logprobs_with_a_constraint_are_finite_json(server, route, stream):
+def test_logprobs_with_a_constraint_are_finite_json(any_server, route, stream):
     """Issue 55: a constrained (or banned) token's logprob is -inf: the whole answer was a 500 (-inf is not JSON)
     and a stream sent -Infinity. Now -9999.0, as vLLM sends it."""
     import json as _json
@@ -86,7 +86,8 @@ def test_logprobs_with_a_constraint_are_finite_json(server, route, stream):
     else:
         body.update(prompt="hi", logprobs=5)
     path = "/v1/chat/completions" if route == "chat" else C
-    req = urllib.request.Request(server.url + path, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(any_server.url + path, _json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200
         text = r.read().decode()
@@ -111,7 +112,7 @@ def test_logprobs_with_a_constraint_are_finite_json(server, route, stream):
 
 @pytest.mark.parametrize("path", ["/invocations", C, "/v1/chat/completions", "/tokenize"])
 @pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
-def test_post_bodies_must_be_json(server, path, kind):
+def test_post_bodies_must_be_json(any_server, path, kind):
     """Issue 55: /invocations ran a text/plain body, which a browser sends across origins without a CORS
     preflight. Every POST with a body must be JSON now (415 otherwise)."""
     import json as _json
@@ -119,7 +120,7 @@ def test_post_bodies_must_be_json(server, path, kind):
     import urllib.request
 
     body = _json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
-    req = urllib.request.Request(server.url + path, body, {"Content-Type": kind}, method="POST")
+    req = urllib.request.Request(any_server.url + path, body, {"Content-Type": kind}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             status, text = r.status, r.read().decode()
@@ -128,11 +129,11 @@ def test_post_bodies_must_be_json(server, path, kind):
     assert status == 415 and _json.loads(text)["error"]["type"] == "invalid_request_error", (status, text)
 
 
-def test_allowed_token_ids_are_capped_at_the_vocabulary_size(server):
+def test_allowed_token_ids_are_capped_at_the_vocabulary_size(any_server):
     """Issue 55 item 8: allowed_token_ids had no cap (2M ids x n 64 grew the engine by 2.4 GB)."""
-    s, r = http("POST", server.url + C, {"prompt": "hi", "max_tokens": 1, "allowed_token_ids": [1] * 385})
+    s, r = http("POST", any_server.url + C, {"prompt": "hi", "max_tokens": 1, "allowed_token_ids": [1] * 385})
     assert s == 400 and r["error"]["param"] == "allowed_token_ids", r
     assert "at most 384" in r["error"]["message"], r
-    s, r = http("POST", server.url + C, {"prompt": "hi", "max_tokens": 2, "n": 3, "temperature": 1,
+    s, r = http("POST", any_server.url + C, {"prompt": "hi", "max_tokens": 2, "n": 3, "temperature": 1,
                                          "allowed_token_ids": [7, 7, 9] * 100})
     assert s == 200 and all(c["text"] is not None for c in r["choices"]), r

@@ -1,7 +1,9 @@
 """/v1/responses with the real openai client (client.responses.create, streamed and not) on the shared tiny
 server: the reply equals /v1/chat/completions' for the same conversation (greedy), the response.* events come in
 order and their deltas make the final text; previous_response_id continues a stored conversation (404 for an
-unknown one, as vLLM answers); what is not implemented is a 400 naming it. Function tools: test_responses_tools.py."""
+unknown one, as vLLM answers); what is not implemented is a 400 naming it. Function tools: test_responses_tools.py.
+The hostile cases (refusals, another user's stored response, metadata limits) run with n-gram speculation off and
+on (any_server)."""
 from __future__ import annotations
 
 import openai
@@ -71,8 +73,8 @@ def test_streamed_events(client):
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),  # no schema
 ])
-def test_refusals(server, body, param):
-    status, res = http("POST", server.url + "/v1/responses", body)
+def test_refusals(any_server, body, param):
+    status, res = http("POST", any_server.url + "/v1/responses", body)
     assert status == 400, res
     assert res["error"]["param"] == param and res["error"]["type"] == "invalid_request_error"
 
@@ -123,11 +125,11 @@ def test_unknown_or_unstored_previous_response_is_404(client):
     assert body["param"] == "previous_response_id"
 
 
-def test_stored_responses_are_their_creators_only(server, client):
+def test_stored_responses_are_their_creators_only(any_server):
     """Issue 55: a client-chosen request_id (body or X-Request-Id) named the stored response resp-<id>, which
     anyone could read, continue or overwrite. Now the id is the server's and the response is bound to its creator
     (its `user` here, the API key with --api-key): anyone else gets 404 and nothing is overwritten."""
-    url = server.url + "/v1/responses"
+    url = any_server.url + "/v1/responses"
     s, first = http("POST", url, {"input": "hi", "max_output_tokens": 2, "user": "alice", "request_id": "shared"})
     assert s == 200 and first["id"] != "resp-shared" and first["id"].startswith("resp-"), first
     s, other = http("POST", url, {"input": "bye", "max_output_tokens": 2, "user": "bob"},
@@ -147,8 +149,8 @@ def test_stored_responses_are_their_creators_only(server, client):
 
 @pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513},
                                       {"k": {"nested": 1}}])
-def test_metadata_within_openai_limits(server, metadata):
-    s, r = http("POST", server.url + "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata})
+def test_metadata_within_openai_limits(any_server, metadata):
+    s, r = http("POST", any_server.url + "/v1/responses", {"input": "hi", "max_output_tokens": 1, "metadata": metadata})
     assert s == 400 and r["error"]["param"] == "metadata", r
 
 

@@ -12,16 +12,7 @@ import pytest
 from kestrel import LLM, SamplingParams
 from tests.server.conftest import ROOT, Server, http
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 22, 23, 20, 21, 22], [9, 9, 9, 9]]
-
-
-@pytest.fixture(scope="module")
-def spec_server(server_model, tmp_path_factory):
-    s = Server(server_model, tmp_path_factory.mktemp("spec_logs") / "server.log",
-               ["--speculative-config", json.dumps(SPEC)]).wait_ready()
-    yield s
-    s.stop()
 
 
 def counter(text: str, name: str) -> float:

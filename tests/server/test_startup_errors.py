@@ -153,13 +153,13 @@ def test_bad_tls_files_are_one_line_before_the_model_loads(server_model, tmp_pat
 @pytest.mark.parametrize("flags,words", [
     (["--api-key", ""], "--api-key is empty"),
     (["--data-parallel-size", "1000"], "--data-parallel-size must be from 1 to"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
-    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1, got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be from 1 to 65536, got 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be from 1 to 16777216, got 0"),
     (["--engine-hang-timeout", "-1"], "--engine-hang-timeout must be a positive number of seconds, got -1.0"),
     (["--request-timeout", "nan"], "--request-timeout must be a positive number of seconds, got nan"),
     (["--grammar-parse-timeout", "0"], "--grammar-parse-timeout must be a positive number of seconds"),
-    (["--max-model-len", "-2"], "--max-model-len must be at least 1, got -2"),  # -1: the model's own (vLLM)
-    (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+    (["--max-model-len", "-2"], "--max-model-len must be from 1 to 16777216, got -2"),  # -1: the model's own (vLLM)
+    (["--block-size", "0"], "--block-size must be from 1 to 1024, got 0"),
     (["--port", "70000"], "--port must be from 0 to 65535, got 70000"),
     (["--tokenizer", "/etc"], "--tokenizer /etc holds no tokenizer"),
 ])

@@ -169,7 +169,7 @@ REFUSED = [
      "--override-generation-config: temprature is not a sampling default here"),
     (["--limit-mm-per-prompt.video", "1"], "argument --limit-mm-per-prompt: only images are served, not video"),
     (["--hf-overrides.rope_theta", "1000000"], '--hf-overrides {"rope_theta": 1000000}: overriding config.json'),
-    (["--max-model-len", "-2"], "--max-model-len must be at least 1, got -2"),
+    (["--max-model-len", "-2"], "--max-model-len must be from 1 to 16777216, got -2"),
     (["--config", "/no/such.yaml"], "--config /no/such.yaml: No such file or directory"),
     (["--config", "flags.json"], "--config flags.json: the file must be YAML"),
     (["--config"], "--config needs a YAML file"),
