@@ -221,7 +221,8 @@ _INT_RANGES = {"max_num_seqs": (1, _MAX_SEQS), "max_num_batched_tokens": (1, _MA
                "contended_seqs_per_request": (-1, None), "cpu_threads": (0, 1024),
                "cuda_graph_sizes": (1, _MAX_SEQS), "cuda_graph_prefill_max_tokens": (0, None),
                "max_lora_rank": (1, 1024), "max_loras": (1, 1024), "max_cpu_loras": (1, None),
-               "limit_mm_per_prompt": (0, None), "max_image_bytes": (1, None), "max_image_pixels": (1, None)}
+               "limit_mm_per_prompt": (0, None), "max_image_bytes": (1, None), "max_image_pixels": (1, None),
+               "kv_offloading_preempt_min_tokens": (0, None)}
 _WHY = {"data_parallel_size": " (one engine-core process each; this machine has that many CPUs)",
         "tensor_parallel_size": " (one worker process each; this machine has that many CPUs, or 8; more over a Ray "
                                 "cluster)",

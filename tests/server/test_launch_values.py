@@ -43,6 +43,7 @@ ACCEPTED = {
     "--max-image-bytes": {"huge"},  # a cap
     "--max-image-pixels": {"huge"},  # a cap
     "--image-render-processes": {"0"},  # 0: the render threads process images
+    "--kv-offloading-preempt-min-tokens": {"0", "huge"},  # 0: every preemption offloads; huge: none does
 }
 
 
