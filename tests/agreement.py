@@ -277,12 +277,11 @@ def bf16_representable(path, keep: tuple[str, ...] = ()) -> None:
 GRAPH_TIE = 0.1  # nats: a bf16 logit of magnitude ~10 is rounded to steps of 0.06
 
 
-def eager_logprob_gap(llm, seq: list[int], picked: int, other: int) -> float:
-    """The engine's logprob of its greedy pick after `seq` minus that of `other` (inf: `other` not in its top 20)."""
-    out = llm.generate([seq], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
-    top = out.logprobs[0]
-    assert out.token_ids[0] == picked, (out.token_ids[0], picked)
-    return top[picked].logprob - top[other].logprob if other in top else float("inf")
+def eager_logprob_gap(llm, seq: list[int], a: int, b: int) -> float:
+    """|logprob of a - logprob of b| after `seq` in the engine's own run of it alone (inf: either not in its top
+    20). Alone, not in the batch that parted: which of the two it picks may change with the batch too."""
+    top = llm.generate([seq], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0]
+    return abs(top[a].logprob - top[b].logprob) if a in top and b in top else float("inf")
 
 
 def assert_graph_replay_equals_eager(path, prompts: list[list[int]], num_kv_blocks: int, **engine_kw) -> None:
