@@ -11,6 +11,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.worker.addons.images import ImageEncoderCache
+from tests.mm_reference import image_request, mrope_reference
 from tests.mm_tiny import make_image, make_qwen3_5_vl, qwen_vl_processor
 
 N = 16
@@ -31,27 +32,13 @@ def images():
     return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
 
 
-def request(text, idx, images):
-    return {"prompt": text, "multi_modal_data": {"image": [images[i] for i in idx]}} if idx else text
+request = image_request
 
 
 @pytest.fixture(scope="module")
 def reference(path, images):
     """transformers' prompt ids, greedy tokens and M-RoPE positions per prompt."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    proc = qwen_vl_processor(path)
-    out = []
-    for text, idx in PROMPTS:
-        enc = proc(text=[text], images=[[images[i] for i in idx]] if idx else None, return_tensors="pt")
-        seq = model.generate(**enc, max_new_tokens=N, do_sample=False)
-        positions = None
-        if idx:
-            positions = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"],
-                                                   image_grid_thw=enc["image_grid_thw"])
-        out.append((enc["input_ids"][0].tolist(), seq[0, enc["input_ids"].shape[1]:].tolist(), positions))
-    return out
+    return mrope_reference(path, qwen_vl_processor(path), PROMPTS, images, N)
 
 
 def test_greedy_and_positions_match_transformers(path, images, reference):
