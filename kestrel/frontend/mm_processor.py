@@ -137,6 +137,8 @@ class MultiModalProcessor:
             video_kw = {"videos": [v for v, _ in videos]}
             if any(m is not None for _, m in videos):
                 video_kw["video_metadata"] = [m for _, m in videos]
+            if all(m and m.get("frames_indices") for _, m in videos):  # sampled already (a video_url's frames):
+                video_kw["do_sample_frames"] = False  # transformers' Qwen3-VL processor would sample them again
         try:
             enc = self._thread_processor()(text=[prompt], images=[images] if images else None, return_tensors="pt",
                                            add_special_tokens=add_special_tokens, **video_kw)
