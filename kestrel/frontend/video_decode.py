@@ -55,9 +55,10 @@ def decode_video(raw: bytes, cfg, param: str, num_frames: int = DEFAULT_NUM_FRAM
             total = stream.frames
             if total <= 0:  # the container does not say: count the packets (no decoding)
                 total = sum(1 for p in container.demux(stream) if p.size)
-                container.seek(0)
-            wanted = set(sample_indices(total, num_frames))
-            frames, kept = [], []
+        wanted = set(sample_indices(total, num_frames))
+        frames, kept = [], []
+        with av.open(io.BytesIO(raw), mode="r") as container:  # anew: not every stream can seek back
+            stream = container.streams.video[0]
             for i, frame in enumerate(container.decode(stream)):
                 if i in wanted:
                     arr = frame.to_ndarray(format="rgb24")

@@ -21,10 +21,10 @@ from kestrel.frontend.media import resolve_image_parts
 av = pytest.importorskip("av")
 
 
-def mp4_bytes(frames: np.ndarray, fps: int = 2) -> bytes:
-    """uint8 [T, H, W, 3] frames (even sides) -> an H.264 mp4."""
+def mp4_bytes(frames: np.ndarray, fps: int = 2, container: str = "mp4") -> bytes:
+    """uint8 [T, H, W, 3] frames (even sides) -> an H.264 mp4 (or another container)."""
     buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
+    with av.open(buf, "w", format=container) as out:
         stream = out.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for f in frames:
@@ -76,6 +76,17 @@ def test_frames_sampled_as_vllm_does():
     assert np.array_equal(got, every[meta["frames_indices"]])
     cfg = MultiModalConfig(media_io_kwargs={"video": {"num_frames": -1}})
     assert len(resolved_video(video_parts(video_data_url(raw)), cfg)[0]) == 40
+
+
+@pytest.mark.parametrize("container", ["matroska", "h264"])
+def test_containers_that_do_not_count_their_frames(container):
+    """Matroska and a bare H.264 stream give no frame count: the packets are counted (a bare stream cannot seek
+    back, so it is opened again to decode)."""
+    raw = mp4_bytes(frames(12), fps=4, container=container)
+    got, meta = resolved_video(video_parts(video_data_url(raw)),
+                               MultiModalConfig(media_io_kwargs={"video": {"num_frames": 4}}))
+    assert meta["total_num_frames"] == 12 and meta["frames_indices"] == [0, 3, 7, 11]
+    assert np.array_equal(got, decoded(raw)[[0, 3, 7, 11]])
 
 
 def test_limits_count_each_modality():
