@@ -255,7 +255,8 @@ def check_ranges(args) -> None:
         ranges["tensor_parallel_size"] = (1, None)
     for field, (low, high) in ranges.items():
         values = getattr(args, field, None)
-        for value in values if isinstance(values, list) else [values]:
+        for value in (values if isinstance(values, list) else list(values.values()) if isinstance(values, dict)
+                      else [values]):  # a dict: --limit-mm-per-prompt's per-modality counts
             if value is None:
                 continue
             if value < low or (high is not None and value > high):

@@ -35,25 +35,31 @@ def parse_token_count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid token count {value!r} (e.g. 4096, 32k, 32K)") from None
 
 
-def image_limit(limits: dict) -> int:
-    """vLLM's per-modality limits {"image": N} -> the image count (other modalities only as 0)."""
-    if not isinstance(limits, dict) or not all(isinstance(v, int) and v >= 0 for v in limits.values()):
-        raise ValueError('expected {"image": N} with a count of 0 or more')
-    others = sorted(k for k, v in limits.items() if k != "image" and v)
+MM_MODALITIES = ("image", "video")  # what --limit-mm-per-prompt may name
+
+
+def mm_limits(limits: dict) -> dict[str, int]:
+    """vLLM's per-modality limits {"image": N, "video": M} checked: counts of 0 or more, modalities served here
+    (a modality left out takes the default, MultiModalConfig.limit)."""
+    if not isinstance(limits, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                               for v in limits.values()):
+        raise ValueError('expected {"image": N, "video": M} with counts of 0 or more')
+    others = sorted(k for k in limits if k not in MM_MODALITIES)
     if others:
-        raise ValueError(f"only images are served, not {', '.join(others)}")
-    return limits.get("image", MultiModalConfig.limit_mm_per_prompt)
+        raise ValueError(f"{', '.join(others)} is not served here (only {' and '.join(MM_MODALITIES)})")
+    return {k: limits[k] for k in MM_MODALITIES if k in limits}
 
 
-def parse_image_limit(value: str) -> int:
-    """--limit-mm-per-prompt: a number of images, or vLLM's JSON form '{"image": 2}' (older vLLM: image=2,video=0)."""
+def parse_mm_limit(value: str) -> int | dict[str, int]:
+    """--limit-mm-per-prompt: a number (each modality), vLLM's JSON form '{"image": 2, "video": 1}' (its dotted
+    form --limit-mm-per-prompt.video 1 arrives as that JSON: kestrel/vllm_argv.py) or older vLLM's image=2,video=1."""
     import json
 
     if "=" in value and not value.lstrip().startswith("{"):
         try:
-            return image_limit({k.strip(): int(v) for k, v in (item.split("=", 1) for item in value.split(","))})
+            return mm_limits({k.strip(): int(v) for k, v in (item.split("=", 1) for item in value.split(","))})
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected image=N (or '{{\"image\": N}}'): {e}") from None
+            raise argparse.ArgumentTypeError(f"expected image=N,video=M (or '{{\"image\": N}}'): {e}") from None
     if not value.lstrip().startswith("{"):
         return int(value)
     try:
@@ -61,9 +67,26 @@ def parse_image_limit(value: str) -> int:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     try:
-        return image_limit(limits)
+        return mm_limits(limits)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_media_io_kwargs(value: str) -> dict:
+    """--media-io-kwargs: vLLM's per-modality media loading options; served here: {"video": {"num_frames": N}}
+    (frames kept from a video_url, evenly spaced; -1: all of them). Other keys are refused by name."""
+    obj = parse_json_object(value)
+    for modality, opts in obj.items():
+        if modality != "video":
+            raise argparse.ArgumentTypeError(f"{modality!r} loading options are not implemented (only \"video\")")
+        if not isinstance(opts, dict):
+            raise argparse.ArgumentTypeError('expected {"video": {"num_frames": N}}')
+        for key, v in opts.items():
+            if key != "num_frames":
+                raise argparse.ArgumentTypeError(f"video option {key!r} is not implemented (only num_frames)")
+            if not isinstance(v, int) or isinstance(v, bool) or not (v == -1 or v > 0):
+                raise argparse.ArgumentTypeError(f"video num_frames must be -1 (all) or at least 1, got {v!r}")
+    return obj
 
 
 def parse_json_list(value: str) -> str | list:
@@ -320,23 +343,41 @@ class LoRAConfig:
 
 @dataclass
 class MultiModalConfig:
-    limit_mm_per_prompt: int = _f(4, "most images in one request: N, or vLLM's JSON form '{\"image\": N}'",
-                                  parse=parse_image_limit)
-    allowed_media_domains: list[str] | None = _f(None, "hosts that image_url http(s) URLs may name (default: remote "
-                                                       "URLs are refused)")
-    allowed_local_media_path: str | None = _f(None, "folder whose files image_url file:// URLs may read (default: "
-                                                    "local files are refused)")
+    limit_mm_per_prompt: int | dict[str, int] = _f(
+        4, "most items of each modality in one request: N (each of image and video), or vLLM's JSON form "
+           "'{\"image\": N, \"video\": M}' (a modality left out: 4; also --limit-mm-per-prompt.video M)",
+        parse=parse_mm_limit)
+    allowed_media_domains: list[str] | None = _f(None, "hosts that image_url / video_url http(s) URLs may name "
+                                                       "(default: remote URLs are refused)")
+    allowed_local_media_path: str | None = _f(None, "folder whose files image_url / video_url file:// URLs may "
+                                                    "read (default: local files are refused)")
     allow_private_media_addresses: bool = _f(False, "let image URLs reach private, loopback and link-local "
                                                     "addresses (refused by default, at every redirect too)")
-    media_fetch_timeout: float = _f(10.0, "seconds to fetch one image URL in all (connecting, redirects, body)")
-    max_image_bytes: int = _f(20 * 2**20, "largest encoded image accepted (bytes)")
+    media_fetch_timeout: float = _f(10.0, "seconds to fetch one image or video URL in all (connecting, redirects, "
+                                          "body)")
+    max_image_bytes: int = _f(20 * 2**20, "largest encoded image or video accepted (bytes)")
     max_image_pixels: int = _f(4096 * 4096, "largest decoded image accepted (width x height)")
     mm_processor_kwargs: dict | None = _f(None, "keyword arguments of the checkpoint's HF processor, as a JSON "
                                                 "object (vLLM's flag), e.g. '{\"max_pixels\": 802816}' for "
                                                 "Qwen-VL", parse=parse_json_object)
+    media_io_kwargs: dict | None = _f(None, "media loading options as vLLM's JSON object: '{\"video\": "
+                                            "{\"num_frames\": N}}' (frames kept from a video_url, evenly spaced "
+                                            "with the first and last; default 32; -1: all)",
+                                      parse=parse_media_io_kwargs)
     image_render_processes: int | None = _f(None, "server processes that load and preprocess images, each with "
                                                   "its own GIL and image processor (default: min(8, CPUs / 2)); 0: "
                                                   "the render threads do it in the server process")
+
+    def video_num_frames(self) -> int:
+        """Frames kept from a decoded video_url (--media-io-kwargs video num_frames; vLLM's default 32)."""
+        return ((self.media_io_kwargs or {}).get("video") or {}).get("num_frames", 32)
+
+    def limit(self, modality: str) -> int:
+        """The most items of `modality` ("image", "video") one request may hold (--limit-mm-per-prompt)."""
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, dict):
+            return limits.get(modality, MultiModalConfig.limit_mm_per_prompt)
+        return limits
 
 
 @dataclass
@@ -359,7 +400,7 @@ class EngineConfig:
         if kwargs.get("max_model_len") in (-1, "auto"):  # vLLM's LLM(max_model_len=-1): the model's own
             kwargs["max_model_len"] = None
         if isinstance(kwargs.get("limit_mm_per_prompt"), dict):  # vLLM's LLM(limit_mm_per_prompt={"image": 2})
-            kwargs["limit_mm_per_prompt"] = image_limit(kwargs["limit_mm_per_prompt"])
+            kwargs["limit_mm_per_prompt"] = mm_limits(kwargs["limit_mm_per_prompt"])
         for key, value in kwargs.items():
             for section in cls.SECTIONS:
                 sub = getattr(cfg, section)

@@ -315,7 +315,6 @@ COMPAT_FLAGS = (
 
     # MultiModalConfig
     off(("--enable-mm-embeds",), "image embeddings as inputs are not implemented"),
-    CompatFlag(("--media-io-kwargs",), "media loading options are not implemented", _json_equal({})),
     noop(("--mm-processor-cache-gb",), "Kestrel keeps no cache of processed multimodal inputs of this kind",
          _FLOAT),
     noop(("--mm-processor-cache-type",), "Kestrel keeps no cache of processed multimodal inputs of this kind"),

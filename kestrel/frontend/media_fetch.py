@@ -75,8 +75,9 @@ class _HTTPS(urllib.request.HTTPSHandler):
                                               context=self._context), req)
 
 
-def fetch_image(url: str, cfg, param: str) -> bytes:
-    _check_host(url, cfg, param, "an image URL")
+def fetch_image(url: str, cfg, param: str, kind: str = "image") -> bytes:
+    """The body of an http(s) URL of an image (or, `kind` "video", a video: the same limits)."""
+    _check_host(url, cfg, param, f"an {kind} URL" if kind == "image" else f"a {kind} URL")
     budget = cfg.media_fetch_timeout
     deadline = time.monotonic() + budget
     opener = urllib.request.build_opener(_HTTP(cfg, param), _HTTPS(cfg, param), _Redirects(cfg, param))
@@ -84,13 +85,13 @@ def fetch_image(url: str, cfg, param: str) -> bytes:
         with opener.open(url, timeout=budget) as r:
             length = r.headers.get("Content-Length")
             if length and length.isdigit() and int(length) > cfg.max_image_bytes:
-                raise InvalidRequest(f"image of {length} bytes exceeds the limit of {cfg.max_image_bytes}",
+                raise InvalidRequest(f"{kind} of {length} bytes exceeds the limit of {cfg.max_image_bytes}",
                                      param=param)
             body = bytearray()
             while len(body) <= cfg.max_image_bytes:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise InvalidRequest(f"the image did not arrive within {budget:g} s (--media-fetch-timeout)",
+                    raise InvalidRequest(f"the {kind} did not arrive within {budget:g} s (--media-fetch-timeout)",
                                          param=param)
                 r.fp.raw._sock.settimeout(left)  # no single read waits past the fetch's deadline
                 chunk = r.read1(CHUNK)
@@ -101,7 +102,7 @@ def fetch_image(url: str, cfg, param: str) -> bytes:
     except InvalidRequest:
         raise
     except TimeoutError as e:
-        raise InvalidRequest(f"the image did not arrive within {budget:g} s (--media-fetch-timeout)",
+        raise InvalidRequest(f"the {kind} did not arrive within {budget:g} s (--media-fetch-timeout)",
                              param=param) from e
     except Exception as e:  # unreachable host, HTTP error: the caller's URL
-        raise InvalidRequest(f"cannot fetch the image: {e}", param=param) from e
+        raise InvalidRequest(f"cannot fetch the {kind}: {e}", param=param) from e

@@ -65,16 +65,18 @@ def as_video_list(videos, param: str = "multi_modal_data") -> list[tuple[object,
 
 
 class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config, model_cls, limit_per_prompt: int, trust_remote_code: bool = False,
-                 processor_kwargs: dict | None = None):
-        """`processor_kwargs` (--mm-processor-kwargs) go to the HF processor's from_pretrained (Qwen-VL's
+    def __init__(self, model_path: str, hf_config, model_cls, limit_per_prompt: int | dict[str, int],
+                 trust_remote_code: bool = False, processor_kwargs: dict | None = None):
+        """`limit_per_prompt`: the most images / videos in one prompt ({"image": N, "video": M}, or N for each).
+        `processor_kwargs` (--mm-processor-kwargs) go to the HF processor's from_pretrained (Qwen-VL's
         min_pixels / max_pixels reach its image processor there)."""
         from transformers import AutoProcessor
 
         self.hf_config = hf_config
         self.model_cls = model_cls
         self.bidirectional_prefix = has_bidirectional_prefix(model_cls)  # the prefix length comes from token types
-        self.limit_per_prompt = limit_per_prompt
+        self.limits = (dict(limit_per_prompt) if isinstance(limit_per_prompt, dict)
+                       else {"image": limit_per_prompt, "video": limit_per_prompt})
         self.image_token_id = image_token_id(hf_config)
         try:
             self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code,
@@ -93,6 +95,15 @@ class MultiModalProcessor:
         self.pixel_dtype: torch.dtype | None = None  # set by a server: the engine's model dtype (see _features)
         self._owner = threading.get_ident()  # the thread that may use self.processor itself
         self._copies = threading.local()
+
+    @property
+    def takes_videos(self) -> bool:
+        return getattr(self.model_cls, "video_style", None) is not None
+
+    @property
+    def model_name(self) -> str:
+        """The architecture, as refusals name the model (e.g. LlavaNextForConditionalGeneration)."""
+        return (getattr(self.hf_config, "architectures", None) or [self.model_cls.__name__])[0]
 
     def _thread_processor(self):
         if threading.get_ident() == self._owner:
@@ -114,17 +125,20 @@ class MultiModalProcessor:
         """(token ids, the request's extras: one feature per image (and per video, or per frame group where the
         model splits a video so: `split_videos`) in prompt order, the bidirectional prefix length). `videos`:
         [(frames, metadata or None)] (as_video_list)."""
-        for what, n in (("images", len(images)), ("videos", len(videos or []))):
-            if n > self.limit_per_prompt:
-                raise InvalidRequest(f"{n} {what} in one prompt; at most {self.limit_per_prompt} are allowed "
-                                     f"(--limit-mm-per-prompt)", param="multi_modal_data")
-        if videos and getattr(self.model_cls, "video_style", None) is None:
-            raise InvalidRequest("this model does not take videos", param="multi_modal_data")
+        for what, n in (("image", len(images)), ("video", len(videos or []))):
+            limit = self.limits.get(what, 4)
+            if n > limit:
+                raise InvalidRequest(f"{n} {what}s in one prompt; at most {limit} are allowed "
+                                     f"(--limit-mm-per-prompt {what}: {limit})", param="multi_modal_data")
+        if videos and not self.takes_videos:
+            raise InvalidRequest(f"{self.model_name} does not take videos", param="multi_modal_data")
         video_kw = {}
         if videos:
             video_kw = {"videos": [v for v, _ in videos]}
             if any(m is not None for _, m in videos):
                 video_kw["video_metadata"] = [m for _, m in videos]
+            if all(m and m.get("frames_indices") for _, m in videos):  # sampled already (a video_url's frames):
+                video_kw["do_sample_frames"] = False  # transformers' Qwen3-VL processor would sample them again
         try:
             enc = self._thread_processor()(text=[prompt], images=[images] if images else None, return_tensors="pt",
                                            add_special_tokens=add_special_tokens, **video_kw)

@@ -134,7 +134,8 @@ def make_mm_processor(config, hf_config=None):
     if found is None:
         return None
     path, hf_config, model_cls = found
-    return MultiModalProcessor(path, hf_config, model_cls, config.multimodal.limit_mm_per_prompt,
+    limits = {m: config.multimodal.limit(m) for m in ("image", "video")}
+    return MultiModalProcessor(path, hf_config, model_cls, limits,
                                config.model.trust_remote_code, config.multimodal.mm_processor_kwargs)
 
 
@@ -255,6 +256,10 @@ class InputProcessor:
                             for p in content] if found else "".join(t["text"] for t in text))
             conv.append({**m, "content": content if content is not None else ""})
         images, videos = media["image"], media["video"]
+        if videos and (self.mm is None or not self.mm.takes_videos):
+            name = self.mm.model_name if self.mm is not None else "this model"
+            raise InvalidRequest(f"{name} does not take videos (video inputs are served for Qwen2.5-VL, Qwen3-VL "
+                                 f"and Qwen3.5)", param="messages")
         if (images or videos) and self.mm is None:
             raise InvalidRequest(self.images_refused(), param="messages")
         text = self.apply_chat_template(conv, add_generation_prompt, chat_template, template_kwargs, tools,

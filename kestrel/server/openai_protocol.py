@@ -256,6 +256,7 @@ class ContentPart(_Base):
     type: str = "text"
     text: str | None = None
     image_url: ImageURL | None = None
+    video_url: ImageURL | None = None  # vLLM's {"type": "video_url", "video_url": {"url": ...}}
 
 
 class AssistantFunctionCall(_Base):

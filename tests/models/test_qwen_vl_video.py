@@ -121,6 +121,24 @@ def test_chat_with_a_video(path):
     text = f"<|im_start|>user\n{VID}what happens<|im_end|>\n<|im_start|>assistant\n"
     ref = qwen_vl_processor(path, video=True)(text=[text], videos=[frames], return_tensors="pt")
     assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+    if importlib.util.find_spec("av") is None:
+        return
+    # a video_url part (issue 52): 12 frames at 4 fps, 6 kept as vLLM samples them (--media-io-kwargs num_frames),
+    # expanded as transformers expands those frames with their metadata (Qwen3-VL's timestamps read the indices)
+    from kestrel.frontend.media import resolve_image_parts
+    from tests.frontend.test_video_url import decoded, mp4_bytes, video_data_url
+
+    raw = mp4_bytes(np.random.default_rng(3).integers(0, 256, (12, 56, 84, 3), dtype=np.uint8), fps=4)
+    msg = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_data_url(raw)}},
+                                        {"type": "text", "text": "what happens"}]}]
+    llm.config.multimodal.media_io_kwargs = {"video": {"num_frames": 6}}
+    (part,) = resolve_image_parts(msg, llm.config.multimodal)[0]["content"][:1]
+    idx = [0, 2, 4, 6, 8, 11]
+    assert part["video"][1] == {"total_num_frames": 12, "fps": 4.0, "duration": 3.0, "frames_indices": idx}
+    out = llm.chat(msg, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    ref = qwen_vl_processor(path, video=True)(text=[text], videos=[decoded(raw)[idx]], return_tensors="pt",
+                                              video_metadata=[part["video"][1]], do_sample_frames=False)
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
 
 
 def test_prefix_cache_hit_on_a_repeated_video(path, reference):

@@ -152,3 +152,14 @@ def test_tokenize_with_an_image_answers_like_chat(any_server):
     s, r = http("POST", any_server.url + "/tokenize", {"messages": msg})
     s2, r2 = http("POST", any_server.url + CH, {"messages": msg, "max_tokens": 2})
     assert s == s2 == 400 and r["error"] == r2["error"] and "images" in r["error"]["message"], (r, r2)
+
+
+def test_video_url_on_a_text_model_gets_400(server):
+    """A text-only model: a video_url part is a 400 saying it takes no videos, on /tokenize as on chat (issue 52)."""
+    pytest.importorskip("av")
+    from tests.frontend.test_video_url import frames, mp4_bytes, video_data_url, video_parts
+
+    msg = video_parts(video_data_url(mp4_bytes(frames(2))))
+    s, r = http("POST", server.url + "/tokenize", {"messages": msg})
+    s2, r2 = http("POST", server.url + CH, {"messages": msg, "max_tokens": 2})
+    assert s == s2 == 400 and r["error"] == r2["error"] and "does not take videos" in r["error"]["message"], (r, r2)

@@ -198,3 +198,14 @@ def test_dead_render_process_is_replaced(mm_server):
                                                           "temperature": 0})
         assert status == 200, again
         assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+
+
+def test_video_url_on_a_model_without_video_gets_400(mm_server):
+    """LLaVA-NeXT takes images only: a well-formed video_url is refused naming the model (issue 52)."""
+    pytest.importorskip("av")
+    from tests.frontend.test_video_url import frames, mp4_bytes, video_data_url, video_parts
+
+    status, body = http("POST", mm_server.url + CH, {"messages": video_parts(video_data_url(mp4_bytes(frames(2)))),
+                                                     "max_tokens": 2})
+    assert status == 400, body
+    assert "LlavaNextForConditionalGeneration does not take videos" in body["error"]["message"], body

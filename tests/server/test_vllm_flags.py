@@ -42,8 +42,15 @@ ACCEPTED = [
     (["--enable-log-requests"], lambda a, c: a.log_requests),
     (["--disable-log-stats"], lambda a, c: a.disable_log_stats),
     (["--enable-sleep-mode"], lambda a, c: True),
-    (["--limit-mm-per-prompt", '{"image": 2}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
-    (["--limit-mm-per-prompt", '{"image": 3, "video": 0}'], lambda a, c: c.multimodal.limit_mm_per_prompt == 3),
+    (["--limit-mm-per-prompt", '{"image": 2}'], lambda a, c: (c.multimodal.limit("image"), c.multimodal.limit("video"))
+     == (2, 4)),
+    (["--limit-mm-per-prompt", '{"image": 3, "video": 0}'], lambda a, c: c.multimodal.limit_mm_per_prompt
+     == {"image": 3, "video": 0}),
+    (["--limit-mm-per-prompt", '{"image": 2, "video": 1}'], lambda a, c: c.multimodal.limit_mm_per_prompt
+     == {"image": 2, "video": 1}),
+    (["--limit-mm-per-prompt", "3"], lambda a, c: (c.multimodal.limit("image"), c.multimodal.limit("video")) == (3, 3)),
+    (["--media-io-kwargs", '{"video": {"num_frames": 8}}'], lambda a, c: c.multimodal.video_num_frames() == 8),
+    (["--media-io-kwargs", '{}'], lambda a, c: c.multimodal.video_num_frames() == 32),
     (["--swap-space", "4"], lambda a, c: True),
     (["--trust-remote-code"], lambda a, c: c.model.trust_remote_code),
     (["--seed", "7"], lambda a, c: c.model.seed == 7),
@@ -96,9 +103,11 @@ ACCEPTED = [
     (["--max-model-len", "auto"], lambda a, c: c.model.max_model_len is None),
     (["--max_model_len", "4096"], lambda a, c: c.model.max_model_len == 4096),
     (["--max-model-len=2k"], lambda a, c: c.model.max_model_len == 2000),
-    (["--limit-mm-per-prompt.image", "2"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--limit-mm-per-prompt.image", "2"], lambda a, c: c.multimodal.limit("image") == 2),
     (["--limit-mm-per-prompt.image=3", "--limit-mm-per-prompt.video", "0"],
-     lambda a, c: c.multimodal.limit_mm_per_prompt == 3),
+     lambda a, c: c.multimodal.limit_mm_per_prompt == {"image": 3, "video": 0}),
+    (["--limit-mm-per-prompt.video", "1"], lambda a, c: (c.multimodal.limit("image"), c.multimodal.limit("video"))
+     == (4, 1)),
     (["--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens", "3"],
      lambda a, c: c.scheduler.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}),
     (["--compilation-config.cudagraph_capture_sizes+", "1,2", "--compilation-config.mode", "3"], lambda a, c: True),
@@ -121,7 +130,9 @@ ACCEPTED = [
     (["--default-chat-template-kwargs", '{"enable_thinking": false}'],
      lambda a, c: a.default_chat_template_kwargs == {"enable_thinking": False}),
     # older vLLM versions' flags that launch scripts still carry
-    (["--limit-mm-per-prompt", "image=2,video=0"], lambda a, c: c.multimodal.limit_mm_per_prompt == 2),
+    (["--limit-mm-per-prompt", "image=2,video=0"], lambda a, c: c.multimodal.limit_mm_per_prompt
+     == {"image": 2, "video": 0}),
+    (["--limit-mm-per-prompt", "image=2,video=1"], lambda a, c: c.multimodal.limit("video") == 1),
     (["--use-v2-block-manager", "--num-scheduler-steps", "1", "--disable-async-output-proc", "--enable-reasoning",
       "--disable-mm-preprocessor-cache", "--preemption-mode", "recompute", "--tokenizer-pool-size", "0"],
      lambda a, c: True),
@@ -146,7 +157,14 @@ REFUSED = [
     (["--load-format", "pt"], "argument --load-format: invalid choice: 'pt'"),
     (["--tool-call-parser", "nope"], "unknown tool-call parser 'nope'; choose from deepseek_v3, deepseek_v31, "),
     (["--reasoning-parser", "nope"], "unknown reasoning parser 'nope'; choose from deepseek_r1, deepseek_v3, "),
-    (["--limit-mm-per-prompt", '{"video": 1}'], "argument --limit-mm-per-prompt: only images are served, not video"),
+    (["--limit-mm-per-prompt", '{"audio": 1}'], "argument --limit-mm-per-prompt: audio is not served here (only "
+     "image and video)"),
+    (["--limit-mm-per-prompt", '{"video": -1}'], "argument --limit-mm-per-prompt: expected {\"image\": N, "),
+    (["--media-io-kwargs", '{"video": {"fps": 2}}'], "argument --media-io-kwargs: video option 'fps' is not "
+     "implemented (only num_frames)"),
+    (["--media-io-kwargs", '{"image": {"mode": "RGB"}}'], "argument --media-io-kwargs: 'image' loading options are "
+     "not implemented"),
+    (["--media-io-kwargs", '{"video": {"num_frames": 0}}'], "argument --media-io-kwargs: video num_frames must be "),
     (["--limit-mm-per-prompt", "{image: 2}"], "argument --limit-mm-per-prompt: not JSON"),
     (["--max-model-len", "lots"], "argument --max-model-len: invalid token count 'lots'"),
     (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend outlines: structured outputs use xgrammar"),
@@ -167,7 +185,7 @@ REFUSED = [
     (["--api-key", "k1", "k2"], "--api-key: 2 keys given; one key is served"),
     (["--override-generation-config", '{"temprature": 0.5}'],
      "--override-generation-config: temprature is not a sampling default here"),
-    (["--limit-mm-per-prompt.video", "1"], "argument --limit-mm-per-prompt: only images are served, not video"),
+    (["--limit-mm-per-prompt.audio", "1"], "argument --limit-mm-per-prompt: audio is not served here"),
     (["--hf-overrides.rope_theta", "1000000"], '--hf-overrides {"rope_theta": 1000000}: overriding config.json'),
     (["--max-model-len", "-2"], "--max-model-len must be from 1 to 16777216, got -2"),
     (["--config", "/no/such.yaml"], "--config /no/such.yaml: No such file or directory"),
@@ -175,7 +193,7 @@ REFUSED = [
     (["--config"], "--config needs a YAML file"),
     (["--limit-mm-per-prompt.image"], "--limit-mm-per-prompt.image needs a value"),
     (["--headless"], "--headless: multi-node serving is not implemented"),
-    (["--limit-mm-per-prompt", "image=2,video=1"], "argument --limit-mm-per-prompt: expected image=N"),
+    (["--limit-mm-per-prompt", "image=2,video=x"], "argument --limit-mm-per-prompt: expected image=N,video=M"),
     (["--num-scheduler-steps", "8"], "--num-scheduler-steps 8: multi-step scheduling"),
     (["--speculative-model", "/srv/draft"], "--speculative-model /srv/draft: give --speculative-config"),
     (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "--rope-scaling"),
@@ -349,8 +367,10 @@ def test_a_vllm_026_launch_serves(server_model, tmp_path):
 def test_llm_options_take_vllm_forms():
     from kestrel.config import EngineConfig
 
-    assert EngineConfig.create(limit_mm_per_prompt={"image": 3}).multimodal.limit_mm_per_prompt == 3
-    with pytest.raises(ValueError, match="only images are served, not audio"):
+    assert EngineConfig.create(limit_mm_per_prompt={"image": 3}).multimodal.limit("image") == 3
+    assert EngineConfig.create(limit_mm_per_prompt={"video": 2}).multimodal.limit("video") == 2
+    assert EngineConfig.create(limit_mm_per_prompt=2).multimodal.limit("video") == 2
+    with pytest.raises(ValueError, match="audio is not served here"):
         EngineConfig.create(limit_mm_per_prompt={"image": 1, "audio": 2})
 
 
