@@ -139,15 +139,16 @@ def check_args(args) -> None:
     for field in ("model", "tokenizer"):
         if getattr(args, field, None) is not None:
             setattr(args, field, resolve_model_path(getattr(args, field), field, args.revision, args.download_dir))
+    task = None  # the pooling task of a pooling model (None: it generates)
     if getattr(args, "model", None) is not None and os.path.isdir(args.model):
-        check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"),
-                           getattr(args, "quantization", None))
+        task = check_model_folder(args.model, getattr(args, "runner", "auto"), getattr(args, "convert", "auto"),
+                                  getattr(args, "quantization", None))
     if hasattr(args, "enable_lora"):
         check_lora_args(from_cli_args(args).lora)
     from kestrel.vllm_flags import check_compat_args, fold_shorthands
 
     shorthands = fold_shorthands(args)
-    check_speculative_config(getattr(args, "speculative_config", None), shorthands)
+    check_speculative_config(getattr(args, "speculative_config", None), shorthands, task)
     check_compat_args(args)
     from kestrel.attention.selector import backend_candidates
     from kestrel.kernels import backend_names
@@ -181,13 +182,15 @@ def keep_hub_id_as_served_name(args) -> None:
         args.served_model_name = [model]
 
 
-def check_speculative_config(spec: dict | None, shorthands: list[str]) -> None:
-    """At parse time, not after the model loads; the line names the flags that gave it."""
+def check_speculative_config(spec: dict | None, shorthands: list[str], task: str | None = None) -> None:
+    """At parse time, not after the model loads; the line names the flags that gave it. `task`: the model's
+    pooling task (a pooling model is refused by name)."""
     from kestrel.errors import ConfigError
-    from kestrel.spec_decode.config import SpeculativeConfig
+    from kestrel.spec_decode.config import SpeculativeConfig, refuse, task_refusals
 
     try:
-        SpeculativeConfig.from_dict(spec)
+        if SpeculativeConfig.from_dict(spec) is not None:
+            refuse(task_refusals(task))
     except ConfigError as e:
         raise ConfigError(f"{'/'.join(shorthands + ['--speculative-config'])}: {e}") from None
 
@@ -293,9 +296,10 @@ def check_model_path(path: str | None, field: str) -> None:
 
 
 def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto",
-                       quantization: str | None = None) -> None:
+                       quantization: str | None = None) -> str | None:
     """A checkpoint folder has a config.json naming an architecture Kestrel implements, in a runner it can serve
-    (else the engine cores would fail after seconds of start-up, each with its traceback)."""
+    (else the engine cores would fail after seconds of start-up, each with its traceback). Returns its pooling
+    task (None: a generative model)."""
     import json
 
     from kestrel.errors import ConfigError
@@ -314,8 +318,9 @@ def check_model_folder(folder: str, runner: str = "auto", convert: str = "auto",
     if not is_supported(arch):
         raise ConfigError(f"model architecture {arch!r} ({folder}) is not implemented; supported: "
                           f"{', '.join(supported_architectures())}")
-    pooling_task(arch, runner or "auto", convert or "auto")  # --runner / --convert fit this model
+    task = pooling_task(arch, runner or "auto", convert or "auto")  # --runner / --convert fit this model
     check_quantization(config, quantization)
+    return task
 
 
 def check_quantization(config: dict, quantization: str | None) -> None:

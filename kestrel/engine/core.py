@@ -94,7 +94,7 @@ class EngineCore:
             prev_sched, prev = self._inflight
             self._inflight = None
             if self._pipeline_ok() and not (self._paused or self._sleeping):
-                sched = self.scheduler.schedule()
+                sched = self._schedule()
                 inf = self._launch(sched, prev)  # an empty step still delivers finished ids
                 if not sched.is_empty:
                     self._inflight = (sched, inf)
@@ -109,7 +109,7 @@ class EngineCore:
         proposed = {}
         for propose in hooks["propose"]:
             proposed.update(propose(self.scheduler.running))
-        sched = self.scheduler.schedule(proposed) if proposed else self.scheduler.schedule()
+        sched = self._schedule(proposed)
         inf = self._launch(sched)
         self.scheduler.on_launch(sched)
         for after in hooks["after_launch"]:
@@ -122,6 +122,13 @@ class EngineCore:
         for after in hooks["after_collect"]:
             after(sched, result, None)
         return self._outputs(sched, result)
+
+    def _schedule(self, proposed: dict | None = None):
+        """The scheduler's next step; the requests it finished "length" (outgrown the KV pool) are reported."""
+        sched = self.scheduler.schedule(proposed) if proposed else self.scheduler.schedule()
+        self._rejected += [EngineCoreOutput(r.request_id, [], finish_reason=r.status.value,
+                                            num_cached_tokens=max(r.num_cached_tokens, 0)) for r in sched.cut]
+        return sched
 
     def _launch(self, sched, prev=None):
         """Queue the forward; a step that an add-on samples later samples once `sample` is called. `prev` samples

@@ -45,6 +45,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # aborted/finished since the last step
+    # finished "length" here: alone with the pool to itself, they could not take their next step (a KV pool
+    # smaller than max_model_len); the engine reports them (without them the queue waited behind them for good)
+    cut: list[Request] = field(default_factory=list)
     step: StepInput = field(default_factory=StepInput)
 
     @property
@@ -196,11 +199,19 @@ class Scheduler:
                     scheduled_ids.add(req.request_id)
                     budget -= num_new
                     break
+                if extra:  # drafts are optional: the step without them first
+                    num_new -= len(extra)
+                    extra = []
+                    lookahead = self._lookahead(req.num_computed_tokens + num_new)
+                    continue
                 if paused:  # a sequence over its group's share gives way first
                     self._preempt(paused.pop(0), out)
                     continue
                 victims = [r for r in self.running if r is not req and r.request_id not in scheduled_ids]
                 victim = max(victims, key=self._priority_key) if victims else req
+                if victim is req and len(self.running) == 1:
+                    self._cut(req, out)  # the pool to itself and no room: preempted, it would wait for ever
+                    break
                 if victim is req or self._priority_key(victim) < self._priority_key(req):
                     self._preempt(req, out)  # nobody of lower priority left to evict: step back ourselves
                     break
@@ -232,6 +243,9 @@ class Scheduler:
             num_new = self._chunk(num_hit, num_new)
             if not self.kv.allocate_slots(req, num_new, computed, self._lookahead(num_hit + num_new)):
                 if not paused:
+                    if not self.running and req.output_token_ids:  # a preempted request the pool cannot hold
+                        self._cut(req, out)
+                        continue
                     break
                 self._preempt_paused(paused, running_per_group, out)
                 continue
@@ -256,6 +270,16 @@ class Scheduler:
         """Tokens of a chunk after `start`: cut at a block boundary where the cache keeps state snapshots only
         at chunk ends (KVCacheManager.aligned_chunk); whole when chunked prefill is off."""
         return self.kv.aligned_chunk(start, num_new) if self.config.enable_chunked_prefill else num_new
+
+    def _cut(self, req: Request, out: SchedulerOutput) -> None:
+        """Finish `req` "length": its context has outgrown what the KV pool holds for one request (the pool is
+        smaller than max_model_len); the tokens it has are all sent."""
+        while req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            req.output_token_ids.pop()
+        self._remove(req)
+        req.status = RequestStatus.FINISHED_LENGTH
+        self._finish(req)
+        out.cut.append(req)
 
     def _preempt_paused(self, paused: list[Request], running_per_group: Counter, out: SchedulerOutput) -> None:
         """Make room for a newcomer: preempt the paused sequence with the least computed work."""

@@ -91,6 +91,13 @@ def model_refusals(model, kv_cache_groups, method: str = "ngram") -> list[str]:
     return out
 
 
+def task_refusals(task: str | None) -> list[str]:
+    """A pooling model (`task`: kestrel/core/pooling.py's pooling_task) generates no tokens to draft for: refused by
+    name rather than ignored."""
+    return [f"pooling models (this one serves {task}: a pooling request is one forward, no tokens to draft)"] \
+        if task is not None else []
+
+
 def refuse(what: list[str]) -> None:
     if what:
         raise ConfigError("speculative decoding (speculative_config) does not support " + "; ".join(what)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from kestrel.core.engine_addon import EngineAddon
 from kestrel.core.step import PLACEHOLDER
-from kestrel.spec_decode.config import SpeculativeConfig, engine_refusals, refuse
+from kestrel.core.pooling import pooling_task
+from kestrel.spec_decode.config import SpeculativeConfig, engine_refusals, refuse, task_refusals
 from kestrel.spec_decode.proposers import make_proposer
 
 # sampling fields whose logits processing is applied per request, not per output position: no drafts for them
@@ -54,6 +55,8 @@ class Speculation(EngineAddon):
         cfg = SpeculativeConfig.from_dict(core.config.scheduler.speculative_config)
         if cfg is None:
             return None
+        m = core.config.model
+        refuse(task_refusals(pooling_task(core.model_config.architecture, m.runner, m.convert)))
         return cls(cfg, core.max_model_len, core.config.model.seed, lambda: core.scheduler.num_running)
 
     def allows_pipelining(self) -> bool:

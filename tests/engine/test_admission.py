@@ -115,3 +115,30 @@ def test_gemma3_offline_too_long_prompt_is_a_clear_error_and_the_engine_serves_o
     outs = llm.generate([[5] * limit, [6] * 10], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_generation_that_outgrows_the_pool_finishes_length_and_the_next_one_runs(drafts):
+    """Issue 55 (a request may not freeze the engine): a short prompt is admitted, but its generation outgrows
+    the 20-block pool (max_model_len is larger). Before, alone in the pool it preempted itself, could not be
+    resumed and stayed at the head of the queue: every later request waited behind it for good. Now it finishes
+    "length" where the pool ends (scheduler.cut) and the next request is scheduled. With drafts (speculation), a
+    step's drafts that do not fit are dropped before anything else."""
+    s = scheduler("gemma3", 16, 8, 20, 2048, True)
+    r = Request("long", [3] * 5, SamplingParams(max_tokens=MAX_MODEL_LEN), eos_token_id=None,
+                max_tokens=MAX_MODEL_LEN)
+    s.add_request(r)
+    cut = []
+    for _ in range(MAX_MODEL_LEN):
+        proposed = {"long": [4, 4, 4]} if drafts and r.num_computed_tokens == r.num_tokens - 1 else None
+        out = s.schedule(proposed)
+        assert not out.preempted
+        cut += out.cut
+        if r.is_finished:
+            break
+        assert [x.request for x in out.scheduled] == [r]
+        s.update_from_output(out, {"long": 5}, {"long": [4] * len(out.scheduled[0].proposed_token_ids)})
+    assert cut == [r] and r.status == RequestStatus.FINISHED_LENGTH
+    assert s.max_prompt_tokens + 1 < r.num_tokens < MAX_MODEL_LEN  # past the admission limit, short of the length
+    assert s.kv.num_free_blocks == s.kv.num_blocks and not s.has_unfinished()
+    assert run_alone(s, request("next", 3)) == ["next", "next"]

@@ -9,7 +9,14 @@ keeps the victim's steps small. On the CPU a step's time grows with its rows (ti
 ms at 33, 22 ms at 128), so the share there is 4, not the default 32, and the bound is loose: a victim still
 lands in one full-batch step when it arrives (the share applies from the next step). Measured on a shared
 2-core machine: victims' p99 ratio 2.8-4.7 with the share, 13 without it (--contended-seqs-per-request -1). The
-GPU measure is benchmarks/flood.py."""
+GPU measure is benchmarks/flood.py.
+
+Both servers here speculate (n-gram drafts, issue 55 acceptance 2): the first test's 16 sequences and the
+victims draft (at most 32 running: disable_by_batch_size), its disconnect aborts sequences with drafts in flight;
+the second's 128 run past 32, so speculation switches off under the flood and on again for the victims. The
+same behaviour without speculation: the window and its cancellation in tests/frontend/test_request_window.py,
+the fair share in tests/engine/test_fair_share.py, the beam timeout in tests/frontend/test_beam_admission.py,
+an abort freeing its KV over the server in test_hardening.py (test_request_timeout_aborts_and_frees_kv[plain])."""
 from __future__ import annotations
 
 import json
@@ -20,7 +27,7 @@ from http.client import HTTPConnection
 
 import pytest
 
-from conftest import Server, http
+from conftest import NGRAM_SPEC, Server, http
 from kestrel.bench.serve_metrics import percentile
 
 pytestmark = pytest.mark.serial  # latency ratios: make test runs these alone
@@ -52,7 +59,9 @@ def victim_latencies(url: str, count: int, tokens: int = 4) -> list[float]:
 
 
 def serve(server_model, tmp_path_factory, *flags):
-    s = Server(server_model, tmp_path_factory.mktemp("big") / "server.log", extra=["--num-kv-blocks", "2048", *flags])
+    """Both servers speculate (n-gram drafts: issue 55 wants the hostile cases with speculation on and off)."""
+    s = Server(server_model, tmp_path_factory.mktemp("big") / "server.log",
+               extra=["--num-kv-blocks", "2048", "--speculative-config", json.dumps(NGRAM_SPEC), *flags])
     yield s.wait_ready()
     s.stop()
 
@@ -89,6 +98,7 @@ def test_many_sequences_leave_others_served_and_go_when_the_client_does(big_serv
     print(f"victim latency idle: median {statistics.median(idle):.3f} s, worst {max(idle):.3f} s; "
           f"beside {PROMPTS * N} sequences: median {statistics.median(loaded):.3f} s, worst {max(loaded):.3f} s")
     assert max(loaded) < 2 * max(idle) + 0.5, (idle, loaded)
+    assert metric(url, "vllm:spec_decode_num_draft_tokens_total") > 0  # the sequences speculate
 
     conn.sock.close()  # the big client goes away: all of its sequences are aborted
     conn.close()

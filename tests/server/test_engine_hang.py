@@ -1,22 +1,29 @@
 """A hung engine core is noticed. Server: the engine core stopped with SIGSTOP makes /health 503 ("unresponsive")
 within 10 s and new requests 503; after --engine-hang-timeout it is killed and restarted, and the server serves
 again. Unit (no processes, an explicit clock): the liveness rule of MPClient._check_engines, which tells silence
-(no heartbeat) from a loop stuck on one step, and does not trip on a step shorter than the time-out."""
+(no heartbeat) from a loop stuck on one step, and does not trip on a step shorter than the time-out.
+
+The server speculates (n-gram drafts; issue 55 wants the hostile cases with speculation on and off): the core that
+replaces the stopped one comes up speculating and serves. Without speculation: the watchdog's rule in the unit
+tests below (it reads heartbeats, never the engine's features), and a core's restart over the server in
+test_engine_death.py (test_kill_engine_core_during_stream_then_restart)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import openai
 
-from conftest import Server, http
+from conftest import NGRAM_SPEC, Server, http
 from kestrel.config import EngineConfig
 from kestrel.ipc.core_client import HEALTH_STALE_S, WATCH_INTERVAL_S, MPClient
 
 
 def test_stopped_engine_core_is_unhealthy_then_replaced(server_model, tmp_path):
-    s = Server(server_model, tmp_path / "server.log", extra=["--engine-hang-timeout", "8"]).wait_ready()
+    s = Server(server_model, tmp_path / "server.log",
+               extra=["--engine-hang-timeout", "8", "--speculative-config", json.dumps(NGRAM_SPEC)]).wait_ready()
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         assert c.completions.create(model="llama", prompt="hi", max_tokens=2).usage.completion_tokens == 2
@@ -39,7 +46,12 @@ def test_stopped_engine_core_is_unhealthy_then_replaced(server_model, tmp_path):
         (new_pid,) = s.engine_pids()
         assert new_pid != pid
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-        assert c.completions.create(model="llama", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        # the new core speculates: a repetitive prompt and a greedy decode of 12 tokens give it drafts to verify
+        assert c.completions.create(model="llama", prompt="a b a b a b a b", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True}).usage.completion_tokens == 12
+        _, metrics = http("GET", s.url + "/metrics")
+        assert sum(float(ln.split()[-1]) for ln in metrics.splitlines()
+                   if ln.startswith("vllm:spec_decode_num_draft_tokens_total")) > 0
         assert "sent no heartbeat" in s.log_path.read_text()
     finally:
         try:

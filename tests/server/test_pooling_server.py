@@ -273,3 +273,29 @@ def test_pooling_refusals(embed_server, body, param, message):
 def test_pooling_on_a_generative_model(server):
     status, res = http("POST", server.url + "/pooling", {"input": "hi"})
     assert status == 400 and "this model generates text" in res["error"]["message"], res
+
+
+def test_speculation_is_refused_for_pooling_models_by_name(embedder, cross_encoder):
+    """Issue 55 (the hostile cases with speculation on and off): a pooling request is one forward with no tokens
+    to draft for, so --speculative-config on a pooling model was accepted and silently did nothing. Now it is
+    refused by name: at parse time by `kestrel serve` (one line, exit 2, no engine started), and by the engine
+    itself where the CLI is not in the way (the offline LLM). The pooling servers above are therefore the
+    speculation-off runs of their hostile cases, and there is no speculation-on run to make."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kestrel import LLM
+    from kestrel.errors import ConfigError
+    from tests.server.conftest import NGRAM_SPEC, ROOT, free_port
+
+    run = subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", str(embedder), "--port", str(free_port()),
+                          "--speculative-config", json.dumps(NGRAM_SPEC)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}, cwd=ROOT, timeout=90)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("kestrel") and "--speculative-config" in last and \
+        "does not support pooling models (this one serves embed" in last, run.stderr[-3000:]
+    with pytest.raises(ConfigError, match=r"does not support pooling models \(this one serves classify"):
+        LLM(str(cross_encoder), progress=False, num_kv_blocks=32, max_model_len=128, speculative_config=NGRAM_SPEC)
