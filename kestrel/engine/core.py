@@ -9,6 +9,7 @@ import time
 
 from kestrel.config import EngineConfig
 from kestrel.engine.addons import EngineAddons, check_config
+from kestrel.engine.core_control import CORE_UTILITY_METHODS, CoreControl
 from kestrel.engine.core_parts import log_ready, scheduler_stats, start_executor, step_outputs
 from kestrel.engine.kv import KVCacheManager
 from kestrel.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -16,12 +17,9 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-# the core's methods callable over the wire by name (ipc/core_proc.run_utility); the add-ons add theirs
-CORE_UTILITY_METHODS = frozenset({"get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "pause",
-                                  "resume", "is_paused", "ping"})
 
 
-class EngineCore:
+class EngineCore(CoreControl):
     def __init__(self, config: EngineConfig, engine_index: int = 0, progress: bool = True):
         t0 = time.perf_counter()
         self.config, self.engine_index = config, engine_index
@@ -125,7 +123,7 @@ class EngineCore:
 
     def _schedule(self, proposed: dict | None = None):
         """The scheduler's next step; the requests it finished "length" (outgrown the KV pool) are reported."""
-        sched = self.scheduler.schedule(proposed) if proposed else self.scheduler.schedule()
+        sched = self.scheduler.schedule(proposed or None)
         self._rejected += [EngineCoreOutput(r.request_id, [], finish_reason=r.status.value,
                                             num_cached_tokens=max(r.num_cached_tokens, 0)) for r in sched.cut]
         return sched
@@ -166,40 +164,6 @@ class EngineCore:
         for fill in self._hooks["stats"]:
             fill(stats)
         return stats
-
-    # ---- utility methods (callable over the wire by name; the add-ons add theirs)
-    def get_stats(self) -> dict:
-        return self.stats().as_dict()
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
-
-    def sleep(self, level: int = 1) -> bool:
-        """Stop stepping and drop the prefix cache (weights stay; a GPU build could offload them here)."""
-        self._sleeping = True
-        return self.kv.reset_prefix_cache() or True
-
-    def wake_up(self) -> bool:
-        self._sleeping = False
-        return True
-
-    def is_sleeping(self) -> bool:
-        return self._sleeping
-
-    def pause(self) -> bool:
-        self._paused = True
-        return True
-
-    def resume(self) -> bool:
-        self._paused = False
-        return True
-
-    def is_paused(self) -> bool:
-        return self._paused
-
-    def ping(self) -> str:
-        self.executor.check_health()
-        return "pong"
 
     def shutdown(self) -> None:
         """Stop the add-ons' threads and the workers (tensor parallelism); the in-process runner needs nothing."""
