@@ -123,7 +123,7 @@ class EngineCore(CoreControl):
 
     def _schedule(self, proposed: dict | None = None):
         """The scheduler's next step; the requests it finished "length" (outgrown the KV pool) are reported."""
-        sched = self.scheduler.schedule(proposed or None)
+        sched = self.scheduler.schedule(proposed) if proposed else self.scheduler.schedule()
         self._rejected += [EngineCoreOutput(r.request_id, [], finish_reason=r.status.value,
                                             num_cached_tokens=max(r.num_cached_tokens, 0)) for r in sched.cut]
         return sched
