@@ -448,6 +448,17 @@ STAGES += (
                   "tests/kernels/test_kda_decode.py", "tests/hw_platform/test_kda_gate.py", timeout=560,
                   show=tail(30)),)),
     *shape_pair("qwen36", QWEN36, "GDN + gated attention + MoE"),
+    Stage("vllmqwen36", "wave", "vLLM 0.26 on qwen3.6-35b-a3b (the peer of tputqwen36/latqwen36; issue 49)",
+          (bench("vllm_peer", *QWEN36, "--json", "{out}/vllm_qwen36.json", timeout=560, log="vllm_qwen36.log",
+                 show=tail(8, NO_WARNINGS), env=VSITE),)),
+    *shape_pair("oss", ("--shape", "gpt-oss-20b", "--max-model-len", "4096"), "sinks + MoE, bf16 experts"),
+    Stage("vllmoss", "wave", "vLLM 0.26 on gpt-oss-20b (the peer of tputoss/latoss; issue 50)",
+          (bench("vllm_peer", "--shape", "gpt-oss-20b", "--json", "{out}/vllm_oss.json", timeout=560,
+                 log="vllm_oss.log", show=tail(8, NO_WARNINGS), env=VSITE),)),
+    *shape_pair("gemma4", ("--shape", "gemma4-26b-a4b", "--max-model-len", "4096"), "per-layer heads + MoE"),
+    Stage("vllmgemma4", "wave", "vLLM 0.26 on gemma4-26b-a4b (the peer of tputgemma4/latgemma4; issue 50)",
+          (bench("vllm_peer", "--shape", "gemma4-26b-a4b", "--json", "{out}/vllm_gemma4.json", timeout=560,
+                 log="vllm_gemma4.log", show=tail(8, NO_WARNINGS), env=VSITE),)),
 )
 BY_NAME = {s.name: s for s in STAGES}
 DEFAULT = ("tests", "tput", "lat", "lat8b", "tput8b")  # what runs when no stage is named

@@ -37,7 +37,8 @@ def test_table_keeps_every_shell_stage_once():
     assert len(BY_NAME) == len(STAGES), "stage names repeat"
     assert set(SHELL_STAGES) <= set(BY_NAME), set(SHELL_STAGES) - set(BY_NAME)
     wave = {"flood", "specd", "specng", "specpeer", "speceagle", "specall", "dsak", "dsae2e", "kdatests", "kdak", "tputkimi",
-            "latkimi", "vllmkimi", "gdntests", "tputqwen36", "latqwen36", "profdsa", "dsaab", "cpuab", "multiturn", "awq8b", "vllmawq"}
+            "latkimi", "vllmkimi", "gdntests", "tputqwen36", "latqwen36", "profdsa", "dsaab", "cpuab", "multiturn", "awq8b", "vllmawq", "vllmqwen36", "tputoss", "latoss", "vllmoss", "tputgemma4",
+            "latgemma4", "vllmgemma4"}
     assert set(BY_NAME) - set(SHELL_STAGES) == {"gputests", "tputkv8", "servesbs"} | wave
 
 
