@@ -64,6 +64,48 @@ def write_llava_next_7b(out: Path) -> Path:
     return out
 
 
+def write_qwen2_5_vl_7b(out: Path) -> Path:
+    """config.json + processor files of the Qwen2.5-VL-7B shape (weights: --load-format dummy): Qwen2.5-VL-7B-
+    Instruct's text and vision dimensions, its image processor's pixel bounds, the tiny tokenizer padded to its
+    152,064 ids with its four vision tokens."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from kestrel.bench.tiny_tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_TOKENS, make_tokenizer
+
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t in QWEN_VL_TOKENS]})
+    tok.add_tokens([f" w{i}" for i in range(152064 - len(tok))])
+    tok.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    image_proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2,
+                                          merge_size=2)
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                  out_hidden_size=3584, hidden_act="silu")
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(out)
+    tok.save_pretrained(out)
+    image_proc.save_pretrained(out)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+             "merge_size": 2, "size": {"shortest_edge": 3136, "longest_edge": 12845056}}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return out
+
+
+WRITERS = {"llava_next": write_llava_next_7b, "qwen2_5_vl": write_qwen2_5_vl_7b}
+
+
 def images(n: int, seed: int) -> list:
     """n random-pixel PIL images cycling through IMAGE_SIZES."""
     import numpy as np
@@ -176,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", default=None, help="server to load (default: start kestrel on --model-dir)")
     p.add_argument("--model-dir", default="/tmp/kestrel-llava-next-7b", help="the 7B-shaped folder (written if absent)")
     p.add_argument("--write-model", default=None, help="write the 7B-shaped folder here and exit")
+    p.add_argument("--arch", choices=list(WRITERS), default="llava_next",
+                   help="the 7B shape --write-model (or an absent --model-dir) is written as")
     p.add_argument("--server-args", default="--load-format dummy --max-model-len 4096",
                    help="extra `kestrel serve` flags")
     p.add_argument("--server-log", default=None)
@@ -188,14 +232,14 @@ def main(argv=None) -> int:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.write_model:
-        print(write_llava_next_7b(Path(args.write_model)))
+        print(WRITERS[args.arch](Path(args.write_model)))
         return 0
     proc = None
     url = args.url
     if url is None:
         folder = Path(args.model_dir)
         if not (folder / "config.json").exists():
-            write_llava_next_7b(folder)
+            WRITERS[args.arch](folder)
         args.model = str(folder)
         proc, url = start_server(args)
         print(f"started kestrel serve {folder} {shlex.join(shlex.split(args.server_args))} at {url}")

@@ -3,7 +3,7 @@ each command with its timeout, the GPUs it needs and what of its output is print
 
 A command's words may hold placeholders the suite fills in when it runs: {py} (this Python), {out} (results),
 {run} (a fresh scratch folder for this call), {llava} (the LLaVA-NeXT-7B-shaped model folder, kept across calls),
-{vsite} (vLLM's LLaVA site, staged by `vsite`), {base} (the A/B stage's previous tree), {left} (seconds left of
+{vsite} (vLLM's LLaVA site, staged by `vsite`), {qwenvl} (the Qwen2.5-VL-7B folder), {base} (the A/B stage's previous tree), {left} (seconds left of
 the call's budget), {url} and {port} (a command's server), {pythonpath} (the children's PYTHONPATH)."""
 from __future__ import annotations
 
@@ -116,6 +116,16 @@ MM_VLLM = bench("mm_serve", "--url", "{url}", "--num-requests", "128", timeout=3
                 server=VLLM_LLAVA)
 MM_KESTREL = bench("mm_serve", "--model-dir", "{llava}", "--server-log", "{out}/kestrel_mm.log", timeout=300,
                    title="kestrel")
+
+# the same image chats on a Qwen2.5-VL-7B shape (native resolution, M-RoPE; issue 52)
+WRITE_QWENVL = bench("mm_serve", "--arch", "qwen2_5_vl", "--write-model", "{qwenvl}", timeout=120, show=quiet)
+VLLM_QWENVL = Server(("{py}", "-m", "vllm.entrypoints.openai.api_server", "--model", "{qwenvl}", "--load-format",
+                      "dummy", "--max-model-len", "4096", "--host", "127.0.0.1", "--port", "{port}"),
+                     log="vllm_qwenvl.log", ready_timeout=400, env=VSITE)
+MM_VLLM_QWENVL = bench("mm_serve", "--url", "{url}", "--num-requests", "128", timeout=300, title="vLLM 0.26",
+                       server=VLLM_QWENVL)
+MM_KESTREL_QWENVL = bench("mm_serve", "--arch", "qwen2_5_vl", "--model-dir", "{qwenvl}", "--server-log",
+                          "{out}/kestrel_qwenvl.log", timeout=300, title="kestrel")
 
 
 def profile_cmd(name: str, *args: str, lines: int, timeout: int) -> Cmd:
@@ -332,6 +342,8 @@ STAGES = (
     Stage("mmv", "images", "vLLM 0.26 serving 128 image chats (one image each, concurrency 32)",
           (WRITE_LLAVA, MM_VLLM)),
     Stage("mmk", "images", "Kestrel serving the same workload", (WRITE_LLAVA, MM_KESTREL)),
+    Stage("mmqvl", "images", "Qwen2.5-VL-7B shape, 128 image chats: vLLM 0.26 (vsite staged), then Kestrel (52)",
+          (WRITE_QWENVL, MM_VLLM_QWENVL, MM_KESTREL_QWENVL)),
     Stage("mmvllm", "images", "mmv, then mmk", (WRITE_LLAVA, MM_VLLM, MM_KESTREL)),
     Stage("mmkw", "images", "mmk with images on the server's render threads, then on 8 render processes",
           (WRITE_LLAVA, mm_kestrel_workers(0), mm_kestrel_workers(8))),

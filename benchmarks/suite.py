@@ -81,7 +81,7 @@ class Suite:
             pythonpath = os.pathsep.join(p for p in (str(ROOT), pythonpath) if p)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     "PYTHONPATH": pythonpath}
-        self.values = dict(py=sys.executable, out=str(out.resolve()), run="", llava=str(scratch / "llava-next-7b"),
+        self.values = dict(py=sys.executable, out=str(out.resolve()), run="", llava=str(scratch / "llava-next-7b"), qwenvl=str(scratch / "qwen2.5-vl-7b"),
                            vsite=str(vsite or scratch / "vsite"), pythonpath=pythonpath)
         if base is not None:
             self.values["base"] = str(base.resolve())

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kestrel.bench.tiny_tokenizer import IMAGE_TOKEN, LLAVA_CHAT_TEMPLATE, make_tokenizer, tokenizer_with_image_token
+from kestrel.bench.tiny_tokenizer import (IMAGE_TOKEN, LLAVA_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, QWEN_VL_TOKENS,
+                                         make_tokenizer, tokenizer_with_image_token)
 
 # pinpoints (height, width) in units of the 28-pixel tile: 1x2, 2x1, 2x2, 1x3
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
@@ -106,13 +107,6 @@ def sample_images():
     return [make_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SIZES)]
 
 
-QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-QWEN_VL_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif p['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def make_qwen2_5_vl(root: Path, seed: int = 0, name: str = "qwen2_5_vl", **text_overrides) -> Path:

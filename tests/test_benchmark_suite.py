@@ -24,7 +24,7 @@ structthreads structfill structgpu tputfp8 trace tracelat profile startup import
 moetune moetunemla moealign kern mlatune16 tputmoe latmoe tp lora tputlora mla mlatune tputmla latmla tputmlad latmlad
 vllmmla vllmmlad engine moemodels tp1 profmla prof1moe prof1mla mlasplit vsite mmrender mmv mmvllm mmprof mmkw mmspy
 mmk mlak mlapre multigpu1 multigpu2 multigpu3 vllmtp vllmmoe""".split()
-PLACEHOLDERS = {"py", "out", "run", "llava", "vsite", "base", "left", "url", "port", "pythonpath"}
+PLACEHOLDERS = {"py", "out", "run", "llava", "qwenvl", "vsite", "base", "left", "url", "port", "pythonpath"}
 
 
 def suite_cli(*args: str) -> subprocess.CompletedProcess:
@@ -38,7 +38,7 @@ def test_table_keeps_every_shell_stage_once():
     assert set(SHELL_STAGES) <= set(BY_NAME), set(SHELL_STAGES) - set(BY_NAME)
     wave = {"flood", "specd", "specng", "specpeer", "speceagle", "specall", "dsak", "dsae2e", "kdatests", "kdak", "tputkimi",
             "latkimi", "vllmkimi", "gdntests", "tputqwen36", "latqwen36", "profdsa", "dsaab", "cpuab", "multiturn", "awq8b", "vllmawq", "vllmqwen36", "tputoss", "latoss", "vllmoss", "tputgemma4",
-            "latgemma4", "vllmgemma4"}
+            "latgemma4", "vllmgemma4", "mmqvl"}
     assert set(BY_NAME) - set(SHELL_STAGES) == {"gputests", "tputkv8", "servesbs"} | wave
 
 
