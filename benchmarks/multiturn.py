@@ -70,12 +70,12 @@ def run(model_dir: Path, args, offload_gib: float | None, num_blocks: int, save:
         for o in eng.step():
             if o.request_id not in live:
                 continue
-            c, t, sent, first = live[o.request_id]
-            if not first and o.outputs and o.outputs[0].token_ids:
-                first.append(time.perf_counter() - sent)
+            c, t, sent_at, ttft = live[o.request_id]
+            if not ttft and o.outputs and o.outputs[0].token_ids:
+                ttft.append(time.perf_counter() - sent_at)
             if o.finished:
                 conv = convs[c]
-                conv.ttfts.append(first[0] if first else time.perf_counter() - sent)
+                conv.ttfts.append(ttft[0] if ttft else time.perf_counter() - sent_at)
                 conv.cached.append(o.num_cached_tokens)
                 conv.context += list(o.outputs[0].token_ids)
                 out_tokens += len(o.outputs[0].token_ids)
@@ -83,14 +83,14 @@ def run(model_dir: Path, args, offload_gib: float | None, num_blocks: int, save:
     wall = time.perf_counter() - t0
     first = [cv.ttfts[0] for cv in convs]
     returning = [x for cv in convs for x in cv.ttfts[1:]]
-    sent = [len(cv.context) for cv in convs]
+    contexts = [len(cv.context) for cv in convs]
     cached = sum(sum(cv.cached[1:]) for cv in convs)
     result = dict(offload_gib=offload_gib or 0, kv_blocks=num_blocks, wall_s=round(wall, 2),
                   out_tok_s=round(out_tokens / wall, 1),
                   ttft_first_p50_ms=round(statistics.median(first) * 1e3, 1),
                   ttft_return_p50_ms=round(statistics.median(returning) * 1e3, 1),
                   ttft_return_p99_ms=round(percentile(returning, 0.99) * 1e3, 1),
-                  returning_cached_tokens=cached, final_context_mean=round(statistics.mean(sent)))
+                  returning_cached_tokens=cached, final_context_mean=round(statistics.mean(contexts)))
     del llm, eng
     gc.collect()
     if torch.cuda.is_available():

@@ -154,6 +154,22 @@ def make_qwen3_5_vl(root: Path, seed: int = 0, name: str = "qwen3_5_vl", moe: bo
     return _make_qwen_vl(root, "qwen3_5_moe" if moe else "qwen3_5", seed, name, vision, text)
 
 
+def _image_sensitive_weights(model, seed: int, loud: tuple[str, ...]) -> None:
+    """Random weights whose outputs depend on the images: parameters named by `loud` (attention, the merger) at
+    std 0.3 (sharp attention, loud image rows), other matrices 0.08, norms around 1."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if any(part in pname for part in loud):
+                p.normal_(0, 0.3)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            elif "norm" in pname:
+                p.normal_(1.0, 0.2)
+            else:
+                p.normal_(0, 0.05)
+
+
 def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, text_overrides: dict) -> Path:
     from tokenizers import AddedToken
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
@@ -189,17 +205,7 @@ def _make_qwen_vl(root: Path, kind: str, seed: int, name: str, vision: dict, tex
                      video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                      vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     model = model_cls(cfg)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "self_attn" in pname or "merger" in pname:
-                p.normal_(0, 0.3)  # sharp attention and loud image rows: the outputs depend on the images
-            elif p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif "norm" in pname:
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0, 0.05)
+    _image_sensitive_weights(model, seed, ("self_attn", "merger"))
     out = root / name
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -281,17 +287,7 @@ def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe", glm46v: b
                          image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
                          video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False)
     model = model_cls(cfg)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "self_attn" in pname or "merger" in pname or "downsample" in pname:
-                p.normal_(0, 0.3)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.08)
-            elif "norm" in pname:
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0, 0.05)
+    _image_sensitive_weights(model, seed, ("self_attn", "merger", "downsample"))
     out = root / name
     model.save_pretrained(out)
     tok.save_pretrained(out)
