@@ -21,7 +21,7 @@ TRITON_INTERP_TESTS = tests/attention/test_triton_ops.py tests/attention/test_tr
 	tests/attention/test_triton_sparse_mla.py tests/attention/test_triton_indexer_fp8.py \
 	tests/attention/test_triton_topk.py tests/attention/test_triton_sparse_mla_graphs.py \
 	tests/attention/test_triton_prefill_graphs.py tests/attention/test_triton_sinks.py \
-	tests/attention/test_mrope_fused_interp.py tests/kernels/test_w4a16_interp.py
+	tests/attention/test_mrope_fused_interp.py tests/kernels/test_w4a16_interp.py tests/kernels/test_kv_rows.py
 INTERP_RUN = HF_HUB_OFFLINE=1 PYTHONPATH=.kernels-np TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -p no:cacheprovider --disable-warnings
 
 # Two pytest-xdist workers for the 2 cores (-n 2): the suite's tests wait on their server and worker processes for

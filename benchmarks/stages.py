@@ -217,6 +217,8 @@ STAGES = (
                  "--repeat", "5", "--budget", "{left}", "--json", "{out}/cpuab.json", timeout=300, show=tail(12)),)),
     Stage("multiturn", "core", "qwen3-0.6b multi-turn chat, 64 x 5 turns, 4-8k context: host KV tier vs none (53)",
           (bench("multiturn", "--json", "{out}/multiturn.json", timeout=330, show=tail(14)),)),
+    Stage("kvcopy", "core", "the host KV tier's block copies alone: Triton row copy vs per-run memcpy, both ways (53)",
+          (bench("kv_copy", "--json", "{out}/kv_copy.json", timeout=120, show=tail(16)),)),
     Stage("trace", "core", "where a qwen3-0.6b throughput run's time goes, per step (GPU and host)",
           (bench("step_trace", "--shape", "qwen3-0.6b", "--json", "{out}/trace.json", timeout=200, show=tail(14)),)),
     Stage("tracelat", "core", "the same for a batch-1 latency run",

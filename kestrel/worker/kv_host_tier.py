@@ -7,12 +7,14 @@ which slot, the LRU, the byte bound) is kestrel/engine/kv/host_tier.py; both siz
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
 from kestrel.core.kv_connector import ROWS, KVConnectorMeta, KVConnectorWorker, KVTransferFailures
 from kestrel.core.kv_spec import KVCacheGroup
+from kestrel.platform import triton_gates
 from kestrel.worker.kv_allocation import bytes_per_block, slot_row_bytes
 from kestrel.worker.kv_copy_stream import CopyStream, PendingSaves
 from kestrel.worker.kv_disk_tier import DiskTierWorker, tier_directory
@@ -139,14 +141,29 @@ def _other_rank() -> bool:
 
 
 def copy_rows(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
-    """Rows src_ids of each src tensor into rows dst_ids of its dst tensor. Between the device and (pinned) host
-    memory, one copy per run of rows consecutive on both sides, each asynchronous on the current stream (an
-    indexed copy would stage through pageable memory, and return before the host rows are written); host to host
-    (the CPU), one indexed copy."""
-    if any(d.is_cuda or s.is_cuda for d, s in zip(dst, src)):
-        return copy_runs(dst, dst_ids, src, src_ids)
-    for d, s in zip(dst, src):
-        d[dst_ids] = s[src_ids]
+    """Rows src_ids of each src tensor into rows dst_ids of its dst tensor. Between the device and pinned host
+    memory, asynchronous on the current stream: one Triton launch per tensor pair where the GPU can reach the
+    host rows (kestrel/kernels/triton_ops/kv_rows.py), else one copy per run of rows consecutive on both sides
+    (an indexed copy would stage through pageable memory, and return before the host rows are written); host to
+    host (the CPU), one indexed copy."""
+    cuda = next((t.device for t in (*dst, *src) if t.is_cuda), None)
+    if cuda is None:
+        for d, s in zip(dst, src):
+            d[dst_ids] = s[src_ids]
+    elif kernel_copies(dst + src):
+        from kestrel.kernels.triton_ops.kv_rows import copy_rows_triton
+        ids = torch.stack([dst_ids, src_ids]).pin_memory().to(cuda, non_blocking=True)
+        copy_rows_triton(dst, ids[0], src, ids[1])
+    else:
+        copy_runs(dst, dst_ids, src, src_ids)
+
+
+def kernel_copies(tensors: list[torch.Tensor]) -> bool:
+    """Whether the Triton row copy can take these (every host tensor pinned, Triton here, not turned off with
+    KESTREL_KV_COPY=runs, the per-run copies, for comparison)."""
+    if os.environ.get("KESTREL_KV_COPY", "kernel") == "runs":
+        return False
+    return triton_gates.triton_importable()[0] and all(t.is_cuda or t.is_pinned() for t in tensors)
 
 
 def copy_runs(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:

@@ -280,3 +280,11 @@ def test_head_dim_512_default_tiles_do_not_spill():
                   dict(HEAD_DIM=512, G_PAD=16, PAGE=16, BLOCK_N=dc["BLOCK_N"], SPLIT=True, USE_DOT=True,
                        UPCAST=False, FUSED_REDUCE=True, MAX_SPLITS=triton_attention.MAX_SPLITS, WINDOWED=False,
                        SOFTCAP=False, FP8_MAX=0.0), dc["num_warps"], dc["num_stages"]) == 0
+
+
+@pytest.mark.parametrize("word", ["*i32", "*u8"])
+def test_kv_row_copy_compiles(word):
+    from kestrel.kernels.triton_ops import kv_rows
+    fn = kv_rows._copy_rows_kernel
+    sig = {"DST": word, "SRC": word, "DST_IDS": "*i64", "SRC_IDS": "*i64", "row_words": "i32"}
+    compile_ok(fn, sig, dict(BLOCK=kv_rows.BLOCK))
