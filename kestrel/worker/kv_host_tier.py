@@ -77,6 +77,8 @@ class HostTierWorker(KVConnectorWorker):
                      for u, ts in units.items()}
         self.copies = CopyStream(device)  # a side stream on CUDA; none elsewhere (synchronous copies)
         self.pending = PendingSaves()  # device->host copies in flight
+        if pin:
+            warm_up_copies([t for ts in units.values() for t in ts])
 
     def start_load_kv(self, meta: KVConnectorMeta | None, step=None) -> KVTransferFailures | None:
         """Before the step's forward: saves then loads on the copy stream (kestrel/worker/kv_copy_stream.py; a
@@ -164,6 +166,17 @@ def kernel_copies(tensors: list[torch.Tensor]) -> bool:
     if os.environ.get("KESTREL_KV_COPY", "kernel") == "runs":
         return False
     return triton_gates.triton_importable()[0] and all(t.is_cuda or t.is_pinned() for t in tensors)
+
+
+def warm_up_copies(device_tensors: list[torch.Tensor]) -> None:
+    """Compile the row copy's variants at start-up (one per row width and dtype), not at the first eviction."""
+    for dtype, row in {(t.dtype, t.shape[1]) for t in device_tensors}:
+        dev = torch.zeros((1, row), dtype=dtype, device=device_tensors[0].device)
+        host = torch.zeros((1, row), dtype=dtype, pin_memory=True)
+        ids = torch.zeros(1, dtype=torch.int64)
+        copy_rows([host], ids, [dev], ids)
+        copy_rows([dev], ids, [host], ids)
+    torch.cuda.synchronize()
 
 
 def copy_runs(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor], src_ids: torch.Tensor) -> None:
