@@ -1,6 +1,6 @@
 """The host KV tier's copies on their own (issue 53): N scattered blocks of a model's KV between the device cache
 and pinned host slots, both ways, by the Triton row copy (kestrel/kernels/triton_ops/kv_rows.py, the default) and
-by one cudaMemcpyAsync per run of consecutive rows (KESTREL_KV_COPY=runs), beside one contiguous copy of the same
+by one cudaMemcpyAsync per run of consecutive rows (kv_host_tier.copy_runs, what it did before), beside one contiguous copy of the same
 bytes (the link's ceiling). GPU ms from events, host ms of the call (what the engine's loop pays), GB/s.
 
     python -m benchmarks.kv_copy [--shapes qwen3-0.6b,llama-8b] [--blocks 384] [--json out.json]"""
@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 
 from benchmarks.common import SHAPES, print_table
-from kestrel.worker.kv_host_tier import copy_rows
+from kestrel.worker.kv_host_tier import copy_rows, copy_runs
 
 BLOCK_TOKENS = 16
 
@@ -56,9 +55,8 @@ def measure(shape: str, blocks: int, reps: int) -> list[dict]:
     flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     rows = []
     for direction, args in (("save D2H", (host, slot_ids, dev, dev_ids)), ("load H2D", (dev, dev_ids, host, slot_ids))):
-        for method in ("kernel", "runs"):
-            os.environ["KESTREL_KV_COPY"] = method
-            gpu, host_ms = timed(lambda: copy_rows(*args), reps)
+        for method, copy in (("kernel", copy_rows), ("runs", copy_runs)):
+            gpu, host_ms = timed(lambda: copy(*args), reps)
             rows.append(dict(shape=shape, direction=direction, method=method, blocks=blocks, MB=nbytes / 1e6,
                              gpu_ms=gpu, host_ms=host_ms, GB_s=nbytes / gpu / 1e6))
         dst, src = (flat_host, flat_dev) if direction.startswith("save") else (flat_dev, flat_host)
@@ -66,11 +64,9 @@ def measure(shape: str, blocks: int, reps: int) -> list[dict]:
         rows.append(dict(shape=shape, direction=direction, method="one contiguous copy", blocks=blocks,
                          MB=nbytes / 1e6, gpu_ms=gpu, host_ms=host_ms, GB_s=nbytes / gpu / 1e6))
     # the kernel's copies are right
-    os.environ["KESTREL_KV_COPY"] = "kernel"
     copy_rows(host, slot_ids, dev, dev_ids)
     torch.cuda.synchronize()
     assert all(torch.equal(h[slot_ids], d[dev_ids].cpu()) for h, d in zip(host, dev)), "kernel copy wrong"
-    os.environ.pop("KESTREL_KV_COPY")
     return rows
 
 

@@ -7,7 +7,6 @@ which slot, the LRU, the byte bound) is kestrel/engine/kv/host_tier.py; both siz
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
@@ -161,10 +160,7 @@ def copy_rows(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Te
 
 
 def kernel_copies(tensors: list[torch.Tensor]) -> bool:
-    """Whether the Triton row copy can take these (every host tensor pinned, Triton here, not turned off with
-    KESTREL_KV_COPY=runs, the per-run copies, for comparison)."""
-    if os.environ.get("KESTREL_KV_COPY", "kernel") == "runs":
-        return False
+    """Whether the Triton row copy can take these: Triton here, every host tensor pinned."""
     return triton_gates.triton_importable()[0] and all(t.is_cuda or t.is_pinned() for t in tensors)
 
 
