@@ -30,6 +30,7 @@ _MODELS = {
     "MiniMaxM2ForCausalLM": ("kestrel.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "GptOssForCausalLM": ("kestrel.models.gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("kestrel.models.llama4", "Llama4ForCausalLM"),
+    "Glm4ForCausalLM": ("kestrel.models.glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
