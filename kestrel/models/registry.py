@@ -52,7 +52,8 @@ _MODELS = {
     "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Glm4vMoeForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm4vMoeForConditionalGeneration"),
-    "Glm46VForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm46VForConditionalGeneration"),
+    "Glm4vForConditionalGeneration": ("kestrel.models.glm4v", "Glm4vForConditionalGeneration"),
+    "Glm46VForConditionalGeneration": ("kestrel.models.glm4v", "Glm46VForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),
