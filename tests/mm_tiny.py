@@ -253,17 +253,26 @@ GLM4V_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_
                 "<|video|>"]
 
 
-def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe", glm46v: bool = False) -> Path:
-    """Tiny GLM-4.5V (`glm4v_moe`): a 2-block GLM-4.xV tower (14-pixel patches, a 6x6 learned position grid, qkv
-    bias) and a 2-layer GLM-4-MoE decoder (layer 0 dense, layer 1 MoE: 4 experts top-2 + a shared expert) with
-    heads of 32, half of them rotating by sectioned M-RoPE [2, 3, 3]. Its image processor is saved alone (the
-    video processor needs torchvision); glm4v_processor() rebuilds transformers' processor over it. `glm46v`:
-    transformers' `glm46v` layout (Glm46VForConditionalGeneration) with the same tower and MoE text model."""
+# GLM-4.xV checkpoint kinds (make_glm4v): transformers' config and model class, the text model's type where the
+# layout names it, and whether that text model is the MoE one
+GLM4V_KINDS = {"glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", None, True),
+               "glm46v": ("Glm46VConfig", "Glm46VForConditionalGeneration", "glm4v_moe_text", True),
+               "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", None, False),
+               "glm46v_dense": ("Glm46VConfig", "Glm46VForConditionalGeneration", "glm4v_text", False)}
+
+
+def make_glm4v(root: Path, kind: str = "glm4v_moe", seed: int = 0, name: str | None = None) -> Path:
+    """Tiny GLM-4.xV (`kind` of GLM4V_KINDS): a 2-block GLM-4.xV tower (14-pixel patches, a 6x6 learned position
+    grid, qkv bias) and a 2-layer decoder with heads of 32, half of them rotating by sectioned M-RoPE [2, 3, 3]:
+    GLM-4-MoE (GLM-4.5V; layer 0 dense, layer 1 MoE: 4 experts top-2 + a shared expert) or the dense GLM-4 one
+    (GLM-4.1V: sandwich norms, pair rotary). `glm46v*`: transformers' `glm46v` layout (Glm46VForConditionalGeneration)
+    with the same tower over that text model. Its image processor is saved alone (the video processor needs
+    torchvision); glm4v_processor() rebuilds transformers' processor over it."""
+    import transformers
     from tokenizers import AddedToken
-    from transformers import (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration, Glm46VConfig,
-                              Glm46VForConditionalGeneration)
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
+    config_name, model_name, text_type, moe = GLM4V_KINDS[kind]
     tok = make_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
                                                           for t in GLM4V_TOKENS]})
@@ -271,24 +280,25 @@ def make_glm4v_moe(root: Path, seed: int = 0, name: str = "glm4v_moe", glm46v: b
     image_proc = Glm4vImageProcessorPil(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 30},
                                         patch_size=14, temporal_patch_size=2, merge_size=2)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=1024, moe_intermediate_size=32, n_routed_experts=4,
-                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  "partial_rotary_factor": 0.5})
+    if moe:
+        text.update(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                    first_k_dense_replace=1, attention_bias=True)
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=14, image_size=84,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, attention_bias=True)
-    config_cls, model_cls = Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
-    if glm46v:
-        config_cls, model_cls = Glm46VConfig, Glm46VForConditionalGeneration
-        text, vision = {**text, "model_type": "glm4v_moe_text"}, {**vision, "model_type": "glm4v_vision"}
-    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
-                         video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
-                         image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
-                         video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=False)
-    model = model_cls(cfg)
+    if text_type:
+        text, vision = {**text, "model_type": text_type}, {**vision, "model_type": "glm4v_vision"}
+    cfg = getattr(transformers, config_name)(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False)
+    model = getattr(transformers, model_name)(cfg)
     _image_sensitive_weights(model, seed, ("self_attn", "merger", "downsample"))
-    out = root / name
+    out = root / (name or kind)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     image_proc.save_pretrained(out)

@@ -118,6 +118,8 @@ FAMILY_CONFIGS = {
                                       intermediate_size=32, rope_parameters={
                                           "rope_type": "default", "rope_theta": 10000.0,
                                           "partial_rotary_factor": 0.5})),
+    # GLM-4 dense: sandwich norms, q/k/v bias, pair rotary on half of each head (the defaults), fused gate_up
+    "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=16)),
     # yarn with llama-4 query scaling: the scale steps up every 16 positions (original_max_position_embeddings)
     "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,

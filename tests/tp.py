@@ -17,7 +17,8 @@ NUM_TOKENS = 32
 # RMSNorm over all heads (its sum of squares all-reduced, each rank's slice of the weight), random norm weights;
 # minimax_m2_mqa: its one KV head replicated on both ranks (counted once in k's norm); gemma4_moe: per-layer head
 # shapes (the global layers' one KV head replicated), K = V, the MoE block's experts split; gemma4_kv_shared: the
-# per-layer inputs (replicated), layers reading other layers' caches on each rank
+# per-layer inputs (replicated), layers reading other layers' caches on each rank; glm4: the checkpoint's fused
+# gate_up_proj, each rank reading its rows of both halves
 TP_MODELS = {
     "llama": ("llama_linear_rope", {}),
     "qwen3": ("qwen3", {"vocab_size": 387}),
@@ -27,6 +28,7 @@ TP_MODELS = {
     "minimax_m2_mqa": ("minimax_m2", {"vary_vectors": True, "num_key_value_heads": 1}),
     "gemma4_moe": ("gemma4_moe", {}),
     "gemma4_kv_shared": ("gemma4_kv_shared", {}),
+    "glm4": ("glm4", {"vary_vectors": True}),
 }
 
 

@@ -185,10 +185,19 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act), residual
 
 
+# where a decoder layer's norms sit: (attention input, MLP input, attention output, MLP output), each slot the
+# norm's checkpoint name or None (no norm there)
+NORM_PLACEMENTS = {
+    "pre": ("input_layernorm", "post_attention_layernorm", None, None),
+    "post": (None, None, "post_attention_layernorm", "post_feedforward_layernorm"),  # Olmo 2/3
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                 "post_mlp_layernorm"),  # GLM-4 (its names)
+}
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Attention then MLP, each added to the residual stream. `norm_placement` "pre": a norm on each sublayer's
-    input (input_layernorm, post_attention_layernorm); "post": a norm on each sublayer's output instead
-    (post_attention_layernorm, post_feedforward_layernorm: Olmo 2/3)."""
+    """Attention then MLP, each added to the residual stream. `norm_placement` (NORM_PLACEMENTS) "pre": a norm on
+    each sublayer's input; "post": a norm on each sublayer's output instead (Olmo 2/3); "sandwich": both (GLM-4)."""
     attention_cls = LlamaAttention
     norm_cls = RMSNorm
     norm_placement = "pre"
@@ -196,16 +205,16 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, ctx: ModelContext, prefix: str):
         super().__init__()
         cfg = ctx.text
-        norm = lambda: self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)  # noqa: E731
-        if self.norm_placement == "pre":
-            self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-            attn_in, mlp_in, self._out_norms = self.input_layernorm, self.post_attention_layernorm, (None, None)
-        elif self.norm_placement == "post":
-            self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
-            attn_in = mlp_in = ResidualAdd()
-            self._out_norms = (self.post_attention_layernorm, self.post_feedforward_layernorm)
-        else:
+        if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"unknown norm_placement {self.norm_placement!r}")
+        names = NORM_PLACEMENTS[self.norm_placement]
+        norms = [None if n is None else self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype) for n in names]
+        for name, norm in zip(names, norms):
+            if norm is not None:
+                setattr(self, name, norm)
+        # an input slot without a norm only adds the residual stream
+        attn_in, mlp_in = (ResidualAdd() if n is None else n for n in norms[:2])
+        self._out_norms = tuple(norms[2:])
         self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn", attn_in)
         self.mlp = LlamaMLP(ctx, f"{prefix}.mlp", mlp_in, gated_activation(getattr(cfg, "hidden_act", "silu")))
 

@@ -16,10 +16,13 @@ from kestrel.models.vision.qwen_vit import Qwen2_5VisionTransformer
 from kestrel.models.weights import load_named_weights
 
 
-def mrope_decoder(decoder: type, default: tuple[list[int], bool]) -> type:
-    """A Llama-style decoder class whose attention takes M-RoPE, `default` the family's (sections, interleaved)."""
+def mrope_decoder(decoder: type, default: tuple[list[int], bool], **attention_options) -> type:
+    """A Llama-style decoder class whose attention takes M-RoPE, `default` the family's (sections, interleaved);
+    `attention_options`: other class options of the attention where the multimodal text config's defaults differ
+    from the text family's (GLM-4.1V: q/k/v bias always, the whole head rotating unless the config says)."""
     layer = decoder.decoder_layer_cls
-    attention = type(f"MRoPE{layer.attention_cls.__name__}", (layer.attention_cls,), {"mrope_default": default})
+    attention = type(f"MRoPE{layer.attention_cls.__name__}", (layer.attention_cls,),
+                     {"mrope_default": default, **attention_options})
     layer = type(f"MRoPE{layer.__name__}", (layer,), {"attention_cls": attention})
     return type(f"MRoPE{decoder.__name__}", (decoder,), {"decoder_layer_cls": layer})
 

@@ -30,6 +30,7 @@ _MODELS = {
     "MiniMaxM2ForCausalLM": ("kestrel.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "GptOssForCausalLM": ("kestrel.models.gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("kestrel.models.llama4", "Llama4ForCausalLM"),
+    "Glm4ForCausalLM": ("kestrel.models.glm4", "Glm4ForCausalLM"),
     "Glm4MoeForCausalLM": ("kestrel.models.glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("kestrel.models.deepseek_v2", "DeepseekV3ForCausalLM"),
@@ -51,7 +52,8 @@ _MODELS = {
     "Qwen3VLForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": ("kestrel.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "Glm4vMoeForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm4vMoeForConditionalGeneration"),
-    "Glm46VForConditionalGeneration": ("kestrel.models.glm4v_moe", "Glm46VForConditionalGeneration"),
+    "Glm4vForConditionalGeneration": ("kestrel.models.glm4v", "Glm4vForConditionalGeneration"),
+    "Glm46VForConditionalGeneration": ("kestrel.models.glm4v", "Glm46VForConditionalGeneration"),
     # encoder-only embedding models (pooling only)
     "BertModel": ("kestrel.models.bert", "BertModel"),
     "XLMRobertaModel": ("kestrel.models.bert", "XLMRobertaModel"),

@@ -61,3 +61,42 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if hasattr(m, "process_weights_after_loading") and m is not model:
             m.process_weights_after_loading()
     return loaded
+
+
+class RowRange:
+    """Rows [start, start + rows) of a checkpoint tensor (a tensor or a lazy slice), read only when asked, as a
+    lazy slice is: `narrow` along the rows reads just those (a tensor-parallel rank's part), `read` all of them."""
+
+    def __init__(self, tensor, start: int, rows: int):
+        self._tensor, self._start = tensor, start
+        self.shape = (rows, *tuple(tensor.shape)[1:])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._tensor.narrow(0, self._start + start, length)
+        return self.read().narrow(dim, start, length)
+
+    def read(self) -> torch.Tensor:
+        return self._tensor.narrow(0, self._start, self.shape[0])
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor]], fused: str,
+                parts: Sequence[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused projection as the tensors of its parts, equal blocks of rows in order (GLM-4's
+    `mlp.gate_up_proj`: the gate's rows, then the up projection's -> `mlp.gate_proj`, `mlp.up_proj`), so that a
+    merged layer loads them shard by shard (and a tensor-parallel rank its rows of each). A tensor of one row or
+    none (a per-tensor scale) goes to every part."""
+    key = f".{fused}."
+    for name, tensor in weights:
+        if key not in name:
+            yield name, tensor
+            continue
+        rows = tensor.shape[0] if len(tensor.shape) else 1
+        if rows > 1 and rows % len(parts):
+            raise ValueError(f"{name}: {rows} rows do not split into {len(parts)} equal parts ({', '.join(parts)})")
+        for i, part in enumerate(parts):
+            ours = name.replace(key, f".{part}.")
+            yield ours, tensor if rows == 1 else RowRange(tensor, i * rows // len(parts), rows // len(parts))

@@ -38,7 +38,7 @@ def qwen3_tp2(qwen3_path):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "minimax_m2", "minimax_m2_mqa", "gemma4_moe",
-                                  "gemma4_kv_shared"])
+                                  "gemma4_kv_shared", "glm4"])
 def test_tp2_matches_tp1(name, tp_checkpoint, tp1_tokens):
     eng = engine(tp_checkpoint(name), 2)
     try:

@@ -105,9 +105,17 @@ def _check_gpt_oss(model):
     assert block.experts.w13_bias.abs().min() > 0
 
 
+def _check_glm4(model):
+    layer = model.layers[0]
+    attn = layer.self_attn
+    assert attn.attn.rotary.interleaved and attn.attn.rotary.rot_dim == 8
+    assert attn.qkv_proj.bias is not None and getattr(attn.o_proj, "bias", None) is None
+    assert layer._out_norms == (layer.post_self_attn_layernorm, layer.post_mlp_layernorm)
+
+
 CHECKS = {"gpt_oss": _check_gpt_oss, "llama4": _check_llama4, "olmo2": _check_olmo2, "mistral4": _check_mistral4, "ministral3": _check_ministral3, "seed_oss": _check_seed_oss, "smollm3": _check_smollm3, "olmo3": _check_olmo3,
           "ernie4_5_moe": _check_ernie4_5_moe, "hunyuan_v1_moe": _check_hunyuan_v1_moe,
-          "minimax_m2": _check_minimax_m2}
+          "minimax_m2": _check_minimax_m2, "glm4": _check_glm4}
 # KV blocks of 4 tokens: the longest request fits alone (1 block table, or several where sliding layers group
 # apart), the four together do not
 KV_BLOCKS = {"olmo3": 40, "llama4": 64}

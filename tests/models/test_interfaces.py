@@ -54,7 +54,7 @@ def test_image_models_are_declared():
     qwen_vl = {"Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                "Qwen3_5MoeForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
-               "Glm46VForConditionalGeneration"}
+               "Glm4vForConditionalGeneration", "Glm46VForConditionalGeneration"}
     assert declared == {"PaliGemmaForConditionalGeneration", "LlavaNextForConditionalGeneration"} | qwen_vl
     schemes = {a for a in supported_architectures() if issubclass(get_model_class(a), HasPositionScheme)}
     assert schemes == qwen_vl

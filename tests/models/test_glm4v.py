@@ -1,18 +1,19 @@
-"""GLM-4.5V / 4.6V (`glm4v_moe`, and transformers' `glm46v` layout with the MoE text model: the GLM-4.xV tower on
-the GLM-4-MoE decoder with sectioned M-RoPE) against
-transformers on a tiny random checkpoint with transformers' own processor (CPU float32): prompt token ids and greedy
-tokens identical for 16 tokens on a text-only prompt, one image and two images of different sizes (one not square:
-the learned position grid sampled at another aspect ratio); the prompt's positions equal get_rope_index's; chunked
-prefill cutting through the images keeps the tokens; a video is refused by name."""
+"""GLM-4.xV: GLM-4.5V / 4.6V (`glm4v_moe`: the GLM-4.xV tower on the GLM-4-MoE decoder), GLM-4.1V / 4.6V-Flash
+(`glm4v`: the same tower on the dense GLM-4 decoder), and transformers' `glm46v` layout over either text model, all
+with sectioned M-RoPE, against transformers on a tiny random checkpoint with transformers' own processor (CPU
+float32): prompt token ids and greedy tokens identical for 16 tokens on a text-only prompt, one image and two
+images of different sizes (one not square: the learned position grid sampled at another aspect ratio); the prompt's
+positions equal get_rope_index's; chunked prefill cutting through the images keeps the tokens; a video is refused
+by name; a `glm46v` text model of another kind is refused by name."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.errors import InvalidRequest
+from kestrel.errors import ConfigError, InvalidRequest
 from tests.mm_reference import image_request, mrope_reference
-from tests.mm_tiny import glm4v_processor, make_glm4v_moe, make_image
+from tests.mm_tiny import GLM4V_KINDS, glm4v_processor, make_glm4v, make_image
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -22,9 +23,9 @@ PROMPTS = [("hello world, how are you", []), (f"{IMG}describe this", [0]),
 SIZES = [(120, 70), (60, 150), (100, 100)]  # (width, height): grids of 1x4x8, 1x10x4, 1x6x6 patches of 14
 
 
-@pytest.fixture(scope="module", params=["glm4v_moe", "glm46v"])
+@pytest.fixture(scope="module", params=list(GLM4V_KINDS))
 def path(request, tmp_path_factory):
-    return make_glm4v_moe(tmp_path_factory.mktemp(request.param), glm46v=request.param == "glm46v")
+    return make_glm4v(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,17 @@ def test_prefix_cache_hit_on_a_repeated_image(path, images, reference):
     assert again.num_cached_tokens >= len(reference[2][0]) - 4
     other = llm.generate([request(PROMPTS[2][0], [2, 1], images)], GREEDY)[0]
     assert other.num_cached_tokens < 8
+
+
+def test_glm46v_refuses_another_text_model():
+    import torch
+    from transformers import Glm46VConfig
+
+    from kestrel.models.context import ModelContext
+    from kestrel.models.glm4v import Glm46VForConditionalGeneration
+    from kestrel.models.hf_config import HFConfig
+
+    cfg = Glm46VConfig(text_config={"model_type": "glm4", "hidden_size": 64, "num_attention_heads": 2},
+                       vision_config={"model_type": "glm4v_vision", "out_hidden_size": 64})
+    with pytest.raises(ConfigError, match="'glm4' text model is not supported"):
+        Glm46VForConditionalGeneration(ModelContext(HFConfig.from_hf(cfg, 64), torch.float32, None))
