@@ -23,6 +23,7 @@ SIZES = {
     "seed_oss": dict(head_dim=64),
     "smollm3": dict(head_dim=64),
     "olmo3": dict(head_dim=64),
+    "glm4": dict(head_dim=64),  # sandwich norms, pair rotary on half of each head
     "ministral3": dict(head_dim=64),
     "ernie4_5_moe": dict(head_dim=64, moe_intermediate_size=128),
     "hunyuan_v1_moe": dict(head_dim=64, intermediate_size=128),
