@@ -3,7 +3,8 @@ and pinned host slots, both ways, by the Triton row copy (kestrel/kernels/triton
 by one cudaMemcpyAsync per run of consecutive rows (kv_host_tier.copy_runs, what it did before), beside one contiguous copy of the same
 bytes (the link's ceiling). GPU ms from events, host ms of the call (what the engine's loop pays), GB/s.
 
-    python -m benchmarks.kv_copy [--shapes qwen3-0.6b,llama-8b] [--blocks 384] [--json out.json]"""
+    python -m benchmarks.kv_copy [--shapes qwen3-0.6b,llama-8b] [--blocks 384] [--json out.json]
+    python -m benchmarks.kv_copy --sweep     # the kernel's words a program x warps, both ways (tuning)"""
 from __future__ import annotations
 
 import argparse
@@ -70,14 +71,36 @@ def measure(shape: str, blocks: int, reps: int) -> list[dict]:
     return rows
 
 
+def sweep(shape: str, blocks: int, reps: int) -> list[dict]:
+    """The row copy at each program size and warp count (the default is BLOCK words, 4 warps)."""
+    from kestrel.kernels.triton_ops.kv_rows import copy_rows_triton
+    layers, row = row_bytes(shape)
+    dev = [torch.randint(0, 255, (4 * blocks, row), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    host = [torch.zeros((8 * blocks, row), dtype=torch.uint8, pin_memory=True) for _ in range(layers)]
+    g = torch.Generator().manual_seed(0)
+    dev_ids = torch.randperm(4 * blocks, generator=g)[:blocks].cuda()
+    slot_ids = torch.randperm(8 * blocks, generator=g)[:blocks].cuda()
+    nbytes = layers * blocks * row
+    rows = []
+    for direction, args in (("save D2H", (host, slot_ids, dev, dev_ids)), ("load H2D", (dev, dev_ids, host, slot_ids))):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (2, 4, 8, 16):
+                gpu, _ = timed(lambda: copy_rows_triton(*args, block=block, num_warps=warps), reps)
+                rows.append(dict(shape=shape, direction=direction, words=block, warps=warps, gpu_ms=gpu,
+                                 GB_s=nbytes / gpu / 1e6))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen3-0.6b,llama-8b")
     p.add_argument("--blocks", type=int, default=384, help="blocks copied (384: a 6k-token prefix)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="the kernel's program size x warps instead")
     p.add_argument("--json")
     a = p.parse_args()
-    rows = [r for s in a.shapes.split(",") for r in measure(s, a.blocks, a.reps)]
+    run = sweep if a.sweep else measure
+    rows = [r for s in a.shapes.split(",") for r in run(s, a.blocks, a.reps)]
     print_table(f"KV tier copies, {torch.cuda.get_device_name()}", rows, digits=2)
     if a.json:
         with open(a.json, "w") as f:

@@ -219,6 +219,8 @@ STAGES = (
           (bench("multiturn", "--json", "{out}/multiturn.json", timeout=330, show=tail(14)),)),
     Stage("kvcopy", "core", "the host KV tier's block copies alone: Triton row copy vs per-run memcpy, both ways (53)",
           (bench("kv_copy", "--json", "{out}/kv_copy.json", timeout=120, show=tail(16)),)),
+    Stage("kvsweep", "core", "the host KV tier's row copy kernel: words a program x warps, both ways (tuning, 53)",
+          (bench("kv_copy", "--sweep", "--json", "{out}/kv_sweep.json", timeout=200, show=tail(70)),)),
     Stage("trace", "core", "where a qwen3-0.6b throughput run's time goes, per step (GPU and host)",
           (bench("step_trace", "--shape", "qwen3-0.6b", "--json", "{out}/trace.json", timeout=200, show=tail(14)),)),
     Stage("tracelat", "core", "the same for a batch-1 latency run",

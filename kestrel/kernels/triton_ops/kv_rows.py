@@ -30,14 +30,15 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_rows_triton(dst: list[torch.Tensor], dst_ids: torch.Tensor, src: list[torch.Tensor],
-                     src_ids: torch.Tensor) -> None:
+                     src_ids: torch.Tensor, block: int = BLOCK, num_warps: int = 4) -> None:
     """Rows src_ids of each src tensor (2-D, contiguous) into rows dst_ids of its dst tensor, on the current
     stream; `dst_ids` / `src_ids` int64 on the device that runs the kernel (the CUDA side's). Either side may be
-    pinned host memory."""
+    pinned host memory. `block` / `num_warps`: a program's words and warps (benchmarks/kv_copy.py sweeps them)."""
     n = dst_ids.numel()
     if n == 0:
         return
     for d, s in zip(dst, src):
         d, s = _words(d), _words(s)
         row = d.shape[1]
-        _copy_rows_kernel[(n, triton.cdiv(row, BLOCK))](d, dst_ids, s, src_ids, row, BLOCK=BLOCK)
+        _copy_rows_kernel[(n, triton.cdiv(row, block))](d, dst_ids, s, src_ids, row, BLOCK=block,
+                                                         num_warps=num_warps)
