@@ -38,7 +38,7 @@ def test_table_keeps_every_shell_stage_once():
     assert set(SHELL_STAGES) <= set(BY_NAME), set(SHELL_STAGES) - set(BY_NAME)
     wave = {"flood", "specd", "specng", "specpeer", "speceagle", "specall", "dsak", "dsae2e", "kdatests", "kdak", "tputkimi",
             "latkimi", "vllmkimi", "gdntests", "tputqwen36", "latqwen36", "profdsa", "dsaab", "cpuab", "multiturn", "awq8b", "vllmawq", "vllmqwen36", "tputoss", "latoss", "vllmoss", "tputgemma4",
-            "latgemma4", "vllmgemma4", "mmqvl"}
+            "latgemma4", "vllmgemma4", "mmqvl", "kvcopy", "kvsweep"}
     assert set(BY_NAME) - set(SHELL_STAGES) == {"gputests", "tputkv8", "servesbs"} | wave
 
 
