@@ -19,6 +19,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.frontend.glm_video import GlmVideoProcessor
+from tests.mm_reference import assert_matches_reference, reference_model, video_inputs, video_request
 from tests.mm_tiny import glm4v_processor, make_glm4v, make_image
 
 N = 16
@@ -49,27 +50,17 @@ def path(request, tmp_path_factory):
 
 
 def request(text, v, with_image):
-    frames, meta, _ = videos()[v]
-    data = {"video": (frames, meta) if meta else frames}
-    if with_image:
-        data["image"] = [make_image(120, 70, seed=10)]
-    return {"prompt": text, "multi_modal_data": data}
+    return video_request(text, *videos()[v][:2], with_image)
 
 
 @pytest.fixture(scope="module")
 def reference(path):
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = reference_model(path)
     proc = glm4v_processor(path, video=True)
     out = []
     for text, v, with_image in PROMPTS:
         frames, meta, sampled = videos()[v]
-        kw = {"video_metadata": [meta]} if meta else {}
-        images = [[make_image(120, 70, seed=10)]] if with_image else None
-        enc = proc(text=[text], videos=[frames], images=images, return_tensors="pt", do_sample_frames=not sampled,
-                   **kw)
-        enc.pop("video_metadata", None)
+        enc = video_inputs(proc, text, frames, meta, with_image, do_sample_frames=not sampled)
         grids = {k: enc[k] for k in ("image_grid_thw", "video_grid_thw") if k in enc}
         positions, delta = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"], **grids)
         if with_image:
@@ -105,14 +96,8 @@ def greedy_by_modality(model, enc, positions) -> list[int]:
 
 def test_video_greedy_prompt_and_positions_match_transformers(path, reference):
     llm = LLM(str(path), progress=False)
-    outs = llm.generate([request(*p) for p in PROMPTS], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [r[0] for r in reference]
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in reference]
+    assert_matches_reference(llm, [request(*p) for p in PROMPTS], reference, GREEDY)
     assert len({tuple(r[1]) for r in reference}) == len(reference)
-    for p, (_, _, positions, delta) in zip(PROMPTS, reference):
-        _, (req,) = llm.engine.input_processor.process("r", request(*p), GREEDY)
-        assert np.array_equal(req.extras.positions.array(), positions[:, 0].numpy())
-        assert req.extras.positions.delta == int(delta)
     tok = llm.engine.input_processor.mm.processor.tokenizer
     stamps = ["2.0 seconds", "1.0 seconds", "0.0 seconds"] if "glm46v" in str(path) else ["|>2<|", "|>1<|", "|>0<|"]
     assert all(s in tok.decode(reference[0][0]) for s in stamps)  # 6 frames (the last repeated): 3 groups
@@ -120,8 +105,7 @@ def test_video_greedy_prompt_and_positions_match_transformers(path, reference):
 
 def test_chunked_prefill_through_a_video(path, reference):
     llm = LLM(str(path), progress=False, max_num_batched_tokens=8, enable_prefix_caching=False)
-    outs = llm.generate([request(*p) for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in reference]
+    assert_matches_reference(llm, [request(*p) for p in PROMPTS], reference, GREEDY, chunked=True)
 
 
 @pytest.fixture(scope="module")
