@@ -1,10 +1,11 @@
-"""Video for GLM-4.xV (GLM-4.1V dense `glm4v`, GLM-4.5V `glm4v_moe`, the `glm46v` layout) against transformers on
-tiny random checkpoints, CPU float32: transformers' Glm4vProcessor / Glm46VProcessor expands the prompt (frame groups
-as image runs with their times, inside <|begin_of_video|> ... <|end_of_video|>) over kestrel's torchvision-free video
-processor (kestrel/frontend/glm_video.py); the engine gives the same prompt ids, get_rope_index's positions and the
-same greedy tokens for a 5-frame video sampled at 2 fps, PIL frames without metadata beside an image, and frames
-already sampled (a video_url's, with their indices); chunked prefill through a video keeps them. The frame sampling
-and the patch layout are checked against transformers' own functions (their resize needs torchvision)."""
+"""Video for GLM-4.xV (GLM-4.1V dense `glm4v`, GLM-4.5V `glm4v_moe`, the `glm46v` layout over either text model)
+against transformers on tiny random checkpoints, CPU float32: transformers' Glm4vProcessor / Glm46VProcessor expands
+the prompt (frame groups as image runs with their times, inside <|begin_of_video|> ... <|end_of_video|>) over
+kestrel's torchvision-free video processor (kestrel/frontend/glm_video.py); the engine gives the same prompt ids,
+get_rope_index's positions and the same greedy tokens for a 5-frame video sampled at 2 fps, PIL frames without
+metadata beside an image, and frames already sampled (a video_url's, with their indices); chunked prefill through a
+video keeps them. The frame sampling and the patch layout are checked against transformers' own functions (their
+resize needs torchvision)."""
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,7 @@ N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 VID = "<|begin_of_video|><|video|><|end_of_video|>"
 IMG = "<|begin_of_image|><|image|><|end_of_image|>"
-KINDS = ["glm4v", "glm4v_moe", "glm46v"]
+KINDS = ["glm4v", "glm4v_moe", "glm46v", "glm46v_dense"]
 
 
 def videos():
