@@ -302,16 +302,25 @@ def make_glm4v(root: Path, kind: str = "glm4v_moe", seed: int = 0, name: str | N
     model.save_pretrained(out)
     tok.save_pretrained(out)
     image_proc.save_pretrained(out)
+    # the video processor's settings (transformers' Glm4v/Glm46VVideoProcessor read them): small frames
+    video_cfg = {"video_processor_type": "Glm46VVideoProcessor" if text_type else "Glm4vVideoProcessor",
+                 "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 2 * 30}, "patch_size": 14,
+                 "temporal_patch_size": 2, "merge_size": 2, "fps": 2}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
     return out
 
 
-def glm4v_processor(path: Path):
-    """transformers' Glm4vProcessor over the checkpoint's tokenizer and image processor, without its video
-    processor (torchvision): its text expansion and outputs for image prompts."""
-    from transformers import AutoTokenizer, Glm4vProcessor
+def glm4v_processor(path: Path, video: bool = False):
+    """transformers' Glm4vProcessor (Glm46VProcessor for the `glm46v` layout) over the checkpoint's tokenizer and
+    image processor, without its video processor (torchvision): its text expansion and outputs for image prompts.
+    `video`: with kestrel's video processor (kestrel/frontend/glm_video.py) in its place, for transformers' text
+    expansion of video prompts."""
+    from transformers import AutoTokenizer, Glm4vProcessor, Glm46VProcessor
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    proc = Glm4vProcessor.__new__(Glm4vProcessor)
+    glm46v = json.loads((Path(path) / "config.json").read_text())["model_type"] == "glm46v"
+    cls = Glm46VProcessor if glm46v else Glm4vProcessor
+    proc = cls.__new__(cls)
     tok = AutoTokenizer.from_pretrained(path)
     proc.tokenizer, proc.image_processor = tok, Glm4vImageProcessorPil.from_pretrained(path)
     proc.chat_template = None
@@ -319,4 +328,8 @@ def glm4v_processor(path: Path):
     proc.image_token_id, proc.video_token_id = (tok.convert_tokens_to_ids(t) for t in ("<|image|>", "<|video|>"))
     proc.video_start_id, proc.video_end_id = (tok.convert_tokens_to_ids(t)
                                               for t in ("<|begin_of_video|>", "<|end_of_video|>"))
+    if video:
+        from kestrel.frontend.glm_video import GlmVideoProcessor
+
+        proc.video_processor = GlmVideoProcessor.from_pretrained(str(path), "glm46v" if glm46v else "glm4v")
     return proc

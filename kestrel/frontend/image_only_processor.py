@@ -16,6 +16,19 @@ from pathlib import Path
 from kestrel.errors import InvalidRequest
 
 
+# the config's special tokens a model class's video_replacements may write (by name, without "_token_id")
+TOKEN_NAMES = ("image", "video", "vision_start", "vision_end", "image_start", "image_end", "video_start", "video_end")
+
+
+def video_processor_class(style: str) -> type:
+    """The torchvision-free video processor of a model class's `video_style`."""
+    if style.startswith("glm"):
+        from kestrel.frontend.glm_video import GlmVideoProcessor
+        return GlmVideoProcessor
+    from kestrel.frontend.qwen_video import QwenVideoProcessor
+    return QwenVideoProcessor
+
+
 class ImageOnlyProcessor:
     def __init__(self, tokenizer, image_processor, image_token: str, count_tokens, why: str,
                  video_processor=None, expand_videos=None, video_token: str | None = None):
@@ -41,11 +54,9 @@ class ImageOnlyProcessor:
         style = getattr(model_cls, "video_style", None)
         if style is None:
             return cls(tokenizer, image_processor, tokenizer.convert_ids_to_tokens(image_token_id), count, why)
-        from kestrel.frontend.qwen_video import QwenVideoProcessor
-
-        video = QwenVideoProcessor.from_pretrained(path, style, **(image_kwargs or {}))
-        names = {k: tokenizer.convert_ids_to_tokens(getattr(hf_config, f"{k}_token_id"))
-                 for k in ("video", "vision_start", "vision_end")}
+        video = video_processor_class(style).from_pretrained(path, style, **(image_kwargs or {}))
+        names = {k: tokenizer.convert_ids_to_tokens(getattr(hf_config, f"{k}_token_id")) for k in TOKEN_NAMES
+                 if getattr(hf_config, f"{k}_token_id", None) is not None}
         return cls(tokenizer, image_processor, tokenizer.convert_ids_to_tokens(image_token_id), count, why, video,
                    lambda processed: model_cls.video_replacements(hf_config, processed, names), names["video"])
 

@@ -148,12 +148,14 @@ class MultiModalProcessor:
             raise InvalidRequest(f"the image processor rejected the request: {e}", param="multi_modal_data") from e
         ids = enc["input_ids"][0].tolist()
         features: list[MMFeature] = []
+        in_videos = self._video_placeholders(ids) if videos else []
         if images:
-            features = self._features(ids, enc, len(images))
+            skip = set(in_videos)
+            features = self._features(enc, len(images), [i for i, t in enumerate(ids)
+                                                          if t == self.image_token_id and i not in skip])
         if videos:
-            video_token = getattr(self.hf_config, "video_token_id")
             per_video = self.model_cls.split_videos(self.hf_config, enc)
-            features = sorted(features + self._features(ids, enc, len(per_video), per_video, video_token, "video"),
+            features = sorted(features + self._features(enc, len(per_video), in_videos, per_video, "video"),
                               key=lambda f: f.offset)
         bidir = 0
         if self.bidirectional_prefix and "token_type_ids" in enc:
@@ -162,17 +164,23 @@ class MultiModalProcessor:
             bidir = int(nonzero[0]) if len(nonzero) else len(ids)  # the prefix: token type 0 (image + prompt)
         return ids, RequestExtras(mm_features=features, bidirectional_len=bidir)
 
-    def _features(self, ids: list[int], enc, num_images: int, per_image: list | None = None,
-                  token_id: int | None = None, modality: str = "image") -> list[MMFeature]:
+    def _video_placeholders(self, ids: list[int]) -> list[int]:
+        """Where the videos' placeholders are: the model's `video_placeholders` (GLM-4.xV: image tokens inside
+        video spans), else the video token's positions."""
+        find = getattr(self.model_cls, "video_placeholders", None)
+        if find is not None:
+            return find(self.hf_config, ids)
+        return [i for i, t in enumerate(ids) if t == self.hf_config.video_token_id]
+
+    def _features(self, enc, num_images: int, positions: list[int], per_image: list | None = None,
+                  modality: str = "image") -> list[MMFeature]:
         """One feature per item of `per_image` (the model's split of the processor's outputs; its images by
-        default) on the runs of `token_id` (the image placeholder by default)."""
+        default) on the runs of placeholder `positions`, in order."""
         if per_image is None:
             per_image = self.model_cls.split_images(self.hf_config, enc)
         if len(per_image) != num_images:
             raise InvalidRequest(f"{num_images} images given, the processor produced {len(per_image)}",
                                  param="multi_modal_data")
-        token_id = self.image_token_id if token_id is None else token_id
-        positions = [i for i, t in enumerate(ids) if t == token_id]
         features, used = [], 0
         for k, data in enumerate(per_image):
             n = self.model_cls.num_image_tokens(self.hf_config, data)

@@ -41,10 +41,16 @@ class VideoMetadata:
     total_num_frames: int
     fps: float
     frames_indices: list[int] = field(default_factory=list)
+    duration: float | None = None  # seconds, where the metadata says (GLM-4.xV's sampling reads it)
 
     @property
     def sampled_fps(self) -> float:
         return len(self.frames_indices) / self.total_num_frames * self.fps
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Each kept frame's time in seconds (GLM-4.xV's prompt writes them)."""
+        return [i / self.fps for i in self.frames_indices]
 
 
 def as_frames(video) -> np.ndarray:
@@ -104,10 +110,13 @@ def smart_resize_video(frames: int, height: int, width: int, temporal: int, fact
 
 
 class QwenVideoProcessor:
+    styles = DEFAULTS
+
     def __init__(self, style: str, **settings):
         """`style`: "qwen2_vl" or "qwen3_vl" (resize rule, sampling, defaults); `settings` override the
         defaults (a checkpoint's video_preprocessor_config.json, --mm-processor-kwargs)."""
-        cfg = {**DEFAULTS[style], **{k: v for k, v in settings.items() if k in DEFAULTS[style]}}
+        defaults = self.styles[style]
+        cfg = {**defaults, **{k: v for k, v in settings.items() if k in defaults}}
         for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
             if style == "qwen2_vl" and settings.get(key) is not None:  # Qwen3VLVideoProcessor ignores them
                 cfg["size"] = {**cfg["size"], edge: settings[key]}
@@ -129,6 +138,14 @@ class QwenVideoProcessor:
             if not settings and (folder / name).exists():
                 settings = json.loads((folder / name).read_text())
         return cls(style, **{**settings, **overrides})
+
+    @staticmethod
+    def metadata(frames: np.ndarray, given: dict | None) -> VideoMetadata:
+        """A video's metadata from what the caller gave (None: 24 fps, the frames not sampled yet)."""
+        given = given or {}
+        return VideoMetadata(int(given.get("total_num_frames") or len(frames)),
+                             float(given.get("fps") or DEFAULT_VIDEO_FPS), list(given.get("frames_indices") or []),
+                             given.get("duration"))
 
     def sample(self, frames: np.ndarray, meta: VideoMetadata) -> tuple[np.ndarray, VideoMetadata]:
         """Qwen3-VL's sampling: `fps` frames per second of the source (at least min_frames, at most max_frames and
@@ -152,10 +169,10 @@ class QwenVideoProcessor:
         t, _, height, width = video.shape
         factor = self.patch_size * self.merge_size
         lo, hi = self.size["shortest_edge"], self.size["longest_edge"]
-        if self.style == "qwen3_vl":
-            h, w = smart_resize_video(t, height, width, self.temporal_patch_size, factor, lo, hi)
-        else:
+        if self.style == "qwen2_vl":
             h, w = smart_resize_frame(height, width, factor, lo, hi)
+        else:
+            h, w = smart_resize_video(t, height, width, self.temporal_patch_size, factor, lo, hi)
         out = F.interpolate(video.float(), size=[h, w], mode="bicubic", align_corners=False, antialias=True)
         return out.clamp_(0, 255).round_().to(torch.uint8)
 
@@ -177,10 +194,7 @@ class QwenVideoProcessor:
         pixels, grids, metas = [], [], []
         for i, video in enumerate(videos):
             frames = as_frames(video)
-            given = (video_metadata or [None] * len(videos))[i] or {}
-            meta = VideoMetadata(int(given.get("total_num_frames") or len(frames)),
-                                 float(given.get("fps") or DEFAULT_VIDEO_FPS), list(given.get("frames_indices") or []))
-            frames, meta = self.sample(frames, meta)
+            frames, meta = self.sample(frames, self.metadata(frames, (video_metadata or [None] * len(videos))[i]))
             x = self.resize(torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2))
             patches, grid = self.patchify((x.float() - mean) / std)
             pixels.append(patches)

@@ -2,7 +2,8 @@
 (kestrel/models/glm4v_moe.py) on the dense GLM-4 decoder (kestrel/models/glm4.py) with sectioned M-RoPE. Its text
 config (`glm4v_text`) has no bias flag: q/k/v always carry one; and the whole head rotates unless
 `partial_rotary_factor` says otherwise (the released configs: 0.5). transformers' `glm46v` layout is the same
-tower over either text model, by text_config's model type."""
+tower over either text model, by text_config's model type; its processor (Glm46VProcessor) samples video frames by
+duration and writes frame times as "{t:.1f} seconds"."""
 from kestrel.errors import ConfigError
 from kestrel.models.glm4 import Glm4ForCausalLM
 from kestrel.models.glm4v_moe import Glm4vMoeForConditionalGeneration
@@ -15,6 +16,7 @@ class Glm4vForConditionalGeneration(Glm4vMoeForConditionalGeneration):
 
 
 class Glm46VForConditionalGeneration(Glm4vMoeForConditionalGeneration):
+    video_style = "glm46v"
     text_models = {"glm4v_text": Glm4vForConditionalGeneration.text_model_cls,
                    "glm4v_moe_text": Glm4vMoeForConditionalGeneration.text_model_cls}
 
@@ -25,3 +27,7 @@ class Glm46VForConditionalGeneration(Glm4vMoeForConditionalGeneration):
                               f"{' or '.join(self.text_models)}")
         self.text_model_cls = self.text_models[kind]
         super().__init__(ctx, prefix)
+
+    @staticmethod
+    def frame_time(seconds: float) -> str:
+        return f"{seconds:.1f} seconds"

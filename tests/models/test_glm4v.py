@@ -3,15 +3,15 @@
 with sectioned M-RoPE, against transformers on a tiny random checkpoint with transformers' own processor (CPU
 float32): prompt token ids and greedy tokens identical for 16 tokens on a text-only prompt, one image and two
 images of different sizes (one not square: the learned position grid sampled at another aspect ratio); the prompt's
-positions equal get_rope_index's; chunked prefill cutting through the images keeps the tokens; a video is refused
-by name; a `glm46v` text model of another kind is refused by name."""
+positions equal get_rope_index's; chunked prefill cutting through the images keeps the tokens; a `glm46v` text
+model of another kind is refused by name. Videos: tests/models/test_glm4v_video.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kestrel import LLM, SamplingParams
-from kestrel.errors import ConfigError, InvalidRequest
+from kestrel.errors import ConfigError
 from tests.mm_reference import image_request, mrope_reference
 from tests.mm_tiny import GLM4V_KINDS, glm4v_processor, make_glm4v, make_image
 
@@ -51,9 +51,6 @@ def test_greedy_and_positions_match_transformers(path, images, reference):
         _, (req,) = llm.engine.input_processor.process("r", request(text, idx, images), GREEDY)
         assert np.array_equal(req.extras.positions.array(), ref[0][:, 0].numpy())
         assert req.extras.positions.delta == int(ref[1])
-    frames = np.zeros((4, 56, 56, 3), dtype=np.uint8)
-    with pytest.raises(InvalidRequest, match="does not take videos"):
-        llm.generate({"prompt": "x", "multi_modal_data": {"video": frames}}, GREEDY)
 
 
 def test_chunked_prefill_through_images(path, images, reference):

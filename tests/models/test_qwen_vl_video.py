@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
+from tests.mm_reference import assert_matches_reference, reference_model, video_inputs, video_request
 from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, qwen_vl_processor
 
 N = 16
@@ -41,26 +42,16 @@ def path(request, tmp_path_factory):
 
 
 def request(text, v, i):
-    frames, meta = videos()[v]
-    data = {"video": (frames, meta) if meta else frames}
-    if i is not None:
-        data["image"] = [make_image(120, 70, seed=10)]
-    return {"prompt": text, "multi_modal_data": data}
+    return video_request(text, *videos()[v], i is not None)
 
 
 @pytest.fixture(scope="module")
 def reference(path):
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = reference_model(path)
     proc = qwen_vl_processor(path, video=True)
     out = []
     for text, v, i in PROMPTS:
-        frames, meta = videos()[v]
-        kw = {"video_metadata": [meta]} if meta else {}
-        images = [[make_image(120, 70, seed=10)]] if i is not None else None
-        enc = proc(text=[text], videos=[frames], images=images, return_tensors="pt", **kw)
-        enc.pop("video_metadata", None)
+        enc = video_inputs(proc, text, *videos()[v], i is not None)
         seq = model.generate(**enc, max_new_tokens=N, do_sample=False)
         rope = {k: enc[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in enc}
         positions, delta = model.model.get_rope_index(enc["input_ids"], enc["mm_token_type_ids"], **rope)
@@ -70,14 +61,8 @@ def reference(path):
 
 def test_video_greedy_prompt_and_positions_match_transformers(path, reference):
     llm = LLM(str(path), progress=False)
-    outs = llm.generate([request(*p) for p in PROMPTS], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [r[0] for r in reference]
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in reference]
+    assert_matches_reference(llm, [request(*p) for p in PROMPTS], reference, GREEDY)
     assert reference[0][1] != reference[1][1]
-    for p, (_, _, positions, delta) in zip(PROMPTS, reference):
-        _, (req,) = llm.engine.input_processor.process("r", request(*p), GREEDY)
-        assert np.array_equal(req.extras.positions.array(), positions[:, 0].numpy())
-        assert req.extras.positions.delta == int(delta)
     if "qwen2_5" in str(path):  # one second per frame group: the time row steps by tokens_per_second (4)
         ids = torch.tensor(reference[0][0])
         times = reference[0][2][0, 0][ids == llm.engine.input_processor.mm.hf_config.video_token_id]
@@ -86,8 +71,7 @@ def test_video_greedy_prompt_and_positions_match_transformers(path, reference):
 
 def test_chunked_prefill_through_a_video(path, reference):
     llm = LLM(str(path), progress=False, max_num_batched_tokens=8, enable_prefix_caching=False)
-    outs = llm.generate([request(*p) for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == [r[1] for r in reference]
+    assert_matches_reference(llm, [request(*p) for p in PROMPTS], reference, GREEDY, chunked=True)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
