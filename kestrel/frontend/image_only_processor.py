@@ -54,7 +54,8 @@ class ImageOnlyProcessor:
         style = getattr(model_cls, "video_style", None)
         if style is None:
             return cls(tokenizer, image_processor, tokenizer.convert_ids_to_tokens(image_token_id), count, why)
-        video = video_processor_class(style).from_pretrained(path, style, **(image_kwargs or {}))
+        video = video_processor_class(style).from_pretrained(path, style, getattr(model_cls, "max_pixels", None),
+                                                             **(image_kwargs or {}))
         names = {k: tokenizer.convert_ids_to_tokens(getattr(hf_config, f"{k}_token_id")) for k in TOKEN_NAMES
                  if getattr(hf_config, f"{k}_token_id", None) is not None}
         return cls(tokenizer, image_processor, tokenizer.convert_ids_to_tokens(image_token_id), count, why, video,

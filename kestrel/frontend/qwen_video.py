@@ -112,9 +112,12 @@ def smart_resize_video(frames: int, height: int, width: int, temporal: int, fact
 class QwenVideoProcessor:
     styles = DEFAULTS
 
-    def __init__(self, style: str, **settings):
+    def __init__(self, style: str, frame_max_pixels: int | None = None, **settings):
         """`style`: "qwen2_vl" or "qwen3_vl" (resize rule, sampling, defaults); `settings` override the
-        defaults (a checkpoint's video_preprocessor_config.json, --mm-processor-kwargs)."""
+        defaults (a checkpoint's video_preprocessor_config.json, --mm-processor-kwargs). `frame_max_pixels`: no
+        frame larger (the model's largest image: what the memory profile holds room for; a budget over all frames
+        would give a short video larger frames, GLM-4.xV's up to twice that)."""
+        self.frame_max_pixels = frame_max_pixels
         defaults = self.styles[style]
         cfg = {**defaults, **{k: v for k, v in settings.items() if k in defaults}}
         for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
@@ -125,7 +128,8 @@ class QwenVideoProcessor:
         self.rescale_factor = settings.get("rescale_factor", 1 / 255)
 
     @classmethod
-    def from_pretrained(cls, path: str, style: str, **overrides) -> "QwenVideoProcessor":
+    def from_pretrained(cls, path: str, style: str, frame_max_pixels: int | None = None,
+                        **overrides) -> "QwenVideoProcessor":
         """The checkpoint's settings where transformers reads them, first found: processor_config.json's
         "video_processor", video_preprocessor_config.json, then preprocessor_config.json (the image processor's,
         as released Qwen2.5-VL checkpoints have only that)."""
@@ -137,7 +141,7 @@ class QwenVideoProcessor:
         for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
             if not settings and (folder / name).exists():
                 settings = json.loads((folder / name).read_text())
-        return cls(style, **{**settings, **overrides})
+        return cls(style, frame_max_pixels, **{**settings, **overrides})
 
     @staticmethod
     def metadata(frames: np.ndarray, given: dict | None) -> VideoMetadata:
@@ -173,6 +177,8 @@ class QwenVideoProcessor:
             h, w = smart_resize_frame(height, width, factor, lo, hi)
         else:
             h, w = smart_resize_video(t, height, width, self.temporal_patch_size, factor, lo, hi)
+        if self.frame_max_pixels and h * w > self.frame_max_pixels:
+            h, w = smart_resize_frame(height, width, factor, factor * factor, self.frame_max_pixels)
         out = F.interpolate(video.float(), size=[h, w], mode="bicubic", align_corners=False, antialias=True)
         return out.clamp_(0, 255).round_().to(torch.uint8)
 

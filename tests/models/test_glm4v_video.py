@@ -154,3 +154,17 @@ def test_patches_match_transformers_patchify():
     ours, our_grid = GlmVideoProcessor("glm4v").patchify(video)
     assert our_grid == grid == [3, 4, 6]
     assert torch.equal(ours, theirs[0])
+
+
+def test_no_video_frame_larger_than_the_largest_image():
+    """GLM's pixel budget covers all frames: two 3,200 x 3,200 frames would each get ~10.2M pixels, above the
+    largest image (28 x 28 x 15000 = 11.76M is GLM-4.xV's, here 1M): the memory profile holds room for that image
+    only, so a frame is held to it; without the cap the budget decides."""
+    frames = np.zeros((2, 3200, 3200, 3), dtype=np.uint8)
+    meta = [{"fps": 2.0, "total_num_frames": 2, "frames_indices": [0, 1]}]
+    capped = GlmVideoProcessor("glm4v", frame_max_pixels=1_000_000)([frames], meta)
+    t, h, w = capped["video_grid_thw"][0].tolist()
+    assert h * 14 * w * 14 <= 1_000_000 and abs(h / w - 1) < 0.1
+    free = GlmVideoProcessor("glm4v")([frames], meta)
+    t2, h2, w2 = free["video_grid_thw"][0].tolist()
+    assert h2 * 14 * w2 * 14 > 5_000_000
