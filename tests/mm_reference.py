@@ -30,6 +30,31 @@ def mrope_reference(path, proc, prompts: list[tuple[str, list[int]]], images: li
     return out
 
 
+def sized_images(sizes: list[tuple[int, int]]) -> list:
+    """The image tests' images: one per (width, height), each drawn from its own seed."""
+    from tests.mm_tiny import make_image
+
+    return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(sizes)]
+
+
+def assert_greedy_and_positions(llm, prompts: list[tuple[str, list[int]]], images: list, reference: list,
+                                params) -> None:
+    """Against mrope_reference's (ids, tokens, positions) per prompt: the engine's prompt ids and greedy tokens,
+    the images changing the outputs, and each prompt with images getting its M-RoPE positions and delta."""
+    import numpy as np
+
+    outs = llm.generate([image_request(t, i, images) for t, i in prompts], params)
+    assert [o.prompt_token_ids for o in outs] == [ids for ids, _, _ in reference]
+    assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference]
+    assert len({tuple(t) for _, t, _ in reference}) == len(reference)  # the images change the outputs
+    for (text, idx), (_, _, ref) in zip(prompts, reference):
+        if ref is None:  # text only
+            continue
+        _, (req,) = llm.engine.input_processor.process("r", image_request(text, idx, images), params)
+        assert np.array_equal(req.extras.positions.array(), ref[0][:, 0].numpy())
+        assert req.extras.positions.delta == int(ref[1])
+
+
 def video_request(text: str, frames, meta: dict | None, with_image: bool) -> dict:
     """The engine's prompt with one video (with its metadata where given) and, `with_image`, the video tests' image."""
     from tests.mm_tiny import make_image

@@ -7,13 +7,12 @@ positions equal get_rope_index's; chunked prefill cutting through the images kee
 model of another kind is refused by name. Videos: tests/models/test_glm4v_video.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import ConfigError
-from tests.mm_reference import image_request, mrope_reference
-from tests.mm_tiny import GLM4V_KINDS, glm4v_processor, make_glm4v, make_image
+from tests.mm_reference import assert_greedy_and_positions, image_request, mrope_reference, sized_images
+from tests.mm_tiny import GLM4V_KINDS, glm4v_processor, make_glm4v
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -30,7 +29,7 @@ def path(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images():
-    return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
+    return sized_images(SIZES)
 
 
 request = image_request
@@ -42,15 +41,7 @@ def reference(path, images):
 
 
 def test_greedy_and_positions_match_transformers(path, images, reference):
-    llm = LLM(str(path), progress=False)
-    outs = llm.generate([request(t, i, images) for t, i in PROMPTS], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [ids for ids, _, _ in reference]
-    assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference]
-    assert len({tuple(t) for _, t, _ in reference}) == len(reference)
-    for (text, idx), (_, _, ref) in zip(PROMPTS[1:], reference[1:]):
-        _, (req,) = llm.engine.input_processor.process("r", request(text, idx, images), GREEDY)
-        assert np.array_equal(req.extras.positions.array(), ref[0][:, 0].numpy())
-        assert req.extras.positions.delta == int(ref[1])
+    assert_greedy_and_positions(LLM(str(path), progress=False), PROMPTS, images, reference, GREEDY)
 
 
 def test_chunked_prefill_through_images(path, images, reference):

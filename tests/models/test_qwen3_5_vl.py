@@ -11,8 +11,8 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.worker.addons.images import ImageEncoderCache
-from tests.mm_reference import image_request, mrope_reference
-from tests.mm_tiny import make_image, make_qwen3_5_vl, qwen_vl_processor
+from tests.mm_reference import assert_greedy_and_positions, image_request, mrope_reference, sized_images
+from tests.mm_tiny import make_qwen3_5_vl, qwen_vl_processor
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -29,7 +29,7 @@ def path(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images():
-    return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
+    return sized_images(SIZES)
 
 
 request = image_request
@@ -42,16 +42,7 @@ def reference(path, images):
 
 
 def test_greedy_and_positions_match_transformers(path, images, reference):
-    llm = LLM(str(path), progress=False)
-    outs = llm.generate([request(t, i, images) for t, i in PROMPTS], GREEDY)
-    assert [o.prompt_token_ids for o in outs] == [ids for ids, _, _ in reference]
-    assert [o.outputs[0].token_ids for o in outs] == [toks for _, toks, _ in reference]
-    assert len({tuple(t) for _, t, _ in reference}) == len(reference)  # the images change the outputs
-    proc = llm.engine.input_processor
-    for (text, idx), (_, _, ref) in zip(PROMPTS[1:], reference[1:]):
-        _, (req,) = proc.process("r", request(text, idx, images), GREEDY)
-        assert np.array_equal(req.extras.positions.array(), ref[0][:, 0].numpy())
-        assert req.extras.positions.delta == int(ref[1])
+    assert_greedy_and_positions(LLM(str(path), progress=False), PROMPTS, images, reference, GREEDY)
 
 
 def test_chunked_prefill_through_images(path, images, reference):

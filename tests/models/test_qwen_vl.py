@@ -16,8 +16,8 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequest
 from kestrel.worker.addons.images import ImageEncoderCache
-from tests.mm_reference import image_request, mrope_reference
-from tests.mm_tiny import make_image, make_qwen2_5_vl, make_qwen3_vl, make_qwen3_vl_moe, qwen_vl_processor
+from tests.mm_reference import image_request, mrope_reference, sized_images
+from tests.mm_tiny import make_qwen2_5_vl, make_qwen3_vl, make_qwen3_vl_moe, qwen_vl_processor
 
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
@@ -40,7 +40,7 @@ def path(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images():
-    return [make_image(w, h, seed=10 + i) for i, (w, h) in enumerate(SIZES)]
+    return sized_images(SIZES)
 
 
 request = image_request
